@@ -1,0 +1,304 @@
+"""Asymmetric affine quantisation for KIVI KV caches.
+
+KIVI (Liu et al., 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for
+KV Cache") stores keys quantised *per channel* (groups run along the token
+axis, because key outliers live in a few fixed channels) and values quantised
+*per token* (groups run along the channel axis).  Both use asymmetric affine
+quantisation: for every group of ``group`` consecutive elements
+
+    zero  = min(group)
+    scale = max(SCALE_EPS, (max(group) - min(group)) / (q_max - q_min))
+    q     = clip(round((x - zero) / scale), q_min, q_max)
+    x_hat = scale * q + zero
+
+This module is the only place in the project that rounds.  Everything here is
+a pure function; cache bookkeeping lives elsewhere.
+
+The packed codes use MLX's own affine layout, so the triple
+``(packed, scale, zero)`` can be handed straight to ``mx.dequantize`` and
+``mx.quantized_matmul`` (MLX computes ``w = scale * q + bias``; our ``zero`` is
+that bias).  Facts verified against mlx 0.32.4:
+
+* ``bits`` in {2, 3, 4, 5, 6, 8} are accepted by MLX; we expose 2, 4 and 8,
+  i.e. 16, 8 and 4 codes per ``uint32`` word.
+* ``group_size`` must be 32, 64 or 128 (16 is rejected by ``mx.quantize``).
+* Codes are packed little-end first: element ``i`` of a word occupies bits
+  ``[i * bits, (i + 1) * bits)``; words run along the last axis.
+* Scales/biases have shape ``[..., N // group]``; the dequantised dtype follows
+  the scale dtype.  We always keep scale/zero in float32.
+* ``mx.quantized_matmul`` broadcasts batch dimensions of ``w`` (GQA works by
+  adding a singleton axis), and silently accepts *integer* ``x`` (the result
+  is float32).  :func:`quantised_matmul` guards against that.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+__all__ = [
+    "LEVELS",
+    "GROUP_SIZES",
+    "SCALE_EPS",
+    "quantise_affine",
+    "dequantise",
+    "unpack_codes",
+    "quantise_k",
+    "dequantise_k",
+    "quantise_v",
+    "dequantise_v",
+    "quantised_matmul",
+    "packed_nbytes",
+]
+
+#: (q_min, q_max) of the unsigned code range for every supported bit width.
+LEVELS: dict[int, tuple[int, int]] = {
+    8: (0, 255),
+    4: (0, 15),
+    2: (0, 3),
+}
+
+#: Group sizes accepted by MLX's quantised kernels.
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+
+#: Lower bound on the scale.  All arithmetic is float32, so a step of 1e-8 is
+#: representable and (x - zero) / scale stays finite for constant groups
+#: (giving q = 0, an exact reconstruction) and for fp16/bf16 groups whose
+#: range is ~1e-5 (whose natural step, ~4e-8 at 8 bits, stays above it).
+SCALE_EPS: float = 1e-8
+
+_WORD_BITS = 32
+
+
+def _check_bits(bits: int) -> tuple[int, int]:
+    if bits not in LEVELS:
+        raise ValueError(
+            f"unsupported bits={bits!r}; supported bit widths are {sorted(LEVELS)}"
+        )
+    return LEVELS[bits]
+
+
+def _check_group(group: int) -> None:
+    if group not in GROUP_SIZES:
+        raise ValueError(
+            f"unsupported group={group!r}; MLX quantised kernels accept group sizes "
+            f"{list(GROUP_SIZES)}"
+        )
+
+
+def _check_axis(n: int, group: int, what: str) -> None:
+    if n % group != 0:
+        raise ValueError(
+            f"{what} length {n} is not divisible by group={group}"
+        )
+
+
+def quantise_affine(
+    x: mx.array, bits: int, group: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """Quantise ``x`` in groups of ``group`` consecutive elements of its last axis.
+
+    Args:
+        x: Array of shape ``[..., N]`` (any float dtype; upcast to float32).
+        bits: Code width, one of ``LEVELS`` (8, 4, 2).
+        group: Group size, one of ``GROUP_SIZES`` (32, 64, 128); must divide N.
+
+    Returns:
+        ``(packed, scale, zero)`` where ``packed`` is uint32 of shape
+        ``[..., N * bits // 32]`` in MLX's layout and ``scale``/``zero`` are
+        float32 of shape ``[..., N // group]``.  ``mx.dequantize(packed, scale,
+        zero, group_size=group, bits=bits)`` reconstructs ``x`` to within half a
+        step (``scale / 2``) per element.
+
+    Raises:
+        ValueError: unsupported ``bits``/``group``, a 0-d input, or a last axis
+        not divisible by ``group``.
+    """
+    q_min, q_max = _check_bits(bits)
+    _check_group(group)
+    if x.ndim == 0:
+        raise ValueError("quantise_affine needs at least one axis to group along")
+    n = x.shape[-1]
+    _check_axis(n, group, "last-axis")
+
+    lead = tuple(x.shape[:-1])
+    xg = x.astype(mx.float32).reshape(*lead, n // group, group)
+    lo = mx.min(xg, axis=-1, keepdims=True)
+    hi = mx.max(xg, axis=-1, keepdims=True)
+    scale = mx.maximum((hi - lo) / float(q_max - q_min), SCALE_EPS)
+    q = mx.clip(mx.round((xg - lo) / scale), q_min, q_max)
+    codes = q.astype(mx.uint32).reshape(*lead, n)
+
+    per_word = _WORD_BITS // bits
+    words = codes.reshape(*lead, n // per_word, per_word)
+    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+    # Bit fields are disjoint, so the sum is a bitwise OR.
+    packed = mx.sum(words << shifts, axis=-1).astype(mx.uint32)
+    return packed, scale.squeeze(-1), lo.squeeze(-1)
+
+
+def unpack_codes(packed: mx.array, bits: int) -> mx.array:
+    """Return the integer codes (uint32, shape ``[..., W * 32 // bits]``) in ``packed``.
+
+    Reference inverse of the packing in :func:`quantise_affine`; used by tests and
+    diagnostics, not on the hot path.
+    """
+    _check_bits(bits)
+    per_word = _WORD_BITS // bits
+    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
+    mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
+    codes = (packed[..., None] >> shifts) & mask
+    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def dequantise(
+    packed: mx.array,
+    scale: mx.array,
+    zero: mx.array,
+    bits: int,
+    group: int,
+    dtype: mx.Dtype = mx.float32,
+) -> mx.array:
+    """Reconstruct ``scale * q + zero`` with shape ``[..., N]`` in ``dtype``.
+
+    Uses ``mx.dequantize`` (which tests check is identical to
+    ``unpack_codes * scale + zero``); arithmetic happens in the scale dtype
+    (float32) and only the result is cast to ``dtype``.
+    """
+    _check_bits(bits)
+    _check_group(group)
+    out = mx.dequantize(packed, scale, zero, group_size=group, bits=bits)
+    return out.astype(dtype) if out.dtype != dtype else out
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def quantise_k(
+    keys: mx.array, bits: int, group: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """KIVI key quantisation: per channel, groups of ``group`` tokens.
+
+    Args:
+        keys: ``[..., T, D]`` (typically ``[B, H, T, D]``), T a multiple of group.
+
+    Returns:
+        ``(packed, scale, zero)`` for the transposed keys ``K^T`` of shape
+        ``[..., D, T]``: ``packed`` is ``[..., D, T * bits // 32]`` and
+        ``scale``/``zero`` are ``[..., D, T // group]``.  Scores are
+        ``quantised_matmul(q, packed, scale, zero, bits=bits, group=group,
+        transpose=False)`` == ``q @ K^T``.  Because groups never straddle
+        ``group``-token blocks, quantising blocks separately and concatenating
+        along the last axis equals quantising the whole.
+    """
+    if keys.ndim < 2:
+        raise ValueError(f"keys must have shape [..., T, D], got {tuple(keys.shape)}")
+    _check_bits(bits)
+    _check_group(group)
+    _check_axis(keys.shape[-2], group, "key token (T)")
+    return quantise_affine(mx.swapaxes(keys, -1, -2), bits, group)
+
+
+def dequantise_k(
+    packed: mx.array,
+    scale: mx.array,
+    zero: mx.array,
+    bits: int,
+    group: int,
+    dtype: mx.Dtype = mx.float32,
+) -> mx.array:
+    """Inverse of :func:`quantise_k`: returns keys ``[..., T, D]``."""
+    return mx.swapaxes(dequantise(packed, scale, zero, bits, group, dtype), -1, -2)
+
+
+# ------------------------------------------------------------------------- values
+
+
+def quantise_v(
+    values: mx.array, bits: int, group: int
+) -> tuple[mx.array, mx.array, mx.array]:
+    """KIVI value quantisation: per token, groups of ``group`` channels.
+
+    Args:
+        values: ``[..., T, D]`` (typically ``[B, H, T, D]``), D a multiple of group.
+
+    Returns:
+        ``(packed, scale, zero)`` with ``packed`` ``[..., T, D * bits // 32]`` and
+        ``scale``/``zero`` ``[..., T, D // group]``.  Attention output is
+        ``quantised_matmul(p, packed, scale, zero, bits=bits, group=group,
+        transpose=False)`` == ``p @ V``.
+    """
+    if values.ndim < 2:
+        raise ValueError(
+            f"values must have shape [..., T, D], got {tuple(values.shape)}"
+        )
+    _check_bits(bits)
+    _check_group(group)
+    _check_axis(values.shape[-1], group, "value channel (D)")
+    return quantise_affine(values, bits, group)
+
+
+def dequantise_v(
+    packed: mx.array,
+    scale: mx.array,
+    zero: mx.array,
+    bits: int,
+    group: int,
+    dtype: mx.Dtype = mx.float32,
+) -> mx.array:
+    """Inverse of :func:`quantise_v`: returns values ``[..., T, D]``."""
+    return dequantise(packed, scale, zero, bits, group, dtype)
+
+
+# ------------------------------------------------------------------------- matmul
+
+
+def quantised_matmul(
+    x: mx.array,
+    packed: mx.array,
+    scale: mx.array,
+    zero: mx.array,
+    *,
+    bits: int,
+    group: int,
+    transpose: bool = False,
+) -> mx.array:
+    """``x @ W`` (``transpose=False``) or ``x @ W^T`` with W held as ``(packed, scale, zero)``.
+
+    Thin guard around ``mx.quantized_matmul``: MLX silently accepts integer
+    ``x`` (e.g. token ids passed by mistake) and returns float32, so non-float
+    inputs raise ``TypeError`` here.  Batch dims of ``packed`` broadcast
+    against ``x`` (insert a singleton axis for GQA).
+    """
+    if not mx.issubdtype(x.dtype, mx.floating):
+        raise TypeError(
+            f"quantised_matmul needs a floating-point input, got {x.dtype}"
+        )
+    _check_bits(bits)
+    _check_group(group)
+    return mx.quantized_matmul(
+        x, packed, scale, zero, transpose=transpose, group_size=group, bits=bits
+    )
+
+
+# -------------------------------------------------------------------------- sizes
+
+
+def packed_nbytes(shape: tuple[int, ...], bits: int, group: int) -> int:
+    """Bytes held by ``quantise_affine`` of a float array of ``shape`` (grouped on the last axis).
+
+    Packed codes take ``bits / 8`` bytes per element (int4: 1/2, int2: 1/4) and
+    each group adds one float32 scale and one float32 zero.  Equals the sum of
+    ``.nbytes`` of the three returned arrays.  The total depends only on the
+    element count, so pass the stored layout (``[..., D, T]`` for keys from
+    :func:`quantise_k`, ``[..., T, D]`` for values); the last axis must be a
+    multiple of ``group``.
+    """
+    _check_bits(bits)
+    _check_group(group)
+    if not shape:
+        raise ValueError("shape must have at least one axis")
+    n = 1
+    for s in shape:
+        n *= int(s)
+    _check_axis(int(shape[-1]), group, "last-axis")
+    return n * bits // 8 + 2 * 4 * (n // group)
