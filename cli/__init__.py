@@ -1,0 +1,1 @@
+"""posttrainllm's command line: one small typer module per command."""

@@ -1,0 +1,105 @@
+"""What every command shares: cache-policy options, error handling and the stderr console."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from pathlib import Path
+from typing import Annotated, Iterator, Optional
+
+import typer
+from rich.console import Console
+
+from tinygpt_mlx.config import KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.errors import PosttrainError
+
+err = Console(stderr=True, highlight=False)
+
+_C, _S = CacheConfig, SampleConfig
+ModelArg = Annotated[Optional[Path], typer.Argument(
+    help="A .tinygpt file or an mlx-lm / Hugging Face model directory (default: the shipped model).",
+    show_default=False)]
+KvQuantize = Annotated[Optional[str], typer.Option(
+    "--kv-quantize", help=f"KV precision: {'|'.join(KV_QUANTIZE_CHOICES)} (int* = KIVI: keys per channel, "
+    f"values per token). Default {field_default(_C, 'storage')}.", show_default=False)]
+KvKeys = Annotated[Optional[str], typer.Option(
+    "--kv-quantize-keys", help="Key precision, overriding --kv-quantize (e.g. int8).", show_default=False)]
+KvValues = Annotated[Optional[str], typer.Option(
+    "--kv-quantize-values", help="Value precision, overriding --kv-quantize (e.g. int4).", show_default=False)]
+KvGroup = Annotated[Optional[int], typer.Option(
+    "--kv-group-size", help=f"KIVI group size G (tokens per key block). Default {field_default(_C, 'group_size')}.",
+    show_default=False)]
+KvResidual = Annotated[Optional[int], typer.Option(
+    "--kv-residual", help=f"KIVI residual R: newest tokens kept exact (a multiple of G). "
+    f"Default {field_default(_C, 'residual')}.", show_default=False)]
+Sink = Annotated[Optional[int], typer.Option(
+    "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window).",
+    show_default=False)]
+Window = Annotated[Optional[int], typer.Option(
+    "--streaming-llm-window", help="StreamingLLM: keep the last M tokens; the cache stops growing at N + M.",
+    show_default=False)]
+RopeMode = Annotated[Optional[str], typer.Option(
+    "--streaming-llm-rope", help="StreamingLLM positions: shifted (cache slots, the paper) or absolute "
+    f"(original positions, like mlx-lm's RotatingKVCache). Default {field_default(_C, 'rope_mode')}.",
+    show_default=False)]
+HotBudget = Annotated[Optional[int], typer.Option(
+    "--kiv-hot-budget", help="Retrieval: exact hot window; older tokens go to a cold store and are fetched back.",
+    show_default=False)]
+KivTopP = Annotated[Optional[int], typer.Option(
+    "--kiv-top-p", help=f"Retrieval: cold tokens fetched per step. Default {field_default(_C, 'retrieve_tokens')}.",
+    show_default=False)]
+KivPage = Annotated[Optional[int], typer.Option(
+    "--kiv-page-size", help=f"Retrieval: tokens per cold page. Default {field_default(_C, 'page_size')}.",
+    show_default=False)]
+KivPages = Annotated[Optional[int], typer.Option(
+    "--kiv-top-pages", help=f"Retrieval: pages scored exactly per step. Default {field_default(_C, 'top_pages')}.",
+    show_default=False)]
+PrefillChunk = Annotated[Optional[int], typer.Option(
+    "--prefill-chunk", help=f"Prompt tokens per forward pass. Default {field_default(_S, 'prefill_chunk')}.",
+    show_default=False)]
+
+
+def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=None, group_size=None,
+                 residual=None, sink=None, window=None, rope_mode=None, hot_budget=None,
+                 retrieve_tokens=None, page_size=None, top_pages=None, **extra) -> CacheConfig:
+    """One CacheConfig from command-line values; a bad combination is a BadParameter."""
+    if sink is not None and window is None and hot_budget is None:
+        raise typer.BadParameter("--streaming-llm-sink needs --streaming-llm-window")
+    if rope_mode is not None and window is None:
+        raise typer.BadParameter("--streaming-llm-rope needs --streaming-llm-window")
+    try:
+        return CacheConfig.from_flags(
+            kv_quantize=kv_quantize, kv_quantize_keys=kv_quantize_keys, kv_quantize_values=kv_quantize_values,
+            group_size=group_size, residual=residual, sink=sink, window=window, rope_mode=rope_mode,
+            hot_budget=hot_budget, retrieve_tokens=retrieve_tokens, page_size=page_size,
+            top_pages=top_pages, **extra)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+@contextlib.contextmanager
+def guarded() -> Iterator[None]:
+    """Library errors become one red line on stderr and exit code 1; Ctrl-C says so."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except (PosttrainError, ValueError, TypeError, FileNotFoundError) as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]")
+        raise typer.Exit(130) from None
+
+
+def fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def write_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -1,0 +1,38 @@
+"""`posttrainllm info`: what a model file holds."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from tinygpt_mlx.loading import load
+
+from . import common as c
+
+
+def info(model: c.ModelArg = None,
+         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text.")) -> None:
+    """Show a model's config, parameter count, tokenizer and file size."""
+    with c.guarded():
+        loaded = load(model)
+        out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],
+               "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
+               "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],
+               "config": loaded.info["config"]}
+        if loaded.info.get("training"):
+            out["training"] = loaded.info["training"]
+        if as_json:
+            print(json.dumps(out, indent=2))
+            return
+        for k in ("path", "kind", "parameters", "context_length", "tokenizer", "vocab_size"):
+            print(f"{k:15} {out[k]}")
+        print(f"{'file size':15} {c.fmt_bytes(out['file_bytes'])}")
+        print("config")
+        for k, v in out["config"].items():
+            if not isinstance(v, (dict, list)):
+                print(f"  {k:22} {v}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("info")(info)

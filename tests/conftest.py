@@ -1,0 +1,91 @@
+"""Shared fixtures: a seeded tiny native TinyGPT and a tiny mlx-lm Llama, built in tmp dirs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word "
+    "was with the keeper of numbers 0123456789. Café, naïve, 東京 and emoji 🙂 round-trip. "
+) * 20
+
+
+def train_tokenizer(vocab_size: int = 320):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tokenizer_json() -> str:
+    return train_tokenizer().to_str()
+
+
+def build_native(path: Path, tokenizer_json: str, seed: int = 0, **overrides) -> Path:
+    from tinygpt_mlx import format as fmt
+    from tinygpt_mlx.config import ModelConfig
+    from tinygpt_mlx.model import Model
+
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    cfg = dict(vocab_size=len(vocab) + 1, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+               context_length=256)
+    cfg.update(overrides)
+    mx.random.seed(seed)
+    model = Model(ModelConfig(**cfg))
+    mx.eval(model.parameters())
+    return fmt.save(path, model, tokenizer_json)
+
+
+@pytest.fixture(scope="session")
+def native_path(tmp_path_factory, tokenizer_json) -> Path:
+    return build_native(tmp_path_factory.mktemp("native") / "tiny.tinygpt", tokenizer_json)
+
+
+@pytest.fixture(scope="session")
+def native(native_path):
+    from tinygpt_mlx.loading import load
+    return load(native_path)
+
+
+def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0) -> Path:
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
+              "vocab_size": len(vocab) + 1, "max_position_embeddings": 256, "rope_theta": 10000.0,
+              "tie_word_embeddings": True}
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    # random init is small; widen it so the tiny model's greedy paths are not all one token
+    params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+        "model_max_length": 256}))
+    return path
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory, tokenizer_json) -> Path:
+    return build_llama_dir(tmp_path_factory.mktemp("llama") / "tiny-llama", tokenizer_json)
+
+
+@pytest.fixture(scope="session")
+def llama(llama_dir):
+    from tinygpt_mlx.loading import load
+    return load(llama_dir)

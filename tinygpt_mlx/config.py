@@ -1,0 +1,245 @@
+"""Frozen configuration dataclasses: the one place where defaults live.
+
+`ModelConfig` describes the native TinyGPT, `CacheConfig` the KV-cache policy (precision x
+eviction x retrieval, composed in one object) and `SampleConfig` the decoding settings. Each
+validates itself in `__post_init__` and raises `ValueError` naming the bad value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+STORAGE_DTYPES = ("fp32", "fp16", "bf16")
+QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
+ROPE_MODES = ("shifted", "absolute")
+SUMMARY_KINDS = ("minmax", "mean")
+COLD_STORES = ("ram", "disk")
+
+
+def _positive(name: str, value: Any, minimum: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a native TinyGPT (decoder-only, RoPE, RMSNorm, GQA, gated MLP)."""
+
+    vocab_size: int
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    d_ff: int = 768
+    context_length: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    # YOCO-style sharing: layers above `n_layers // 2` reuse the K/V of layer n_layers // 2.
+    yoco: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+                     "context_length"):
+            _positive(name, getattr(self, name))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model {self.d_model} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not divisible by n_kv_heads {self.n_kv_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dimension must be even for RoPE")
+        if self.rope_theta <= 0 or self.norm_eps <= 0:
+            raise ValueError("rope_theta and norm_eps must be positive")
+        if self.yoco and self.n_layers < 2:
+            raise ValueError("yoco needs at least 2 layers")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_owner(self) -> list[int]:
+        """For each layer, the index of the layer whose K/V it attends to."""
+        if not self.yoco:
+            return list(range(self.n_layers))
+        mid = self.n_layers // 2
+        return [i if i <= mid else mid for i in range(self.n_layers)]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model config keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV-cache policy: storage precision x StreamingLLM eviction x tiered retrieval.
+
+    storage      precision of every exact segment (fp32, fp16, bf16)
+    key_bits     KIVI bits for keys (quantised per channel), None = exact
+    value_bits   KIVI bits for values (quantised per token), None = exact
+    group_size   KIVI group G: tokens per key block / channels per value group
+    residual     KIVI residual R: newest tokens kept exact
+    sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
+    rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"
+    hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
+    """
+
+    storage: str = "fp32"
+    key_bits: Optional[int] = None
+    value_bits: Optional[int] = None
+    group_size: int = 32
+    residual: int = 32
+    sink: int = 0
+    window: Optional[int] = None
+    rope_mode: str = "shifted"
+    hot_budget: Optional[int] = None
+    retrieve_tokens: int = 64
+    page_size: int = 32
+    top_pages: int = 8
+    summary: str = "minmax"
+    cold_store: str = "ram"
+    cold_bits: Optional[int] = None
+    cold_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.storage not in STORAGE_DTYPES:
+            raise ValueError(f"storage must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
+        for name in ("key_bits", "value_bits", "cold_bits"):
+            bits = getattr(self, name)
+            if bits is not None and bits not in QUANT_BITS.values():
+                raise ValueError(f"{name} must be 8, 4 or 2, got {bits!r}")
+        _positive("group_size", self.group_size)
+        _positive("residual", self.residual, 0)
+        if self.quantised and self.residual % self.group_size:
+            raise ValueError(f"residual {self.residual} must be a multiple of group_size {self.group_size}")
+        _positive("sink", self.sink, 0)
+        if self.window is not None:
+            _positive("window", self.window)
+        elif self.sink:
+            raise ValueError("a StreamingLLM sink needs a window (--streaming-llm-window)")
+        if self.rope_mode not in ROPE_MODES:
+            raise ValueError(f"rope_mode must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
+        if self.hot_budget is not None:
+            _positive("hot_budget", self.hot_budget)
+            if self.window is not None:
+                raise ValueError("retrieval (hot budget) and a StreamingLLM window cannot both be set")
+        for name in ("retrieve_tokens", "page_size", "top_pages"):
+            _positive(name, getattr(self, name))
+        if self.summary not in SUMMARY_KINDS:
+            raise ValueError(f"summary must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
+        if self.cold_store not in COLD_STORES:
+            raise ValueError(f"cold_store must be one of {', '.join(COLD_STORES)}, got {self.cold_store!r}")
+
+    @property
+    def quantised(self) -> bool:
+        return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def streaming(self) -> bool:
+        return self.window is not None
+
+    @property
+    def retrieval(self) -> bool:
+        return self.hot_budget is not None
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """Stored tokens the StreamingLLM policy allows per layer (None = unbounded)."""
+        return None if self.window is None else self.sink + self.window
+
+    @classmethod
+    def from_flags(cls, kv_quantize: Optional[str] = None, kv_quantize_keys: Optional[str] = None,
+                   kv_quantize_values: Optional[str] = None, **kwargs: Any) -> "CacheConfig":
+        """Build from CLI/HTTP style names; None means "use the default" for every field."""
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        choice = kv_quantize or "fp32"
+        if choice not in KV_QUANTIZE_CHOICES:
+            raise ValueError(f"kv-quantize must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
+        if choice in QUANT_BITS:
+            kwargs.setdefault("key_bits", QUANT_BITS[choice])
+            kwargs.setdefault("value_bits", QUANT_BITS[choice])
+        else:
+            kwargs.setdefault("storage", choice)
+        for name, flag in (("key_bits", kv_quantize_keys), ("value_bits", kv_quantize_values)):
+            if flag is None:
+                continue
+            if flag in QUANT_BITS:
+                kwargs[name] = QUANT_BITS[flag]
+            elif flag in STORAGE_DTYPES:
+                kwargs[name] = None
+            else:
+                raise ValueError(f"{name.replace('_bits', '')} precision must be one of "
+                                 f"{', '.join(KV_QUANTIZE_CHOICES)}, got {flag!r}")
+        return cls(**kwargs)
+
+    def describe(self) -> dict:
+        """The active settings, as shown in banners and JSON reports."""
+        d: dict[str, Any] = {"storage": self.storage}
+        if self.quantised:
+            d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
+                           "group_size": self.group_size, "residual": self.residual})
+        if self.streaming:
+            d.update(streaming_llm={"sink": self.sink, "window": self.window,
+                                    "rope_mode": self.rope_mode})
+        if self.retrieval:
+            d.update(retrieval={"hot_budget": self.hot_budget, "sink": self.sink,
+                                "retrieve_tokens": self.retrieve_tokens,
+                                "page_size": self.page_size, "top_pages": self.top_pages,
+                                "summary": self.summary, "cold_store": self.cold_store,
+                                "cold_bits": self.cold_bits})
+        return d
+
+    def label(self) -> str:
+        """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'."""
+        if self.quantised:
+            kb = f"int{self.key_bits}" if self.key_bits else self.storage
+            vb = f"int{self.value_bits}" if self.value_bits else self.storage
+            prec = kb if kb == vb else f"K {kb} / V {vb}"
+        else:
+            prec = self.storage
+        parts = [prec]
+        if self.streaming:
+            parts.append(f"StreamingLLM sink {self.sink} + window {self.window} ({self.rope_mode} RoPE)")
+        if self.retrieval:
+            parts.append(f"retrieval hot {self.hot_budget} + top {self.retrieve_tokens} tokens")
+        return " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Decoding settings. temperature 0 means greedy."""
+
+    max_tokens: int = 200
+    temperature: float = 0.8
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: Optional[int] = None
+    prefill_chunk: int = 512
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        _positive("max_tokens", self.max_tokens, 0)
+        if not (self.temperature >= 0):
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _positive("top_k", self.top_k, 0)
+        _positive("prefill_chunk", self.prefill_chunk)
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The dataclass default of a field, for help texts (one source of truth)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            return f.default
+    raise KeyError(name)

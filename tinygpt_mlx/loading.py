@@ -1,0 +1,84 @@
+"""`load(path)`: a native `.tinygpt` file or an mlx-lm / Hugging Face model directory, offline,
+returned as the same `LoadedModel` either way.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from .errors import ModelFormatError
+from .tokenizer import Tokenizer
+
+MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Tokenizer
+    kind: str                     # "tinygpt" or "mlx-lm"
+    path: Path
+    context_length: Optional[int]
+    info: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem if self.kind == "tinygpt" else self.path.name
+
+
+def default_model_path() -> Path:
+    """The shipped default model; a clear error when none is shipped."""
+    path = MODELS_DIR / DEFAULT_MODEL_NAME
+    if not path.exists():
+        raise ModelFormatError(f"no default model shipped yet ({path} is missing); pass MODEL explicitly")
+    return path
+
+
+def count_parameters(model: Any) -> int:
+    from mlx.utils import tree_flatten  # noqa: PLC0415
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def load(path: Union[str, Path, None] = None) -> LoadedModel:
+    """Load a model for sampling; `None` means the shipped default."""
+    path = Path(path) if path is not None else default_model_path()
+    if not path.exists():
+        raise ModelFormatError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _load_mlx_lm(path)
+    from . import format as tinygpt_format  # noqa: PLC0415
+    model, tok_json, extra = tinygpt_format.load(path)
+    try:
+        tokenizer = Tokenizer.from_json(tok_json)
+    except Exception as e:  # tokenizers raises plain Exception subclasses
+        raise ModelFormatError(f"{path}: invalid tokenizer ({str(e).splitlines()[0]})") from None
+    cfg = model.config
+    info = {"config": cfg.to_dict(), "parameters": count_parameters(model),
+            "file_bytes": path.stat().st_size, "training": extra}
+    return LoadedModel(model, tokenizer, "tinygpt", path, cfg.context_length, info)
+
+
+def _load_mlx_lm(path: Path) -> LoadedModel:
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelFormatError(f"{path}: not a model directory (no config.json)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelFormatError(f"{path}/config.json: invalid JSON ({e})") from None
+    if not list(path.glob("*.safetensors")):
+        raise ModelFormatError(f"{path}: no *.safetensors weights")
+    from mlx_lm.utils import load as mlx_load  # noqa: PLC0415
+    try:
+        model, wrapper = mlx_load(str(path))
+    except (FileNotFoundError, ValueError, KeyError, OSError) as e:
+        raise ModelFormatError(f"{path}: cannot load with mlx-lm ({str(e).splitlines()[0]})") from None
+    ctx = config.get("max_position_embeddings") or config.get("n_positions")
+    info = {"config": config, "parameters": count_parameters(model),
+            "model_type": config.get("model_type"),
+            "file_bytes": sum(p.stat().st_size for p in path.glob("*.safetensors"))}
+    return LoadedModel(model, Tokenizer(wrapper=wrapper), "mlx-lm", path, ctx, info)

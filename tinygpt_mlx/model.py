@@ -1,0 +1,131 @@
+"""TinyGPT: the native decoder-only transformer (RoPE, RMSNorm, grouped-query attention,
+gated SiLU MLP), written in mlx-lm's style so the two read alike.
+
+The model knows no tokenizer, no CLI and no cache policy: each attention layer applies RoPE at
+`cache.offset`, hands its keys and values to `cache.update_and_fetch`, and attends through
+`tinygpt_mlx.attention.scaled_dot_product_attention`, the same function installed into mlx-lm
+model modules. With `ModelConfig.yoco`, layers above the middle one hold no K/V of their own:
+they attend to the K/V computed once by the middle layer (YOCO, Sun et al. 2024).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import attention
+from .config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, owns_kv: bool = True):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.owns_kv = owns_kv
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * self.head_dim, bias=False)
+        if owns_kv:
+            self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+            self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.n_heads * self.head_dim, cfg.d_model, bias=False)
+        self.rope = nn.RoPE(self.head_dim, traditional=False, base=cfg.rope_theta)
+
+    def __call__(self, x: mx.array, mask: Any, cache: Any, offset: int,
+                 shared_kv: Optional[tuple] = None) -> tuple[mx.array, tuple]:
+        B, L, _ = x.shape
+        queries = self.q_proj(x).reshape(B, L, self.n_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=offset)
+        if shared_kv is None:
+            keys = self.k_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            values = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            keys = self.rope(keys, offset=offset)
+            if cache is not None:
+                keys, values = cache.update_and_fetch(keys, values)
+        else:
+            keys, values = shared_kv
+        out = attention.scaled_dot_product_attention(
+            queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
+        return self.o_proj(out), (keys, values)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, owns_kv: bool = True):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg, owns_kv)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def __call__(self, x, mask, cache, offset, shared_kv=None):
+        r, kv = self.attn(self.attn_norm(x), mask, cache, offset, shared_kv)
+        h = x + r
+        return h + self.mlp(self.mlp_norm(h)), kv
+
+
+def _mask(cache: Any, L: int) -> Any:
+    if cache is not None and hasattr(cache, "make_mask"):
+        return cache.make_mask(L)
+    return None if L == 1 else "causal"
+
+
+class Model(nn.Module):
+    """The native TinyGPT. `model(tokens, cache)` returns logits [B, L, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model_type = "tinygpt"
+        owner = cfg.kv_owner
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = [TransformerBlock(cfg, owns_kv=owner[i] == i) for i in range(cfg.n_layers)]
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+
+    @property
+    def kv_owner(self) -> list[int]:
+        return self.config.kv_owner
+
+    def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        h = self.embed(inputs)
+        L = inputs.shape[1]
+        owner = self.config.kv_owner
+        if cache is None:
+            cache = [None] * len(self.layers)
+        # All layers see the same positions: read the offset before any layer appends.
+        offset = cache[0].offset if cache[0] is not None else 0
+        mask = _mask(cache[0], L)
+        fetched: dict[int, tuple] = {}
+        for i, layer in enumerate(self.layers):
+            shared = fetched[owner[i]] if owner[i] != i else None
+            # A shared layer holds exactly its owner's tokens, so the owner's mask serves it too.
+            h, kv = layer(h, mask, cache[owner[i]], offset, shared)
+            fetched.setdefault(i, kv)
+        h = self.norm(h)
+        if self.config.tie_embeddings:
+            return self.embed.as_linear(h)
+        return self.lm_head(h)
+
+    def make_cache(self) -> list:
+        """Plain full-precision caches (mlx-lm's convention); `tinygpt_mlx.make_cache` gives policies."""
+        from .cache import KVCache
+        from .config import CacheConfig
+        return KVCache(self, CacheConfig()).layers
+
+    def num_parameters(self) -> int:
+        from mlx.utils import tree_flatten
+        return sum(v.size for _, v in tree_flatten(self.parameters()))
