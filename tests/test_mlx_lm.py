@@ -1,0 +1,96 @@
+"""Our caches on mlx-lm's own model code: same tokens as mlx-lm's caches, drop-in generate."""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.cache import KVCache as MlxKVCache
+from mlx_lm.models.cache import RotatingKVCache
+
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11]
+
+
+def greedy(model, cache, prompt, steps):
+    logits = model(mx.array([prompt]), cache=cache)[0, -1]
+    out = []
+    for _ in range(steps):
+        t = int(mx.argmax(logits).item())
+        out.append(t)
+        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+    return out
+
+
+def test_full_cache_matches_mlx_lm_kvcache(llama):
+    m = llama.model
+    ours = greedy(m, make_cache(m, CacheConfig()), PROMPT, 48)
+    theirs = greedy(m, [MlxKVCache() for _ in m.layers], PROMPT, 48)
+    assert ours == theirs
+    assert len(set(ours)) > 3  # the tiny model does not just repeat one token
+
+
+def test_absolute_streaming_matches_rotating_kvcache(llama):
+    m = llama.model
+    sink, window = 4, 12
+    ours = greedy(m, make_cache(m, CacheConfig(sink=sink, window=window, rope_mode="absolute")), PROMPT, 48)
+    theirs = greedy(m, [RotatingKVCache(max_size=sink + window, keep=sink) for _ in m.layers], PROMPT, 48)
+    assert ours == theirs
+
+
+def test_shifted_streaming_runs_and_bounds_memory(llama):
+    m = llama.model
+    cache = make_cache(m, CacheConfig(sink=4, window=12, rope_mode="shifted"))
+    out = greedy(m, cache, PROMPT, 40)
+    assert len(out) == 40 and cache.stored_count == 16 and cache.current_length == len(PROMPT) + 40
+    assert cache[0].offset == 15  # the next token's slot, inside the trained range
+
+
+def test_drop_in_prompt_cache_for_mlx_lm_generate(llama):
+    from mlx_lm.generate import generate
+
+    tok = llama.tokenizer._wrapper
+    kw = dict(prompt="The quick brown fox", max_tokens=16, verbose=False)
+    ours = generate(llama.model, tok, prompt_cache=make_cache(llama.model, CacheConfig()), **kw)
+    theirs = generate(llama.model, tok, **kw)
+    assert ours == theirs and len(ours) > 0
+
+
+def test_native_model_equals_mlx_lm_llama_with_mapped_weights(native):
+    """The native TinyGPT is a Llama: mapped across, mlx-lm's code gives the same logits."""
+    from mlx_lm.models import llama
+
+    cfg = native.model.config
+    args = llama.ModelArgs.from_dict({
+        "model_type": "llama", "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
+        "intermediate_size": cfg.d_ff, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "rms_norm_eps": cfg.norm_eps,
+        "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "tie_word_embeddings": True})
+    m = llama.Model(args)
+    rename = {"embed": "model.embed_tokens", "norm": "model.norm", "attn_norm": "input_layernorm",
+              "mlp_norm": "post_attention_layernorm", "attn": "self_attn"}
+    weights = []
+    for name, v in tree_flatten(native.model.parameters()):
+        parts = name.split(".")
+        parts = [rename.get(p, p) if i != 0 or p != "layers" else "model.layers" for i, p in enumerate(parts)]
+        weights.append((".".join(parts), v))
+    m.update(tree_unflatten(weights))
+    x = mx.array([PROMPT * 4])
+    assert mx.allclose(m(x), native.model(x), atol=1e-4).item()
+    assert greedy(m, make_cache(m, CacheConfig()), PROMPT, 24) == \
+        greedy(native.model, make_cache(native.model, CacheConfig()), PROMPT, 24)
+
+
+def test_sliding_window_layers_keep_their_own_cache():
+    from mlx_lm.models import gemma3_text
+
+    args = gemma3_text.ModelArgs.from_dict({
+        "model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+        "sliding_window": 8, "sliding_window_pattern": 2, "rms_norm_eps": 1e-6})
+    m = gemma3_text.Model(args)
+    cache = make_cache(m, CacheConfig())
+    kinds = [type(c).__name__ for c in cache]
+    assert "RotatingKVCache" in kinds and "LayerCache" in kinds
+    mx.eval(m(mx.array([list(range(20))]), cache=cache))
+    assert cache.current_length == 20
