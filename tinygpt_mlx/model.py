@@ -78,7 +78,8 @@ class TransformerBlock(nn.Module):
 
 def _mask(cache: Any, L: int) -> Any:
     if cache is not None and hasattr(cache, "make_mask"):
-        return cache.make_mask(L)
+        # keywords as mlx-lm's create_attention_mask passes them: its caches take no defaults
+        return cache.make_mask(L, return_array=False, window_size=None)
     return None if L == 1 else "causal"
 
 
