@@ -13,7 +13,7 @@ from rich.console import Console
 from tinygpt_mlx.config import KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.errors import PosttrainError
 
-err = Console(stderr=True, highlight=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 _C, _S = CacheConfig, SampleConfig
 ModelArg = Annotated[Optional[Path], typer.Argument(

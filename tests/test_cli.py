@@ -1,0 +1,98 @@
+"""The CLI through typer's CliRunner: banner/report on stderr, only text on stdout, clear errors."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_sample_streams_text_and_reports(native_path, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("sample", native_path, "--prompt", "The quick", "--tokens", 12, "--temperature", 0,
+            "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert "posttrainllm" in r.stderr and "cache policy: fp32" in r.stderr and "report" in r.stderr
+    assert "posttrainllm" not in r.stdout and "report" not in r.stdout
+    rep = json.loads(out.read_text())
+    for key in ("prompt_tokens", "generated_tokens", "current_length", "stored_count", "cache_bytes",
+                "prefill_tokens_per_s", "decode_tokens_per_s", "policy"):
+        assert key in rep
+    assert rep["generated_tokens"] == 12 and rep["current_length"] == rep["stored_count"]
+    assert rep["cache_bytes"] > 0 and rep["policy"]["storage"] == "fp32"
+
+
+def test_sample_is_deterministic_at_temperature_zero(native_path):
+    a = run("sample", native_path, "-p", "In the beginning", "-n", 10, "--temperature", 0)
+    b = run("sample", native_path, "-p", "In the beginning", "-n", 10, "--temperature", 0)
+    assert a.exit_code == 0 and a.stdout == b.stdout and a.stdout.strip()
+
+
+def test_sample_seeded_sampling_is_reproducible(native_path):
+    args = ("sample", native_path, "-p", "word", "-n", 10, "--temperature", 1.0, "--top-p", 0.9, "--seed", 7)
+    assert run(*args).stdout == run(*args).stdout
+
+
+def test_streaming_report_shows_cap(native_path, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("sample", native_path, "-p", "The quick brown fox", "-n", 40, "--temperature", 0,
+            "--streaming-llm-sink", 4, "--streaming-llm-window", 16, "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert "stored 20 (StreamingLLM cap)" in r.stderr.replace("\n", " ")
+    rep = json.loads(out.read_text())
+    assert rep["stored_count"] == 20 and rep["current_length"] > 20
+    assert rep["policy"]["streaming_llm"] == {"sink": 4, "window": 16, "rope_mode": "shifted"}
+
+
+def test_info(native_path):
+    r = run("info", native_path, "--json")
+    assert r.exit_code == 0
+    assert json.loads(r.stdout)["config"]["n_layers"] == 2
+
+
+def test_mlx_lm_directory(llama_dir):
+    r = run("sample", llama_dir, "-p", "The quick", "-n", 5, "--temperature", 0, "--kv-quantize", "bf16")
+    assert r.exit_code == 0, r.output
+    assert "mlx-lm" in r.stderr and "bf16" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-quantize", "int3"], "kv-quantize must be one of"),
+    (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
+    (["--streaming-llm-sink", "-1", "--streaming-llm-window", "8"], "sink must be"),
+    (["--streaming-llm-window", "0"], "window must be"),
+    (["--streaming-llm-window", "8", "--streaming-llm-rope", "sideways"], "rope_mode"),
+    (["--streaming-llm-rope", "absolute"], "needs --streaming-llm-window"),
+    (["--temperature", "-1"], "temperature"),
+    (["--top-p", "0"], "top_p"),
+    (["--tokens", "-5"], "max_tokens"),
+    (["--prefill-chunk", "0"], "prefill_chunk"),
+])
+def test_bad_flags_exit_nonzero_with_one_clear_line(native_path, args, message):
+    r = run("sample", native_path, "-p", "hi", *args)
+    assert r.exit_code != 0
+    assert message in r.output
+
+
+def test_bad_model_and_prompt_errors(native_path, tmp_path):
+    r = run("sample", tmp_path / "missing.tinygpt", "-p", "hi")
+    assert r.exit_code == 1 and "error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    junk = tmp_path / "junk.tinygpt"
+    junk.write_bytes(b"\x00" * 64)
+    r = run("sample", junk, "-p", "hi")
+    assert r.exit_code == 1 and "not a safetensors file" in r.stderr
+    long_prompt = "word " * 400  # the tiny model's context is 256
+    r = run("sample", native_path, "-p", long_prompt, "-n", 2)
+    assert r.exit_code == 1 and "context" in r.stderr
+    r = run("sample", native_path, "-p", long_prompt, "-n", 2, "--temperature", 0,
+            "--streaming-llm-sink", 4, "--streaming-llm-window", 64)
+    assert r.exit_code == 0, r.output
+    r = run("sample", native_path, "-p", "a", "--prompt-file", native_path)
+    assert r.exit_code != 0 and "not both" in r.output
