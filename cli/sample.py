@@ -37,7 +37,7 @@ def print_report(r: dict) -> None:
               f"({r['finish_reason']}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
     err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])} over {r['layers_with_kv']} layers"
-              f"{' (' + parts + ')' if parts else ''}; currentLength {r['current_length']}, {stored}")
+              f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
 
 
 def sample(

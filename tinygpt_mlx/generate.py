@@ -6,6 +6,8 @@ tokenizer, incremental detokenization, stop strings and the report. No printing 
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -52,8 +54,15 @@ class GenerationStats:
             "prefill_tokens_per_s": self.prefill_tokens_per_s,
             "decode_tokens_per_s": self.decode_tokens_per_s,
             "finish_reason": self.finish_reason,
+            "peak_rss_bytes": peak_rss_bytes(),
             "policy": c.config.describe() if c is not None else {},
         }
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory (ru_maxrss is KiB on Linux, bytes on macOS)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 def forward(model: Any, tokens: mx.array, cache: KVCache) -> mx.array:
