@@ -1,0 +1,42 @@
+"""Generation pieces: incremental detokenization, stop strings, sampler."""
+
+import mlx.core as mx
+
+from tinygpt_mlx.config import CacheConfig, SampleConfig
+from tinygpt_mlx.generate import stream_generate
+from tinygpt_mlx.sampling import make_sampler
+
+
+def test_detokenizer_never_splits_a_character(native):
+    tok = native.tokenizer
+    text = "Café 東京 🙂🙂 naïve"
+    ids = tok.encode(text)
+    assert len(ids) > len(text.split())  # multi-byte characters span several tokens
+    detok = tok.detokenizer()
+    pieces = [detok.add(t) for t in ids] + [detok.finalize()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_strings_are_never_emitted(native):
+    cfg = SampleConfig(max_tokens=40, temperature=0)
+    full = "".join(c.text for c in stream_generate(native, "The quick", CacheConfig(), cfg))
+    assert len(full) > 6
+    stop = full[3:6]
+    chunks = list(stream_generate(native, "The quick", CacheConfig(),
+                                  SampleConfig(max_tokens=40, temperature=0, stop=(stop,))))
+    text = "".join(c.text for c in chunks)
+    assert text == full[:full.index(stop)]
+    assert chunks[-1].done and chunks[-1].stats.finish_reason == "stop"
+
+
+def test_sampler_greedy_topk_topp():
+    logits = mx.array([[0.0, 5.0, 4.9, -3.0]])
+    assert make_sampler(0)(logits).item() == 1
+    draws = {make_sampler(1.0, top_k=2, seed=s)(logits).item() for s in range(40)}
+    assert draws == {1, 2}
+    draws = {make_sampler(1.0, top_p=0.5, seed=s)(logits).item() for s in range(40)}
+    assert draws == {1}
+    a = [make_sampler(1.0, seed=3)(logits).item() for _ in range(5)]
+    b = [make_sampler(1.0, seed=3)(logits).item() for _ in range(5)]
+    assert a == b
