@@ -17,6 +17,7 @@ KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
 ROPE_MODES = ("shifted", "absolute")
 SUMMARY_KINDS = ("minmax", "mean")
 COLD_STORES = ("ram", "disk")
+RETRIEVED_POSITIONS = ("fixed", "slots")
 
 
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
@@ -92,6 +93,11 @@ class CacheConfig:
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
+    retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
+                 the cold store (tinygpt_mlx/cache/retrieval.py, docs/retrieval.md)
+    retrieved_position  shifted retrieval: where retrieved tokens sit, "fixed" (all at one
+                 slot just before the hot window, InfLLM) or "slots" (in order, in
+                 `retrieve_tokens` slots before the hot window)
     """
 
     storage: str = "fp32"
@@ -110,6 +116,7 @@ class CacheConfig:
     cold_store: str = "ram"
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
+    retrieved_position: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
@@ -125,7 +132,7 @@ class CacheConfig:
         _positive("sink", self.sink, 0)
         if self.window is not None:
             _positive("window", self.window)
-        elif self.sink:
+        elif self.sink and self.hot_budget is None:
             raise ValueError("a StreamingLLM sink needs a window (--streaming-llm-window)")
         if self.rope_mode not in ROPE_MODES:
             raise ValueError(f"rope_mode must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
@@ -139,6 +146,11 @@ class CacheConfig:
             raise ValueError(f"summary must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
         if self.cold_store not in COLD_STORES:
             raise ValueError(f"cold_store must be one of {', '.join(COLD_STORES)}, got {self.cold_store!r}")
+        if self.retrieved_position not in RETRIEVED_POSITIONS:
+            raise ValueError(f"retrieved_position must be one of {', '.join(RETRIEVED_POSITIONS)}, "
+                             f"got {self.retrieved_position!r}")
+        if self.cold_bits is not None and self.cold_bits not in (8, 4):
+            raise ValueError(f"cold_bits must be 8 or 4, got {self.cold_bits!r}")
 
     @property
     def quantised(self) -> bool:
@@ -196,7 +208,8 @@ class CacheConfig:
                                 "retrieve_tokens": self.retrieve_tokens,
                                 "page_size": self.page_size, "top_pages": self.top_pages,
                                 "summary": self.summary, "cold_store": self.cold_store,
-                                "cold_bits": self.cold_bits})
+                                "cold_bits": self.cold_bits, "rope_mode": self.rope_mode,
+                                "retrieved_position": self.retrieved_position})
         return d
 
     def label(self) -> str:

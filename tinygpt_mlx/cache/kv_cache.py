@@ -36,7 +36,7 @@ class LayerCache:
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
         storage = DTYPES[config.storage]
         self.sink_store = DenseStore(storage)
-        self.body = make_body_store(config, storage)
+        self.body = make_body_store(config, storage, rope)
         self.cold = None       # set by the retrieval policy
         # True when our attention is installed in the model: update_and_fetch may then return
         # only the new tokens and `attend` reads the segments itself (packed / retrieved data).
@@ -47,7 +47,16 @@ class LayerCache:
     # ----- policy ---------------------------------------------------------------------------
     @property
     def shifted(self) -> bool:
-        return self.config.streaming and self.config.rope_mode == "shifted"
+        return (self.config.streaming or self.config.retrieval) and self.config.rope_mode == "shifted"
+
+    def _slot_gap(self, pending: int = 0) -> int:
+        """Shifted retrieval: cache slots reserved between the sink and the hot window for the
+        retrieved tokens (once anything is cold, or is about to be with `pending` tokens)."""
+        if self.cold is None or not self.shifted:
+            return 0
+        if len(self.cold) or (pending and self._pending_drop(pending)):
+            return self.cold.reserved_slots
+        return 0
 
     @property
     def needs_query(self) -> bool:
@@ -55,10 +64,12 @@ class LayerCache:
         return self.config.quantised or self.cold is not None
 
     def _recent_limit(self, pending: int) -> Optional[int]:
-        """Body tokens to keep so that the next `pending` tokens each see exactly `window`."""
-        if not self.config.streaming:
+        """Body tokens to keep so that the next `pending` tokens each see exactly `window`
+        (retrieval: the hot window `hot_budget` plays the window's part, also during prefill)."""
+        limit = self.config.window if self.config.streaming else self.config.hot_budget
+        if limit is None:
             return None
-        return self.config.window - 1 if pending else self.config.window
+        return limit - 1 if pending else limit
 
     def _pending_drop(self, pending: int) -> int:
         limit = self._recent_limit(pending)
@@ -85,7 +96,7 @@ class LayerCache:
     @property
     def offset(self) -> int:
         if self.shifted:
-            return self.stored_count - self._pending_drop(1)
+            return self.stored_count - self._pending_drop(1) + self._slot_gap(1)
         return self.seen
 
     @property
@@ -102,7 +113,7 @@ class LayerCache:
         if self.dtype is None:
             self.dtype = keys.dtype
         if self.shifted:
-            keys = self._unrotate(keys, self.stored_count)
+            keys = self._unrotate(keys, self.stored_count + self._slot_gap())
         n_sink = max(0, min(L, self.config.sink - len(self.sink_store)))
         if n_sink:
             self.sink_store.append(keys[..., :n_sink, :], values[..., :n_sink, :])
@@ -116,15 +127,14 @@ class LayerCache:
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position."""
-        parts = [s.fetch(self.dtype) for s in (self.sink_store, self.body) if len(s)]
+        parts = []
+        for store, slot in ((self.sink_store, 0), (self.body, len(self.sink_store) + self._slot_gap())):
+            if len(store):
+                k, v = store.fetch(self.dtype)
+                parts.append((self.rope(k, offset=slot) if self.shifted else k, v))
         if len(parts) == 1:
-            k, v = parts[0]
-        else:
-            k = mx.concatenate([p[0] for p in parts], axis=2)
-            v = mx.concatenate([p[1] for p in parts], axis=2)
-        if self.shifted:
-            k = self.rope(k, offset=0)
-        return k, v
+            return parts[0]
+        return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
 
     def _unrotate(self, keys: mx.array, first_slot: int) -> mx.array:
         """Undo the RoPE the model applied at slots first_slot.. (store keys pre-RoPE)."""
@@ -176,7 +186,10 @@ class LayerCache:
         (already scaled) and `output(p)` -> [B, Hkv, rep, L, D] for probabilities over its T.
         """
         if hasattr(self.body, "segments"):
-            segs = [DenseSegment(*self.sink_store.fetch(self.dtype))] if len(self.sink_store) else []
+            segs = []
+            if len(self.sink_store):
+                k, v = self.sink_store.fetch(self.dtype)
+                segs.append(DenseSegment(self.rope(k, offset=0) if self.shifted else k, v))
             return segs + self.body.segments(self)
         return [DenseSegment(*self.fetch())]
 
@@ -187,15 +200,15 @@ class LayerCache:
         `mx.quantized_matmul`. Computed in fp32 whatever the storage precision.
         """
         segs = self.segments()
-        if self.cold is not None:
-            segs = self.cold.retrieve(queries, scale, self) + segs
+        retrieved = self.cold.retrieve(queries, scale, self) if self.cold is not None else []
+        segs = retrieved + segs
         B, Hq, L, D = queries.shape
         hkv = segs[-1].n_heads
         q = (queries.astype(mx.float32) * scale).reshape(B, hkv, Hq // hkv, L, D)
         scores = [sg.scores(q) for sg in segs]
         sizes = [sc.shape[-1] for sc in scores]
         scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-        mask = _mask_array(mask, L, sum(sizes), self.cold is not None and sizes[0] or 0)
+        mask = _mask_array(mask, L, sum(sizes), sum(sizes[:len(retrieved)]))
         if mask is not None:
             scores = mx.where(mask, scores, -mx.inf)
         probs = mx.softmax(scores, axis=-1, precise=True)
@@ -275,14 +288,15 @@ def _mask_array(mask: Any, L: int, total: int, n_retrieved: int) -> Optional[mx.
     return mask
 
 
-def make_body_store(config: CacheConfig, storage: mx.Dtype):
-    """The body segment for a policy: exact, or KIVI-packed when bits are set."""
+def make_body_store(config: CacheConfig, storage: mx.Dtype, rope: Optional[Callable] = None):
+    """The body segment for a policy: exact, or KIVI-packed when bits are set (KIVI needs the
+    model's RoPE in shifted mode, where it rotates keys as it freezes them)."""
     if config.quantised:
         try:
             from .kivi import KiviStore  # noqa: PLC0415
         except ImportError:
             raise ValueError("KIVI quantisation (int8/int4/int2) is not available in this build yet") from None
-        return KiviStore(config, storage)
+        return KiviStore(config, storage, rope)
     return DenseStore(storage)
 
 

@@ -8,4 +8,5 @@ from ..config import CacheConfig
 def attach(layer_cache, config: CacheConfig, layer_index: int) -> None:
     """Give `layer_cache` a cold store when the policy asks for retrieval."""
     if config.retrieval:
-        raise ValueError("tiered retrieval (--kiv-hot-budget) is not available yet")
+        from .retrieval import attach_cold_store  # noqa: PLC0415
+        attach_cold_store(layer_cache, config, layer_index)

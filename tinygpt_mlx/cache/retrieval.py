@@ -1,0 +1,401 @@
+"""Tiered retrieval: the cold store that receives what the hot window evicts, and the
+coarse-to-fine search that brings the best-matching cold tokens back into attention.
+
+KIV (Babyhamsta/KIV) keeps a hot window of exact K/V, pages evicted tokens into a cold store,
+summarises each page by its mean key, and at every decode step scores the query against the
+summaries (coarse pass), scores the tokens of the best pages exactly (fine pass) and attends
+over the top-P tokens plus the hot window. This module does the same with the weak points
+fixed (../shared/REFERENCES.md):
+
+* Page summary: Quest's per-channel key min and max by default. Its page score
+  sum_i max(q_i * min_i, q_i * max_i) is an upper bound on q.k for every key in the page, so
+  a page holding a key that matches the query is never ranked below a page whose keys all
+  match it less; the mean key (KIV) dilutes a single needle token page_size-fold. Both are
+  available (`summary`), see tests/test_retrieval.py and docs/retrieval.md for recall.
+* Appends: tokens go into preallocated token-major arrays [capacity, B*Hkv, D] that double
+  when full (amortised O(page) per page, never a whole-store copy per page); the disk store
+  is a numpy memmap whose file grows in place (no copy at all). Summaries are kept in RAM
+  (1/page_size of the keys).
+* The partial last page has no summary yet: its tokens are always scored exactly, so a token
+  is retrievable from the step it leaves the hot window.
+* Retrieval runs for every forward pass, prefill chunks included (the chunk's queries pick
+  the tokens together: GQA groups and chunk queries are aggregated by the max score, which
+  keeps a token that any query of the group wants).
+* Positions (the `rope_mode` of the policy, "shifted" by default): keys are stored before
+  RoPE; the hot window sits at cache slots right after the sink and the reserved retrieval
+  slots, so query-key distances never exceed sink + reserved + hot_budget + prefill chunk,
+  whatever the context length. `retrieved_position="fixed"` (InfLLM) rotates every
+  retrieved key to ONE slot just before the hot window; "slots" gives them
+  `retrieve_tokens` consecutive slots in their original order (right-aligned, so when
+  everything is retrieved the distances equal the full cache's). With rope_mode "absolute"
+  keys keep their original rotation and queries their true position (the naive baseline,
+  outside the trained range once the context exceeds it). The fine pass ranks tokens by the
+  score they will really get: the query is rotated back by the slot the token will occupy.
+* Telemetry: every retrieval appends a record (pages, tokens, and when the positions of a
+  ground-truth needle are set with `set_truth`, whether its page and tokens were fetched).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import CacheConfig
+
+__all__ = ["ColdStore", "GrowingArray", "set_truth", "retrieval_report", "reset_telemetry"]
+
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # numpy has no bf16
+
+
+class GrowingArray:
+    """A token-major array [capacity, *shape] that doubles its capacity when full.
+
+    RAM: a numpy array; a growth copies the live part once (amortised O(1) per row).
+    Disk: a numpy memmap; a growth extends the file and maps it again (nothing is copied).
+    `array` is the same object between growths (tests check this).
+    """
+
+    def __init__(self, shape: tuple, dtype: Any, path: Optional[str] = None, initial: int = 256):
+        self.shape, self.dtype, self.path = tuple(shape), np.dtype(dtype), path
+        self.n = 0
+        self.growths = 0
+        self.array = self._allocate(initial, None)
+
+    def _allocate(self, capacity: int, old: Optional[np.ndarray]) -> np.ndarray:
+        if self.path is None:
+            new = np.empty((capacity,) + self.shape, self.dtype)
+            if old is not None and self.n:
+                new[: self.n] = old[: self.n]
+            return new
+        if old is not None:
+            old.flush()
+            del old
+        mode = "r+" if os.path.exists(self.path) else "w+"
+        return np.memmap(self.path, dtype=self.dtype, mode=mode, shape=(capacity,) + self.shape)
+
+    @property
+    def capacity(self) -> int:
+        return self.array.shape[0]
+
+    def append(self, rows: np.ndarray) -> None:
+        n = rows.shape[0]
+        if self.n + n > self.capacity:
+            cap = self.capacity
+            while cap < self.n + n:
+                cap *= 2
+            self.array = self._allocate(cap, self.array)
+            self.growths += 1
+        self.array[self.n: self.n + n] = rows
+        self.n += n
+
+    def view(self) -> np.ndarray:
+        return self.array[: self.n]
+
+    @property
+    def nbytes(self) -> int:
+        return self.n * int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+@dataclass
+class Telemetry:
+    """Per-retrieval records of one layer's cold store."""
+
+    records: list = field(default_factory=list)
+
+    def add(self, **rec) -> None:
+        self.records.append(rec)
+
+
+class _Int8Rows:
+    """Symmetric per-(token, head) int8/int4 codes of rows [n, G, D] (cold_bits)."""
+
+    def __init__(self, G: int, D: int, bits: int, path_codes: Optional[str], path_scale: Optional[str]):
+        self.qmax = 127 if bits == 8 else 7
+        self.codes = GrowingArray((G, D), np.int8, path_codes)
+        self.scale = GrowingArray((G, 1), np.float32, path_scale)
+
+    def append(self, rows: np.ndarray) -> None:
+        s = np.maximum(np.abs(rows).max(axis=-1, keepdims=True), 1e-12) / self.qmax
+        self.codes.append(np.clip(np.rint(rows / s), -self.qmax, self.qmax).astype(np.int8))
+        self.scale.append(s.astype(np.float32))
+
+    def gather(self, idx: np.ndarray, gi: np.ndarray) -> np.ndarray:
+        return self.codes.array[idx, gi].astype(np.float32) * self.scale.array[idx, gi]
+
+    @property
+    def nbytes(self) -> int:
+        # int4 codes are counted packed (two per byte) as a packed store would hold them
+        per = 0.5 if self.qmax == 7 else 1
+        return int(self.codes.nbytes * per) + self.scale.nbytes
+
+
+class ColdStore:
+    """One layer's cold store: pages of evicted tokens, summaries, and retrieval."""
+
+    def __init__(self, config: CacheConfig, layer_index: int = 0, rope: Any = None,
+                 shifted: bool = False, directory: Optional[str] = None):
+        self.config = config
+        self.layer_index = layer_index
+        self.rope = rope
+        self.shifted = shifted
+        self.page_size = config.page_size
+        self.top_pages = config.top_pages
+        self.retrieve_tokens = config.retrieve_tokens
+        self.summary = config.summary
+        self.bits = config.cold_bits
+        self.dtype = _NP_DTYPES[config.storage]
+        self.directory = directory  # a private directory for the disk store (removed on close)
+        self.n = 0
+        self.G: Optional[int] = None  # B * Hkv
+        self.B: Optional[int] = None
+        self.keys = self.values = None   # GrowingArray [n, G, D] or _Int8Rows
+        self.positions: Optional[GrowingArray] = None
+        self.smin = self.smax = self.smean = None  # GrowingArray [pages, G, D]
+        self.telemetry = Telemetry()
+        self.truth: Optional[np.ndarray] = None   # absolute positions of a known needle
+        self.step = 0
+
+    # ----- storage --------------------------------------------------------------------------
+    @property
+    def reserved_slots(self) -> int:
+        """Cache slots the retrieved tokens occupy before the hot window (shifted mode)."""
+        return 1 if self.config.retrieved_position == "fixed" else self.retrieve_tokens
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def n_pages(self) -> int:
+        return self.n // self.page_size
+
+    def _path(self, name: str) -> Optional[str]:
+        if self.directory is None:
+            return None
+        return os.path.join(self.directory, f"layer{self.layer_index}-{name}.bin")
+
+    def _init_arrays(self, B: int, H: int, Dk: int, Dv: int) -> None:
+        self.B, self.G = B, B * H
+        G = self.G
+        if self.bits is None:
+            self.keys = GrowingArray((G, Dk), self.dtype, self._path("keys"))
+            self.values = GrowingArray((G, Dv), self.dtype, self._path("values"))
+        else:
+            self.keys = _Int8Rows(G, Dk, self.bits, self._path("kcodes"), self._path("kscale"))
+            self.values = _Int8Rows(G, Dv, self.bits, self._path("vcodes"), self._path("vscale"))
+        self.positions = GrowingArray((), np.int64, None)
+        if self.summary == "minmax":
+            self.smin = GrowingArray((G, Dk), np.float32, None, initial=16)
+            self.smax = GrowingArray((G, Dk), np.float32, None, initial=16)
+        else:
+            self.smean = GrowingArray((G, Dk), np.float32, None, initial=16)
+        self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
+
+    def add(self, keys: mx.array, values: mx.array, start_position: int) -> None:
+        """Append evicted tokens [B, H, n, D] whose first has absolute position `start_position`."""
+        B, H, n, Dk = keys.shape
+        if n == 0:
+            return
+        if self.G is None:
+            self._init_arrays(B, H, Dk, values.shape[3])
+        k = np.asarray(keys.astype(mx.float32)).transpose(2, 0, 1, 3).reshape(n, B * H, Dk)
+        v = np.asarray(values.astype(mx.float32)).transpose(2, 0, 1, 3).reshape(n, B * H, -1)
+        self.keys.append(k.astype(self.dtype) if self.bits is None else k)
+        self.values.append(v.astype(self.dtype) if self.bits is None else v)
+        self.positions.append(np.arange(start_position, start_position + n, dtype=np.int64))
+        # summaries of the pages this append completes (from the exact keys, before rounding)
+        self._tail_keys.append(k)
+        done_before = self.n // self.page_size
+        self.n += n
+        done_after = self.n // self.page_size
+        if done_after > done_before:
+            tail = np.concatenate(self._tail_keys, axis=0)
+            full = (done_after - done_before) * self.page_size
+            pages = tail[:full].reshape(done_after - done_before, self.page_size, self.G, Dk)
+            if self.summary == "minmax":
+                self.smin.append(pages.min(axis=1))
+                self.smax.append(pages.max(axis=1))
+            else:
+                self.smean.append(pages.mean(axis=1))
+            self._tail_keys = [tail[full:]] if tail.shape[0] > full else []
+
+    def _gather(self, store: Any, idx: np.ndarray) -> np.ndarray:
+        gi = np.arange(self.G)[:, None]
+        if isinstance(store, GrowingArray):
+            return store.array[idx, gi].astype(np.float32)
+        return store.gather(idx, gi)
+
+    # ----- retrieval ------------------------------------------------------------------------
+    def _placement(self, layer_cache: Any) -> int:
+        """The cache slot the retrieved keys are scored at (shifted mode)."""
+        sink = len(layer_cache.sink_store)
+        if self.config.retrieved_position == "fixed":
+            return sink
+        return sink + self.retrieve_tokens - 1
+
+    def page_scores(self, q: np.ndarray) -> np.ndarray:
+        """Coarse pass: [G, J, D] queries x summaries -> [G, pages] (max over the J queries)."""
+        if self.summary == "minmax":
+            smax, smin = self.smax.view(), self.smin.view()  # [P, G, D]
+            ub = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), smax)
+                  + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), smin))
+        else:
+            ub = np.einsum("gjd,pgd->gjp", q, self.smean.view())
+        return ub.max(axis=1)
+
+    def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Coarse + fine pass for queries [G, J, D] (fp32, positioned as the keys will be).
+
+        Returns (cold indices [G, T] in position order, pages scored [G, k], tokens scored m).
+        """
+        P, ps = self.n_pages, self.page_size
+        if P > self.top_pages:
+            scores = self.page_scores(q)
+            k = self.top_pages
+            pages = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+        else:
+            pages = np.broadcast_to(np.arange(P), (self.G, P))
+        idx = (pages[:, :, None] * ps + np.arange(ps)).reshape(self.G, -1)
+        if self.n > P * ps:
+            tail = np.broadcast_to(np.arange(P * ps, self.n), (self.G, self.n - P * ps))
+            idx = np.concatenate([idx, tail], axis=1)
+        m = idx.shape[1]
+        T = min(self.retrieve_tokens, m)
+        if T < m:
+            kk = self._gather(self.keys, idx)                      # [G, m, D]
+            exact = np.einsum("gjd,gmd->gjm", q, kk).max(axis=1)   # [G, m]
+            pick = np.argpartition(-exact, T - 1, axis=1)[:, :T]
+            idx = np.take_along_axis(idx, pick, axis=1)
+        idx = np.sort(idx, axis=1)
+        return idx, pages, m
+
+    def retrieve(self, queries: mx.array, scale: float, layer_cache: Any) -> list:
+        """Attention segments of retrieved cold tokens for queries [B, Hq, L, D] (post-RoPE)."""
+        from .kv_cache import DenseSegment  # noqa: PLC0415 (cycle)
+
+        if self.n == 0:
+            return []
+        B, Hq, L, D = queries.shape
+        hkv = self.G // B
+        rep = Hq // hkv
+        q = queries.astype(mx.float32)
+        slot = self._placement(layer_cache) if self.shifted else 0
+        if self.shifted and slot:
+            # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
+            q = self._rotate(q, -slot)
+        qn = np.asarray(q).reshape(B, hkv, rep, L, D).reshape(self.G, rep * L, D)
+        idx, pages, m = self.select(qn)
+        T = idx.shape[1]
+        k = self._gather(self.keys, idx).reshape(B, hkv, T, -1)
+        v = self._gather(self.values, idx).reshape(B, hkv, T, -1)
+        k, v = mx.array(k), mx.array(v)
+        if self.shifted:
+            if self.config.retrieved_position == "fixed":
+                k = self._rotate(k, slot)
+            else:
+                k = self.rope(k, offset=slot - T + 1)
+        self._record(L, idx, pages, m)
+        return [DenseSegment(k, v)]
+
+    def _rotate(self, x: mx.array, position: int) -> mx.array:
+        """Every row of x [..., D] rotated by RoPE to one `position` (negative undoes)."""
+        shape = x.shape
+        flat = x.reshape(-1, 1, shape[-1])
+        return self.rope(flat, offset=position).reshape(shape)
+
+    # ----- telemetry ------------------------------------------------------------------------
+    def _record(self, L: int, idx: np.ndarray, pages: np.ndarray, m: int) -> None:
+        rec = dict(step=self.step, layer=self.layer_index, queries=L, cold_tokens=self.n,
+                   cold_pages=self.n_pages, pages_selected=int(pages.shape[1]),
+                   tokens_scored=int(m), tokens_retrieved=int(idx.shape[1]))
+        self.step += 1
+        if self.truth is not None:
+            pos = self.positions.view()
+            where = np.searchsorted(pos, self.truth)
+            ok = (where < self.n) & (pos[np.minimum(where, self.n - 1)] == self.truth)
+            cold_idx = where[ok]
+            if cold_idx.size:
+                ps = self.page_size
+                in_tail = cold_idx >= self.n_pages * ps
+                page_hit = np.array([[t or (c // ps) in set(pg.tolist()) for c, t in zip(cold_idx, in_tail)]
+                                     for pg in pages])
+                tok_hit = np.array([np.isin(cold_idx, row) for row in idx])
+                rec.update(needle_tokens=int(cold_idx.size), page_recall=float(page_hit.mean()),
+                           token_recall=float(tok_hit.mean()),
+                           token_any=float(tok_hit.any(axis=1).mean()))
+        self.telemetry.add(**rec)
+
+    # ----- accounting -----------------------------------------------------------------------
+    def nbytes_breakdown(self) -> dict[str, int]:
+        if self.G is None:
+            return {"cold": 0}
+        summ = self.smin.nbytes + self.smax.nbytes if self.summary == "minmax" else self.smean.nbytes
+        where = "cold_disk" if self.directory is not None else "cold"
+        return {where: self.keys.nbytes + self.values.nbytes, "cold_summary": summ}
+
+    def close(self) -> None:
+        """Drop the arrays (and the disk store's files)."""
+        self.keys = self.values = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -> ColdStore:
+    """Create a layer's cold store (RAM, or a memmap in a private temp dir / under cold_path)."""
+    directory = None
+    if config.cold_store == "disk":
+        base = config.cold_path
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        directory = tempfile.mkdtemp(prefix=f"posttrainllm-cold-l{layer_index}-", dir=base)
+    store = ColdStore(config, layer_index, rope=layer_cache.rope, shifted=layer_cache.shifted,
+                      directory=directory)
+    if directory is not None:
+        weakref.finalize(store, shutil.rmtree, directory, True)
+    layer_cache.cold = store
+    return store
+
+
+def _cold_stores(cache: Iterable) -> list[ColdStore]:
+    owned = getattr(cache, "owned", cache)
+    return [c.cold for c in owned if getattr(c, "cold", None) is not None]
+
+
+def set_truth(cache: Iterable, positions: Optional[Iterable[int]]) -> None:
+    """Tell every cold store the absolute positions of a ground-truth needle (telemetry)."""
+    arr = None if positions is None else np.asarray(sorted(positions), dtype=np.int64)
+    for s in _cold_stores(cache):
+        s.truth = arr
+
+
+def reset_telemetry(cache: Iterable) -> None:
+    for s in _cold_stores(cache):
+        s.telemetry = Telemetry()
+
+
+def retrieval_report(cache: Iterable, last_steps: Optional[int] = None) -> dict:
+    """Telemetry summed over layers: retrievals, mean pages/tokens retrieved, and where a
+    needle is known the page recall and token recall (mean over heads, layers and steps)."""
+    recs = []
+    for s in _cold_stores(cache):
+        r = s.telemetry.records
+        recs.extend(r[-last_steps:] if last_steps else r)
+    if not recs:
+        return {"retrievals": 0}
+    out = {"retrievals": len(recs),
+           "cold_tokens": max(r["cold_tokens"] for r in recs),
+           "pages_selected": float(np.mean([r["pages_selected"] for r in recs])),
+           "tokens_scored": float(np.mean([r["tokens_scored"] for r in recs])),
+           "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs]))}
+    hits = [r for r in recs if "page_recall" in r]
+    if hits:
+        out.update(page_recall=float(np.mean([r["page_recall"] for r in hits])),
+                   token_recall=float(np.mean([r["token_recall"] for r in hits])),
+                   token_any=float(np.mean([r["token_any"] for r in hits])))
+    return out
