@@ -54,6 +54,21 @@ KivPage = Annotated[Optional[int], typer.Option(
 KivPages = Annotated[Optional[int], typer.Option(
     "--kiv-top-pages", help=f"Retrieval: pages scored exactly per step. Default {field_default(_C, 'top_pages')}.",
     show_default=False)]
+KivSummary = Annotated[Optional[str], typer.Option(
+    "--kiv-summary", help=f"Retrieval: page summary, minmax (Quest's per-channel key bounds) or mean (KIV). "
+    f"Default {field_default(_C, 'summary')}.", show_default=False)]
+KivColdStore = Annotated[Optional[str], typer.Option(
+    "--kiv-cold-store", help=f"Retrieval: cold store in ram or on disk (memory-mapped). "
+    f"Default {field_default(_C, 'cold_store')}.", show_default=False)]
+KivColdPath = Annotated[Optional[str], typer.Option(
+    "--kiv-cold-path", help="Retrieval: directory for the disk cold store (default: a temp dir).",
+    show_default=False)]
+KivColdBits = Annotated[Optional[int], typer.Option(
+    "--kiv-cold-bits", help="Retrieval: quantise the cold store to 8 or 4 bits (default exact).",
+    show_default=False)]
+KivPositions = Annotated[Optional[str], typer.Option(
+    "--kiv-positions", help=f"Retrieval: RoPE slot of retrieved tokens, fixed (one slot before the hot window, "
+    f"InfLLM) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
 PrefillChunk = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per forward pass. Default {field_default(_S, 'prefill_chunk')}.",
     show_default=False)]
@@ -65,7 +80,7 @@ def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=Non
     """One CacheConfig from command-line values; a bad combination is a BadParameter."""
     if sink is not None and window is None and hot_budget is None:
         raise typer.BadParameter("--streaming-llm-sink needs --streaming-llm-window")
-    if rope_mode is not None and window is None:
+    if rope_mode is not None and window is None and hot_budget is None:
         raise typer.BadParameter("--streaming-llm-rope needs --streaming-llm-window")
     try:
         return CacheConfig.from_flags(

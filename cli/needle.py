@@ -1,0 +1,129 @@
+"""`posttrainllm needle`: needle-in-a-haystack grid for full cache, StreamingLLM and retrieval."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tinygpt_mlx.evaluate import needle as nd
+from tinygpt_mlx.loading import load
+
+from . import common as c
+from .common import err
+
+
+def _list(text: str, name: str, kind=int) -> list:
+    try:
+        values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be a comma list, got {text!r}") from None
+    if not values:
+        raise typer.BadParameter(f"{name} is empty")
+    return values
+
+
+def print_table(result: dict) -> None:
+    policies = list(result["policies"])
+    table = Table(title=f"needle grid: passed / seeds ({result['seeds']} seeds, greedy answer match)")
+    table.add_column("context", justify="right")
+    table.add_column("depth", justify="right")
+    for p in policies:
+        table.add_column(p, justify="center")
+    for ctx in result["contexts"]:
+        for d in result["depths"]:
+            row = [str(ctx), f"{d:g}"]
+            for p in policies:
+                got = [x["passed"] for x in result["cells"]
+                       if x["policy"] == p and x["context"] == ctx and x["depth"] == d]
+                if not got:
+                    row.append("[dim]-[/dim]")
+                else:
+                    colour = "green" if all(got) else ("red" if not any(got) else "yellow")
+                    row.append(f"[{colour}]{sum(got)}/{len(got)}[/{colour}]")
+            table.add_row(*row)
+        table.add_section()
+    total = ["all", ""]
+    for p in policies:
+        s = result["summary"][p]
+        total.append("-" if not s["cells"] else f"{s['passed']}/{s['cells']} ({s['pass_rate']:.0%})")
+    table.add_row(*total)
+    Console().print(table)
+
+
+def needle(
+    model: c.ModelArg = None,
+    contexts: Annotated[str, typer.Option("--contexts", help="Comma list of prompt lengths in tokens.")] = "1024,2048",
+    depths: Annotated[str, typer.Option("--depths", help="Comma list of needle depths in [0, 1].")]
+    = "0.1,0.3,0.5,0.7,0.9",
+    seeds: Annotated[int, typer.Option("--seeds", help="Documents per (context, depth).")] = 3,
+    policies: Annotated[str, typer.Option(
+        "--policies", help="Comma list of: full (where it fits), streaming (sink + hot budget as window), "
+        "retrieval.")] = "full,streaming,retrieval",
+    digits: Annotated[int, typer.Option("--digits", help="Digits of the pass key.")] = 5,
+    filler: Annotated[Optional[Path], typer.Option(
+        "--filler", help="Haystack text (default data/heldout.txt).", exists=True, dir_okay=False)] = None,
+    prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward pass.")] = 128,
+    kv_quantize: c.KvQuantize = None,
+    streaming_llm_sink: c.Sink = None,
+    streaming_llm_rope: c.RopeMode = None,
+    kiv_hot_budget: c.HotBudget = 256,
+    kiv_top_p: c.KivTopP = None,
+    kiv_page_size: c.KivPage = None,
+    kiv_top_pages: c.KivPages = None,
+    kiv_summary: c.KivSummary = None,
+    kiv_cold_store: c.KivColdStore = None,
+    kiv_cold_path: c.KivColdPath = None,
+    kiv_cold_bits: c.KivColdBits = None,
+    kiv_positions: c.KivPositions = None,
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
+                                                      dir_okay=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
+                                                 dir_okay=False)] = None,
+) -> None:
+    """Needle-in-a-haystack pass/fail grid per policy, context, depth and seed."""
+    ctx_list = _list(contexts, "--contexts")
+    depth_list = _list(depths, "--depths", float)
+    if min(ctx_list) < 16:
+        raise typer.BadParameter("--contexts must be at least 16 tokens")
+    if any(not 0 <= d <= 1 for d in depth_list):
+        raise typer.BadParameter("--depths must lie in [0, 1]")
+    if seeds < 1 or digits < 1 or prefill_chunk < 1:
+        raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    cfg = c.cache_config(kv_quantize=kv_quantize, sink=streaming_llm_sink, rope_mode=streaming_llm_rope,
+                         hot_budget=kiv_hot_budget, retrieve_tokens=kiv_top_p, page_size=kiv_page_size,
+                         top_pages=kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
+                         cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
+    with c.guarded():
+        nd.policy_configs(cfg, names)  # validate the names before loading anything
+        loaded = load(model)
+        text = (filler or nd.DEFAULT_FILLER).read_text(encoding="utf-8")
+        err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
+                  f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk}")
+
+        def progress(cell: dict) -> None:
+            mark = "[green]pass[/green]" if cell["passed"] else "[red]fail[/red]"
+            tel = cell.get("telemetry", {})
+            rec = f" · needle token recall {tel['token_any']:.2f}" if "token_any" in tel else ""
+            err.print(f"  {cell['policy']:>9} ctx {cell['context']:>7} depth {cell['depth']:<4g} seed {cell['seed']}: "
+                      f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
+                      f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")
+
+        result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
+                                chunk=prefill_chunk, digits=digits, progress=progress)
+        print_table(result)
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=1))
+            err.print(f"wrote {json_path}")
+        if plot is not None:
+            nd.plot_grid(result, plot)
+            err.print(f"wrote {plot}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("needle")(needle)

@@ -1,0 +1,185 @@
+"""Needle-in-a-haystack grid: pass/fail of greedy answers per policy x context x depth x seed.
+
+Documents come from `tinygpt_mlx.corpus.make_needle_doc_tokens` (the same needles the model is
+trained on, held-out filler, new random values): "... The pass key is 48213. Remember it. ...
+What is the pass key? The pass key is" -> a cell passes when the greedy continuation starts
+with the answer (and not with a longer number). The prompt is prefilled in chunks through the
+cache policy (so a retrieval policy's hot budget caps the prefill too), then the answer is
+decoded greedily. The same document is used for every policy of a (context, depth, seed).
+
+Policies: "full" (exact full cache; only where the context fits the model), "streaming"
+(StreamingLLM with the retrieval policy's sink and hot budget as its window: the same hot
+memory without a cold store) and "retrieval" (the given retrieval policy). For retrieval
+cells the ground-truth needle positions are given to the cold stores, and the telemetry of
+the last prefill chunk and the decode steps (page / token recall of the needle) is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+from ..cache import make_cache
+from ..cache.retrieval import reset_telemetry, retrieval_report, set_truth
+from ..config import CacheConfig
+from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
+from ..generate import forward
+
+POLICIES = ("full", "streaming", "retrieval")
+DEFAULT_FILLER = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
+
+
+def policy_configs(retrieval: CacheConfig, names: list[str]) -> dict[str, CacheConfig]:
+    """The cache configs of the grid's policies, built around one retrieval config."""
+    if not retrieval.retrieval:
+        raise ValueError("the needle grid needs a retrieval policy: give --kiv-hot-budget")
+    out = {}
+    for name in names:
+        if name == "full":
+            out[name] = CacheConfig(storage=retrieval.storage)
+        elif name == "streaming":
+            out[name] = CacheConfig(storage=retrieval.storage, sink=retrieval.sink,
+                                    window=retrieval.hot_budget)
+        elif name == "retrieval":
+            out[name] = retrieval
+        else:
+            raise ValueError(f"unknown needle policy {name!r}; choose from {', '.join(POLICIES)}")
+    return out
+
+
+def needle_positions(encode: Callable, prompt: str, answer: str) -> list[int]:
+    """Token positions of the needle's value in the prompt (its first occurrence), +-1 token."""
+    char = prompt.find(answer)
+    if char < 0:
+        return []
+    first = len(encode(prompt[:char]))
+    last = len(encode(prompt[:char + len(answer)]))
+    return list(range(max(0, first - 1), last + 1))
+
+
+def passed(text: str, answer: str) -> bool:
+    t = text.strip()
+    return t.startswith(answer) and not t[len(answer):len(answer) + 1].isdigit()
+
+
+def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
+             truth: list[int], chunk: int) -> dict:
+    """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers."""
+    cache = make_cache(model, config)
+    if config.retrieval:
+        set_truth(cache, truth)
+    t0 = time.perf_counter()
+    starts = list(range(0, len(ids), chunk))
+    logits = None
+    for i in starts:
+        if i == starts[-1]:
+            reset_telemetry(cache)   # keep the question's chunk and the decode steps
+        logits = forward(model, mx.array(ids[i:i + chunk])[None], cache)[0, -1]
+        mx.eval(logits)
+    prefill_s = time.perf_counter() - t0
+    n_new = len(tokenizer.encode(" " + answer)) + 1
+    out: list[int] = []
+    t0 = time.perf_counter()
+    for step in range(n_new):
+        token = int(mx.argmax(logits).item())
+        out.append(token)
+        if step + 1 < n_new:
+            logits = forward(model, mx.array([[token]]), cache)[0, -1]
+            mx.eval(logits)
+    decode_s = time.perf_counter() - t0
+    text = tokenizer.decode(out)
+    cell = {"passed": passed(text, answer), "answer": answer, "output": text,
+            "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 4),
+            "decode_ms_per_token": round(1000 * decode_s / max(1, n_new - 1), 3),
+            "cache_bytes": cache.nbytes_breakdown()}
+    if config.retrieval:
+        cell["telemetry"] = retrieval_report(cache)
+    for c in cache.owned:
+        if getattr(c, "cold", None) is not None:
+            c.cold.close()
+    return cell
+
+
+def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
+                seeds: int, policies: list[str], filler_text: str, chunk: int = 128,
+                digits: int = 5, template: Optional[int] = PASSKEY_TEMPLATE,
+                progress: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run the grid; returns {"policies", "cells", "summary", ...} (JSON-ready)."""
+    configs = policy_configs(retrieval, policies)
+    tok = loaded.tokenizer
+    ctx_len = loaded.context_length
+    cells = []
+    for context in contexts:
+        for depth in depths:
+            for seed in range(seeds):
+                rng = random.Random(f"needle-{seed}-{context}-{depth}")
+                value = random_value(rng, digits)
+                prompt, answer = make_needle_doc_tokens(rng, filler_text, tok.encode, context, depth,
+                                                        template=template, value=value)
+                ids = list(tok.encode(prompt))
+                truth = needle_positions(tok.encode, prompt, answer)
+                for name, cfg in configs.items():
+                    if name == "full" and ctx_len and len(ids) > ctx_len:
+                        continue   # the full cache does not fit the model's context
+                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk)
+                    cell = {"policy": name, "context": context, "depth": depth, "seed": seed,
+                            "passed": bool(r.pop("passed")), **r}
+                    cells.append(cell)
+                    if progress is not None:
+                        progress(cell)
+    summary = {}
+    for name in configs:
+        mine = [c for c in cells if c["policy"] == name]
+        summary[name] = {"cells": len(mine), "passed": sum(c["passed"] for c in mine),
+                         "pass_rate": (sum(c["passed"] for c in mine) / len(mine)) if mine else None}
+    return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
+            "contexts": contexts, "depths": depths, "seeds": seeds, "prefill_chunk": chunk,
+            "policies": {n: c.describe() for n, c in configs.items()},
+            "cells": cells, "summary": summary}
+
+
+def plot_grid(result: dict, path: Path) -> Path:
+    """Heat map PNG: one panel per policy, pass fraction over seeds per (depth, context)."""
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    import numpy as np  # noqa: PLC0415
+
+    policies = list(result["policies"])
+    contexts, depths = result["contexts"], result["depths"]
+    fig, axes = plt.subplots(1, len(policies), figsize=(3.2 + 1.1 * len(contexts) * len(policies), 3.6),
+                             squeeze=False)
+    for ax, name in zip(axes[0], policies):
+        grid = np.full((len(depths), len(contexts)), np.nan)
+        for i, d in enumerate(depths):
+            for j, ctx in enumerate(contexts):
+                got = [c["passed"] for c in result["cells"]
+                       if c["policy"] == name and c["context"] == ctx and c["depth"] == d]
+                if got:
+                    grid[i, j] = sum(got) / len(got)
+        ax.imshow(np.ma.masked_invalid(grid), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(contexts)):
+                ax.text(j, i, "-" if np.isnan(grid[i, j]) else f"{grid[i, j]:.0%}",
+                        ha="center", va="center", fontsize=8)
+        ax.set_xticks(range(len(contexts)), [str(c) for c in contexts], rotation=45)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("needle depth")
+        s = result["summary"][name]
+        rate = "n/a" if s["pass_rate"] is None else f"{s['pass_rate']:.0%}"
+        ax.set_title(f"{name}: {rate}", fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def with_overrides(config: CacheConfig, **kw) -> CacheConfig:
+    return dataclasses.replace(config, **{k: v for k, v in kw.items() if v is not None})
