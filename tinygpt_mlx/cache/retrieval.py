@@ -113,27 +113,37 @@ class Telemetry:
         self.records.append(rec)
 
 
-class _Int8Rows:
-    """Symmetric per-(token, head) int8/int4 codes of rows [n, G, D] (cold_bits)."""
+class _PackedRows:
+    """Cold rows [n, G, D] quantised per token with `quant.quantise_v` (KIVI's value layout:
+    asymmetric affine, groups of channels), stored as packed uint32 codes + scale + zero."""
 
-    def __init__(self, G: int, D: int, bits: int, path_codes: Optional[str], path_scale: Optional[str]):
-        self.qmax = 127 if bits == 8 else 7
-        self.codes = GrowingArray((G, D), np.int8, path_codes)
-        self.scale = GrowingArray((G, 1), np.float32, path_scale)
+    def __init__(self, G: int, D: int, bits: int, path: Optional[str]):
+        from ..quant import GROUP_SIZES  # noqa: PLC0415
+        groups = [g for g in sorted(GROUP_SIZES, reverse=True) if D % g == 0]
+        if not groups:
+            raise ValueError(f"cold_bits needs a head dimension that is a multiple of "
+                             f"{min(GROUP_SIZES)}, got {D}")
+        self.bits, self.group = bits, groups[0]
+        name = (lambda s: None) if path is None else (lambda s: f"{path}-{s}")
+        self.codes = GrowingArray((G, D * bits // 32), np.uint32, name("codes"))
+        self.scale = GrowingArray((G, D // self.group), np.float32, name("scale"))
+        self.zero = GrowingArray((G, D // self.group), np.float32, name("zero"))
 
     def append(self, rows: np.ndarray) -> None:
-        s = np.maximum(np.abs(rows).max(axis=-1, keepdims=True), 1e-12) / self.qmax
-        self.codes.append(np.clip(np.rint(rows / s), -self.qmax, self.qmax).astype(np.int8))
-        self.scale.append(s.astype(np.float32))
+        from ..quant import quantise_v  # noqa: PLC0415
+        packed, scale, zero = quantise_v(mx.array(rows), self.bits, self.group)
+        self.codes.append(np.asarray(packed))
+        self.scale.append(np.asarray(scale))
+        self.zero.append(np.asarray(zero))
 
     def gather(self, idx: np.ndarray, gi: np.ndarray) -> np.ndarray:
-        return self.codes.array[idx, gi].astype(np.float32) * self.scale.array[idx, gi]
+        from ..quant import dequantise_v  # noqa: PLC0415
+        parts = [mx.array(a.array[idx, gi]) for a in (self.codes, self.scale, self.zero)]
+        return np.asarray(dequantise_v(*parts, self.bits, self.group))
 
     @property
     def nbytes(self) -> int:
-        # int4 codes are counted packed (two per byte) as a packed store would hold them
-        per = 0.5 if self.qmax == 7 else 1
-        return int(self.codes.nbytes * per) + self.scale.nbytes
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
 
 
 class ColdStore:
@@ -149,7 +159,7 @@ class ColdStore:
         self.top_pages = config.top_pages
         self.retrieve_tokens = config.retrieve_tokens
         self.summary = config.summary
-        self.bits = config.cold_bits
+        self.cold_bits = config.cold_bits
         self.dtype = _NP_DTYPES[config.storage]
         self.directory = directory  # a private directory for the disk store (removed on close)
         self.n = 0
@@ -183,12 +193,12 @@ class ColdStore:
     def _init_arrays(self, B: int, H: int, Dk: int, Dv: int) -> None:
         self.B, self.G = B, B * H
         G = self.G
-        if self.bits is None:
+        if self.cold_bits is None:
             self.keys = GrowingArray((G, Dk), self.dtype, self._path("keys"))
             self.values = GrowingArray((G, Dv), self.dtype, self._path("values"))
         else:
-            self.keys = _Int8Rows(G, Dk, self.bits, self._path("kcodes"), self._path("kscale"))
-            self.values = _Int8Rows(G, Dv, self.bits, self._path("vcodes"), self._path("vscale"))
+            self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"))
+            self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"))
         self.positions = GrowingArray((), np.int64, None)
         if self.summary == "minmax":
             self.smin = GrowingArray((G, Dk), np.float32, None, initial=16)
@@ -206,8 +216,8 @@ class ColdStore:
             self._init_arrays(B, H, Dk, values.shape[3])
         k = np.asarray(keys.astype(mx.float32)).transpose(2, 0, 1, 3).reshape(n, B * H, Dk)
         v = np.asarray(values.astype(mx.float32)).transpose(2, 0, 1, 3).reshape(n, B * H, -1)
-        self.keys.append(k.astype(self.dtype) if self.bits is None else k)
-        self.values.append(v.astype(self.dtype) if self.bits is None else v)
+        self.keys.append(k.astype(self.dtype) if self.cold_bits is None else k)
+        self.values.append(v.astype(self.dtype) if self.cold_bits is None else v)
         self.positions.append(np.arange(start_position, start_position + n, dtype=np.int64))
         # summaries of the pages this append completes (from the exact keys, before rounding)
         self._tail_keys.append(k)

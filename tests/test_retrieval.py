@@ -1,0 +1,157 @@
+"""Tiered retrieval: equivalence with the full cache, summary recall, O(page) appends, disk
+store == RAM store, bounded positions, retrieval during prefill, and the needle CLI."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.cache.retrieval import ColdStore, GrowingArray, retrieval_report
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import forward, prefill
+
+TOKENS = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=150)]
+
+
+def run(model, config, tokens=TOKENS, chunk=16, steps=4):
+    """Logits after a chunked prefill and after each of `steps` decode tokens, and the cache."""
+    cache = make_cache(model, config)
+    out = [prefill(model, tokens, cache, chunk)]
+    for t in range(5, 5 + steps):
+        out.append(forward(model, mx.array([[t]]), cache)[0, -1].astype(mx.float32))
+    return mx.stack(out), cache
+
+
+def covering(**kw):
+    """A retrieval policy whose top pages and top-P cover the whole cold store."""
+    return CacheConfig(hot_budget=40, page_size=16, top_pages=64, retrieve_tokens=512, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(rope_mode="absolute"), dict(retrieved_position="slots")],
+                         ids=["absolute", "shifted-slots"])
+def test_retrieving_everything_equals_full_cache(native, kw):
+    ref, _ = run(native.model, CacheConfig())
+    out, cache = run(native.model, covering(**kw))
+    assert len(cache[0].cold) > 0 and cache[0].stored_count == 40
+    assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+def test_retrieving_everything_equals_full_cache_mlx_lm(llama):
+    ref, _ = run(llama.model, CacheConfig())
+    out, cache = run(llama.model, covering(rope_mode="absolute"))
+    assert len(cache[0].cold) > 0
+    assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+def _micro_store(summary, page_size=8, top_pages=1, retrieve_tokens=4):
+    cfg = CacheConfig(hot_budget=8, rope_mode="absolute", page_size=page_size, top_pages=top_pages,
+                      retrieve_tokens=retrieve_tokens, summary=summary)
+    return ColdStore(cfg)
+
+
+def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
+    """A planted key along the query (q.k = 2|q|^2, above any other page's min/max bound) is
+    always found with top_pages=1: the page holding it has the highest bound. The mean key
+    dilutes it 8-fold, so a page of keys that all lean towards q outranks it."""
+    D, ps = 16, 8
+    misses = {"minmax": 0, "mean": 0}
+    for seed in range(10):
+        rng = np.random.RandomState(seed)
+        q = rng.randn(1, 1, D).astype(np.float32)
+        keys = rng.randn(20 * ps, D).astype(np.float32)
+        # a decoy page whose keys all lean towards q: its MEAN beats a page with one exact match
+        decoy = rng.randint(20)
+        keys[decoy * ps:(decoy + 1) * ps] = 0.4 * q[0, 0] + 0.1 * rng.randn(ps, D)
+        needle = rng.randint(20 * ps)
+        while needle // ps == decoy:
+            needle = rng.randint(20 * ps)
+        keys[needle] = 2 * q[0, 0]
+        for summary in misses:
+            store = _micro_store(summary)
+            k = mx.array(keys[None, None])
+            store.add(k, k, start_position=100)
+            idx, pages, _ = store.select(q)
+            misses[summary] += needle not in idx[0]
+    assert misses["minmax"] == 0
+    assert misses["mean"] > 0
+
+
+def test_pages_append_without_copying_the_store():
+    store = _micro_store("minmax", page_size=4)
+    k = mx.zeros((1, 2, 4, 8))
+    store.add(k, k, 0)
+    arrays = [store.keys.array]
+    for i in range(1, 600):
+        store.add(k + i, k, 4 * i)
+        if store.keys.array is not arrays[-1]:
+            arrays.append(store.keys.array)
+    assert len(store) == 2400 and store.n_pages == 600
+    # capacity doubles: log2(2400 / 256) + 1 reallocations, each page otherwise written in place
+    assert store.keys.growths == len(arrays) - 1 <= 4
+    assert store.keys.capacity < 2 * 2400
+    assert float(store.smax.view()[599].max()) == 599.0 and float(store.smin.view()[0].min()) == 0.0
+
+
+def test_growing_array_disk_grows_in_place(tmp_path):
+    a = GrowingArray((3,), np.float32, str(tmp_path / "g.bin"), initial=4)
+    for i in range(20):
+        a.append(np.full((1, 3), i, np.float32))
+    assert a.capacity == 32 and a.growths == 3 and isinstance(a.array, np.memmap)
+    assert (tmp_path / "g.bin").stat().st_size == 32 * 3 * 4
+    assert a.view()[:, 0].tolist() == list(range(20))
+
+
+def test_disk_store_equals_ram_store(native, tmp_path):
+    kw = dict(hot_budget=32, page_size=8, top_pages=2, retrieve_tokens=12)
+    ram, _ = run(native.model, CacheConfig(**kw))
+    disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw))
+    assert mx.array_equal(ram, disk)
+    assert "cold_disk" in cache.nbytes_breakdown() and any(tmp_path.rglob("*.bin"))
+    for c in cache.owned:
+        c.cold.close()
+    assert not any(tmp_path.rglob("*.bin"))
+
+
+def test_positions_stay_bounded_and_prefill_chunks_retrieve(native):
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=12)
+    tokens = TOKENS * 3   # 450 tokens, longer than the tiny model's context of 256
+    _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2)
+    c = cache[0]
+    assert c.current_length == 452 and c.stored_count == 4 + 32
+    assert c.offset <= 4 + c.cold.reserved_slots + 32
+    rep = retrieval_report(cache)
+    # every prefill chunk after the first evictions retrieved, not only the decode steps
+    assert rep["retrievals"] > 2 * 2 * 2 and rep["tokens_retrieved"] == 12
+
+
+def test_quantised_cold_store_is_close(tokenizer_json, tmp_path):
+    from conftest import build_native
+    from tinygpt_mlx.loading import load
+    model = load(build_native(tmp_path / "hd32.tinygpt", tokenizer_json, n_heads=2, n_kv_heads=1)).model
+    ref, _ = run(model, covering(rope_mode="absolute"))
+    q8, cache = run(model, covering(rope_mode="absolute", cold_bits=8))
+    exact_bytes = run(model, covering(rope_mode="absolute"))[1].nbytes_breakdown()["cold"]
+    assert cache.nbytes_breakdown()["cold"] < 0.4 * exact_bytes
+    assert float(mx.abs(q8 - ref).max()) < 0.05
+
+
+def test_needle_cli_writes_json(native_path, tmp_path):
+    filler = tmp_path / "filler.txt"
+    filler.write_text("The quick brown fox jumps over the lazy dog. " * 200)
+    out = tmp_path / "n.json"
+    r = CliRunner().invoke(app, [
+        "needle", str(native_path), "--contexts", "80,160", "--depths", "0.5", "--seeds", "1",
+        "--kiv-hot-budget", "24", "--kiv-page-size", "8", "--kiv-top-p", "8", "--kiv-top-pages", "2",
+        "--prefill-chunk", "16", "--filler", str(filler), "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert {(c["policy"], c["context"]) for c in data["cells"]} == {
+        (p, n) for p in ("full", "streaming", "retrieval") for n in (80, 160)}
+    for cell in data["cells"]:
+        assert {"policy", "context", "depth", "seed", "passed"} <= set(cell)
+        assert isinstance(cell["passed"], bool)
+    assert "retrievals" in [c for c in data["cells"] if c["policy"] == "retrieval"][-1]["telemetry"]
