@@ -69,6 +69,11 @@ def sample(
     kiv_top_p: c.KivTopP = None,
     kiv_page_size: c.KivPage = None,
     kiv_top_pages: c.KivPages = None,
+    kiv_summary: c.KivSummary = None,
+    kiv_cold_store: c.KivColdStore = None,
+    kiv_cold_path: c.KivColdPath = None,
+    kiv_cold_bits: c.KivColdBits = None,
+    kiv_positions: c.KivPositions = None,
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Also write the report as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
@@ -78,7 +83,8 @@ def sample(
     cache_config = c.cache_config(
         kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
         streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
-        kiv_top_p, kiv_page_size, kiv_top_pages)
+        kiv_top_p, kiv_page_size, kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
+        cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
