@@ -1,0 +1,234 @@
+"""`posttrainllm serve`: the real `ollama` and `openai` clients against a live server.
+
+uvicorn runs in a thread on a free 127.0.0.1 port with the tiny native model; everything is
+greedy (temperature 0) and short so the file stays fast on a shared CPU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from tinygpt_mlx.config import CacheConfig  # noqa: E402
+from tinygpt_mlx.generate import prefill  # noqa: E402
+from tinygpt_mlx.server import create_app  # noqa: E402
+from tinygpt_mlx.server.slots import SlotPool  # noqa: E402
+
+GREEDY = {"temperature": 0, "num_predict": 8}
+LONG = "The quick brown fox jumps over the lazy dog. In the beginning was the word. " * 3
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(native):
+    app = create_app(native, CacheConfig(), max_slots=2, prefill_chunk=64, small_tokens=64)
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return ollama.Client(host=server)
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def name(native):
+    return native.name
+
+
+def test_metadata(server, client, oai, name):
+    assert httpx.get(server + "/").text == "Ollama is running"
+    assert httpx.get(server + "/api/version").json()["version"]
+    tags = client.list().models
+    assert [m.model for m in tags] == [f"{name}:latest"] and tags[0].details.family == "tinygpt"
+    show = client.show(name)
+    assert show.modelinfo["general.architecture"] == "tinygpt" and show.details.format == "tinygpt"
+    ps = client.ps().models
+    assert ps[0].name == f"{name}:latest" and ps[0].expires_at is not None
+    assert [m.id for m in oai.models.list().data] == [f"{name}:latest"]
+
+
+def test_generate_streamed_equals_unstreamed(client, native, name):
+    prompt = native.tokenizer.encode("The quick brown")
+    whole = client.generate(name, "The quick brown", options=GREEDY)
+    parts = list(client.generate(name + ":latest", "The quick brown", stream=True, options=GREEDY))
+    assert "".join(p.response for p in parts[:-1]) == whole.response
+    final = parts[-1]
+    assert final.done and not any(p.done for p in parts[:-1])
+    for r in (whole, final):
+        assert r.done_reason in ("stop", "length") and r.created_at.endswith("Z")
+        assert all(isinstance(getattr(r, k), int) for k in (
+            "total_duration", "load_duration", "prompt_eval_duration", "eval_duration",
+            "prompt_eval_count", "eval_count"))
+        assert r.context[:len(prompt)] == prompt and len(r.context) == len(prompt) + r.eval_count
+    assert whole.eval_count <= 8
+
+
+def test_chat_streamed_equals_unstreamed(client, oai, name):
+    msgs = [{"role": "user", "content": "Café, naïve, 東京"}]
+    whole = client.chat(name, msgs, options=GREEDY)
+    parts = list(client.chat(name, msgs, stream=True, options=GREEDY))
+    assert "".join(p.message.content for p in parts) == whole.message.content
+    assert parts[-1].done and parts[-1].message.role == "assistant"
+    a = oai.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0)
+    s = oai.chat.completions.create(model=name, messages=msgs, max_tokens=8, temperature=0, stream=True,
+                                    stream_options={"include_usage": True})
+    chunks = list(s)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == a.choices[0].message.content
+    assert a.choices[0].message.content == whole.message.content
+    assert chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    c1 = oai.completions.create(model=name, prompt="The quick", max_tokens=6, temperature=0)
+    c2 = "".join(c.choices[0].text for c in oai.completions.create(
+        model=name, prompt="The quick", max_tokens=6, temperature=0, stream=True))
+    assert c1.choices[0].text == c2 and c1.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_never_sent(client, name):
+    free = client.generate(name, "The quick brown", options=GREEDY).response
+    assert len(free) > 2
+    stop = free[1:3]
+    parts = list(client.generate(name, "The quick brown", stream=True, options=dict(GREEDY, stop=[stop])))
+    text = "".join(p.response for p in parts)
+    assert text == free[:free.find(stop)] and parts[-1].done_reason == "stop"
+
+
+def test_two_turn_chat_reuses_warm_slot(client, native, name):
+    tok = native.tokenizer
+    msgs = [{"role": "user", "content": LONG}]
+    first = client.chat(name, msgs, options=GREEDY)
+    msgs += [first.message.model_dump(include={"role", "content"}), {"role": "user", "content": "And the keeper?"}]
+    second = client.chat(name, msgs, options=GREEDY)
+    ids1 = tok.encode(tok.chat_prompt(msgs[:1]))
+    ids2 = tok.encode(tok.chat_prompt(msgs))
+    # only the new tail was prefilled: never the first turn's prompt again
+    assert 0 < second.prompt_eval_count <= len(ids2) - len(ids1) + 1
+    assert second.prompt_eval_count < len(ids2) / 2
+
+
+def test_truncation_to_num_ctx_is_reported(server, name):
+    r = httpx.post(server + "/api/generate", json={
+        "model": name, "prompt": LONG, "stream": False, "options": dict(GREEDY, num_ctx=32)}, timeout=30)
+    body = r.json()
+    assert r.status_code == 200 and body["truncated"]["kept_tokens"] == 31
+    assert body["prompt_tokens"] == 31 and "X-Prompt-Truncated" in r.headers
+    assert body["prompt_tokens"] + body["eval_count"] <= 33
+
+
+def test_errors(server, client, oai, name):
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate("nope", "hi")
+    assert e.value.status_code == 404 and e.value.error == "model 'nope' not found"
+    with pytest.raises(ollama.ResponseError) as e:
+        list(client.chat("nope", [{"role": "user", "content": "hi"}], stream=True))
+    assert e.value.status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        oai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    for body in (b"{not json", b"", b"[1, 2]"):
+        r = httpx.post(server + "/api/chat", content=body)
+        assert r.status_code == 400 and "error" in r.json()
+    for opts in ({"temperature": "hot"}, {"top_p": 5}, {"num_ctx": -1}):
+        r = httpx.post(server + "/api/generate", json={"model": name, "prompt": "x", "options": opts})
+        assert r.status_code == 400 and isinstance(r.json()["error"], str)
+    r = httpx.post(server + "/v1/chat/completions", content=b"{oops")
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert httpx.get(server + "/api/version").status_code == 200       # still alive
+
+
+def test_client_disconnect_cancels(server, client, name, monkeypatch):
+    from tinygpt_mlx.server import worker
+
+    real = worker.forward
+
+    def slow(*a, **k):            # make decoding slow enough that the disconnect lands mid-stream
+        time.sleep(0.01)
+        return real(*a, **k)
+
+    monkeypatch.setattr(worker, "forward", slow)
+    body = {"model": name, "prompt": "Disconnect me", "options": {"temperature": 0, "num_predict": 200}}
+    with httpx.stream("POST", server + "/api/generate", json=body, timeout=30) as r:
+        first = json.loads(next(r.iter_lines()))
+        assert first["done"] is False
+    deadline = time.time() + 10
+    while True:
+        state = httpx.get(server + "/api/slots").json()
+        if not state["busy"] and not state["queued"]:
+            break
+        assert time.time() < deadline, "worker still busy after the client left"
+        time.sleep(0.05)
+    last = state["recent"][-1]
+    assert last["done_reason"] == "cancel" and last["generated"] < 100
+    monkeypatch.setattr(worker, "forward", real)
+    assert client.generate(name, "Still there?", options=GREEDY).done
+
+
+def test_twenty_concurrent_requests(server, name):
+    def one(i):
+        c = ollama.Client(host=server)
+        opts = {"temperature": 0, "num_predict": 3}
+        if i % 2:
+            return "".join(p.response for p in c.generate(name, f"request {i}", stream=True, options=opts))
+        return c.chat(name, [{"role": "user", "content": f"request {i}"}], options=opts).message.content
+
+    with concurrent.futures.ThreadPoolExecutor(20) as ex:
+        results = list(ex.map(one, range(20)))
+    assert len(results) == 20 and all(isinstance(r, str) for r in results)
+
+
+# ----- the slot pool on its own ----------------------------------------------------------------
+def _run(pool, model, ids):
+    lease = pool.acquire(ids)
+    logits = prefill(model, ids[lease.reused:], lease.slot.cache, 64)
+    lease.slot.tokens = list(ids)
+    return lease, logits
+
+
+def test_pool_extend_rollback_and_protection(native):
+    import mlx.core as mx
+
+    ids = native.tokenizer.encode(LONG)[:60]
+    other = native.tokenizer.encode("Café, naïve, 東京 and emoji round-trip " * 4)[:40]
+    pool = SlotPool(native.model, CacheConfig(), max_slots=2, small_tokens=32)
+    assert _run(pool, native.model, ids)[0].action == "new"
+    lease, _ = _run(pool, native.model, ids + other[:10])
+    assert (lease.action, lease.reused, lease.slot.index) == ("extend", 60, 0)
+    lease, logits = _run(pool, native.model, ids[:50])          # regenerate: a prefix of the slot
+    assert (lease.action, lease.reused) == ("rollback", 49)
+    cold = SlotPool(native.model, CacheConfig(), max_slots=1)
+    _, fresh = _run(cold, native.model, ids[:50])
+    assert mx.allclose(logits, fresh, atol=1e-4)
+    assert _run(pool, native.model, other)[0].action == "new"   # slot 1
+    small = _run(pool, native.model, native.tokenizer.encode("Title?"))[0]
+    assert small.action == "scratch"                            # both conversations stay warm
+    assert [len(s.tokens) for s in pool.slots] == [50, 40]
+    lease = _run(pool, native.model, native.tokenizer.encode(" word 0123456789" * 10)[:45])[0]
+    assert lease.action == "evict" and lease.slot.index == 1    # the longest (slot 0) is protected

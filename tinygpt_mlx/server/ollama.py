@@ -1,0 +1,175 @@
+"""ollama API schemas: option parsing and the JSON objects of every endpoint (no I/O here).
+
+Field names and types follow ollama's API (docs/api.md of ollama/ollama): timestamps are
+RFC 3339 UTC with `Z`, durations integer nanoseconds, `done_reason` "stop" or "length".
+`prompt_eval_count` counts the prompt tokens prefilled for this request — tokens served by a
+warm slot are not counted, as ollama does with its own prompt cache. Extra fields (added by
+this server, ignored by clients): `prompt_tokens` (whole prompt) and `truncated`.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+from typing import Any, Optional
+
+from .worker import Result
+
+VERSION = "0.6.0"        # the ollama API version we mirror (clients gate features on it)
+FAR_FUTURE = "2318-11-29T00:00:00Z"   # /api/ps expires_at: the model never unloads
+OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
+UNBOUNDED_PREDICT = 4096  # num_predict -1 under a policy with no context limit
+
+
+class OptionError(ValueError):
+    """An option of the wrong type or out of range (answered with 400)."""
+
+
+def now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _number(name: str, v: Any, kind: type) -> Any:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise OptionError(f"option {name} must be a number, got {v!r}")
+    if kind is int:
+        if isinstance(v, float) and not v.is_integer():
+            raise OptionError(f"option {name} must be an integer, got {v!r}")
+        return int(v)
+    return float(v)
+
+
+def parse_stop(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if isinstance(v, str):
+        return (v,) if v else ()
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return tuple(s for s in v if s)
+    raise OptionError(f"stop must be a string or a list of strings, got {v!r}")
+
+
+def parse_options(options: Any) -> dict:
+    """ollama `options` -> {temperature, top_p, top_k, seed, stop, num_predict, num_ctx, num_keep}.
+
+    Unknown options are ignored (as ollama does); known ones are type- and range-checked.
+    """
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise OptionError(f"options must be an object, got {type(options).__name__}")
+    out: dict[str, Any] = dict(OLLAMA_DEFAULTS, stop=(), num_predict=-1, num_ctx=None, num_keep=0, seed=None)
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int),
+                       ("num_predict", int), ("num_ctx", int), ("num_keep", int)):
+        if options.get(name) is not None:
+            out[name] = _number(name, options[name], kind)
+    out["stop"] = parse_stop(options.get("stop"))
+    if out["temperature"] < 0:
+        raise OptionError(f"option temperature must be >= 0, got {out['temperature']}")
+    if not 0 < out["top_p"] <= 1:
+        raise OptionError(f"option top_p must be in (0, 1], got {out['top_p']}")
+    if out["top_k"] < 0:
+        raise OptionError(f"option top_k must be >= 0, got {out['top_k']}")
+    if out["num_ctx"] is not None and out["num_ctx"] < 2:
+        raise OptionError(f"option num_ctx must be >= 2, got {out['num_ctx']}")
+    if out["num_predict"] < -2:
+        raise OptionError(f"option num_predict must be >= -2, got {out['num_predict']}")
+    if out["num_keep"] < 0:
+        out["num_keep"] = 0
+    return out
+
+
+def digest(loaded: Any) -> str:
+    p = loaded.path
+    key = f"{p.resolve()}:{p.stat().st_mtime_ns}".encode()
+    return hashlib.sha256(key).hexdigest()
+
+
+def _modified(loaded: Any) -> str:
+    t = _dt.datetime.fromtimestamp(loaded.path.stat().st_mtime, _dt.timezone.utc)
+    return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def details(loaded: Any) -> dict:
+    n = loaded.info.get("parameters", 0)
+    size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+    family = loaded.info.get("model_type") or ("tinygpt" if loaded.kind == "tinygpt" else loaded.kind)
+    fmt = "tinygpt" if loaded.kind == "tinygpt" else "mlx"
+    quant = loaded.info.get("config", {}).get("quantization")
+    qlevel = f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant else "F32"
+    return {"parent_model": "", "format": fmt, "family": family, "families": [family],
+            "parameter_size": size, "quantization_level": qlevel}
+
+
+def model_entry(loaded: Any, name: str) -> dict:
+    """One element of /api/tags `models`."""
+    return {"name": name, "model": name, "modified_at": _modified(loaded),
+            "size": loaded.info.get("file_bytes", 0), "digest": digest(loaded), "details": details(loaded)}
+
+
+def ps_entry(loaded: Any, name: str, cache_bytes: int, context_length: Optional[int]) -> dict:
+    e = model_entry(loaded, name)
+    e.pop("modified_at")
+    size = e["size"] + cache_bytes
+    e.update(size=size, size_vram=size, expires_at=FAR_FUTURE, context_length=context_length or 0)
+    return e
+
+
+def show(loaded: Any, cache_label: str, template: str) -> dict:
+    cfg = loaded.info.get("config", {})
+    family = details(loaded)["family"]
+    info: dict[str, Any] = {"general.architecture": family,
+                            "general.parameter_count": loaded.info.get("parameters", 0),
+                            f"{family}.context_length": loaded.context_length or 0}
+    for k, v in cfg.items():
+        if isinstance(v, (int, float, str, bool)):
+            info[f"{family}.{k}"] = v
+    return {"license": "", "modelfile": f"# served by posttrainllm\nFROM {loaded.path}\n",
+            "parameters": "\n".join(f"{k} {v}" for k, v in OLLAMA_DEFAULTS.items()),
+            "template": template, "details": details(loaded), "model_info": info,
+            "capabilities": ["completion"], "modified_at": _modified(loaded),
+            "posttrainllm": {"kind": loaded.kind, "cache_policy": cache_label}}
+
+
+def _final_fields(r: Result, truncated: Optional[dict]) -> dict:
+    out = {"done_reason": "stop" if r.done_reason == "stop" else "length",
+           "total_duration": r.total_ns, "load_duration": r.load_ns,
+           "prompt_eval_count": r.prefilled_tokens, "prompt_eval_duration": r.prompt_eval_ns,
+           "eval_count": len(r.tokens), "eval_duration": r.eval_ns,
+           "prompt_tokens": r.prompt_tokens}
+    if truncated:
+        out["truncated"] = truncated
+    return out
+
+
+def generate_chunk(model: str, text: str) -> dict:
+    return {"model": model, "created_at": now(), "response": text, "done": False}
+
+
+def generate_final(model: str, r: Result, text: str, context: list[int], truncated: Optional[dict]) -> dict:
+    out = {"model": model, "created_at": now(), "response": text, "done": True}
+    out.update(_final_fields(r, truncated))
+    out["context"] = context
+    return out
+
+
+def chat_chunk(model: str, text: str) -> dict:
+    return {"model": model, "created_at": now(), "message": {"role": "assistant", "content": text},
+            "done": False}
+
+
+def chat_final(model: str, r: Result, text: str, truncated: Optional[dict]) -> dict:
+    out = {"model": model, "created_at": now(), "message": {"role": "assistant", "content": text},
+           "done": True}
+    out.update(_final_fields(r, truncated))
+    return out
+
+
+def load_only(model: str, chat: bool) -> dict:
+    """ollama's answer to an empty prompt / empty messages: the model is loaded, nothing run."""
+    out = {"model": model, "created_at": now(), "done": True, "done_reason": "load"}
+    if chat:
+        out["message"] = {"role": "assistant", "content": ""}
+    else:
+        out["response"] = ""
+    return out

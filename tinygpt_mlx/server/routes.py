@@ -1,0 +1,221 @@
+"""The HTTP routes: ollama (`/`, `/api/*`) and OpenAI (`/v1/*`), plus `/api/slots` (pool state)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from . import ollama as ol
+from . import openai as oa
+from . import prompt as pr
+from .app import ApiError, Server, read_json
+from .streams import (ClientGone, GenerationFailed, collect, ndjson, render, sse,
+                      truncation_headers)
+
+
+def _messages(value: Any) -> list[dict]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ApiError(400, "messages must be a list")
+    out = []
+    for m in value:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, "each message must be an object with a string 'role'")
+        out.append({"role": m["role"], "content": oa.message_text(m.get("content"))})
+    return out
+
+
+def _token_list(srv: Server, value: Any, what: str) -> list[int]:
+    vocab = srv.loaded.info.get("config", {}).get("vocab_size")
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ApiError(400, f"{what} must be a list of token ids")
+    if any(t < 0 or (vocab and t >= vocab) for t in value):
+        raise ApiError(400, f"{what} holds a token id outside the vocabulary")
+    return value
+
+
+def _stream_flag(body: dict, default: bool) -> bool:
+    v = body.get("stream")
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ApiError(400, "stream must be true or false")
+    return v
+
+
+async def _wait(job, request: Request):
+    try:
+        return await collect(job, request)
+    except ClientGone:
+        raise ApiError(499, "client disconnected") from None
+    except GenerationFailed as e:
+        raise ApiError(500, str(e)) from None
+
+
+def register(app: FastAPI, srv: Server) -> None:
+    loaded, cfg = srv.loaded, srv.cache_config
+
+    @app.get("/")
+    @app.head("/")
+    async def root():
+        return PlainTextResponse("Ollama is running")
+
+    @app.get("/api/version")
+    async def version():
+        return {"version": ol.VERSION}
+
+    @app.get("/api/tags")
+    async def tags():
+        return {"models": [ol.model_entry(loaded, srv.names[1])]}
+
+    @app.get("/api/ps")
+    async def ps():
+        limit = pr.context_limit(loaded, cfg, None)
+        return {"models": [ol.ps_entry(loaded, srv.names[1], srv.pool.cache_bytes, limit)]}
+
+    @app.get("/api/slots")
+    async def slots():
+        return {"slots": srv.pool.describe(), "queued": srv.worker.pending, "busy": srv.worker.busy,
+                "cache_policy": cfg.label(), "recent": list(srv.worker.recent)}
+
+    @app.post("/api/show")
+    async def show(request: Request):
+        body = await read_json(request)
+        if body.get("model") is None and body.get("name") is not None:
+            body["model"] = body["name"]
+        srv.check_model(body)
+        return ol.show(loaded, cfg.label(), pr.template_text(loaded))
+
+    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, ids: list[int], chat: bool):
+        stream = _stream_flag(body, True)
+        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
+        ids, truncated = pr.fit(ids, limit, opts["num_keep"])
+        job = srv.job(ids, opts, limit, ol.UNBOUNDED_PREDICT)
+        srv.submit(job)
+        headers = truncation_headers(truncated)
+
+        def final(r, text):
+            if chat:
+                return ol.chat_final(model, r, text, truncated)
+            return ol.generate_final(model, r, text, ids + r.tokens, truncated)
+
+        if stream:
+            chunk = ol.chat_chunk if chat else ol.generate_chunk
+            return ndjson(render(job, lambda t: chunk(model, t), lambda r: [final(r, "")],
+                                 lambda e: {"error": e}), headers)
+        r = await _wait(job, request)
+        return JSONResponse(final(r, r.text), headers=headers)
+
+    @app.post("/api/generate")
+    async def generate(request: Request):
+        body = await read_json(request)
+        model = srv.check_model(body)
+        opts = ol.parse_options(body.get("options"))
+        prompt, system = body.get("prompt") or "", body.get("system")
+        if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
+            raise ApiError(400, "prompt and system must be strings")
+        context = _token_list(srv, body["context"], "context") if body.get("context") else []
+        if not prompt and not context:
+            _stream_flag(body, True)
+            return JSONResponse(ol.load_only(model, chat=False))
+        ids = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
+        return await _ollama_run(request, body, model, opts, ids, chat=False)
+
+    @app.post("/api/chat")
+    async def chat(request: Request):
+        body = await read_json(request)
+        model = srv.check_model(body)
+        opts = ol.parse_options(body.get("options"))
+        messages = _messages(body.get("messages"))
+        if not messages:
+            _stream_flag(body, True)
+            return JSONResponse(ol.load_only(model, chat=True))
+        ids, stops = pr.chat_ids(loaded, messages)
+        opts["stop"] = tuple(opts["stop"]) + stops
+        return await _ollama_run(request, body, model, opts, ids, chat=True)
+
+    @app.get("/v1/models")
+    async def v1_models():
+        return oa.models([srv.names[1]], int(srv.started))
+
+    @app.get("/v1/models/{name}")
+    async def v1_model(name: str):
+        srv.check_model({"model": name})
+        return oa.models([name], int(srv.started))["data"][0]
+
+    async def _openai_run(request: Request, body: dict, model: str, s: dict, ids: list[int], chat: bool):
+        stream = _stream_flag(body, False)
+        limit = pr.context_limit(loaded, cfg, None)
+        ids, truncated = pr.fit(ids, limit)
+        job = srv.job(ids, s, limit, ol.UNBOUNDED_PREDICT)
+        srv.submit(job)
+        headers = truncation_headers(truncated)
+        cid = oa.new_id("chatcmpl" if chat else "cmpl")
+        if stream:
+            opts = body.get("stream_options") or {}
+            with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            obj = "chat.completion.chunk" if chat else "text_completion"
+
+            def text(t):
+                return (oa.chat_chunk(cid, model, {"content": t}) if chat
+                        else oa.completion_chunk(cid, model, t))
+
+            def done(r):
+                fin = oa.finish_reason(r)
+                last = oa.chat_chunk(cid, model, {}, fin) if chat else oa.completion_chunk(cid, model, "", fin)
+                return [last] + ([oa.usage_chunk(cid, model, obj, r)] if with_usage else [])
+
+            gen = render(job, text, done, lambda e: oa.error(e, 500))
+            if chat:
+                gen = _prepend(oa.chat_chunk(cid, model, {"role": "assistant", "content": ""}), gen)
+            return sse(gen, headers)
+        r = await _wait(job, request)
+        out = oa.chat_completion(cid, model, r, r.text) if chat else oa.completion(cid, model, r, r.text)
+        if truncated:
+            out["truncated"] = truncated
+        return JSONResponse(out, headers=headers)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await read_json(request)
+        model = srv.check_model(body)
+        s = oa.parse_sampling(body, None)
+        messages = _messages(body.get("messages"))
+        if not messages:
+            raise ApiError(400, "messages must not be empty")
+        ids, stops = pr.chat_ids(loaded, messages)
+        s["stop"] = tuple(s["stop"]) + stops
+        return await _openai_run(request, body, model, s, ids, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await read_json(request)
+        model = srv.check_model(body)
+        s = oa.parse_sampling(body, oa.DEFAULT_COMPLETION_TOKENS)
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]
+        if isinstance(p, str):
+            ids = loaded.tokenizer.encode(p)
+        elif isinstance(p, list) and p:
+            ids = _token_list(srv, p, "prompt")
+        else:
+            raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
+        return await _openai_run(request, body, model, s, ids, chat=False)
+
+    @app.api_route("/api/{rest:path}", methods=["GET", "POST", "DELETE", "PUT"])
+    async def unsupported(rest: str):
+        raise ApiError(404, f"/api/{rest} is not supported by this server")
+
+
+async def _prepend(first: dict, gen):
+    try:
+        yield first
+        async for obj in gen:
+            yield obj
+    finally:
+        await gen.aclose()
+

@@ -1,0 +1,179 @@
+"""The warm slot pool: KV caches kept between requests, keyed by the tokens they hold.
+
+A slot's `tokens` are exactly the tokens whose K/V its cache has seen (prompt + generated,
+minus the last sampled token, which is never fed). For a new prompt the pool picks:
+
+1. **extend** — a slot whose tokens are a prefix of the prompt: only the new tail is prefilled.
+2. **roll back** — a slot sharing a prefix of at least `MIN_REUSE` tokens with the prompt
+   (regenerate, edited last message): a trimmable cache is trimmed to the shared prefix and
+   only the rest is prefilled, when the rollback discards no more than it reuses (the prefix
+   covers >= half the slot, `ROLLBACK_KEEP`). A request that only shares a chat-template
+   header therefore never destroys a long conversation.
+3. **new** — otherwise a free slot.
+4. With no free slot, a request that is mostly one slot's conversation (prefix >= half of the
+   prompt: regenerate after a long answer) rolls that slot back rather than evicting another.
+5. **evict** — the least-recently-used slot, except that the slot holding the longest context
+   (the main chat) is protected while there is another slot.
+6. **Small-request rule:** a prompt of fewer than `small_tokens` tokens (UI background work:
+   titles, tags, follow-up suggestions) never evicts a slot holding `small_tokens` or more
+   (a real conversation); when every evictable slot is such a conversation it runs in a
+   scratch cache that is dropped afterwards (prefilling a short prompt is cheap anyway).
+
+Policies whose cache cannot be trimmed (StreamingLLM, KIVI, retrieval) only extend; a
+request that diverges from such a slot is prefilled in a free, scratch or evicted slot, never
+in place of the conversation it diverged from.
+
+At least one prompt token is always prefilled (the logits for the first new token come from
+it), so a prompt equal to a slot's tokens rolls back one token (or rebuilds).
+All methods run on the single generation worker; `describe` may be read from other threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..cache import make_cache
+
+MIN_REUSE = 4
+ROLLBACK_KEEP = 0.5
+
+
+@dataclass
+class Slot:
+    index: int                       # -1 for a scratch slot
+    cache: Any = None
+    tokens: list[int] = field(default_factory=list)
+    last_used: float = 0.0
+    uses: int = 0
+
+    @property
+    def free(self) -> bool:
+        return self.cache is None
+
+
+@dataclass
+class Lease:
+    """What `acquire` decided: the slot, how many prompt tokens its cache already holds."""
+    slot: Slot
+    reused: int
+    action: str                      # "extend", "rollback", "new", "evict", "scratch", "rebuild"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _distinct(cache: Any) -> list:
+    seen, out = set(), []
+    for c in cache:
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            out.append(c)
+    return out
+
+
+def trimmable(cache: Any) -> bool:
+    return all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in _distinct(cache))
+
+
+def trim(cache: Any, n: int) -> bool:
+    """Forget the newest `n` tokens of every layer; False if some layer could not."""
+    if n <= 0:
+        return True
+    if not trimmable(cache):
+        return False
+    return all(c.trim(n) == n for c in _distinct(cache))
+
+
+class SlotPool:
+    def __init__(self, model: Any, cache_config: Any, max_slots: int = 2, small_tokens: int = 256):
+        if max_slots < 1:
+            raise ValueError(f"max_slots must be >= 1, got {max_slots}")
+        self.model, self.cache_config = model, cache_config
+        self.small_tokens = small_tokens
+        self.slots = [Slot(i) for i in range(max_slots)]
+        self._lock = threading.Lock()
+
+    def _fresh(self, slot: Slot) -> None:
+        slot.cache = make_cache(self.model, self.cache_config)
+        slot.tokens = []
+
+    def _touch(self, slot: Slot) -> None:
+        slot.last_used = time.monotonic()
+        slot.uses += 1
+
+    def acquire(self, prompt: list[int]) -> Lease:
+        with self._lock:
+            lease = self._choose(prompt)
+            self._touch(lease.slot)
+            return lease
+
+    def _choose(self, prompt: list[int]) -> Lease:
+        limit = len(prompt) - 1           # keep at least one token to prefill
+        best, best_n = None, 0
+        for s in self.slots:
+            if s.free:
+                continue
+            n = common_prefix(s.tokens, prompt)
+            if n > best_n:
+                best, best_n = s, n
+        keep = min(best_n, limit)
+        if best is not None and keep >= MIN_REUSE:
+            if keep == len(best.tokens):
+                return Lease(best, keep, "extend")
+            if keep >= ROLLBACK_KEEP * len(best.tokens) and self._rollback(best, keep):
+                return Lease(best, keep, "rollback")
+        free = [s for s in self.slots if s.free]
+        if free:
+            self._fresh(free[0])
+            return Lease(free[0], 0, "new")
+        # no free slot: a request that is mostly this slot's conversation (regenerate after a long
+        # answer) rolls it back rather than evicting another conversation
+        if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt) \
+                and self._rollback(best, keep):
+            return Lease(best, keep, "rollback")
+        victims = sorted(self.slots, key=lambda s: s.last_used)
+        if len(self.slots) > 1:
+            longest = max(self.slots, key=lambda s: len(s.tokens))
+            victims = [s for s in victims if s is not longest]
+        if len(prompt) < self.small_tokens:
+            victims = [s for s in victims if len(s.tokens) < self.small_tokens]
+        if not victims:
+            scratch = Slot(-1)
+            self._fresh(scratch)
+            return Lease(scratch, 0, "scratch")
+        victim = victims[0]
+        self._fresh(victim)
+        return Lease(victim, 0, "evict")
+
+    def _rollback(self, slot: Slot, keep: int) -> bool:
+        if not trim(slot.cache, len(slot.tokens) - keep):
+            return False
+        del slot.tokens[keep:]
+        return True
+
+    def invalidate(self, slot: Slot) -> None:
+        """Forget a slot whose cache state is unknown (an error in the middle of a step)."""
+        with self._lock:
+            slot.cache, slot.tokens = None, []
+
+    def describe(self) -> list[dict]:
+        with self._lock:
+            out = []
+            for s in self.slots:
+                d = {"slot": s.index, "tokens": len(s.tokens), "uses": s.uses}
+                if s.cache is not None:
+                    d.update(stored=s.cache.stored_count, cache_bytes=s.cache.nbytes)
+                out.append(d)
+            return out
+
+    @property
+    def cache_bytes(self) -> int:
+        return sum(d.get("cache_bytes", 0) for d in self.describe())

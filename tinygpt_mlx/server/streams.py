@@ -1,0 +1,80 @@
+"""Turning a job's events into HTTP bodies: NDJSON (ollama), SSE (OpenAI) or one object."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import AsyncIterator, Callable, Optional
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .worker import Job, Result
+
+
+class ClientGone(Exception):
+    """The client of a non-streamed request disconnected while it waited."""
+
+
+class GenerationFailed(Exception):
+    """The worker reported an error for this job."""
+
+
+async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result], list[dict]],
+                 error: Callable[[str], dict]) -> AsyncIterator[dict]:
+    """The job's events as response objects; closing this generator cancels the job."""
+    try:
+        while True:
+            kind, payload = await job.events.get()
+            if kind == "text":
+                yield text(payload)
+                continue
+            for obj in (done(payload) if kind == "done" else [error(payload)]):
+                yield obj
+            return
+    finally:
+        job.cancel()
+
+
+async def collect(job: Job, request: Request) -> Result:
+    """Wait for a non-streamed job; a client that goes away cancels it."""
+    try:
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    raise ClientGone() from None
+                continue
+            if kind == "done":
+                return payload
+            if kind == "error":
+                raise GenerationFailed(payload)
+    finally:
+        job.cancel()
+
+
+def ndjson(gen: AsyncIterator[dict], headers: Optional[dict] = None) -> StreamingResponse:
+    async def body():
+        try:
+            async for obj in gen:
+                yield json.dumps(obj, ensure_ascii=False) + "\n"
+        finally:
+            await gen.aclose()          # runs the job's cancellation if the client went away
+    return StreamingResponse(body(), media_type="application/x-ndjson", headers=headers)
+
+
+def sse(gen: AsyncIterator[dict], headers: Optional[dict] = None) -> StreamingResponse:
+    async def body():
+        try:
+            async for obj in gen:
+                yield f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await gen.aclose()
+    return StreamingResponse(body(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})})
+
+
+def truncation_headers(truncated: Optional[dict]) -> dict:
+    return {"X-Prompt-Truncated": json.dumps(truncated)} if truncated else {}
