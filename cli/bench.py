@@ -1,0 +1,98 @@
+"""`posttrainllm bench`: prefill/decode speed and cache bytes per policy and context."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from tinygpt_mlx.evaluate import bench as b
+from tinygpt_mlx.evaluate.modes import SPEC_HELP
+from tinygpt_mlx.loading import load
+
+from . import common as c
+from .common import err
+
+
+def _ints(text: str, name: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{name} must be a comma list of integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{name} must be positive integers, got {text!r}")
+    return values
+
+
+def _ratio(x: Optional[float]) -> str:
+    return f" [dim]×{x:.2f}[/dim]" if x is not None else ""
+
+
+def print_table(result: dict) -> None:
+    ref = b.REFERENCE
+    table = Table(title=f"bench: {result['decode_steps']} decode steps after each prefill; "
+                        f"(ratio vs our {ref} full cache, same run)")
+    for col in ("policy", "context", "prefill tok/s", "decode tok/s", "cache"):
+        table.add_column(col, justify="left" if col == "policy" else "right")
+    last = None
+    for r in sorted(result["rows"], key=lambda r: r["context"]):
+        if last is not None and r["context"] != last:
+            table.add_section()
+        last = r["context"]
+        table.add_row(r["policy"], str(r["context"]),
+                      f"{r['prefill_tokens_per_s']:.0f}{_ratio(r[f'prefill_tokens_per_s_vs_{ref}'])}",
+                      f"{r['decode_tokens_per_s']:.1f}{_ratio(r[f'decode_tokens_per_s_vs_{ref}'])}",
+                      f"{c.fmt_bytes(r['cache_bytes'])}{_ratio(r[f'cache_bytes_vs_{ref}'])}")
+    Console(highlight=False, width=100).print(table)
+
+
+def bench(
+    model: c.ModelArg = None,
+    contexts: Annotated[str, typer.Option(
+        "--contexts", help="Comma list of prompt lengths to prefill.")] = "1024,4096",
+    policies: Annotated[str, typer.Option(
+        "--policies", help=f"Comma list of policies. Ours: {SPEC_HELP}. mlx-lm's: mlx (KVCache), "
+        "mlx-rotatingN (RotatingKVCache(N, keep=4)), mlx-q8 / mlx-q4 (QuantizedKVCache). "
+        "fp32 always runs: ratios are against it.")] = b.DEFAULT_POLICIES,
+    decode_steps: Annotated[int, typer.Option(
+        "--decode-steps", help="Greedy decode steps timed after each prefill.")] = b.DECODE_STEPS,
+    prefill_chunk: c.PrefillChunk = None,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", help="Write the rows as JSON to this path.", dir_okay=False)] = None,
+    plot_path: Annotated[Optional[Path], typer.Option(
+        "--plot", help="Write a PNG: decode ms/token and cache MiB against context.", dir_okay=False)] = None,
+) -> None:
+    """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
+    with c.guarded():
+        ctx = _ints(contexts, "--contexts")
+        specs = [s.strip() for s in policies.split(",") if s.strip()]
+        loaded = load(model)
+        for s in specs:
+            b.make_policy(s, loaded.model)  # a bad spec fails before the model runs
+        err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
+                  f"contexts {ctx} · {len(specs)} policies")
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("benchmarking", total=len(ctx) * (len(set(specs) | {b.REFERENCE})))
+
+            def advance(name: str, context: int) -> None:
+                bar.update(task, advance=1, description=f"{name} @ {context}")
+            result = b.bench(loaded.model, specs, ctx, decode_steps,
+                             prefill_chunk or b.PREFILL_CHUNK, progress=advance)
+        for name, why in result["skipped"].items():
+            err.print(f"[yellow]skipped[/yellow] {name}: {why}")
+        print_table(result)
+        result["model"] = loaded.name
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=2))
+        if plot_path is not None:
+            b.plot(result["rows"], plot_path)
+            err.print(f"plot written to {plot_path}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

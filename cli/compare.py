@@ -1,0 +1,75 @@
+"""`posttrainllm compare`: greedy prefix match of cache policies against the fp32 full cache."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from tinygpt_mlx.evaluate import compare as cmp
+from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
+from tinygpt_mlx.loading import load
+
+from . import common as c
+from .common import err
+
+DEFAULT_MODES = "fp16,bf16,int8,int4"
+
+
+def print_table(result: dict) -> None:
+    modes = result["modes"]
+    table = Table(title=f"greedy prefix match vs {result['baseline']} full cache, "
+                        f"{result['tokens']} tokens per prompt")
+    table.add_column("prompt", overflow="ellipsis", max_width=40, no_wrap=True)
+    for name in modes:
+        table.add_column(name, justify="right", no_wrap=True, min_width=5)
+    first = next(iter(modes.values()))
+    for i, row in enumerate(first["prompts"]):
+        table.add_row(row["prompt"], *(f"{m['prompts'][i]['prefix_match']:.2f}" for m in modes.values()))
+    table.add_section()
+    table.add_row("[bold]mean[/bold]", *(f"[bold]{m['mean_prefix_match']:.3f}[/bold]" for m in modes.values()))
+    Console(highlight=False, width=48 + sum(max(len(n), 5) + 3 for n in modes)).print(table)
+
+
+def compare(
+    model: c.ModelArg = None,
+    prompts: Annotated[Optional[Path], typer.Option(
+        "--prompts", help="One prompt per line (default: the prompt set shipped with the package).",
+        exists=True, dir_okay=False)] = None,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {cmp.DEFAULT_TOKENS}.",
+        show_default=False)] = None,
+    modes: Annotated[str, typer.Option(
+        "--modes", help=f"Comma list of cache policies to compare. Each: {SPEC_HELP}.")] = DEFAULT_MODES,
+    baseline: Annotated[str, typer.Option(
+        "--baseline", help="The reference policy (same syntax as a mode).")] = "fp32",
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
+) -> None:
+    """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
+    with c.guarded():
+        policies = parse_policies(modes)
+        reference = (baseline, parse_policy(baseline))
+        texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
+        loaded = load(model)
+        err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "
+                  f"baseline [green]{reference[1].label()}[/green]")
+        for name, config in policies.items():
+            err.print(f"  {name}: {config.label()}")
+        n = tokens if tokens is not None else cmp.DEFAULT_TOKENS
+        with Progress(console=err, transient=True) as bar:
+            task = bar.add_task("generating", total=len(texts) * (1 + len(policies)))
+            result = cmp.compare(loaded, texts, policies, n, reference,
+                                 progress=lambda: bar.advance(task))
+        print_table(result)
+        if json_path is not None:
+            json_path.write_text(json.dumps(result, indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compare")(compare)

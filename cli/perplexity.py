@@ -1,0 +1,82 @@
+"""`posttrainllm perplexity`: teacher-forced perplexity through the cached path, KL to a baseline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from tinygpt_mlx.evaluate import perplexity as ppl
+from tinygpt_mlx.evaluate.modes import parse_policy
+from tinygpt_mlx.loading import load
+
+from . import common as c
+from .common import err
+
+
+def perplexity(
+    model: c.ModelArg = None,
+    text: Annotated[Path, typer.Option(
+        "--text", help="UTF-8 text to score.", exists=True, dir_okay=False)] = ...,
+    max_tokens: Annotated[Optional[int], typer.Option(
+        "--max-tokens", help="Score only the first N tokens of the text.", show_default=False)] = None,
+    baseline: Annotated[str, typer.Option(
+        "--baseline", help="Reference run side by side for KL and top-1: fp32 (full cache), any policy "
+        "spec as in compare --modes, or none (e.g. a text longer than the model's context).")] = "fp32",
+    prefill_tokens: Annotated[Optional[int], typer.Option(
+        "--prefill-tokens", help=f"Tokens in the first (prefill) chunk; the rest go one by one. "
+        f"Default {ppl.PREFILL_TOKENS}.", show_default=False)] = None,
+    kv_quantize: c.KvQuantize = None,
+    kv_quantize_keys: c.KvKeys = None,
+    kv_quantize_values: c.KvValues = None,
+    kv_group_size: c.KvGroup = None,
+    kv_residual: c.KvResidual = None,
+    streaming_llm_sink: c.Sink = None,
+    streaming_llm_window: c.Window = None,
+    streaming_llm_rope: c.RopeMode = None,
+    kiv_hot_budget: c.HotBudget = None,
+    kiv_top_p: c.KivTopP = None,
+    kiv_page_size: c.KivPage = None,
+    kiv_top_pages: c.KivPages = None,
+    json_path: Annotated[Optional[Path], typer.Option(
+        "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
+) -> None:
+    """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
+    config = c.cache_config(
+        kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
+        streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
+        kiv_top_p, kiv_page_size, kiv_top_pages)
+    with c.guarded():
+        if max_tokens is not None and max_tokens < 2:
+            raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
+        reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
+        loaded = load(model)
+        ids = loaded.tokenizer.encode(text.read_text(encoding="utf-8"))[:max_tokens]
+        err.print(f"[bold]perplexity[/bold] · model [cyan]{loaded.name}[/cyan] (context "
+                  f"{loaded.context_length}) · {len(ids)} tokens · policy [green]{config.label()}[/green]"
+                  f" · baseline {reference.label() if reference else 'none'}")
+        columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=err, transient=True) as bar:
+            task = bar.add_task("scoring", total=max(len(ids) - 1, 0))
+            result = ppl.perplexity(
+                loaded.model, ids, config, reference,
+                prefill_tokens if prefill_tokens is not None else ppl.PREFILL_TOKENS,
+                loaded.context_length, progress=lambda done, total: bar.update(task, completed=done))
+        r = result.to_dict()
+        line = f"tokens {r['tokens']}  perplexity {r['perplexity']:.4f}"
+        if reference is not None:
+            line += (f"  baseline {r['baseline_perplexity']:.4f}  KL {r['kl_mean']:.3e} nats"
+                     f"  top-1 agreement {r['top1_agreement']:.4f}")
+        print(line)
+        err.print(f"cache: stored {r['stored_count']} of currentLength {r['current_length']}, "
+                  f"{c.fmt_bytes(r['cache_bytes'])}")
+        if json_path is not None:
+            r.update(policy=config.describe(), label=config.label(), baseline=baseline)
+            json_path.write_text(json.dumps(r, indent=2))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("perplexity")(perplexity)

@@ -1,0 +1,172 @@
+"""Speed and memory per cache policy and context: ours side by side with mlx-lm's caches.
+
+For each context C and policy: prefill C deterministic pseudo-random tokens through
+`generate.prefill` (chunked, the code `sample` uses), then time `decode_steps` greedy steps
+through `generate.forward`, and read the bytes the cache reports. mlx-lm's own caches run
+through the same functions on the same model, as baselines:
+
+    mlx             mlx_lm.models.cache.KVCache
+    mlx-rotatingN   RotatingKVCache(max_size=N, keep=4)      (compare with sink4/window<N-4>)
+    mlx-q8, mlx-q4  QuantizedKVCache(group_size=64, bits)     (group 32 if head_dim % 64)
+
+Every other spec is one of ours (`modes.parse_policy`). The fp32 full cache always runs: the
+ratios are against it, measured in the same process.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+from ..cache import make_cache
+from ..errors import PosttrainError
+from ..generate import forward, prefill
+from .modes import parse_policy
+
+DEFAULT_POLICIES = "fp32,bf16,int8,int4,sink4/window252,mlx,mlx-rotating256,mlx-q8,mlx-q4"
+DECODE_STEPS = 32
+PREFILL_CHUNK = 512
+REFERENCE = "fp32"
+_MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
+
+
+class _MlxCaches(list):
+    """mlx-lm per-layer caches with the two methods `generate.forward` and the report use."""
+
+    def evict_middle_if_needed(self) -> int:
+        return 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self)
+
+
+@dataclass
+class Policy:
+    name: str
+    label: str
+    make: Callable[[], list]
+
+
+def _head_dim(model: Any) -> int:
+    cfg = getattr(model, "config", None)
+    if cfg is not None and hasattr(cfg, "head_dim"):
+        return cfg.head_dim
+    args = model.args
+    return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+
+def make_policy(spec: str, model: Any) -> Policy:
+    """A named cache factory for `model`; a bad spec is a ValueError."""
+    m = _MLX.fullmatch(spec.strip().lower())
+    if m is None:
+        config = parse_policy(spec)
+        return Policy(spec, config.label(), lambda: make_cache(model, config))
+    from mlx_lm.models import cache as mc  # noqa: PLC0415
+
+    n = len(model.layers)
+    if m[1]:
+        size = int(m[1])
+        if size <= 4:
+            raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
+        return Policy(spec, f"mlx-lm RotatingKVCache({size}, keep=4)",
+                      lambda: _MlxCaches(mc.RotatingKVCache(size, keep=4) for _ in range(n)))
+    if m[2]:
+        bits, hd = int(m[2]), _head_dim(model)
+        group = 64 if hd % 64 == 0 else 32
+
+        def make() -> list:
+            if hd % group:
+                raise ValueError(f"mx.quantize needs head_dim {hd} to be a multiple of 32")
+            return _MlxCaches(mc.QuantizedKVCache(group, bits) for _ in range(n))
+        return Policy(spec, f"mlx-lm QuantizedKVCache(group_size={group}, bits={bits})", make)
+    return Policy(spec, "mlx-lm KVCache", lambda: _MlxCaches(mc.KVCache() for _ in range(n)))
+
+
+def run_one(model: Any, policy: Policy, tokens: list[int], decode_steps: int,
+            prefill_chunk: int = PREFILL_CHUNK) -> dict:
+    """One measurement: prefill `tokens`, decode `decode_steps` greedy tokens."""
+    cache = policy.make()
+    t0 = time.perf_counter()
+    logits = prefill(model, tokens, cache, prefill_chunk)
+    prefill_s = time.perf_counter() - t0
+    token = mx.argmax(logits)
+    t0 = time.perf_counter()
+    for _ in range(decode_steps):
+        token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
+        mx.eval(token)
+    decode_s = time.perf_counter() - t0
+    return {"policy": policy.name, "label": policy.label, "context": len(tokens),
+            "prefill_tokens_per_s": len(tokens) / prefill_s,
+            "decode_tokens_per_s": decode_steps / decode_s if decode_steps else 0.0,
+            "cache_bytes": int(cache.nbytes)}
+
+
+def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
+          prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
+          progress: Optional[Callable[[str, int], None]] = None) -> dict:
+    """Rows for every (context, policy), with ratios against fp32; policies whose cache this
+    build or model cannot make (e.g. KIVI not built yet) are listed under `skipped`."""
+    if not contexts or min(contexts) < 1:
+        raise ValueError(f"contexts must be positive integers, got {contexts}")
+    if decode_steps < 1:
+        raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    specs = [REFERENCE] + [s for s in specs if s != REFERENCE]
+    policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
+    vocab = model(mx.array([[0]])).shape[-1]
+    skipped: dict[str, str] = {}
+    for p in list(policies):  # warm-up, and find the caches that cannot be made here
+        try:
+            run_one(model, p, list(range(8)), 2)
+        except ValueError as e:
+            skipped[p.name] = str(e)
+            policies.remove(p)
+    rows = []
+    for context in contexts:
+        tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
+        for p in policies:
+            rows.append(run_one(model, p, tokens, decode_steps, prefill_chunk))
+            if progress is not None:
+                progress(p.name, context)
+    add_ratios(rows)
+    return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "rows": rows, "skipped": skipped}
+
+
+def add_ratios(rows: list[dict], reference: str = REFERENCE) -> None:
+    """Each row gets `<metric>_vs_fp32`: its value over the reference row at the same context."""
+    ref = {r["context"]: r for r in rows if r["policy"] == reference}
+    for r in rows:
+        base = ref.get(r["context"])
+        for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_bytes"):
+            denom = base[key] if base else 0
+            r[f"{key}_vs_{reference}"] = r[key] / denom if denom else None
+
+
+def plot(rows: list[dict], path) -> None:
+    """decode ms/token and cache MB against context, one line per policy (PNG via Agg)."""
+    try:
+        import matplotlib  # noqa: PLC0415
+    except ImportError:
+        raise PosttrainError("--plot needs matplotlib: pip install 'posttrainllm[plot]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for name in dict.fromkeys(r["policy"] for r in rows):
+        mine = sorted((r for r in rows if r["policy"] == name), key=lambda r: r["context"])
+        ctx = [r["context"] for r in mine]
+        ax_t.plot(ctx, [1000 / r["decode_tokens_per_s"] for r in mine], marker="o", label=name)
+        ax_m.plot(ctx, [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=name)
+    for ax, title in ((ax_t, "decode ms / token"), (ax_m, "cache MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    ax_m.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,99 @@
+"""Greedy prefix match: how long a cache policy reproduces the fp32 full-cache generation.
+
+For each prompt, greedy (temperature 0) decoding runs through `generate.generate_step` (the
+code `sample` uses) once with the baseline cache and once per policy. The metric is the number
+of tokens reproduced before the first divergence over the tokens generated. End-of-text does
+not stop the runs, so every run generates exactly `tokens` tokens and the rates compare.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from ..cache import make_cache
+from ..config import CacheConfig
+from ..generate import GenerationStats, check_context, generate_step
+from ..sampling import make_sampler
+
+DEFAULT_TOKENS = 60
+PREFILL_CHUNK = 512
+
+
+def prefix_match(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int, float]:
+    """(matched, rate): tokens equal before the first divergence, over the longer length.
+
+    Identical sequences give rate 1.0, a divergence at index k gives k / n, and two empty
+    sequences give (0, 1.0): nothing was generated, so nothing diverged.
+    """
+    matched = 0
+    for a, b in zip(reference, candidate):
+        if a != b:
+            break
+        matched += 1
+    n = max(len(reference), len(candidate))
+    return matched, (matched / n if n else 1.0)
+
+
+def default_prompts() -> list[str]:
+    """The prompt set shipped with the package (tinygpt_mlx/data/prompts.txt)."""
+    return read_prompts(resources.files("tinygpt_mlx") / "data" / "prompts.txt")
+
+
+def read_prompts(path) -> list[str]:
+    """One prompt per non-blank line."""
+    prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise ValueError(f"{path}: no prompts (one per line)")
+    return prompts
+
+
+def greedy_tokens(model, prompt_ids: list[int], config: CacheConfig, tokens: int,
+                  prefill_chunk: int = PREFILL_CHUNK) -> list[int]:
+    """Exactly `tokens` greedy token ids after `prompt_ids` under the policy `config`."""
+    cache = make_cache(model, config)
+    stats = GenerationStats(cache=cache)
+    return list(generate_step(model, prompt_ids, cache, make_sampler(0.0), tokens, prefill_chunk, stats))
+
+
+def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: int = DEFAULT_TOKENS,
+            baseline: tuple[str, CacheConfig] = ("fp32", CacheConfig()),
+            progress: Optional[Callable[[], None]] = None) -> dict:
+    """Prefix match of every mode against the baseline on every prompt (JSON-shaped result).
+
+    `progress` is called after each generation (len(prompts) * (1 + len(modes)) calls).
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens must be >= 1, got {tokens}")
+    encoded = []
+    for p in prompts:
+        ids = loaded.tokenizer.encode(p)
+        if not ids:
+            raise ValueError(f"prompt {p!r} encodes to no tokens")
+        for config in (baseline[1], *modes.values()):
+            check_context(len(ids), loaded.context_length, config)
+        encoded.append(ids)
+    results = {name: [] for name in modes}
+    references = []
+    for prompt, ids in zip(prompts, encoded):
+        ref = greedy_tokens(loaded.model, ids, baseline[1], tokens)
+        references.append(loaded.tokenizer.decode(ref))
+        if progress:
+            progress()
+        for name, config in modes.items():
+            matched, rate = prefix_match(ref, greedy_tokens(loaded.model, ids, config, tokens))
+            results[name].append({"prompt": prompt, "prefix_match": rate, "matched_tokens": matched})
+            if progress:
+                progress()
+    return {
+        "baseline": baseline[0],
+        "baseline_policy": baseline[1].describe(),
+        "tokens": tokens,
+        "baseline_texts": references,
+        "modes": {name: {"policy": modes[name].describe(), "label": modes[name].label(),
+                         "mean_prefix_match": sum(r["prefix_match"] for r in rows) / len(rows),
+                         "prompts": rows}
+                  for name, rows in results.items()},
+    }
