@@ -1,0 +1,52 @@
+"""`posttrainllm cache-report`: bytes each cache policy really holds, measured through the model."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from tinygpt_mlx.cache.report import bytes_table
+from tinygpt_mlx.loading import load
+
+from . import common as c
+from .common import err
+
+DEFAULT_LENGTHS = (256, 1024, 4096)
+
+
+def cache_report(
+    model: c.ModelArg = None,
+    lengths: Annotated[Optional[list[int]], typer.Option(
+        "--length", "-l", help=f"Stored length to measure (repeatable). Default {', '.join(map(str, DEFAULT_LENGTHS))}.",
+        show_default=False)] = None,
+    kv_group_size: c.KvGroup = None,
+    kv_residual: c.KvResidual = None,
+    prefill_chunk: c.PrefillChunk = None,
+) -> None:
+    """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches with random tokens and print their bytes."""
+    lengths = lengths or list(DEFAULT_LENGTHS)
+    if any(n < 1 for n in lengths):
+        raise typer.BadParameter("--length must be positive")
+    c.cache_config(group_size=kv_group_size, residual=kv_residual)  # flag errors before loading
+    with c.guarded():
+        loaded = load(model)
+        vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
+        err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache ...")
+        rows = bytes_table(loaded.model, vocab, lengths, chunk=prefill_chunk or 512,
+                           group_size=kv_group_size, residual=kv_residual)
+    table = Table(title=f"KV cache bytes, {loaded.name} (measured: cache.nbytes after filling)")
+    table.add_column("policy")
+    for n in sorted(set(lengths)):
+        table.add_column(f"{n} tokens", justify="right")
+    base = [r.nbytes for r in rows[0]]
+    for row in rows:
+        table.add_row(row[0].policy, *(f"{c.fmt_bytes(r.nbytes)} ({r.nbytes / b:.3f}x)"
+                                       for r, b in zip(row, base)))
+    Console(highlight=False, width=200).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("cache-report")(cache_report)

@@ -1,0 +1,265 @@
+"""KIVI storage: residual hand-over, packed attention vs the dequantised reference, greedy
+trajectories, byte counts, StreamingLLM composition, mlx-lm installation and the CLI."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tinygpt_mlx import attention
+from tinygpt_mlx.cache import LayerCache, make_cache
+from tinygpt_mlx.cache.kivi import KiviStore
+from tinygpt_mlx.config import CacheConfig
+
+from conftest import build_native
+
+G, R = 32, 32
+
+
+@pytest.fixture(scope="module")
+def native32_path(tmp_path_factory, tokenizer_json):
+    # head dim 32: value groups run along the head dimension and MLX's smallest group is 32
+    return build_native(tmp_path_factory.mktemp("native32") / "tiny32.tinygpt", tokenizer_json,
+                        d_model=128, n_heads=4, n_kv_heads=2, context_length=512)
+
+
+@pytest.fixture(scope="module")
+def native32(native32_path):
+    from tinygpt_mlx.loading import load
+    return load(native32_path)
+
+
+def tokens(n, vocab=300, seed=0):
+    return mx.array(np.random.RandomState(seed).randint(0, vocab, (1, n)))
+
+
+def run(model, cache, toks, chunk=40, prefill=0):
+    """Prefill `prefill` tokens in chunks, then decode the rest one by one; all logits."""
+    out = []
+    for i in range(0, prefill, chunk):
+        out.append(model(toks[:, i:min(i + chunk, prefill)], cache=cache))
+        cache.evict_middle_if_needed()
+    for i in range(prefill, toks.shape[1]):
+        out.append(model(toks[:, i:i + 1], cache=cache))
+        cache.evict_middle_if_needed()
+    return mx.concatenate(out, axis=1)
+
+
+def test_residual_handover_and_group_boundaries():
+    store = KiviStore(CacheConfig(key_bits=4, value_bits=4, group_size=G, residual=R), mx.float32)
+    kv = mx.random.normal((2, 1, 2, 300, 32))
+    frozen_at = []
+    for t in range(200):
+        before = store.n_packed
+        store.append(kv[0][..., t:t + 1, :], kv[1][..., t:t + 1, :])
+        if store.n_packed != before:
+            frozen_at.append(t + 1)
+            assert store.n_packed - before == G
+        assert len(store) == t + 1 == store.n_packed + len(store.residual)
+        assert store.n_packed % G == 0
+        assert len(store.residual) == (t + 1 if t + 1 < R + G else R + (t + 1 - R) % G)
+    # the residual fills at R + G tokens; then every G tokens one block freezes
+    assert frozen_at == list(range(R + G, 201, G))
+    # a prefill chunk stays exact until the next append, then its old groups freeze
+    store.append(kv[0][..., 200:300, :], kv[1][..., 200:300, :])
+    assert len(store.residual) >= 100 and store.n_packed % G == 0 and len(store) == 300
+    store.append(kv[0][..., :1, :], kv[1][..., :1, :])
+    assert R <= len(store.residual) < R + G and len(store) == 301
+
+
+def test_layer_cache_stored_count_is_sink_plus_blocks_plus_residual(native32):
+    cfg = CacheConfig(key_bits=4, value_bits=4, sink=4, window=1000)
+    cache = make_cache(native32.model, cfg)
+    run(native32.model, cache, tokens(150), prefill=100)
+    for layer in cache.owned:
+        body = layer.body
+        assert layer.stored_count == 4 + body.n_packed + len(body.residual) == 150
+        assert body.n_packed % G == 0 and R <= len(body.residual) < R + G
+
+
+CONFIGS = [
+    dict(key_bits=8, value_bits=8),
+    dict(key_bits=4, value_bits=4),
+    dict(key_bits=2, value_bits=2),
+    dict(key_bits=8, value_bits=4),
+    dict(key_bits=4, value_bits=None),
+    dict(key_bits=None, value_bits=2, storage="bf16"),
+    dict(key_bits=4, value_bits=None, group_size=64, residual=64),  # value groups need D % G == 0
+    dict(key_bits=4, value_bits=4, sink=4, window=64),
+    dict(key_bits=2, value_bits=4, sink=4, window=64, rope_mode="absolute"),
+]
+
+
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: CacheConfig(**kw).label())
+def test_packed_attention_equals_dequantised_reference(native32, kw):
+    """Installed attention scores packed data; the reference path dequantises every block and
+    runs dense SDPA (mx.fast) over it. Same stored data, so the logits agree to rounding."""
+    model, toks = native32.model, tokens(220)
+    outs = []
+    for installed in (True, False):
+        cache = make_cache(model, CacheConfig(**kw))
+        for layer in cache.owned:
+            layer.attention_installed = installed
+        outs.append(run(model, cache, toks, prefill=120))
+        assert cache.owned[0].body.n_packed > 0
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+
+
+def test_int8_greedy_equals_fp32_over_32_steps(native32):
+    from tinygpt_mlx.config import SampleConfig
+    from tinygpt_mlx.generate import stream_generate
+
+    prompt = tokens(100, seed=1).tolist()[0]
+    greedy = SampleConfig(temperature=0.0, max_tokens=32)
+    runs = {}
+    for name, cfg in (("fp32", CacheConfig()), ("int8", CacheConfig.from_flags("int8"))):
+        chunks = list(stream_generate(native32, prompt, cfg, greedy))
+        runs[name] = [c.token for c in chunks if c.token is not None]
+        assert chunks[-1].stats.generated_tokens == 32
+    assert runs["int8"] == runs["fp32"]
+
+
+def test_int8_logits_close_to_fp32(native32):
+    model, toks = native32.model, tokens(200, seed=2)
+    ref = run(model, make_cache(model, CacheConfig()), toks, prefill=100)
+    q = run(model, make_cache(model, CacheConfig.from_flags("int8")), toks, prefill=100)
+    assert mx.abs(ref - q).max().item() < 0.05
+    assert (ref.argmax(-1) == q.argmax(-1)).all().item()
+
+
+def test_exact_byte_counts(native32):
+    model = native32.model
+    n_layers, H, D = 2, 2, 32
+    for kb, vb in ((8, 8), (4, 4), (2, 2), (8, 4), (4, None)):
+        cache = make_cache(model, CacheConfig(key_bits=kb, value_bits=vb))
+        run(model, cache, tokens(150), prefill=100)
+        body = cache.owned[0].body
+        P, r = body.n_packed, len(body.residual)
+        assert P + r == 150 and P % G == 0
+
+        def side(bits):
+            if bits is None:
+                return P * H * D * 4
+            return P * H * D * bits // 8 + 2 * 4 * P * H * D // G   # codes + fp32 scale, zero
+        expected = {"sink": 0, "body_packed": n_layers * (side(kb) + side(vb)),
+                    "residual": n_layers * r * H * D * 2 * 4}
+        assert cache.nbytes_breakdown() == expected
+        assert cache.nbytes == sum(expected.values())
+        held = sum(a.nbytes for layer in cache.owned for s in (layer.body.keys, layer.body.values) for a in s)
+        assert held == expected["body_packed"]
+
+
+def test_composes_with_streaming_llm(native32):
+    model, toks = native32.model, tokens(400, seed=3)
+    sink, window = 4, 64
+    cfg = CacheConfig(key_bits=4, value_bits=4, sink=sink, window=window)
+    cache = make_cache(model, cfg)
+    ref = make_cache(model, CacheConfig(sink=sink, window=window))
+    layer = cache.owned[0]
+    for i in range(0, 80, 40):
+        model(toks[:, i:i + 40], cache=cache), model(toks[:, i:i + 40], cache=ref)
+        cache.evict_middle_if_needed(), ref.evict_middle_if_needed()
+    for i in range(80, 400):
+        before = layer.body.evicted
+        mx.eval(model(toks[:, i:i + 1], cache=cache))
+        cache.evict_middle_if_needed()
+        # eviction takes whole frozen blocks, never residual tokens
+        assert layer.body.evicted - before in (0, G) and layer.body.evicted % G == 0
+        assert cache.current_length == i + 1
+        assert cache.current_length - cache.stored_count == layer.body.evicted
+        assert cache.stored_count <= sink + window + G
+        assert len(layer.sink_store) == sink
+    assert layer.body.evicted >= 400 - sink - window - G
+    # the sink is exact: the same bits as the fp32 StreamingLLM cache's sink
+    for ours, theirs in zip(cache.owned, ref.owned):
+        for a, b in zip(ours.sink_store.fetch(), theirs.sink_store.fetch()):
+            assert mx.array_equal(a, b).item()
+
+
+def test_clear_error_when_group_does_not_divide_head_dim(native):
+    # the session fixture has head dim 16; value groups of 32 channels cannot fit
+    with pytest.raises(ValueError, match="head dim 16"):
+        run(native.model, make_cache(native.model, CacheConfig(key_bits=4, value_bits=4)), tokens(4))
+    with pytest.raises(ValueError, match="group size 48"):
+        KiviStore(CacheConfig(key_bits=4, value_bits=4, group_size=48, residual=48), mx.float32)
+    # keys are grouped along tokens, so key-only KIVI works on any head dim
+    run(native.model, make_cache(native.model, CacheConfig(key_bits=4)), tokens(80))
+
+
+def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
+    from mlx_lm.models import llama as llama_module
+
+    model, toks = llama.model, tokens(150, seed=4)
+    original = llama_module.scaled_dot_product_attention
+    baseline = run(model, make_cache(model, CacheConfig()), toks, prefill=80)
+    try:
+        outs = []
+        for installed in (True, False):
+            cache = make_cache(model, CacheConfig(key_bits=8))   # head dim 16: keys only
+            assert isinstance(cache[0], LayerCache) and attention.is_installed(model)
+            assert llama_module.scaled_dot_product_attention is attention.scaled_dot_product_attention
+            for layer in cache.owned:
+                layer.attention_installed = installed
+            outs.append(run(model, cache, toks, prefill=80))
+            assert cache.owned[0].body.n_packed > 0
+        assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+        # the fixture's widened random weights are sensitive: int4 keys move logits by ~4
+        assert mx.abs(outs[0] - baseline).max().item() < 0.5
+    finally:
+        attention.uninstall()
+    assert llama_module.scaled_dot_product_attention is original
+    assert mx.array_equal(run(model, make_cache(model, CacheConfig()), toks, prefill=80), baseline).item()
+
+
+def test_sdpa_never_receives_integer_tensors(native32, monkeypatch):
+    seen = []
+    real = attention._original_sdpa
+
+    def spy(q, k, v, **kw):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(attention, "_original_sdpa", spy)
+    model = native32.model
+    for installed in (True, False):
+        cache = make_cache(model, CacheConfig(key_bits=2, value_bits=2))
+        for layer in cache.owned:
+            layer.attention_installed = installed
+        run(model, cache, tokens(100), prefill=60)
+    assert seen, "the reference path must go through SDPA"
+    assert all(mx.issubdtype(d, mx.floating) for dts in seen for d in dts)
+    from tinygpt_mlx import quant
+    kp, ks, kz = quant.quantise_k(mx.random.normal((1, 1, 32, 32)), 4, 32)
+    with pytest.raises(TypeError):
+        quant.quantised_matmul(mx.zeros((1, 32), mx.int32), kp[0, 0], ks[0, 0], kz[0, 0], bits=4, group=32)
+
+
+def test_cli_sample_kv_quantize_int4(native32_path, native_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    runner = CliRunner()
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8
+    r = runner.invoke(app, ["sample", str(native32_path), "-p", prompt, "-n", "40", "--temperature", "0",
+                            "--kv-quantize", "int4"])
+    assert r.exit_code == 0, r.output
+    assert "body_packed" in r.output and "int4" in r.output
+    r = runner.invoke(app, ["sample", str(native32_path), "-p", prompt, "-n", "8", "--temperature", "0",
+                            "--kv-quantize-keys", "int8", "--kv-quantize-values", "int4",
+                            "--streaming-llm-sink", "4", "--streaming-llm-window", "64"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["sample", str(native_path), "-p", "hello", "-n", "4", "--kv-quantize", "int4"])
+    assert r.exit_code == 1 and "head dim 16" in r.output
+
+
+def test_cli_cache_report(native32_path):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["cache-report", str(native32_path), "-l", "64", "-l", "200"])
+    assert r.exit_code == 0, r.output
+    for label in ("fp32", "bf16", "int8", "int4", "int2", "K int8 / V int4", "200 tokens"):
+        assert label in r.output
