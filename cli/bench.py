@@ -35,8 +35,8 @@ def _ratio(x: Optional[float]) -> str:
 
 def print_table(result: dict) -> None:
     ref = b.REFERENCE
-    table = Table(title=f"bench: {result['decode_steps']} decode steps after each prefill; "
-                        f"(ratio vs our {ref} full cache, same run)")
+    table = Table(title=f"bench: ×ratio vs our {ref} full cache in the same run; "
+                        f"{result['decode_steps']} decode steps after each prefill")
     for col in ("policy", "context", "prefill tok/s", "decode tok/s", "cache"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     last = None
@@ -72,10 +72,10 @@ def bench(
         ctx = _ints(contexts, "--contexts")
         specs = [s.strip() for s in policies.split(",") if s.strip()]
         loaded = load(model)
-        for s in specs:
-            b.make_policy(s, loaded.model)  # a bad spec fails before the model runs
         err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
-                  f"contexts {ctx} · {len(specs)} policies")
+                  f"contexts {ctx}")
+        for s in specs:  # a bad spec fails before the model runs
+            err.print(f"  {s}: [green]{b.make_policy(s, loaded.model).label}[/green]")
         with Progress(console=err, transient=True) as bar:
             task = bar.add_task("benchmarking", total=len(ctx) * (len(set(specs) | {b.REFERENCE})))
 

@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tinygpt_mlx.evaluate import perplexity as ppl
-from tinygpt_mlx.evaluate.modes import parse_policy
+from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
 from tinygpt_mlx.loading import load
 
 from . import common as c
@@ -41,6 +43,10 @@ def perplexity(
     kiv_top_p: c.KivTopP = None,
     kiv_page_size: c.KivPage = None,
     kiv_top_pages: c.KivPages = None,
+    modes: Annotated[Optional[str], typer.Option(
+        "--modes", help=f"Instead of the cache flags: a comma list of policies scored side by side "
+        f"against one baseline run (a table; JSON under 'modes'). Each: {SPEC_HELP}.",
+        show_default=False)] = None,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
@@ -49,33 +55,54 @@ def perplexity(
         kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
         streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
         kiv_top_p, kiv_page_size, kiv_top_pages)
+    flags_given = config != c.cache_config()
     with c.guarded():
+        if modes is not None and flags_given:
+            raise ValueError("give --modes or cache flags, not both")
         if max_tokens is not None and max_tokens < 2:
             raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
+        policies = parse_policies(modes) if modes is not None else {config.label(): config}
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
         loaded = load(model)
         ids = loaded.tokenizer.encode(text.read_text(encoding="utf-8"))[:max_tokens]
         err.print(f"[bold]perplexity[/bold] · model [cyan]{loaded.name}[/cyan] (context "
-                  f"{loaded.context_length}) · {len(ids)} tokens · policy [green]{config.label()}[/green]"
-                  f" · baseline {reference.label() if reference else 'none'}")
+                  f"{loaded.context_length}) · {len(ids)} tokens · baseline "
+                  f"{reference.label() if reference else 'none'}")
+        for name, policy in policies.items():
+            err.print(f"  {name}: [green]{policy.label()}[/green]")
         columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
         with Progress(*columns, console=err, transient=True) as bar:
             task = bar.add_task("scoring", total=max(len(ids) - 1, 0))
-            result = ppl.perplexity(
-                loaded.model, ids, config, reference,
+            results = ppl.perplexities(
+                loaded.model, ids, policies, reference,
                 prefill_tokens if prefill_tokens is not None else ppl.PREFILL_TOKENS,
                 loaded.context_length, progress=lambda done, total: bar.update(task, completed=done))
-        r = result.to_dict()
-        line = f"tokens {r['tokens']}  perplexity {r['perplexity']:.4f}"
-        if reference is not None:
-            line += (f"  baseline {r['baseline_perplexity']:.4f}  KL {r['kl_mean']:.3e} nats"
-                     f"  top-1 agreement {r['top1_agreement']:.4f}")
-        print(line)
-        err.print(f"cache: stored {r['stored_count']} of currentLength {r['current_length']}, "
-                  f"{c.fmt_bytes(r['cache_bytes'])}")
+        print_table(results, baseline if reference else None)
         if json_path is not None:
-            r.update(policy=config.describe(), label=config.label(), baseline=baseline)
-            json_path.write_text(json.dumps(r, indent=2))
+            rows = {name: dict(r.to_dict(), policy=policies[name].describe()) for name, r in results.items()}
+            if modes is None:
+                out = dict(next(iter(rows.values())), label=config.label(), baseline=baseline)
+            else:
+                first = next(iter(results.values()))
+                out = {"tokens": first.tokens, "baseline": baseline,
+                       "baseline_perplexity": first.baseline_perplexity, "modes": rows}
+            json_path.write_text(json.dumps(out, indent=2))
+
+
+def print_table(results: dict, baseline: Optional[str]) -> None:
+    first = next(iter(results.values()))
+    title = f"perplexity over {first.tokens} tokens, teacher-forced through the cache"
+    if baseline is not None:
+        title += f"; baseline {baseline}: {first.baseline_perplexity:.4f}"
+    table = Table(title=title)
+    for col in ("policy", "perplexity", "KL(base||policy)", "top-1 agree", "stored", "cache"):
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+    for name, r in results.items():
+        kl = "-" if r.kl_mean is None else f"{r.kl_mean:.2e}"
+        top1 = "-" if r.top1_agreement is None else f"{r.top1_agreement:.4f}"
+        table.add_row(name, f"{r.perplexity:.4f}", kl, top1, f"{r.stored_count}/{r.current_length}",
+                      c.fmt_bytes(r.cache_bytes))
+    Console(highlight=False, width=110).print(table)
 
 
 def register(app: typer.Typer) -> None:

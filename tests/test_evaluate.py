@@ -147,6 +147,11 @@ def test_cli_perplexity_json(native_path, wide_path, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert d["kl_mean"] is None and d["stored_count"] == 10
+    r = _run("perplexity", wide_path, "--text", text, "--max-tokens", 30, "--modes", "fp32,int4", "--json", out)
+    assert r.exit_code == 0, r.output
+    d = json.loads(out.read_text())
+    assert list(d["modes"]) == ["fp32", "int4"] and d["modes"]["fp32"]["kl_mean"] == pytest.approx(0, abs=1e-9)
+    assert d["modes"]["int4"]["baseline_perplexity"] == d["baseline_perplexity"]
 
 
 def test_cli_bench_json_and_plot(wide_path, tmp_path):

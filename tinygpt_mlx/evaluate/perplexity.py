@@ -43,37 +43,29 @@ class PerplexityResult:
         return asdict(self)
 
 
-class _Sums:
-    """Running sums over scored positions, kept as lazy mx scalars (evaluated each step)."""
-
-    def __init__(self) -> None:
-        self.nll = mx.array(0.0)
-        self.base_nll = mx.array(0.0)
-        self.kl = mx.array(0.0)
-        self.agree = mx.array(0)
-
-    def add(self, logits: mx.array, targets: mx.array, base: Optional[mx.array]) -> None:
-        """logits/base [T, V] predicting targets [T]."""
-        logp = _log_softmax(logits)
-        self.nll = self.nll - mx.take_along_axis(logp, targets[:, None], axis=-1).sum()
-        if base is not None:
-            blogp = _log_softmax(base)
-            self.base_nll = self.base_nll - mx.take_along_axis(blogp, targets[:, None], axis=-1).sum()
-            self.kl = self.kl + (mx.exp(blogp) * (blogp - logp)).sum()
-            self.agree = self.agree + (mx.argmax(logp, axis=-1) == mx.argmax(blogp, axis=-1)).sum()
-        mx.eval(self.nll, self.base_nll, self.kl, self.agree)
-
-
 def _log_softmax(logits: mx.array) -> mx.array:
     logits = logits.astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def _nll(logp: mx.array, targets: mx.array) -> mx.array:
+    return -mx.take_along_axis(logp, targets[:, None], axis=-1).sum()
 
 
 def perplexity(model: Any, tokens: list[int], config: CacheConfig,
                baseline: Optional[CacheConfig] = CacheConfig(), prefill_tokens: int = PREFILL_TOKENS,
                context_length: Optional[int] = None,
                progress: Optional[Callable[[int, int], None]] = None) -> PerplexityResult:
-    """Score `tokens` under `config` (and `baseline` side by side unless None).
+    """Score `tokens` under `config` (and `baseline` side by side unless None)."""
+    return perplexities(model, tokens, {"policy": config}, baseline, prefill_tokens, context_length,
+                        progress)["policy"]
+
+
+def perplexities(model: Any, tokens: list[int], configs: dict[str, CacheConfig],
+                 baseline: Optional[CacheConfig] = CacheConfig(), prefill_tokens: int = PREFILL_TOKENS,
+                 context_length: Optional[int] = None,
+                 progress: Optional[Callable[[int, int], None]] = None) -> dict[str, PerplexityResult]:
+    """Score `tokens` under every policy in `configs`, all side by side with one baseline run.
 
     `context_length` (the model's) is checked as `sample` checks a prompt: a full cache cannot
     hold more, so a long text needs an evicting policy and `baseline=None`.
@@ -83,20 +75,36 @@ def perplexity(model: Any, tokens: list[int], config: CacheConfig,
         raise ValueError(f"the text must have at least 2 tokens to score, got {len(tokens)}")
     if prefill_tokens < 1:
         raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-    check_context(len(tokens), context_length, config)
+    if not configs:
+        raise ValueError("give at least one policy to score")
+    for config in configs.values():
+        check_context(len(tokens), context_length, config)
     if baseline is not None:
         try:
             check_context(len(tokens), context_length, baseline)
         except ContextLengthError as e:
             raise ContextLengthError(f"the full-cache baseline cannot hold the text ({e}); "
                                      "skip it with --baseline none") from None
-    caches = [make_cache(model, config)] + ([make_cache(model, baseline)] if baseline is not None else [])
-    sums, total = _Sums(), len(tokens) - 1
+    caches = {name: make_cache(model, config) for name, config in configs.items()}
+    base_cache = make_cache(model, baseline) if baseline is not None else None
+    zero = mx.array(0.0)
+    sums = {name: {"nll": zero, "kl": zero, "agree": zero} for name in configs}
+    base_nll, total = zero, len(tokens) - 1
     first = min(prefill_tokens, total)
 
     def score(x: list[int], y: list[int]) -> None:
-        out = [forward(model, mx.array(x)[None], c)[0] for c in caches]
-        sums.add(out[0], mx.array(y), out[1] if baseline is not None else None)
+        nonlocal base_nll
+        x, y = mx.array(x)[None], mx.array(y)
+        if base_cache is not None:
+            blogp = _log_softmax(forward(model, x, base_cache)[0])
+            base_nll = base_nll + _nll(blogp, y)
+        for name, cache in caches.items():
+            logp, acc = _log_softmax(forward(model, x, cache)[0]), sums[name]
+            acc["nll"] = acc["nll"] + _nll(logp, y)
+            if base_cache is not None:
+                acc["kl"] = acc["kl"] + (mx.exp(blogp) * (blogp - logp)).sum()
+                acc["agree"] = acc["agree"] + (mx.argmax(logp, -1) == mx.argmax(blogp, -1)).sum()
+        mx.eval(base_nll, sums)  # only these scalars outlive the step
 
     score(tokens[:first], tokens[1:first + 1])        # the prefill chunk
     if progress is not None:
@@ -105,12 +113,15 @@ def perplexity(model: Any, tokens: list[int], config: CacheConfig,
         score(tokens[i:i + 1], tokens[i + 1:i + 2])
         if progress is not None:
             progress(i + 1, total)
-    cache = caches[0]
-    result = PerplexityResult(tokens=total, perplexity=math.exp(sums.nll.item() / total),
-                              stored_count=cache.stored_count, current_length=cache.current_length,
-                              cache_bytes=cache.nbytes)
-    if baseline is not None:
-        result.baseline_perplexity = math.exp(sums.base_nll.item() / total)
-        result.kl_mean = max(0.0, sums.kl.item() / total)
-        result.top1_agreement = sums.agree.item() / total
-    return result
+    out = {}
+    for name, cache in caches.items():
+        acc = sums[name]
+        r = PerplexityResult(tokens=total, perplexity=math.exp(acc["nll"].item() / total),
+                             stored_count=cache.stored_count, current_length=cache.current_length,
+                             cache_bytes=cache.nbytes)
+        if base_cache is not None:
+            r.baseline_perplexity = math.exp(base_nll.item() / total)
+            r.kl_mean = max(0.0, acc["kl"].item() / total)
+            r.top1_agreement = acc["agree"].item() / total
+        out[name] = r
+    return out
