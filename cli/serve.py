@@ -36,13 +36,19 @@ def serve(
     kiv_top_p: c.KivTopP = None,
     kiv_page_size: c.KivPage = None,
     kiv_top_pages: c.KivPages = None,
+    kiv_summary: c.KivSummary = None,
+    kiv_cold_store: c.KivColdStore = None,
+    kiv_cold_path: c.KivColdPath = None,
+    kiv_cold_bits: c.KivColdBits = None,
+    kiv_positions: c.KivPositions = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
     cache_config = c.cache_config(
         kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
         streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
-        kiv_top_p, kiv_page_size, kiv_top_pages)
+        kiv_top_p, kiv_page_size, kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
+        cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
     if max_slots < 1:
         raise typer.BadParameter("--max-slots must be >= 1")
     chunk = prefill_chunk if prefill_chunk is not None else field_default(SampleConfig, "prefill_chunk")

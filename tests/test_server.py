@@ -35,9 +35,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(native):
-    app = create_app(native, CacheConfig(), max_slots=2, prefill_chunk=64, small_tokens=64)
+def _serve(loaded, **kw):
+    app = create_app(loaded, CacheConfig(), prefill_chunk=64, **kw)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -46,7 +45,13 @@ def server(native):
     while not srv.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    return srv, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def server(native):
+    srv, thread, url = _serve(native, max_slots=2, small_tokens=64)
+    yield url
     srv.should_exit = True
     thread.join(timeout=10)
 
@@ -202,6 +207,20 @@ def test_twenty_concurrent_requests(server, name):
     with concurrent.futures.ThreadPoolExecutor(20) as ex:
         results = list(ex.map(one, range(20)))
     assert len(results) == 20 and all(isinstance(r, str) for r in results)
+
+
+def test_mlx_lm_model(llama):
+    srv, thread, url = _serve(llama, max_slots=1)
+    try:
+        c = ollama.Client(host=url)
+        assert [m.model for m in c.list().models] == ["tiny-llama:latest"]
+        a = c.chat("tiny-llama", [{"role": "user", "content": "hello"}], options=GREEDY)
+        b = "".join(p.message.content for p in c.chat("tiny-llama", [{"role": "user", "content": "hello"}],
+                                                       stream=True, options=GREEDY))
+        assert a.message.content == b and a.done_reason in ("stop", "length")
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
 
 
 # ----- the slot pool on its own ----------------------------------------------------------------

@@ -48,6 +48,15 @@ async def read_json(request: Request) -> dict:
     return data
 
 
+def probe(loaded: Any, cache_config: Any) -> None:
+    """Run one token through a fresh cache so a policy the model cannot use fails at startup
+    (e.g. a KIVI group size that does not divide the head dimension), not on the first request."""
+    from ..cache import make_cache  # noqa: PLC0415
+    from ..generate import prefill  # noqa: PLC0415
+    token = loaded.tokenizer.eos_id if loaded.tokenizer.eos_id is not None else 0
+    prefill(loaded.model, [token], make_cache(loaded.model, cache_config), 1)
+
+
 class Server:
     """State shared by the routes: the model, its names, the pool and the worker."""
 
@@ -55,6 +64,7 @@ class Server:
                  small_tokens: int = 256):
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
+        probe(loaded, cache_config)
         self.names = (loaded.name, f"{loaded.name}:latest")
         self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens)
         self.worker = Worker(loaded, self.pool, prefill_chunk)

@@ -35,10 +35,18 @@ def template_text(loaded: Any) -> str:
 
 
 def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
-    """Token ids of a chat prompt, and the stop strings the template implies."""
-    text = loaded.tokenizer.chat_prompt(messages)
-    stops = () if has_chat_template(loaded) else (PLAIN_TEMPLATE_STOP,)
-    return loaded.tokenizer.encode(text), stops
+    """Token ids of a chat prompt, and the stop strings the template implies.
+
+    The plain template writes "Assistant: " + content, and a model answering after
+    "Assistant:" generates its own leading space; one leading space of an assistant message is
+    dropped so the history re-encodes to the tokens the model generated (warm-slot reuse
+    then covers the previous answer too).
+    """
+    if has_chat_template(loaded):
+        return loaded.tokenizer.encode(loaded.tokenizer.chat_prompt(messages)), ()
+    msgs = [dict(m, content=m["content"][1:]) if m.get("role") == "assistant" and m.get("content", "").startswith(" ")
+            else m for m in messages]
+    return loaded.tokenizer.encode(loaded.tokenizer.chat_prompt(msgs)), (PLAIN_TEMPLATE_STOP,)
 
 
 def generate_ids(loaded: Any, prompt: str, system: Optional[str], raw: bool,
