@@ -169,6 +169,16 @@ def test_errors(server, client, oai, name):
     assert httpx.get(server + "/api/version").status_code == 200       # still alive
 
 
+def _idle(server: str) -> dict:
+    deadline = time.time() + 10
+    while True:
+        state = httpx.get(server + "/api/slots").json()
+        if not state["busy"] and not state["queued"]:
+            return state
+        assert time.time() < deadline, "worker still busy after the client left"
+        time.sleep(0.05)
+
+
 def test_client_disconnect_cancels(server, client, name, monkeypatch):
     from tinygpt_mlx.server import worker
 
@@ -183,14 +193,10 @@ def test_client_disconnect_cancels(server, client, name, monkeypatch):
     with httpx.stream("POST", server + "/api/generate", json=body, timeout=30) as r:
         first = json.loads(next(r.iter_lines()))
         assert first["done"] is False
-    deadline = time.time() + 10
-    while True:
-        state = httpx.get(server + "/api/slots").json()
-        if not state["busy"] and not state["queued"]:
-            break
-        assert time.time() < deadline, "worker still busy after the client left"
-        time.sleep(0.05)
-    last = state["recent"][-1]
+    assert _idle(server)["recent"][-1]["done_reason"] == "cancel"
+    with pytest.raises(httpx.TimeoutException):    # a non-streamed request whose client gives up
+        httpx.post(server + "/api/generate", json=dict(body, stream=False), timeout=0.5)
+    last = _idle(server)["recent"][-1]
     assert last["done_reason"] == "cancel" and last["generated"] < 100
     monkeypatch.setattr(worker, "forward", real)
     assert client.generate(name, "Still there?", options=GREEDY).done

@@ -36,20 +36,24 @@ async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result],
         job.cancel()
 
 
-async def collect(job: Job, request: Request) -> Result:
-    """Wait for a non-streamed job; a client that goes away cancels it."""
+async def collect(job: Job, request: Request, poll: float = 0.25) -> Result:
+    """Wait for a non-streamed job; a client that goes away (checked every `poll` s) cancels it."""
+    loop = asyncio.get_running_loop()
+    next_check = loop.time() + poll
     try:
         while True:
             try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=0.5)
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=poll)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    raise ClientGone() from None
-                continue
+                kind, payload = "", None
             if kind == "done":
                 return payload
             if kind == "error":
                 raise GenerationFailed(payload)
+            if loop.time() >= next_check:
+                next_check = loop.time() + poll
+                if await request.is_disconnected():
+                    raise ClientGone()
     finally:
         job.cancel()
 
