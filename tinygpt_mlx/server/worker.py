@@ -26,6 +26,17 @@ from .slots import SlotPool
 log = logging.getLogger("posttrainllm.server")
 
 
+def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could begin a stop string (held back)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
 class _Cancelled(Exception):
     """Raised between prefill chunks when the client has gone away."""
 
@@ -158,7 +169,6 @@ class Worker:
         sampler = make_sampler(job.temperature, job.top_p, job.top_k, job.seed)
         detok = tok.detokenizer()
         stops = job.stop
-        hold = max((len(s) - 1 for s in stops), default=0)
         held, out, cut_by_stop = "", [], False
         r.done_reason = "length"
         for i in range(job.max_tokens):
@@ -177,7 +187,7 @@ class Worker:
                     held, cut_by_stop = held[:hit], True
                     r.done_reason = "stop"
                     break
-            cut = len(held) - hold
+            cut = len(held) - _partial_stop(held, stops)
             if cut > 0:
                 out.append(held[:cut])
                 job.emit("text", held[:cut])
