@@ -1,0 +1,62 @@
+"""Retrieval at scale on one model: decode ms/token and hot/cold bytes per context, and the
+summary recall of Quest's min/max bound vs KIV's mean key (tinygpt_mlx/evaluate/retrieval_bench.py).
+
+    python scripts/retrieval_bench.py MODEL --contexts 4096,16384,65536,262144 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.corpus import make_needle_doc_tokens
+from tinygpt_mlx.evaluate import retrieval_bench as rb
+from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER
+from tinygpt_mlx.loading import load
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--contexts", default="4096,16384,65536,262144")
+    ap.add_argument("--prompt-tokens", type=int, default=2048, help="real tokens prefilled before growing")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--hot", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--top-p", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--top-pages", type=int, default=8)
+    ap.add_argument("--cold-store", default="ram")
+    ap.add_argument("--storage", default="fp32")
+    ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    loaded = load(a.model)
+    cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
+                      page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store)
+    filler = DEFAULT_FILLER.read_text(encoding="utf-8")
+    prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
+    ids = loaded.tokenizer.encode(prompt)
+    out = {"model": loaded.name, "policy": cfg.describe()}
+    if a.recall_tokens:
+        p2, _ = make_needle_doc_tokens(random.Random(1), filler, loaded.tokenizer.encode, a.recall_tokens, 0.5)
+        out["summary_recall"] = rb.summary_recall(loaded.model, cfg, loaded.tokenizer.encode(p2))
+        print("summary recall", out["summary_recall"], flush=True)
+    ctx = [int(x) for x in a.contexts.split(",")]
+    print(f"{'context':>9} {'decode ms/tok':>13} {'hot MiB':>8} {'cold MiB':>9} {'summary MiB':>11}", flush=True)
+
+    def show(r: dict) -> None:
+        print(f"{r['context']:>9} {r['decode_ms_per_token']:>13.1f} {r['hot_bytes'] / 2**20:>8.2f} "
+              f"{r['cold_bytes'] / 2**20:>9.1f} {r['summary_bytes'] / 2**20:>11.2f}", flush=True)
+    out["rows"] = rb.decode_scaling(loaded.model, cfg, ids, ctx, a.decode_steps, progress=show)
+    base = out["rows"][0]["decode_ms_per_token"]
+    print("decode time ratio largest/smallest:", round(out["rows"][-1]["decode_ms_per_token"] / base, 2))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

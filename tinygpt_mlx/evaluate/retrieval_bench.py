@@ -1,0 +1,147 @@
+"""Retrieval at scale: decode time and hot/cold bytes against context, and summary recall.
+
+`decode_scaling`: prefill a real prompt through the retrieval policy, then grow every
+layer's cold store to the target context by appending copies of its own real pages (the
+model is not run over the filler, so contexts of 256K+ tokens are measured in seconds on a
+CPU; decode cost depends only on how much is cold, not on where it came from), and time
+greedy decode steps. Hot bytes (sink + hot window) stay constant; cold bytes grow linearly.
+
+`summary_recall`: for real queries of the last decode steps, the exact top-k cold tokens
+(exhaustive q.k, max over each GQA group) are the ground truth; recall is the fraction of
+them that lie in the `top_pages` pages a summary selects. Quest's min/max bound vs KIV's
+mean key, on the same keys and queries.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..cache import make_cache
+from ..cache.retrieval import ColdStore, retrieval_report
+from ..config import CacheConfig
+from ..generate import forward, prefill
+
+
+def _cold(cache) -> list[ColdStore]:
+    return [c.cold for c in cache.owned if getattr(c, "cold", None) is not None]
+
+
+def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
+    """Append copies of each cold store's own pages until `target_tokens` tokens are cold in
+    total (hot tokens included). Positions continue from the last cold position."""
+    for store in _cold(cache):
+        lc = next(c for c in cache.owned if c.cold is store)
+        base = store.n
+        if base == 0:
+            raise ValueError("nothing is cold yet: prefill more than the hot budget first")
+        if store.cold_bits is not None:
+            raise ValueError("grow_cold copies exact pages; use an exact cold store for scaling runs")
+        B, H = store.B, store.G // store.B
+        src_k, src_v = mx.array(store.keys.view()), mx.array(store.values.view())
+        want = target_tokens - lc.stored_count
+        i = 0
+        while store.n < want:
+            n = min(block, want - store.n, base - i % base)
+            j = i % base
+            k = src_k[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
+            v = src_v[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
+            store.add(k, v, int(store.positions.view()[-1]) + 1)
+            i += n
+        lc.seen = store.n + lc.stored_count  # the cache has now "seen" the whole context
+
+
+def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
+                   decode_steps: int = 16, chunk: int = 128,
+                   progress: Optional[Callable[[dict], None]] = None) -> list[dict]:
+    """One row per context: decode ms/token and the cache's hot/cold bytes."""
+    rows = []
+    for context in contexts:
+        cache = make_cache(model, config)
+        t0 = time.perf_counter()
+        logits = prefill(model, prompt, cache, chunk)
+        prefill_s = time.perf_counter() - t0
+        if context > len(prompt):
+            grow_cold(cache, context)
+        token = mx.argmax(logits)
+        mx.eval(token)
+        forward(model, token.reshape(1, 1), cache)  # warm-up step
+        times = []
+        for _ in range(decode_steps):
+            t0 = time.perf_counter()
+            token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
+            mx.eval(token)
+            times.append(time.perf_counter() - t0)
+        parts = cache.nbytes_breakdown()
+        hot = parts.get("sink", 0) + parts.get("body", 0)
+        cold = sum(v for k, v in parts.items() if k.startswith("cold") and k != "cold_summary")
+        row = {"context": cache.current_length, "prompt_tokens": len(prompt),
+               "prefill_s": round(prefill_s, 2),
+               "decode_ms_per_token": round(1000 * float(np.median(times)), 2),
+               "hot_bytes": hot, "cold_bytes": cold, "summary_bytes": parts.get("cold_summary", 0),
+               "bytes": parts, "telemetry": retrieval_report(cache, last_steps=decode_steps)}
+        rows.append(row)
+        if progress is not None:
+            progress(row)
+        for s in _cold(cache):
+            s.close()
+    return rows
+
+
+def _page_scores(q: np.ndarray, keys: np.ndarray, page_size: int, summary: str) -> np.ndarray:
+    """[G, J, D] queries x keys [n, G, D] grouped in pages -> [G, pages] (max over J)."""
+    P = keys.shape[0] // page_size
+    pages = keys[:P * page_size].reshape(P, page_size, *keys.shape[1:])
+    if summary == "minmax":
+        mx_, mn = pages.max(axis=1), pages.min(axis=1)  # [P, G, D]
+        s = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), mx_)
+             + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), mn))
+    else:
+        s = np.einsum("gjd,pgd->gjp", q, pages.mean(axis=1))
+    return s.max(axis=1)
+
+
+def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_steps: int = 8,
+                   k: int = 16, chunk: int = 128) -> dict:
+    """Recall of the exact top-k cold tokens inside the selected pages, minmax vs mean."""
+    cache = make_cache(model, config)
+    logits = prefill(model, tokens, cache, chunk)
+    stores = _cold(cache)
+    queries: dict[int, list] = {id(s): [] for s in stores}
+    originals = {}
+    for s in stores:  # record the (positioned) queries each store is asked
+        orig = s.select
+        originals[id(s)] = orig
+
+        def spy(q, _orig=orig, _s=s):
+            queries[id(_s)].append(q.copy())
+            return _orig(q)
+        s.select = spy
+    token = mx.argmax(logits)
+    for _ in range(decode_steps):
+        token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
+        mx.eval(token)
+    out = {}
+    ps, tp = config.page_size, config.top_pages
+    for summary in ("minmax", "mean"):
+        hits, total = 0, 0
+        for s in stores:
+            P = s.n_pages
+            keys = s.keys.view()[:P * ps].astype(np.float32) if s.cold_bits is None else None
+            if keys is None or P <= tp:
+                continue
+            for q in queries[id(s)][-decode_steps:]:
+                exact = np.einsum("gjd,ngd->gjn", q, keys).max(axis=1)    # [G, n]
+                top = np.argpartition(-exact, k - 1, axis=1)[:, :k] // ps  # pages of the top-k
+                chosen = np.argpartition(-_page_scores(q, keys, ps, summary), tp - 1, axis=1)[:, :tp]
+                for g in range(q.shape[0]):
+                    hits += int(np.isin(top[g], chosen[g]).sum())
+                    total += k
+        out[summary] = hits / total if total else None
+    for s in stores:
+        s.close()
+    return {"top_k": k, "top_pages": tp, "page_size": ps, "cold_tokens": max((s.n for s in stores), default=0),
+            "recall": out}
