@@ -263,3 +263,18 @@ def test_cli_cache_report(native32_path):
     assert r.exit_code == 0, r.output
     for label in ("fp32", "bf16", "int8", "int4", "int2", "K int8 / V int4", "200 tokens"):
         assert label in r.output
+
+
+def test_yoco_shared_layers_read_the_owners_packed_segments(tmp_path, tokenizer_json):
+    from tinygpt_mlx.loading import load
+
+    model = load(build_native(tmp_path / "yoco.tinygpt", tokenizer_json, d_model=128, n_heads=4,
+                              n_kv_heads=2, n_layers=4, yoco=True)).model
+    toks, outs = tokens(150, seed=5), []
+    for installed in (True, False):
+        cache = make_cache(model, CacheConfig(key_bits=4, value_bits=4))
+        assert len(cache.owned) == 3 and cache[3] is cache[2]
+        for layer in cache.owned:
+            layer.attention_installed = installed
+        outs.append(run(model, cache, toks, prefill=80))
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
