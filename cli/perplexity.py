@@ -96,7 +96,7 @@ def print_table(results: dict, baseline: Optional[str]) -> None:
         title += f"; baseline {baseline}: {first.baseline_perplexity:.4f}"
     table = Table(title=title)
     for col in ("policy", "perplexity", "KL(base||policy)", "top-1 agree", "stored", "cache"):
-        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=True)
+        table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col != "policy")
     for name, r in results.items():
         kl = "-" if r.kl_mean is None else f"{r.kl_mean:.2e}"
         top1 = "-" if r.top1_agreement is None else f"{r.top1_agreement:.4f}"
