@@ -69,6 +69,9 @@ def serve(
                   f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
                   f"{max_slots} warm slot(s), prefill chunk {chunk}")
         err.print(f"ollama API: http://{host}:{port}/api  ·  OpenAI API: http://{host}:{port}/v1")
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            err.print(f"[yellow]warning:[/yellow] listening on {host}: anyone who can reach this port can use "
+                      "the model (there is no authentication)")
         uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
 
 
