@@ -97,6 +97,11 @@ def test_generate_streamed_equals_unstreamed(client, native, name):
             "prompt_eval_count", "eval_count"))
         assert r.context[:len(prompt)] == prompt and len(r.context) == len(prompt) + r.eval_count
     assert whole.eval_count <= 8
+    # ollama's `context` round trip extends the warm slot: only the unfed last token + the new text
+    more = native.tokenizer.encode(" over the lazy dog")
+    nxt = client.generate(name, " over the lazy dog", context=whole.context, options=GREEDY)
+    assert nxt.prompt_eval_count in (len(more), len(more) + 1)
+    assert nxt.context[:len(whole.context)] == whole.context
 
 
 def test_chat_streamed_equals_unstreamed(client, oai, name):
