@@ -262,3 +262,23 @@ def test_pool_extend_rollback_and_protection(native):
     assert [len(s.tokens) for s in pool.slots] == [50, 40]
     lease = _run(pool, native.model, native.tokenizer.encode(" word 0123456789" * 10)[:45])[0]
     assert lease.action == "evict" and lease.slot.index == 1    # the longest (slot 0) is protected
+
+
+# ----- the command ------------------------------------------------------------------------------
+def test_serve_command(native_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    r = CliRunner().invoke(app, ["serve", str(native_path), "--port", "12345", "--max-slots", "3",
+                                 "--streaming-llm-sink", "4", "--streaming-llm-window", "64"])
+    assert r.exit_code == 0, r.output
+    served, kw = calls[0]
+    assert kw == {"host": "127.0.0.1", "port": 12345, "log_level": "info"}
+    srv = served.state.server
+    assert len(srv.pool.slots) == 3 and srv.cache_config.window == 64
+    srv.worker.stop()
+    bad = CliRunner().invoke(app, ["serve", str(native_path), "--max-slots", "0"])
+    assert bad.exit_code != 0
