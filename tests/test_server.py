@@ -264,6 +264,16 @@ def test_pool_extend_rollback_and_protection(native):
     assert lease.action == "evict" and lease.slot.index == 1    # the longest (slot 0) is protected
 
 
+def test_pool_untrimmable_policy_extends_but_never_rolls_back(native):
+    ids = native.tokenizer.encode(LONG)[:60]
+    pool = SlotPool(native.model, CacheConfig(sink=4, window=32), max_slots=2, small_tokens=8)
+    _run(pool, native.model, ids[:40])
+    lease = _run(pool, native.model, ids)[0]
+    assert (lease.action, lease.reused) == ("extend", 40)
+    lease = _run(pool, native.model, ids[:50])[0]               # a StreamingLLM cache cannot trim
+    assert (lease.action, lease.slot.index) == ("new", 1) and len(pool.slots[0].tokens) == 60
+
+
 # ----- the command ------------------------------------------------------------------------------
 def test_serve_command(native_path, monkeypatch):
     from typer.testing import CliRunner
