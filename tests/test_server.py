@@ -123,6 +123,13 @@ def test_chat_streamed_equals_unstreamed(client, oai, name):
     assert c1.choices[0].text == c2 and c1.choices[0].finish_reason in ("stop", "length")
 
 
+def test_seeded_sampling_is_reproducible(client, name):
+    opts = {"temperature": 1.0, "top_k": 50, "top_p": 0.95, "seed": 7, "num_predict": 8}
+    a, b = (client.generate(name, "The quick brown", options=opts).response for _ in range(2))
+    assert a == b
+    assert client.generate(name, "The quick brown", options=dict(opts, seed=-1)).done
+
+
 def test_stop_string_never_sent(client, name):
     free = client.generate(name, "The quick brown", options=GREEDY).response
     assert len(free) > 2

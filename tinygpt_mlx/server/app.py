@@ -83,8 +83,10 @@ class Server:
             raise ApiError(400, "the prompt is empty")
         max_tokens = pr.max_new_tokens(s.get("num_predict", s.get("max_tokens")), limit, len(ids),
                                        unbounded_default)
+        seed = s["seed"]
+        seed = None if seed is None or seed < 0 else seed % 2**64     # -1: random (llama.cpp's convention)
         return Job(ids, max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                   seed=s["seed"], stop=tuple(s["stop"]), max_context=limit,
+                   seed=seed, stop=tuple(s["stop"]), max_context=limit,
                    loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
     def submit(self, job: Job) -> None:
