@@ -60,7 +60,7 @@ def bench(
         "mlx-rotatingN (RotatingKVCache(N, keep=4)), mlx-q8 / mlx-q4 (QuantizedKVCache). "
         "fp32 always runs: ratios are against it.")] = b.DEFAULT_POLICIES,
     decode_steps: Annotated[int, typer.Option(
-        "--decode-steps", help="Greedy decode steps timed after each prefill.")] = b.DECODE_STEPS,
+        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step.")] = b.DECODE_STEPS,
     prefill_chunk: c.PrefillChunk = None,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Write the rows as JSON to this path.", dir_okay=False)] = None,
