@@ -1,0 +1,237 @@
+"""The training corpus and the synthetic needle documents (no CLI, no framework imports).
+
+Corpus: `scripts/fetch_corpus.sh` writes plain UTF-8 text files (KJV Bible, fortunes, GCIDE
+dictionary) to `data/corpus/` and a held-out split to `data/heldout.txt`; `load_text` reads a
+file or a directory of `*.txt` files and `clean_text` normalises it.
+
+Needles: `make_needle_doc(rng, filler, n_chars, depth)` hides one short fact ("The pass key is
+48213. Remember it.", "The secret number of Alice is 7731.", ...) at `depth` (0 = start,
+1 = end) inside an excerpt of real filler text and ends with a question whose greedy
+continuation is the answer:
+
+    prompt = "...filler... The pass key is 48213. Remember it. ...filler...\\n\\n"
+             "What is the pass key? The pass key is"
+    answer = "48213"                      # the model should continue with " 48213"
+
+Training mixes such documents into the data (`tinygpt_mlx.train`), and the needle evaluation
+calls the same function with new random values and held-out filler. `make_needle_doc_tokens`
+fits a document to a token budget with any `encode` function, and `passkey_accuracy` measures
+greedy retrieval with an MLX model.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import unicodedata
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+EOT = "<|endoftext|>"
+
+# ---------------------------------------------------------------------------------- corpus
+
+
+def clean_text(text: str) -> str:
+    """Normalise newlines and Unicode (NFC), drop control characters and trailing spaces,
+    and collapse runs of blank lines to one."""
+    text = unicodedata.normalize("NFC", text.replace("\r\n", "\n").replace("\r", "\n"))
+    text = text.replace("\t", " ")
+    text = "".join(ch for ch in text if ch == "\n" or unicodedata.category(ch)[0] != "C")
+    text = re.sub(r"[ \u00a0]+\n", "\n", text)
+    text = re.sub(r"\n{3,}", "\n\n", text)
+    return text.strip("\n") + "\n"
+
+
+def corpus_files(path: Union[str, Path]) -> list[Path]:
+    """The text files of a corpus: `path` itself, or the sorted `*.txt` files under it."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.txt files (run scripts/fetch_corpus.sh)")
+        return files
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such corpus file or directory (run scripts/fetch_corpus.sh)")
+    return [path]
+
+
+def load_documents(path: Union[str, Path]) -> list[str]:
+    """One cleaned text per corpus file (each file is one source, e.g. kjv, fortunes)."""
+    return [clean_text(p.read_text(encoding="utf-8", errors="replace")) for p in corpus_files(path)]
+
+
+def load_text(path: Union[str, Path]) -> str:
+    """The whole corpus as one cleaned string, sources separated by a blank line."""
+    return "\n".join(load_documents(path))
+
+
+def split_heldout(text: str, fraction: float = 0.02) -> tuple[str, str]:
+    """(train, heldout): the last `fraction` of the lines of `text` are held out."""
+    lines = text.splitlines(keepends=True)
+    cut = len(lines) - max(1, int(len(lines) * fraction))
+    return "".join(lines[:cut]), "".join(lines[cut:])
+
+
+# --------------------------------------------------------------------------------- needles
+
+NAMES = ("Alice", "Bob", "Carol", "David", "Esther", "Frank", "Grace", "Henry", "Irene",
+         "James", "Kate", "Louis", "Mary", "Nathan", "Olivia", "Peter", "Ruth", "Samuel",
+         "Thomas", "Victor", "Walter", "Zoe")
+THINGS = ("red door", "old safe", "front gate", "blue box", "garden shed", "north tower",
+          "iron chest", "library", "cellar", "locker")
+
+# (fact, question): {v} is the value, {name}/{thing} are filled at random. Every question
+# ends with the words that the answer continues, so greedy decoding yields " {v}".
+TEMPLATES: tuple[tuple[str, str], ...] = (
+    ("The pass key is {v}. Remember it. {v} is the pass key.",
+     "What is the pass key? The pass key is"),
+    ("The pass key is {v}. Remember it.", "What is the pass key? The pass key is"),
+    ("Remember this: the pass key is {v}.", "What is the pass key? The pass key is"),
+    ("The secret number of {name} is {v}.",
+     "What is the secret number of {name}? The secret number of {name} is"),
+    ("{name}'s lucky number is {v}.", "What is {name}'s lucky number? {name}'s lucky number is"),
+    ("The code for the {thing} is {v}. Do not forget it.",
+     "What is the code for the {thing}? The code for the {thing} is"),
+    ("The magic number is {v}.", "What is the magic number? The magic number is"),
+    ("{name} lives in room number {v}.",
+     "In which room does {name} live? {name} lives in room number"),
+)
+PASSKEY_TEMPLATE = 1  # index of the plain "The pass key is N. Remember it." template
+
+
+def random_value(rng: random.Random, digits: Optional[int] = None) -> str:
+    """A random number as text, 3-6 digits (or exactly `digits`), no leading zero."""
+    n = digits or rng.randint(3, 6)
+    return str(rng.randint(1, 9)) + "".join(str(rng.randint(0, 9)) for _ in range(n - 1))
+
+
+def _excerpt(rng: random.Random, filler: str, n_chars: int) -> str:
+    """`n_chars` characters of `filler` from a random line start (wrapping around)."""
+    if n_chars <= 0:
+        return ""
+    if not filler:
+        raise ValueError("filler text is empty")
+    while len(filler) < n_chars + 1:
+        filler = filler + "\n" + filler
+    start = rng.randrange(0, len(filler) - n_chars)
+    nl = filler.find("\n", start, start + 200)
+    if nl != -1 and nl + 1 + n_chars <= len(filler):
+        start = nl + 1
+    return filler[start:start + n_chars]
+
+
+def _boundary(text: str, pos: int) -> int:
+    """A position near `pos` just after a sentence end or newline (or `pos` itself)."""
+    if pos <= 0 or pos >= len(text):
+        return max(0, min(pos, len(text)))
+    m = re.compile(r"[.!?;]\s|\n").search(text, pos)
+    if m and m.end() - pos < 200:
+        return m.end()
+    sp = text.find(" ", pos)
+    return sp + 1 if sp != -1 and sp - pos < 50 else pos
+
+
+def make_needle_doc(rng: random.Random, filler: str, n_chars: int, depth: Optional[float] = None,
+                    template: Optional[int] = None, value: Optional[str] = None,
+                    distractors: int = 0) -> tuple[str, str]:
+    """A needle-in-a-haystack document of about `n_chars` characters.
+
+    rng          a `random.Random`; everything not given is drawn from it
+    filler       real text to take the haystack from (use held-out text for evaluation)
+    n_chars      total length of the prompt in characters (the haystack shrinks to fit)
+    depth        where the fact goes, 0.0 = first thing, 1.0 = just before the question;
+                 None draws it uniformly
+    template     index into `TEMPLATES` (None = random, `PASSKEY_TEMPLATE` = plain pass key)
+    value        the answer (None = `random_value(rng)`)
+    distractors  other facts of the same template with other names/values (templates that
+                 have a {name} or {thing} only) placed at random depths
+
+    Returns (prompt, answer): `prompt` ends with the question, e.g. "... The pass key is",
+    and the correct greedy continuation is " " + answer.
+    """
+    if depth is None:
+        depth = rng.random()
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    t = rng.randrange(len(TEMPLATES)) if template is None else template
+    fact_t, question_t = TEMPLATES[t]
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    value = value if value is not None else random_value(rng)
+    fact = fact_t.format(v=value, name=name, thing=thing)
+    question = question_t.format(name=name, thing=thing)
+    others: list[str] = []
+    if distractors and ("{name}" in fact_t or "{thing}" in fact_t):
+        key = "{name}" if "{name}" in fact_t else "{thing}"
+        pool = [x for x in (NAMES if key == "{name}" else THINGS) if x not in (name, thing)]
+        for other in rng.sample(pool, min(distractors, len(pool))):
+            v = random_value(rng, len(value))
+            others.append(fact_t.format(v=v, name=other, thing=other))
+    tail = "\n\n" + question
+    budget = n_chars - len(fact) - 2 - len(tail) - sum(len(o) + 2 for o in others)
+    hay = _excerpt(rng, filler, max(0, budget))
+    inserts = [(depth, fact)] + [(rng.random(), o) for o in others]
+    # Insert from the back so earlier positions stay valid.
+    for d, text in sorted(inserts, key=lambda x: -x[0]):
+        pos = _boundary(hay, int(d * len(hay))) if d < 1.0 else len(hay)
+        left, right = hay[:pos], hay[pos:]
+        sep_l = "" if not left or left.endswith((" ", "\n")) else " "
+        sep_r = "" if right.startswith((" ", "\n")) or not right else " "
+        hay = left + sep_l + text + sep_r + right
+    return hay.rstrip() + tail, value
+
+
+def make_needle_doc_tokens(rng: random.Random, filler: str, encode: Callable[[str], Sequence[int]],
+                           n_tokens: int, depth: Optional[float] = None,
+                           chars_per_token: float = 3.5, **kwargs) -> tuple[str, str]:
+    """Like `make_needle_doc` but the prompt encodes to at most `n_tokens` tokens (and close
+    to it): the character budget is refined from the measured characters per token."""
+    state = rng.getstate()
+    n_chars = max(16, int(n_tokens * chars_per_token))
+    best = None
+    for _ in range(6):
+        rng.setstate(state)
+        prompt, answer = make_needle_doc(rng, filler, n_chars, depth, **kwargs)
+        n = len(encode(prompt))
+        if n <= n_tokens:
+            best = (prompt, answer)
+            if n >= n_tokens * 0.97:
+                break
+        n_chars = max(16, int(n_chars * (n_tokens / max(n, 1)) * (0.99 if n > n_tokens else 1.0)))
+    if best is None:
+        raise ValueError(f"cannot fit a needle document into {n_tokens} tokens")
+    return best
+
+
+# ------------------------------------------------------------------------------ evaluation
+
+
+def passkey_accuracy(model, tokenizer, filler: str, n_tokens: int, trials: int = 50,
+                     seed: int = 0, template: Optional[int] = PASSKEY_TEMPLATE,
+                     digits: int = 5) -> dict:
+    """Greedy pass-key retrieval with an MLX model and a full (no) cache.
+
+    model      a `tinygpt_mlx.model.Model` (or any callable tokens[1, L] -> logits)
+    tokenizer  anything with `encode(str) -> ids` and `decode(ids) -> str`
+    filler     held-out text; n_tokens the prompt length; depths spread evenly over [0, 1]
+    Returns {"accuracy", "trials", "n_tokens", "results": [(depth, answer, output), ...]}.
+    """
+    import mlx.core as mx  # noqa: PLC0415
+
+    rng = random.Random(seed)
+    results, correct = [], 0
+    for i in range(trials):
+        depth = i / max(1, trials - 1)
+        prompt, answer = make_needle_doc_tokens(
+            rng, filler, tokenizer.encode, n_tokens - (digits + 2), depth, template=template,
+            value=random_value(rng, digits))
+        ids = list(tokenizer.encode(prompt))
+        out: list[int] = []
+        for _ in range(digits + 1):
+            logits = model(mx.array([ids + out]))
+            out.append(int(mx.argmax(logits[0, -1]).item()))
+        text = tokenizer.decode(out)
+        ok = text.strip().startswith(answer) and not text.strip()[len(answer):len(answer) + 1].isdigit()
+        correct += ok
+        results.append((round(depth, 3), answer, text))
+    return {"accuracy": correct / trials, "trials": trials, "n_tokens": n_tokens, "results": results}
