@@ -1,0 +1,88 @@
+"""Training data: the tokenized corpus plus synthetic needle documents, batch by batch.
+
+Each batch row is `seq_len + 1` tokens. With probability `needle_fraction` a row starts with a
+needle document (`tinygpt_mlx.corpus.make_needle_doc_tokens`, random template, value, depth
+and length, sometimes with distractor facts) followed by its answer and then real text;
+otherwise it is a random window of the tokenized corpus. A batch depends only on
+(seed, step), so a resumed run sees exactly the batches of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import corpus
+
+
+@dataclass
+class TrainData:
+    tokens: np.ndarray          # training corpus token ids (uint16/uint32)
+    filler: str                 # training text, the haystack for needle documents
+    encode: object              # str -> list[int]
+    eot_id: int
+
+    def window(self, rng: random.Random, n: int) -> list[int]:
+        start = rng.randrange(0, len(self.tokens) - n)
+        return self.tokens[start:start + n].tolist()
+
+    def needle_row(self, rng: random.Random, seq_len: int) -> list[int]:
+        n_doc = rng.randint(min(48, seq_len // 2), max(min(48, seq_len // 2), seq_len - 12))
+        distractors = 0 if rng.random() < 0.5 else rng.randint(1, 3)
+        try:
+            prompt, answer = corpus.make_needle_doc_tokens(
+                rng, self.filler, self.encode, n_doc, distractors=distractors)
+        except ValueError:  # the context is too short for this template: plain text instead
+            return self.window(rng, seq_len + 1)
+        row = list(self.encode(prompt)) + list(self.encode(" " + answer + ".\n\n"))
+        rest = seq_len + 1 - len(row)
+        if rest > 0:
+            row += self.window(rng, rest)
+        return row[:seq_len + 1]
+
+    def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
+              needle_fraction: float) -> np.ndarray:
+        rng = random.Random(seed * 1_000_003 + step)
+        rows = []
+        for _ in range(batch_size):
+            if rng.random() < needle_fraction:
+                rows.append(self.needle_row(rng, seq_len))
+            else:
+                rows.append(self.window(rng, seq_len + 1))
+        return np.asarray(rows, dtype=np.int64)
+
+
+def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np.ndarray:
+    """Non-overlapping windows of `seq_len + 1` tokens from the start of `tokens`."""
+    n = min(max_windows, (len(tokens) - 1) // seq_len)
+    if n < 1:
+        raise ValueError(f"held-out text too short: {len(tokens)} tokens for seq_len {seq_len}")
+    return np.stack([tokens[i * seq_len:i * seq_len + seq_len + 1] for i in range(n)]).astype(np.int64)
+
+
+def needle_eval_rows(filler: str, encode, seq_len: int, n: int, seed: int = 1234):
+    """`n` pass-key documents on held-out filler: (rows [n, seq_len+1], answer spans)."""
+    rng = random.Random(seed)
+    rows, spans = [], []
+    for i in range(n):
+        try:
+            prompt, answer = corpus.make_needle_doc_tokens(
+                rng, filler, encode, seq_len - 8, depth=i / max(1, n - 1),
+                template=corpus.PASSKEY_TEMPLATE, value=corpus.random_value(rng, 5))
+        except ValueError:  # context too short for a pass-key document
+            return np.zeros((0, seq_len + 1), dtype=np.int64), []
+        p = list(encode(prompt))
+        a = list(encode(" " + answer))
+        row = (p + a + [0] * (seq_len + 1))[:seq_len + 1]
+        rows.append(row)
+        spans.append((len(p), len(p) + len(a)))
+    return np.asarray(rows, dtype=np.int64), spans
+
+
+def unigram_loss(train_tokens: np.ndarray, heldout_tokens: np.ndarray, vocab_size: int) -> float:
+    """Cross-entropy (nats/token) of an add-one unigram model fitted on the training tokens."""
+    counts = np.bincount(train_tokens, minlength=vocab_size).astype(np.float64) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[heldout_tokens].mean())
