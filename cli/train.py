@@ -1,0 +1,63 @@
+"""`posttrainllm train`: train a native TinyGPT and write a `.tinygpt` file (logic: tinygpt_mlx.train)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def train(
+    data: Path = typer.Option(Path("data/corpus"), "--data", help="Corpus: a text file or a directory of *.txt (scripts/fetch_corpus.sh)."),
+    out: Path = typer.Option(..., "--out", help="Output model file, e.g. models/tinygpt-base.tinygpt."),
+    heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out text (default: the last 2% of --data)."),
+    work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Tokenizer, token cache, checkpoint and metrics (default: runs/<out stem>)."),
+    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (or give --tokens)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", help="Training tokens (steps = tokens / (batch * seq-len))."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Training context length (= the model's context_length)."),
+    batch_size: int = typer.Option(16, "--batch-size"),
+    lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (warmup, then cosine decay to 10%)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5% of steps, at most 200)."),
+    seed: int = typer.Option(0, "--seed", help="Seeds initialisation and every batch."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work dir."),
+    vocab_size: int = typer.Option(4096, "--vocab-size"),
+    d_model: int = typer.Option(256, "--d-model"),
+    n_layers: int = typer.Option(4, "--n-layers"),
+    n_heads: int = typer.Option(8, "--n-heads"),
+    n_kv_heads: int = typer.Option(4, "--n-kv-heads"),
+    d_ff: int = typer.Option(768, "--d-ff"),
+    yoco: bool = typer.Option(False, "--yoco/--no-yoco", help="YOCO: upper layers share the middle layer's K/V."),
+    needle_fraction: float = typer.Option(0.35, "--needle-fraction", help="Share of rows that are synthetic needle documents."),
+    eval_every: int = typer.Option(100, "--eval-every"),
+    ckpt_every: int = typer.Option(100, "--ckpt-every"),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    precision: str = typer.Option("bf16", "--precision", help="bf16 (autocast, fp32 weights) or fp32."),
+) -> None:
+    """Train a TinyGPT (PyTorch on CPU, needs the `train` extra) and export it for MLX."""
+    from rich.console import Console  # noqa: PLC0415
+
+    from tinygpt_mlx.train import TrainArgs, run  # noqa: PLC0415
+
+    console = Console(stderr=True)
+    try:
+        args = TrainArgs(
+            data=str(data), out=str(out), heldout=str(heldout) if heldout else None,
+            work_dir=str(work_dir) if work_dir else None, steps=steps, tokens=tokens,
+            seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume,
+            vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+            n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction,
+            eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
+        args.total_steps()
+        run(args, console=console)
+    except (ImportError, FileNotFoundError, ValueError) as e:
+        console.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(1) from None
+
+
+def register(app: typer.Typer) -> None:
+    app.command("train")(train)
+
+
+if __name__ == "__main__":  # python -m cli.train ...
+    typer.run(train)
