@@ -1,0 +1,172 @@
+"""Training: torch/MLX equivalence, a tiny run that learns and exports, resume, needle docs."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+from tinygpt_mlx import corpus
+from tinygpt_mlx.config import ModelConfig
+
+WORDS = ("the cat sat on the mat and the dog ran to the old red barn where a farmer kept "
+         "seven sheep while rain fell on the quiet hills of the north").split()
+
+
+def _tiny_corpus(tmp_path):
+    rng = random.Random(0)
+    lines = []
+    for _ in range(1200):
+        n = rng.randint(6, 14)
+        start = rng.randrange(len(WORDS) - n)
+        lines.append(" ".join(WORDS[start:start + n]).capitalize() + ".")
+    d = tmp_path / "corpus"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "a.txt").write_text("\n".join(lines[:1000]) + "\n")
+    (tmp_path / "heldout.txt").write_text("\n".join(lines[1000:]) + "\n")
+    return d, tmp_path / "heldout.txt"
+
+
+def _args(tmp_path, **kw):
+    from tinygpt_mlx.train import TrainArgs
+    data, heldout = _tiny_corpus(tmp_path)
+    base = dict(data=str(data), heldout=str(heldout), out=str(tmp_path / "m.tinygpt"),
+                work_dir=str(tmp_path / "work"), steps=30, seq_len=64, batch_size=8, lr=1e-2,
+                vocab_size=320, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64,
+                eval_every=10, eval_windows=4, ckpt_every=10, threads=1, precision="fp32",
+                needle_fraction=0.2, log_every=10)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+def _quiet_console():
+    from rich.console import Console
+    return Console(stderr=True, quiet=True)
+
+
+@pytest.mark.parametrize("yoco", [False, True])
+def test_torch_and_mlx_logits_match(yoco):
+    torch = pytest.importorskip("torch")
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from tinygpt_mlx.model import Model
+    from tinygpt_mlx.train.torch_model import build_model, load_from_mlx, to_mlx
+
+    cfg = ModelConfig(vocab_size=101, d_model=64, n_layers=4, n_heads=8, n_kv_heads=2, d_ff=96,
+                      context_length=64, yoco=yoco)
+    torch.manual_seed(0)
+    tm = build_model(cfg)
+    mm = to_mlx(tm)
+    assert sorted(tm.state_dict()) == sorted(k for k, _ in tree_flatten(Model(cfg).parameters()))
+    x = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
+    with torch.no_grad():
+        a = tm(torch.from_numpy(x)).numpy()
+    b = np.array(mm(mx.array(x)))
+    assert np.abs(a - b).max() < 1e-4
+    # and back: MLX weights into a fresh torch model give the same logits
+    tm2 = build_model(cfg)
+    load_from_mlx(tm2, mm)
+    with torch.no_grad():
+        c = tm2(torch.from_numpy(x)).numpy()
+    assert np.abs(c - b).max() < 1e-4
+
+
+def test_train_lowers_loss_and_writes_loadable_model(tmp_path):
+    pytest.importorskip("torch")
+    import mlx.core as mx
+
+    from tinygpt_mlx.format import load
+    from tinygpt_mlx.train import run
+
+    args = _args(tmp_path)
+    extra = run(args, console=_quiet_console())
+    history = [json.loads(line) for line in (tmp_path / "work" / "metrics.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in history] == [10, 20, 30]
+    assert history[-1]["heldout_loss"] < history[0]["heldout_loss"]
+    assert extra["heldout_loss"] < extra["unigram_heldout_loss"]
+    model, tok_json, meta = load(tmp_path / "m.tinygpt")
+    assert model.config.context_length == 64 and model.config.n_layers == 2
+    assert meta["steps"] == 30 and meta["tokens_trained"] == 30 * 8 * 64
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_str(tok_json)
+    ids = tok.encode("The cat sat on the mat. 12345").ids
+    assert tok.decode(ids) == "The cat sat on the mat. 12345"
+    assert [tok.id_to_token(i) for i in tok.encode("12345").ids] == list("12345")
+    logits = model(mx.array([ids]))
+    assert logits.shape == (1, len(ids), tok.get_vocab_size())
+
+
+def test_resume_continues_from_checkpoint(tmp_path):
+    torch = pytest.importorskip("torch")
+    from tinygpt_mlx.train import run
+
+    run(_args(tmp_path / "a", steps=20), console=_quiet_console())
+    first = _args(tmp_path / "b", steps=20, stop_after=10)
+    assert run(first, console=_quiet_console())["stopped"]
+    ckpt = torch.load(tmp_path / "b" / "work" / "checkpoint.pt", weights_only=False)
+    assert ckpt["step"] == 10
+    extra = run(_args(tmp_path / "b", steps=20, resume=True), console=_quiet_console())
+    assert extra["steps"] == 20
+    a = torch.load(tmp_path / "a" / "work" / "checkpoint.pt", weights_only=False)["model"]
+    b = torch.load(tmp_path / "b" / "work" / "checkpoint.pt", weights_only=False)["model"]
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=1e-5), k
+
+
+def test_resume_without_checkpoint_fails(tmp_path):
+    pytest.importorskip("torch")
+    from tinygpt_mlx.train import run
+
+    with pytest.raises(FileNotFoundError):
+        run(_args(tmp_path, resume=True), console=_quiet_console())
+
+
+def test_lr_schedule():
+    from tinygpt_mlx.train import lr_at
+
+    assert lr_at(0, 100, 10, 1.0, 0.1) == pytest.approx(0.1)
+    assert lr_at(9, 100, 10, 1.0, 0.1) == pytest.approx(1.0)
+    assert lr_at(100, 100, 10, 1.0, 0.1) == pytest.approx(0.1)
+    assert lr_at(55, 100, 10, 1.0, 0.1) == pytest.approx(0.55)
+
+
+FILLER = " ".join(f"Line {i} of the filler says nothing of note." for i in range(400))
+
+
+@pytest.mark.parametrize("template", range(len(corpus.TEMPLATES)))
+def test_needle_doc_templates(template):
+    rng = random.Random(template)
+    prompt, answer = corpus.make_needle_doc(rng, FILLER, 800, depth=0.5, template=template)
+    assert answer.isdigit() and answer in prompt
+    assert prompt.rstrip() == prompt and prompt.split("\n\n")[-1].startswith(("What", "In which"))
+    assert abs(len(prompt) - 800) < 80
+    fact_pos = prompt.index(answer) / len(prompt)
+    assert 0.3 < fact_pos < 0.7
+
+
+def test_needle_doc_depth_and_distractors():
+    rng = random.Random(0)
+    p0, a0 = corpus.make_needle_doc(rng, FILLER, 1000, depth=0.0, template=corpus.PASSKEY_TEMPLATE)
+    assert p0.startswith("The pass key is " + a0)
+    p1, a1 = corpus.make_needle_doc(rng, FILLER, 1000, depth=1.0, template=corpus.PASSKEY_TEMPLATE,
+                                    value="4242")
+    assert a1 == "4242" and p1.endswith("Remember it.\n\nWhat is the pass key? The pass key is")
+    p2, a2 = corpus.make_needle_doc(rng, FILLER, 1000, template=3, distractors=2)
+    assert p2.count("The secret number of") == 3 + 1  # three facts + the question
+    with pytest.raises(ValueError):
+        corpus.make_needle_doc(rng, FILLER, 100, depth=1.5)
+
+
+def test_needle_doc_tokens_fits_budget():
+    rng = random.Random(1)
+    encode = lambda s: s.split()  # noqa: E731
+    for n in (50, 200, 400):
+        prompt, _ = corpus.make_needle_doc_tokens(rng, FILLER, encode, n)
+        assert 0.9 * n <= len(encode(prompt)) <= n
+
+
+def test_clean_text():
+    assert corpus.clean_text("a\r\nb  \n\n\n\nc\x07\td") == "a\nb\n\nc d\n"
