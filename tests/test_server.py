@@ -281,6 +281,29 @@ def test_pool_untrimmable_policy_extends_but_never_rolls_back(native):
     assert (lease.action, lease.slot.index) == ("new", 1) and len(pool.slots[0].tokens) == 60
 
 
+def test_text_splice_extends_an_untrimmable_slot(native):
+    """A prompt whose text continues a slot's text extends it even where re-encoding the text
+    would merge tokens across the boundary (here "wo" + "rd" -> "word")."""
+    from tinygpt_mlx.server.worker import Job, Worker
+
+    tok = native.tokenizer
+    first = "The quick brown fox jumps over the lazy dog. In the beginning was the wo"
+    full = first + "rd, and the word was with the keeper"
+    assert tok.encode(full)[:len(tok.encode(first))] != tok.encode(first)
+    w = Worker(native, SlotPool(native.model, CacheConfig(sink=4, window=64), max_slots=1), 64)
+    try:
+        for text in (first, full):
+            w.submit(Job(tok.encode(text), 1, temperature=0, text=text))
+        deadline = time.time() + 20
+        while w.completed < 2:
+            assert time.time() < deadline
+            time.sleep(0.02)
+    finally:
+        w.stop()
+    second = w.recent[-1]
+    assert second["action"] == "extend" and second["prefilled"] == len(tok.encode(full[len(first):]))
+
+
 # ----- the command ------------------------------------------------------------------------------
 def test_serve_command(native_path, monkeypatch):
     from typer.testing import CliRunner

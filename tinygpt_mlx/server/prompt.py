@@ -34,24 +34,28 @@ def template_text(loaded: Any) -> str:
     return "{{ range .Messages }}{{ .Role }}: {{ .Content }}\n{{ end }}Assistant:"
 
 
-def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...]]:
-    """Token ids of a chat prompt, and the stop strings the template implies.
+def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...], str]:
+    """Token ids and text of a chat prompt, and the stop strings the template implies.
 
     The plain template writes "Assistant: " + content, and a model answering after
     "Assistant:" generates its own leading space; one leading space of an assistant message is
-    dropped so the history re-encodes to the tokens the model generated (warm-slot reuse
-    then covers the previous answer too).
+    dropped so the history reproduces the text the model generated (warm-slot reuse then
+    covers the previous answer too).
     """
+    tok = loaded.tokenizer
     if has_chat_template(loaded):
-        return loaded.tokenizer.encode(loaded.tokenizer.chat_prompt(messages)), ()
+        text = tok.chat_prompt(messages)
+        return tok.encode(text), (), text
     msgs = [dict(m, content=m["content"][1:]) if m.get("role") == "assistant" and m.get("content", "").startswith(" ")
             else m for m in messages]
-    return loaded.tokenizer.encode(loaded.tokenizer.chat_prompt(msgs)), (PLAIN_TEMPLATE_STOP,)
+    text = tok.chat_prompt(msgs)
+    return tok.encode(text), (PLAIN_TEMPLATE_STOP,), text
 
 
 def generate_ids(loaded: Any, prompt: str, system: Optional[str], raw: bool,
-                 context: Optional[list[int]]) -> list[int]:
-    """ollama /api/generate: `context` (ids from a previous answer) + the prompt.
+                 context: Optional[list[int]]) -> tuple[list[int], Optional[str]]:
+    """ollama /api/generate: `context` (ids from a previous answer) + the prompt, and the
+    prompt's text when there is no `context` (None otherwise).
 
     Templated models get their chat template unless `raw`; native models are base language
     models, so the prompt is used as written (after `system`, if given).
@@ -61,7 +65,8 @@ def generate_ids(loaded: Any, prompt: str, system: Optional[str], raw: bool,
         text = loaded.tokenizer.chat_prompt(msgs)
     else:
         text = f"{system}\n\n{prompt}" if system and not raw else prompt
-    return list(context or []) + (loaded.tokenizer.encode(text) if text else [])
+    ids = list(context or []) + (loaded.tokenizer.encode(text) if text else [])
+    return ids, (None if context else text)
 
 
 def context_limit(loaded: Any, cache_config: Any, num_ctx: Optional[int]) -> Optional[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -89,18 +89,19 @@ def register(app: FastAPI, srv: Server) -> None:
         srv.check_model(body)
         return ol.show(loaded, cfg.label(), pr.template_text(loaded))
 
-    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, ids: list[int], chat: bool):
+    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, ids: list[int],
+                          text: Optional[str], chat: bool):
         stream = _stream_flag(body, True)
         limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
         ids, truncated = pr.fit(ids, limit, opts["num_keep"])
-        job = srv.job(ids, opts, limit, ol.UNBOUNDED_PREDICT)
+        job = srv.job(ids, opts, limit, ol.UNBOUNDED_PREDICT, text=None if truncated else text)
         srv.submit(job)
         headers = truncation_headers(truncated)
 
         def final(r, text):
             if chat:
                 return ol.chat_final(model, r, text, truncated)
-            return ol.generate_final(model, r, text, ids + r.tokens, truncated)
+            return ol.generate_final(model, r, text, r.prompt_ids + r.tokens, truncated)
 
         if stream:
             chunk = ol.chat_chunk if chat else ol.generate_chunk
@@ -121,8 +122,8 @@ def register(app: FastAPI, srv: Server) -> None:
         if not prompt and not context:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=False))
-        ids = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
-        return await _ollama_run(request, body, model, opts, ids, chat=False)
+        ids, text = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
+        return await _ollama_run(request, body, model, opts, ids, text, chat=False)
 
     @app.post("/api/chat")
     async def chat(request: Request):
@@ -133,9 +134,9 @@ def register(app: FastAPI, srv: Server) -> None:
         if not messages:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=True))
-        ids, stops = pr.chat_ids(loaded, messages)
+        ids, stops, text = pr.chat_ids(loaded, messages)
         opts["stop"] = tuple(opts["stop"]) + stops
-        return await _ollama_run(request, body, model, opts, ids, chat=True)
+        return await _ollama_run(request, body, model, opts, ids, text, chat=True)
 
     @app.get("/v1/models")
     async def v1_models():
@@ -146,11 +147,12 @@ def register(app: FastAPI, srv: Server) -> None:
         srv.check_model({"model": name})
         return oa.models([name], int(srv.started))["data"][0]
 
-    async def _openai_run(request: Request, body: dict, model: str, s: dict, ids: list[int], chat: bool):
+    async def _openai_run(request: Request, body: dict, model: str, s: dict, ids: list[int],
+                          text: Optional[str], chat: bool):
         stream = _stream_flag(body, False)
         limit = pr.context_limit(loaded, cfg, None)
         ids, truncated = pr.fit(ids, limit)
-        job = srv.job(ids, s, limit, ol.UNBOUNDED_PREDICT)
+        job = srv.job(ids, s, limit, ol.UNBOUNDED_PREDICT, text=None if truncated else text)
         srv.submit(job)
         headers = truncation_headers(truncated)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
@@ -186,9 +188,9 @@ def register(app: FastAPI, srv: Server) -> None:
         messages = _messages(body.get("messages"))
         if not messages:
             raise ApiError(400, "messages must not be empty")
-        ids, stops = pr.chat_ids(loaded, messages)
+        ids, stops, text = pr.chat_ids(loaded, messages)
         s["stop"] = tuple(s["stop"]) + stops
-        return await _openai_run(request, body, model, s, ids, chat=True)
+        return await _openai_run(request, body, model, s, ids, text, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -198,13 +200,13 @@ def register(app: FastAPI, srv: Server) -> None:
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
             p = p[0]
-        if isinstance(p, str):
-            ids = loaded.tokenizer.encode(p)
+        if isinstance(p, str) and p:
+            ids, text = loaded.tokenizer.encode(p), p
         elif isinstance(p, list) and p:
-            ids = _token_list(srv, p, "prompt")
+            ids, text = _token_list(srv, p, "prompt"), None
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
-        return await _openai_run(request, body, model, s, ids, chat=False)
+        return await _openai_run(request, body, model, s, ids, text, chat=False)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def unsupported(rest: str):

@@ -159,6 +159,30 @@ class SlotPool:
         del slot.tokens[keep:]
         return True
 
+    def splice(self, text: str, tokenizer: Any) -> Optional[list[int]]:
+        """Prompt ids that extend a slot: its own tokens + the encoding of the rest of `text`.
+
+        Re-encoding a conversation rarely reproduces the exact tokens the model generated (BPE
+        merges differ at the answer's edges, a stop string ends mid-token), and a cache that
+        cannot be trimmed (StreamingLLM, KIVI, retrieval) could then not be reused at all. When
+        the text of a slot's tokens begins the prompt text, the prompt is that slot's tokens
+        followed by the rest, so the slot is extended. Only for tokenizers whose decoding is
+        exact and whose encoding adds no special tokens (native byte-level BPE).
+        """
+        with self._lock:
+            best: Optional[tuple[int, list[int]]] = None
+            for s in self.slots:
+                if s.free or not s.tokens:
+                    continue
+                done = tokenizer.decode(s.tokens)
+                if "\ufffd" in done or not text.startswith(done):
+                    continue
+                if best is None or len(done) > best[0]:
+                    best = (len(done), s.tokens)
+            if best is None:
+                return None
+            return list(best[1]) + (tokenizer.encode(text[best[0]:]) if text[best[0]:] else [])
+
     def invalidate(self, slot: Slot) -> None:
         """Forget a slot whose cache state is unknown (an error in the middle of a step)."""
         with self._lock:

@@ -46,6 +46,7 @@ class Result:
     prompt_tokens: int = 0           # the whole prompt
     prefilled_tokens: int = 0        # only the tokens prefilled for this request
     reused_tokens: int = 0           # prompt tokens served from a warm slot
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt as fed (see Job.text)
     tokens: list[int] = field(default_factory=list)   # generated ids (stop/eos excluded)
     text: str = ""
     done_reason: str = "length"      # "stop" or "length" ("cancel" internally)
@@ -68,6 +69,9 @@ class Job:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     max_context: Optional[int] = None   # stop with "length" when the context reaches this
+    # The prompt's text, when `ids` is its plain encoding: a slot whose decoded tokens begin the
+    # text is extended with its own tokens (see SlotPool.splice) instead of the re-encoding.
+    text: Optional[str] = None
     loop: Optional[asyncio.AbstractEventLoop] = None
     events: Optional[asyncio.Queue] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -114,7 +118,8 @@ class Worker:
             self.busy = True
             try:
                 if job.cancelled.is_set():
-                    result = Result(prompt_tokens=len(job.ids), done_reason="cancel", slot_action="skipped")
+                    result = Result(prompt_tokens=len(job.ids), prompt_ids=job.ids, done_reason="cancel",
+                                    slot_action="skipped")
                 else:
                     result = self._generate(job)
                 self.recent.append({"slot": result.slot, "action": result.slot_action,
@@ -130,17 +135,18 @@ class Worker:
 
     def _generate(self, job: Job) -> Result:
         t_start = time.perf_counter()
-        r = Result(prompt_tokens=len(job.ids), queue_ns=int((t_start - job.created) * 1e9))
-        lease = self.pool.acquire(job.ids)
+        ids = self._prompt_ids(job)
+        r = Result(prompt_tokens=len(ids), prompt_ids=ids, queue_ns=int((t_start - job.created) * 1e9))
+        lease = self.pool.acquire(ids)
         slot = lease.slot
         r.slot, r.slot_action, r.reused_tokens = slot.index, lease.action, lease.reused
-        tail = job.ids[lease.reused:]
+        tail = ids[lease.reused:]
         r.prefilled_tokens = len(tail)
         t0 = time.perf_counter()
         r.load_ns = int((t0 - t_start) * 1e9)
 
         def progress(done: int, total: int) -> None:
-            slot.tokens = job.ids[:lease.reused + done]     # what the cache holds so far
+            slot.tokens = ids[:lease.reused + done]     # what the cache holds so far
             if job.cancelled.is_set() and done < total:
                 raise _Cancelled()
 
@@ -162,6 +168,14 @@ class Worker:
                  r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, r.prefilled_tokens,
                  len(r.tokens), r.done_reason)
         return r
+
+    def _prompt_ids(self, job: Job) -> list[int]:
+        if job.text is None or self.loaded.kind != "tinygpt":
+            return job.ids
+        spliced = self.pool.splice(job.text, self.loaded.tokenizer)
+        if spliced is None or (job.max_context is not None and len(spliced) > job.max_context - 1):
+            return job.ids
+        return spliced
 
     def _decode(self, job: Job, slot: Any, logits: mx.array, r: Result) -> None:
         tok = self.loaded.tokenizer
