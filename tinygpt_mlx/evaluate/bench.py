@@ -29,7 +29,8 @@ from ..errors import PosttrainError
 from ..generate import forward, prefill
 from .modes import parse_policy
 
-DEFAULT_POLICIES = "fp32,bf16,int8,int4,sink4/window252,mlx,mlx-rotating256,mlx-q8,mlx-q4"
+DEFAULT_POLICIES = \
+    "fp32,bf16,int8,int4,sink4/window252,sink4/window252:absolute,mlx,mlx-rotating256,mlx-q8,mlx-q4"
 DECODE_STEPS = 32
 PREFILL_CHUNK = 512
 REFERENCE = "fp32"
