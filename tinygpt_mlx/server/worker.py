@@ -94,6 +94,7 @@ class Worker:
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.busy = False
+        self.current: Optional[Job] = None
         self.completed = 0
         self.recent: "collections.deque[dict]" = collections.deque(maxlen=32)   # for /api/slots
         self._thread = threading.Thread(target=self._run, name="posttrainllm-generate", daemon=True)
@@ -107,6 +108,13 @@ class Worker:
         return self.queue.qsize()
 
     def stop(self) -> None:
+        """Cancel the running and queued jobs, then end the thread (server shutdown)."""
+        if self.current is not None:
+            self.current.cancel()
+        with self.queue.mutex:
+            for job in self.queue.queue:
+                if job is not None:
+                    job.cancel()
         self.queue.put(None)
         self._thread.join(timeout=10)
 
@@ -115,7 +123,7 @@ class Worker:
             job = self.queue.get()
             if job is None:
                 return
-            self.busy = True
+            self.busy, self.current = True, job
             try:
                 if job.cancelled.is_set():
                     result = Result(prompt_tokens=len(job.ids), prompt_ids=job.ids, done_reason="cancel",
@@ -130,7 +138,7 @@ class Worker:
                 log.exception("generation failed")
                 job.emit("error", f"generation failed: {e}")
             finally:
-                self.busy = False
+                self.busy, self.current = False, None
                 self.completed += 1
 
     def _generate(self, job: Job) -> Result:
