@@ -119,6 +119,12 @@ class Worker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        # MLX streams are thread-local (mlx >= 0.31.2): the main thread's default GPU stream does
+        # not exist here, so this thread makes its own and runs every job on it.
+        with mx.stream(mx.new_stream(mx.default_device())):
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             job = self.queue.get()
             if job is None:
