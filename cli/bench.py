@@ -77,10 +77,10 @@ def bench(
         for s in specs:  # a bad spec fails before the model runs
             err.print(f"  {s}: [green]{b.make_policy(s, loaded.model).label}[/green]")
         with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("benchmarking", total=len(ctx) * (len(set(specs) | {b.REFERENCE})))
+            task = bar.add_task("warming up", total=None)
 
-            def advance(name: str, context: int) -> None:
-                bar.update(task, advance=1, description=f"{name} @ {context}")
+            def advance(done: int, total: int, what: str) -> None:
+                bar.update(task, completed=done, total=total, description=what)
             result = b.bench(loaded.model, specs, ctx, decode_steps,
                              prefill_chunk or b.PREFILL_CHUNK, progress=advance)
         for name, why in result["skipped"].items():

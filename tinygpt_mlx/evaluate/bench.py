@@ -1,10 +1,11 @@
 """Speed and memory per cache policy and context: ours side by side with mlx-lm's caches.
 
-For each context C and policy: prefill C deterministic pseudo-random tokens through
-`generate.prefill` (chunked, the code `sample` uses), then time `decode_steps` greedy steps
-through `generate.forward` (decode tokens/s = 1 / the median step time), and read the bytes
-the cache reports (mlx-lm's caches allocate in steps of 256 tokens and report that). mlx-lm's own caches run
-through the same functions on the same model, as baselines:
+For each context C: prefill C deterministic pseudo-random tokens in chunks, then time
+`decode_steps` greedy steps, every step a `generate.forward` (the code `sample` runs), and
+read the bytes each cache reports (mlx-lm's caches allocate in steps of 256 tokens and report
+that). The policies run interleaved, chunk by chunk and step by step, so a busy machine slows
+them alike; decode tokens/s is 1 / the median step time. mlx-lm's own caches run through the
+same function on the same model, as baselines:
 
     mlx             mlx_lm.models.cache.KVCache
     mlx-rotatingN   RotatingKVCache(max_size=N, keep=4)      (compare with sink4/window<N-4>)
@@ -26,7 +27,7 @@ import mlx.core as mx
 
 from ..cache import make_cache
 from ..errors import PosttrainError
-from ..generate import forward, prefill
+from ..generate import forward
 from .modes import parse_policy
 
 DEFAULT_POLICIES = \
@@ -90,54 +91,81 @@ def make_policy(spec: str, model: Any) -> Policy:
     return Policy(spec, "mlx-lm KVCache", lambda: _MlxCaches(mc.KVCache() for _ in range(n)))
 
 
-def run_one(model: Any, policy: Policy, tokens: list[int], decode_steps: int,
-            prefill_chunk: int = PREFILL_CHUNK) -> dict:
-    """One measurement: prefill `tokens`, decode `decode_steps` greedy tokens."""
-    cache = policy.make()
-    t0 = time.perf_counter()
-    logits = prefill(model, tokens, cache, prefill_chunk)
-    prefill_s = time.perf_counter() - t0
-    token = mx.argmax(logits)
-    steps = []
-    for _ in range(decode_steps):
-        t0 = time.perf_counter()
-        token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
-        mx.eval(token)
-        steps.append(time.perf_counter() - t0)
+def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
+            prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Rows for `policies` at one context, measured interleaved.
+
+    All caches are filled side by side: each prefill chunk, then each decode step, runs for
+    every policy in turn (order rotating), so load from other processes on a shared machine
+    falls on all policies alike. A step is `generate.forward`, as in `generate.prefill` and
+    decoding. `tick(policy name)` is called after every timed piece of work.
+    """
+    caches = [p.make() for p in policies]
+    prefill_s = [0.0] * len(policies)
+    steps: list[list[float]] = [[] for _ in policies]
+    last: list[Any] = [None] * len(policies)
+
+    def rotated(k: int) -> list[int]:
+        n = len(policies)
+        return [(i + k) % n for i in range(n)]
+
+    for k, i0 in enumerate(range(0, len(tokens), prefill_chunk)):
+        piece = mx.array(tokens[i0:i0 + prefill_chunk])[None]
+        for i in rotated(k):
+            t0 = time.perf_counter()
+            last[i] = mx.argmax(forward(model, piece, caches[i])[0, -1])
+            mx.eval(last[i])
+            prefill_s[i] += time.perf_counter() - t0
+            if tick is not None:
+                tick(policies[i].name)
+    for k in range(decode_steps):
+        for i in rotated(k):
+            t0 = time.perf_counter()
+            last[i] = mx.argmax(forward(model, last[i].reshape(1, 1), caches[i])[0, -1])
+            mx.eval(last[i])
+            steps[i].append(time.perf_counter() - t0)
+            if tick is not None:
+                tick(policies[i].name)
     # the median step: robust to the scheduler pausing us on a shared machine
-    step_s = statistics.median(steps) if steps else 0.0
-    return {"policy": policy.name, "label": policy.label, "context": len(tokens),
-            "prefill_tokens_per_s": len(tokens) / prefill_s,
-            "decode_tokens_per_s": 1.0 / step_s if step_s else 0.0,
-            "cache_bytes": int(cache.nbytes)}
+    return [{"policy": p.name, "label": p.label, "context": len(tokens),
+             "prefill_tokens_per_s": len(tokens) / prefill_s[i],
+             "decode_tokens_per_s": 1.0 / statistics.median(steps[i]),
+             "cache_bytes": int(caches[i].nbytes)} for i, p in enumerate(policies)]
 
 
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
-          progress: Optional[Callable[[str, int], None]] = None) -> dict:
+          progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
     """Rows for every (context, policy), with ratios against fp32; policies whose cache this
-    build or model cannot make (e.g. KIVI not built yet) are listed under `skipped`."""
+    build or model cannot make (e.g. KIVI on a too-small head dim) are listed under `skipped`.
+    `progress(done, total, description)` follows the timed work."""
     if not contexts or min(contexts) < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
     if decode_steps < 1:
         raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     specs = [REFERENCE] + [s for s in specs if s != REFERENCE]
     policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
     vocab = model(mx.array([[0]])).shape[-1]
     skipped: dict[str, str] = {}
     for p in list(policies):  # warm-up, and find the caches that cannot be made here
         try:
-            run_one(model, p, list(range(8)), 2)
+            measure(model, [p], list(range(8)), 2)
         except ValueError as e:
             skipped[p.name] = str(e)
             policies.remove(p)
+    total = len(policies) * sum(-(-c // prefill_chunk) + decode_steps for c in contexts)
+    done = 0
     rows = []
     for context in contexts:
-        tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        for p in policies:
-            rows.append(run_one(model, p, tokens, decode_steps, prefill_chunk))
+        def tick(name: str) -> None:
+            nonlocal done
+            done += 1
             if progress is not None:
-                progress(p.name, context)
+                progress(done, total, f"{context} tokens · {name}")
+        tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick)
     add_ratios(rows)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "rows": rows, "skipped": skipped}
 
