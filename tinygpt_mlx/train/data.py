@@ -31,6 +31,7 @@ class TrainData:
     def needle_row(self, rng: random.Random, seq_len: int) -> list[int]:
         n_doc = rng.randint(min(48, seq_len // 2), max(min(48, seq_len // 2), seq_len - 12))
         distractors = 0 if rng.random() < 0.5 else rng.randint(1, 3)
+        n_doc = min(max(n_doc, 48 + 24 * distractors), seq_len - 12)  # room for the extra facts
         try:
             prompt, answer = corpus.make_needle_doc_tokens(
                 rng, self.filler, self.encode, n_doc, distractors=distractors)
