@@ -96,6 +96,9 @@ def main() -> None:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--streaming-llm-sink", type=int, default=None)
+    ap.add_argument("--streaming-llm-window", type=int, default=None,
+                    help="serve with a StreamingLLM cache (cannot be trimmed: warm turns must extend)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
 
@@ -112,7 +115,8 @@ def main() -> None:
     n_first = args.context_tokens or int(ctx * 0.7) - 2 * args.answer_tokens
     text = (ROOT / "data" / "heldout.txt").read_text(encoding="utf-8")
     ids = tok.encode(text[:200_000])
-    app, server, url = serve(loaded, CacheConfig(), args.prefill_chunk)
+    cache_config = CacheConfig.from_flags(sink=args.streaming_llm_sink, window=args.streaming_llm_window)
+    app, server, url = serve(loaded, cache_config, args.prefill_chunk)
     model = loaded.name
     runs = {"warm": [], "cold": []}
     try:
@@ -129,7 +133,7 @@ def main() -> None:
             runs["cold"].append(chat(url, model, msgs, args.answer_tokens))
     finally:
         server.should_exit = True
-    out = {"model": label, "first_message_tokens": n_first, "repeats": args.repeats,
+    out = {"model": label, "cache": cache_config.label(), "first_message_tokens": n_first, "repeats": args.repeats,
            "prefill_chunk": args.prefill_chunk}
     for k, rs in runs.items():
         out[k] = {"ttft_ms": round(1000 * statistics.median(r["ttft_s"] for r in rs), 1),
@@ -138,8 +142,8 @@ def main() -> None:
                   "turn2_prompt_tokens": statistics.median(r["total_prompt"] for r in rs)}
     out["speedup"] = round(out["cold"]["ttft_ms"] / out["warm"]["ttft_ms"], 1)
     print(json.dumps(out, indent=2))
-    print(f"\n| model | turn-2 prompt | warm: prefilled / TTFT | cold: prefilled / TTFT | speed-up |\n"
-          f"|---|---|---|---|---|\n| {label} | {out['warm']['turn2_prompt_tokens']:.0f} tokens | "
+    print(f"\n| model | cache | turn-2 prompt | warm: prefilled / TTFT | cold: prefilled / TTFT | speed-up |\n"
+          f"|---|---|---|---|---|---|\n| {label} | {out['cache']} | {out['warm']['turn2_prompt_tokens']:.0f} tokens | "
           f"{out['warm']['prompt_eval_count']:.0f} tok / {out['warm']['ttft_ms']} ms | "
           f"{out['cold']['prompt_eval_count']:.0f} tok / {out['cold']['ttft_ms']} ms | {out['speedup']}x |")
     if args.json:

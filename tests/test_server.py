@@ -23,6 +23,7 @@ httpx = pytest.importorskip("httpx")
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.generate import prefill  # noqa: E402
 from tinygpt_mlx.server import create_app  # noqa: E402
+from tinygpt_mlx.server.prompt import plain_chat_text  # noqa: E402
 from tinygpt_mlx.server.slots import SlotPool  # noqa: E402
 
 GREEDY = {"temperature": 0, "num_predict": 8}
@@ -145,8 +146,8 @@ def test_two_turn_chat_reuses_warm_slot(client, native, name):
     first = client.chat(name, msgs, options=GREEDY)
     msgs += [first.message.model_dump(include={"role", "content"}), {"role": "user", "content": "And the keeper?"}]
     second = client.chat(name, msgs, options=GREEDY)
-    ids1 = tok.encode(tok.chat_prompt(msgs[:1]))
-    ids2 = tok.encode(tok.chat_prompt(msgs))
+    ids1 = tok.encode(plain_chat_text(msgs[:1]))
+    ids2 = tok.encode(plain_chat_text(msgs))
     # only the new tail was prefilled: never the first turn's prompt again
     assert 0 < second.prompt_eval_count <= len(ids2) - len(ids1) + 1
     assert second.prompt_eval_count < len(ids2) / 2

@@ -1,9 +1,9 @@
 """From a request to prompt token ids: chat template, and fitting the prompt to the context.
 
 Chat uses the model's own chat template (mlx-lm models that ship one) or the tokenizer's
-documented plain template for native models ("User: ...\\nAssistant: ...\\nAssistant:"); with
-the plain template "\\nUser:" is added as a stop string so the model does not write the
-user's next turn.
+documented plain template for native models ("User: ...\\nAssistant: ...\\nAssistant:", see
+`plain_chat_text`); with the plain template "\\nUser:" is added as a stop string so the model
+does not write the user's next turn.
 
 Context: with `num_ctx` (ollama option) the context is `num_ctx` tokens, capped by the
 model's trained context when the cache is a full one; without it, the model's context for a
@@ -34,21 +34,29 @@ def template_text(loaded: Any) -> str:
     return "{{ range .Messages }}{{ .Role }}: {{ .Content }}\n{{ end }}Assistant:"
 
 
-def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...], str]:
-    """Token ids and text of a chat prompt, and the stop strings the template implies.
+def plain_chat_text(messages: list[dict]) -> str:
+    """The tokenizer's plain template ("Role: content" lines, then "Assistant:"), except that an
+    assistant turn starting with a space, newline or punctuation follows "Assistant:" directly.
 
-    The plain template writes "Assistant: " + content, and a model answering after
-    "Assistant:" generates its own leading space; one leading space of an assistant message is
-    dropped so the history reproduces the text the model generated (warm-slot reuse then
-    covers the previous answer too).
+    That is how the model generated it (its answer began right after "Assistant:"), so the
+    history reproduces the generated text and the warm slot covers the previous answer too.
     """
+    lines = []
+    for m in messages:
+        role, content = str(m.get("role", "user")).capitalize(), m.get("content", "")
+        sep = " " if role != "Assistant" or (content[:1].isalnum()) else ""
+        lines.append(f"{role}:{sep}{content}")
+    lines.append("Assistant:")
+    return "\n".join(lines)
+
+
+def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...], str]:
+    """Token ids and text of a chat prompt, and the stop strings the template implies."""
     tok = loaded.tokenizer
     if has_chat_template(loaded):
         text = tok.chat_prompt(messages)
         return tok.encode(text), (), text
-    msgs = [dict(m, content=m["content"][1:]) if m.get("role") == "assistant" and m.get("content", "").startswith(" ")
-            else m for m in messages]
-    text = tok.chat_prompt(msgs)
+    text = plain_chat_text(messages)
     return tok.encode(text), (PLAIN_TEMPLATE_STOP,), text
 
 
