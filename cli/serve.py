@@ -7,22 +7,31 @@ from typing import Annotated, Optional
 
 import typer
 
-from tinygpt_mlx.config import SampleConfig, field_default
+from tinygpt_mlx.config import field_default
 from tinygpt_mlx.loading import load
+from tinygpt_mlx.server.config import ServerConfig
 
 from . import common as c
 from .common import err
 
 
+_V = ServerConfig
+
+
 def serve(
     model: c.ModelArg = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (keep 127.0.0.1 unless you mean to share).")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port (11434 is ollama's, which clients expect).")] = 11434,
-    max_slots: Annotated[int, typer.Option(
-        "--max-slots", help="Warm KV-cache slots kept between requests (conversations served warm).")] = 2,
-    small_request: Annotated[int, typer.Option(
-        "--small-request", help="Prompts shorter than this (tokens) that match no slot never evict one "
-        "(UI title/tag requests run in a scratch cache).")] = 256,
+    host: Annotated[Optional[str], typer.Option(
+        help=f"Address to listen on. Default {field_default(_V, 'host')} (keep loopback unless you mean to share).",
+        show_default=False)] = None,
+    port: Annotated[Optional[int], typer.Option(
+        help=f"TCP port. Default {field_default(_V, 'port')} (ollama's, which clients expect).",
+        show_default=False)] = None,
+    max_slots: Annotated[Optional[int], typer.Option(
+        "--max-slots", help=f"Warm KV-cache slots kept between requests. Default {field_default(_V, 'max_slots')}.",
+        show_default=False)] = None,
+    small_request: Annotated[Optional[int], typer.Option(
+        "--small-request", help="Prompts shorter than this (tokens) never evict a conversation that long "
+        f"(UI title/tag requests). Default {field_default(_V, 'small_request')}.", show_default=False)] = None,
     prefill_chunk: c.PrefillChunk = None,
     kv_quantize: c.KvQuantize = None,
     kv_quantize_keys: c.KvKeys = None,
@@ -49,11 +58,12 @@ def serve(
         streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
         kiv_top_p, kiv_page_size, kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
         cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
-    if max_slots < 1:
-        raise typer.BadParameter("--max-slots must be >= 1")
-    chunk = prefill_chunk if prefill_chunk is not None else field_default(SampleConfig, "prefill_chunk")
-    if chunk < 1:
-        raise typer.BadParameter("--prefill-chunk must be >= 1")
+    try:
+        cfg = ServerConfig(**{k: v for k, v in dict(
+            host=host, port=port, max_slots=max_slots, small_request=small_request,
+            prefill_chunk=prefill_chunk).items() if v is not None})
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     with c.guarded():
         try:
             import uvicorn  # noqa: PLC0415
@@ -63,16 +73,16 @@ def serve(
             raise ValueError(f"the server needs its extras: pip install 'posttrainllm[serve]' ({e})") from None
         loaded = load(model)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(loaded, cache_config, max_slots=max_slots, prefill_chunk=chunk,
-                         small_tokens=small_request)
+        app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
+                         small_tokens=cfg.small_request)
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{loaded.name}[/cyan] "
                   f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
-                  f"{max_slots} warm slot(s), prefill chunk {chunk}")
-        err.print(f"ollama API: http://{host}:{port}/api  ·  OpenAI API: http://{host}:{port}/v1")
-        if host not in ("127.0.0.1", "localhost", "::1"):
-            err.print(f"[yellow]warning:[/yellow] listening on {host}: anyone who can reach this port can use "
-                      "the model (there is no authentication)")
-        uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+                  f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+        err.print(f"ollama API: http://{cfg.host}:{cfg.port}/api  ·  OpenAI API: http://{cfg.host}:{cfg.port}/v1")
+        if not cfg.loopback:
+            err.print(f"[yellow]warning:[/yellow] listening on {cfg.host}: anyone who can reach this port can "
+                      "use the model (there is no authentication)")
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level.lower())
 
 
 def register(app: typer.Typer) -> None:

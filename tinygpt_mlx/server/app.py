@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from . import ollama as ol
 from . import openai as oa
 from . import prompt as pr
+from .config import ServerConfig
 from .slots import SlotPool
 from .worker import Job, Worker
 
@@ -61,7 +62,7 @@ class Server:
     """State shared by the routes: the model, its names, the pool and the worker."""
 
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
-                 small_tokens: int = 256):
+                 small_tokens: int):
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
@@ -94,9 +95,12 @@ class Server:
         self.worker.submit(job)
 
 
-def create_app(loaded: Any, cache_config: Any, max_slots: int = 2, prefill_chunk: int = 512,
-               small_tokens: int = 256) -> FastAPI:
-    srv = Server(loaded, cache_config, max_slots, prefill_chunk, small_tokens)
+def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
+               prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None) -> FastAPI:
+    """The app for `loaded` under `cache_config`; None means the `ServerConfig` default."""
+    cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
+                                                 small_request=small_tokens).items() if v is not None})
+    srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request)
 
     @asynccontextmanager
     async def lifespan(app):

@@ -36,6 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..cache import make_cache
+from .config import ServerConfig
+
+_DEFAULTS = ServerConfig()
 
 MIN_REUSE = 4
 ROLLBACK_KEEP = 0.5
@@ -93,7 +96,8 @@ def trim(cache: Any, n: int) -> bool:
 
 
 class SlotPool:
-    def __init__(self, model: Any, cache_config: Any, max_slots: int = 2, small_tokens: int = 256):
+    def __init__(self, model: Any, cache_config: Any, max_slots: int = _DEFAULTS.max_slots,
+                 small_tokens: int = _DEFAULTS.small_request):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.model, self.cache_config = model, cache_config

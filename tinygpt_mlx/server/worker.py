@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..generate import forward, prefill
 from ..sampling import make_sampler
+from .config import ServerConfig
 from .slots import SlotPool
 
 log = logging.getLogger("posttrainllm.server")
@@ -90,7 +91,7 @@ class Job:
 
 
 class Worker:
-    def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = 512):
+    def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk):
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.busy = False
