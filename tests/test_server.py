@@ -153,6 +153,24 @@ def test_two_turn_chat_reuses_warm_slot(client, native, name):
     assert second.prompt_eval_count < len(ids2) / 2
 
 
+def test_background_title_request_keeps_the_chat_warm(native, name):
+    """One slot: a UI's short title request between two chat turns must not evict the chat."""
+    srv, thread, url = _serve(native, max_slots=1, small_tokens=64)
+    try:
+        c = ollama.Client(host=url)
+        msgs = [{"role": "user", "content": LONG}]
+        first = c.chat(name, msgs, options=GREEDY)
+        title = c.chat(name, [{"role": "user", "content": "Title for this chat?"}], options=GREEDY)
+        msgs += [first.message.model_dump(include={"role", "content"}), {"role": "user", "content": "More?"}]
+        second = c.chat(name, msgs, options=GREEDY)
+        assert second.prompt_eval_count < len(native.tokenizer.encode(plain_chat_text(msgs))) / 2
+        actions = [r["action"] for r in httpx.get(url + "/api/slots").json()["recent"]]
+        assert actions == ["new", "scratch", "extend"] and title.done
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+
+
 def test_truncation_to_num_ctx_is_reported(server, name):
     r = httpx.post(server + "/api/generate", json={
         "model": name, "prompt": LONG, "stream": False, "options": dict(GREEDY, num_ctx=32)}, timeout=30)
