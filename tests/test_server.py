@@ -118,6 +118,8 @@ def test_chat_streamed_equals_unstreamed(client, oai, name):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == a.choices[0].message.content
     assert a.choices[0].message.content == whole.message.content
     assert chunks[-1].usage.completion_tokens == a.usage.completion_tokens
+    # the same prompt again: served from the warm slot, rolled back to all but its last token
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == a.usage.prompt_tokens - 1
     c1 = oai.completions.create(model=name, prompt="The quick", max_tokens=6, temperature=0)
     c2 = "".join(c.choices[0].text for c in oai.completions.create(
         model=name, prompt="The quick", max_tokens=6, temperature=0, stream=True))
