@@ -26,6 +26,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..cache import make_cache
+from ..config import SampleConfig, field_default
 from ..errors import PosttrainError
 from ..generate import forward
 from .modes import parse_policy
@@ -33,7 +34,7 @@ from .modes import parse_policy
 DEFAULT_POLICIES = \
     "fp32,bf16,int8,int4,sink4/window252,sink4/window252:absolute,mlx,mlx-rotating256,mlx-q8,mlx-q4"
 DECODE_STEPS = 32
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 REFERENCE = "fp32"
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
 
@@ -145,7 +146,7 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
         raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    specs = [REFERENCE] + [s for s in specs if s != REFERENCE]
+    specs = list(dict.fromkeys([REFERENCE, *specs]))
     policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
     vocab = model(mx.array([[0]])).shape[-1]
     skipped: dict[str, str] = {}

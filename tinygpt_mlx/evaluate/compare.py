@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..cache import make_cache
-from ..config import CacheConfig
+from ..config import CacheConfig, SampleConfig, field_default
 from ..generate import GenerationStats, check_context, generate_step
 from ..sampling import make_sampler
 
 DEFAULT_TOKENS = 60
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 
 
 def prefix_match(reference: Sequence[int], candidate: Sequence[int]) -> tuple[int, float]:
