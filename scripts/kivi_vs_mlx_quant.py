@@ -64,7 +64,7 @@ def main() -> None:
     for s, cache in caches.items():
         r = acc[s]
         print(f"| {s} | {labels[s]} | {cache.nbytes / 2**20:.2f} | {math.exp(r['nll'].item() / n):.3f} | "
-              f"{r['kl'].item() / n:.5f} | {r['agree'].item() / n:.4f} |")
+              f"{max(0.0, r['kl'].item() / n):.5f} | {r['agree'].item() / n:.4f} |")
 
 
 if __name__ == "__main__":
