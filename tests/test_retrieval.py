@@ -61,21 +61,21 @@ def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
     misses = {"minmax": 0, "mean": 0}
     for seed in range(10):
         rng = np.random.RandomState(seed)
-        q = rng.randn(1, 1, D).astype(np.float32)
+        q = rng.randn(1, 1, 1, D).astype(np.float32)
         keys = rng.randn(20 * ps, D).astype(np.float32)
         # a decoy page whose keys all lean towards q: its MEAN beats a page with one exact match
         decoy = rng.randint(20)
-        keys[decoy * ps:(decoy + 1) * ps] = 0.4 * q[0, 0] + 0.1 * rng.randn(ps, D)
+        keys[decoy * ps:(decoy + 1) * ps] = 0.4 * q[0, 0, 0] + 0.1 * rng.randn(ps, D)
         needle = rng.randint(20 * ps)
         while needle // ps == decoy:
             needle = rng.randint(20 * ps)
-        keys[needle] = 2 * q[0, 0]
+        keys[needle] = 2 * q[0, 0, 0]
         for summary in misses:
             store = _micro_store(summary)
             k = mx.array(keys[None, None])
             store.add(k, k, start_position=100)
             idx, pages, _ = store.select(q)
-            misses[summary] += needle not in idx[0]
+            misses[summary] += needle not in idx[0, 0]
     assert misses["minmax"] == 0
     assert misses["mean"] > 0
 

@@ -236,7 +236,7 @@ class ColdStore:
             self._tail_keys = [tail[full:]] if tail.shape[0] > full else []
 
     def _gather(self, store: Any, idx: np.ndarray) -> np.ndarray:
-        gi = np.arange(self.G)[:, None]
+        gi = np.arange(self.G).reshape((self.G,) + (1,) * (idx.ndim - 1))
         if isinstance(store, GrowingArray):
             return store.array[idx, gi].astype(np.float32)
         return store.gather(idx, gi)
@@ -250,45 +250,45 @@ class ColdStore:
         return sink + self.retrieve_tokens - 1
 
     def page_scores(self, q: np.ndarray) -> np.ndarray:
-        """Coarse pass: [G, J, D] queries x summaries -> [G, pages] (max over the J queries)."""
+        """Coarse pass: queries [G, rep, L, D] x summaries -> [G, L, pages] (max over the
+        GQA group: a page any head of the group wants is kept)."""
         if self.summary == "minmax":
             smax, smin = self.smax.view(), self.smin.view()  # [P, G, D]
-            ub = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), smax)
-                  + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), smin))
+            ub = (np.einsum("grld,pgd->grlp", np.maximum(q, 0), smax)
+                  + np.einsum("grld,pgd->grlp", np.minimum(q, 0), smin))
         else:
-            ub = np.einsum("gjd,pgd->gjp", q, self.smean.view())
+            ub = np.einsum("grld,pgd->grlp", q, self.smean.view())
         return ub.max(axis=1)
 
-    def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Coarse + fine pass for queries [G, J, D] (fp32, positioned as the keys will be).
+    def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
 
-        Returns (cold indices [G, T] in position order, pages scored [G, k], tokens scored m).
+        Every query position gets its own pages and tokens (a prefill chunk retrieves per
+        query, exactly as decode does). Returns (cold indices [G, L, T] in position order,
+        pages [G, L, k], tokens scored per query m).
         """
+        G, _, L, _ = q.shape
         P, ps = self.n_pages, self.page_size
         if P > self.top_pages:
-            scores = self.page_scores(q)
             k = self.top_pages
-            pages = np.argpartition(-scores, k - 1, axis=1)[:, :k]
+            pages = np.argpartition(-self.page_scores(q), k - 1, axis=-1)[..., :k]
         else:
-            pages = np.broadcast_to(np.arange(P), (self.G, P))
-        idx = (pages[:, :, None] * ps + np.arange(ps)).reshape(self.G, -1)
+            pages = np.broadcast_to(np.arange(P), (G, L, P))
+        idx = (pages[..., None] * ps + np.arange(ps)).reshape(G, L, -1)
         if self.n > P * ps:
-            tail = np.broadcast_to(np.arange(P * ps, self.n), (self.G, self.n - P * ps))
-            idx = np.concatenate([idx, tail], axis=1)
-        m = idx.shape[1]
+            tail = np.broadcast_to(np.arange(P * ps, self.n), (G, L, self.n - P * ps))
+            idx = np.concatenate([idx, tail], axis=-1)
+        m = idx.shape[-1]
         T = min(self.retrieve_tokens, m)
         if T < m:
-            kk = self._gather(self.keys, idx)                      # [G, m, D]
-            exact = np.einsum("gjd,gmd->gjm", q, kk).max(axis=1)   # [G, m]
-            pick = np.argpartition(-exact, T - 1, axis=1)[:, :T]
-            idx = np.take_along_axis(idx, pick, axis=1)
-        idx = np.sort(idx, axis=1)
-        return idx, pages, m
+            kk = self._gather(self.keys, idx)                        # [G, L, m, D]
+            exact = np.einsum("grld,glmd->grlm", q, kk).max(axis=1)  # [G, L, m]
+            pick = np.argpartition(-exact, T - 1, axis=-1)[..., :T]
+            idx = np.take_along_axis(idx, pick, axis=-1)
+        return np.sort(idx, axis=-1), pages, m
 
     def retrieve(self, queries: mx.array, scale: float, layer_cache: Any) -> list:
         """Attention segments of retrieved cold tokens for queries [B, Hq, L, D] (post-RoPE)."""
-        from .kv_cache import DenseSegment  # noqa: PLC0415 (cycle)
-
         if self.n == 0:
             return []
         B, Hq, L, D = queries.shape
@@ -299,19 +299,18 @@ class ColdStore:
         if self.shifted and slot:
             # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
             q = self._rotate(q, -slot)
-        qn = np.asarray(q).reshape(B, hkv, rep, L, D).reshape(self.G, rep * L, D)
+        qn = np.asarray(q).reshape(self.G, rep, L, D)
         idx, pages, m = self.select(qn)
-        T = idx.shape[1]
-        k = self._gather(self.keys, idx).reshape(B, hkv, T, -1)
-        v = self._gather(self.values, idx).reshape(B, hkv, T, -1)
-        k, v = mx.array(k), mx.array(v)
+        T = idx.shape[-1]
+        k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, L, T, -1))
+        v = mx.array(self._gather(self.values, idx).reshape(B, hkv, L, T, -1))
         if self.shifted:
             if self.config.retrieved_position == "fixed":
                 k = self._rotate(k, slot)
             else:
                 k = self.rope(k, offset=slot - T + 1)
-        self._record(L, idx, pages, m)
-        return [DenseSegment(k, v)]
+        self._record(L, idx[:, -1], pages[:, -1], m)
+        return [RetrievedSegment(k, v)]
 
     def _rotate(self, x: mx.array, position: int) -> mx.array:
         """Every row of x [..., D] rotated by RoPE to one `position` (negative undoes)."""
@@ -354,6 +353,22 @@ class ColdStore:
         self.keys = self.values = None
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+class RetrievedSegment:
+    """Retrieved keys/values [B, Hkv, L, T, D]: each of the L queries has its own T tokens."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
+        self.n_heads = keys.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        """q [B, Hkv, rep, L, D] -> [B, Hkv, rep, L, T]."""
+        return (mx.expand_dims(q, -2) @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)).squeeze(-2)
+
+    def output(self, p: mx.array) -> mx.array:
+        """p [B, Hkv, rep, L, T] -> [B, Hkv, rep, L, D]."""
+        return (mx.expand_dims(p, -2) @ mx.expand_dims(self.values, 2)).squeeze(-2)
 
 
 def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -> ColdStore:

@@ -117,7 +117,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         originals[id(s)] = orig
 
         def spy(q, _orig=orig, _s=s):
-            queries[id(_s)].append(q.copy())
+            queries[id(_s)].append(q.reshape(q.shape[0], -1, q.shape[-1]).copy())  # [G, J, D]
             return _orig(q)
         s.select = spy
     token = mx.argmax(logits)
