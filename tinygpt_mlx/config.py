@@ -15,7 +15,7 @@ STORAGE_DTYPES = ("fp32", "fp16", "bf16")
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
 ROPE_MODES = ("shifted", "absolute")
-SUMMARY_KINDS = ("minmax", "mean")
+SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "slots")
 

@@ -200,10 +200,10 @@ class ColdStore:
             self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"))
             self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"))
         self.positions = GrowingArray((), np.int64, None)
-        if self.summary == "minmax":
+        if self.summary in ("minmax", "hybrid"):
             self.smin = GrowingArray((G, Dk), np.float32, None, initial=16)
             self.smax = GrowingArray((G, Dk), np.float32, None, initial=16)
-        else:
+        if self.summary in ("mean", "hybrid"):
             self.smean = GrowingArray((G, Dk), np.float32, None, initial=16)
         self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
 
@@ -228,10 +228,10 @@ class ColdStore:
             tail = np.concatenate(self._tail_keys, axis=0)
             full = (done_after - done_before) * self.page_size
             pages = tail[:full].reshape(done_after - done_before, self.page_size, self.G, Dk)
-            if self.summary == "minmax":
+            if self.smin is not None:
                 self.smin.append(pages.min(axis=1))
                 self.smax.append(pages.max(axis=1))
-            else:
+            if self.smean is not None:
                 self.smean.append(pages.mean(axis=1))
             self._tail_keys = [tail[full:]] if tail.shape[0] > full else []
 
@@ -251,14 +251,18 @@ class ColdStore:
 
     def page_scores(self, q: np.ndarray) -> np.ndarray:
         """Coarse pass: queries [G, rep, L, D] x summaries -> [G, L, pages] (max over the
-        GQA group: a page any head of the group wants is kept)."""
+        GQA group: a page any head of the group wants is kept). "hybrid" ranks pages by both
+        summaries and keeps a page by its better rank (half the pages from each list)."""
+        if self.summary == "mean":
+            return np.einsum("grld,pgd->grlp", q, self.smean.view()).max(axis=1)
+        smax, smin = self.smax.view(), self.smin.view()  # [P, G, D]
+        ub = (np.einsum("grld,pgd->grlp", np.maximum(q, 0), smax)
+              + np.einsum("grld,pgd->grlp", np.minimum(q, 0), smin)).max(axis=1)
         if self.summary == "minmax":
-            smax, smin = self.smax.view(), self.smin.view()  # [P, G, D]
-            ub = (np.einsum("grld,pgd->grlp", np.maximum(q, 0), smax)
-                  + np.einsum("grld,pgd->grlp", np.minimum(q, 0), smin))
-        else:
-            ub = np.einsum("grld,pgd->grlp", q, self.smean.view())
-        return ub.max(axis=1)
+            return ub
+        mean = np.einsum("grld,pgd->grlp", q, self.smean.view()).max(axis=1)
+        rank = lambda s: np.argsort(np.argsort(-s, axis=-1), axis=-1)  # noqa: E731
+        return -np.minimum(rank(ub), rank(mean)).astype(np.float32)
 
     def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
@@ -344,7 +348,7 @@ class ColdStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         if self.G is None:
             return {"cold": 0}
-        summ = self.smin.nbytes + self.smax.nbytes if self.summary == "minmax" else self.smean.nbytes
+        summ = sum(a.nbytes for a in (self.smin, self.smax, self.smean) if a is not None)
         where = "cold_disk" if self.directory is not None else "cold"
         return {where: self.keys.nbytes + self.values.nbytes, "cold_summary": summ}
 
