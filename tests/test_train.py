@@ -170,3 +170,21 @@ def test_needle_doc_tokens_fits_budget():
 
 def test_clean_text():
     assert corpus.clean_text("a\r\nb  \n\n\n\nc\x07\td") == "a\nb\n\nc d\n"
+
+
+def test_passkey_accuracy_runs_on_mlx_model():
+    from tinygpt_mlx.model import Model
+    from tinygpt_mlx.train.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([FILLER, "The pass key is 12345. Remember it."], vocab_size=300)
+
+    class Tok:
+        encode = staticmethod(lambda s: tok.encode(s, add_special_tokens=False).ids)
+        decode = staticmethod(lambda ids: tok.decode(list(ids)))
+
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, d_ff=64, context_length=128)
+    res = corpus.passkey_accuracy(Model(cfg), Tok, FILLER, 128, trials=3, seed=0)
+    assert res["trials"] == 3 and 0.0 <= res["accuracy"] <= 1.0
+    assert [r[0] for r in res["results"]] == [0.0, 0.5, 1.0]
+    assert all(len(r[1]) == 5 for r in res["results"])
