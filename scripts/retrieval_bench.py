@@ -31,12 +31,13 @@ def main() -> None:
     ap.add_argument("--cold-store", default="ram")
     ap.add_argument("--storage", default="fp32")
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
+    ap.add_argument("--filler", help="haystack text (default data/heldout.txt)")
     ap.add_argument("--json")
     a = ap.parse_args()
     loaded = load(a.model)
     cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
                       page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store)
-    filler = DEFAULT_FILLER.read_text(encoding="utf-8")
+    filler = open(a.filler or DEFAULT_FILLER, encoding="utf-8").read()
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)
     out = {"model": loaded.name, "policy": cfg.describe()}
@@ -44,7 +45,10 @@ def main() -> None:
         p2, _ = make_needle_doc_tokens(random.Random(1), filler, loaded.tokenizer.encode, a.recall_tokens, 0.5)
         out["summary_recall"] = rb.summary_recall(loaded.model, cfg, loaded.tokenizer.encode(p2))
         print("summary recall", out["summary_recall"], flush=True)
-    ctx = [int(x) for x in a.contexts.split(",")]
+    ctx = [int(x) for x in a.contexts.split(",") if x]
+    if not ctx:
+        print(json.dumps(out.get("summary_recall"), indent=1))
+        return
     print(f"{'context':>9} {'decode ms/tok':>13} {'hot MiB':>8} {'cold MiB':>9} {'summary MiB':>11}", flush=True)
 
     def show(r: dict) -> None:

@@ -9,7 +9,7 @@ greedy decode steps. Hot bytes (sink + hot window) stay constant; cold bytes gro
 `summary_recall`: for real queries of the last decode steps, the exact top-k cold tokens
 (exhaustive q.k, max over each GQA group) are the ground truth; recall is the fraction of
 them that lie in the `top_pages` pages a summary selects. Quest's min/max bound vs KIV's
-mean key, on the same keys and queries.
+mean key (and the hybrid of both), on the same keys and queries.
 """
 
 from __future__ import annotations
@@ -95,13 +95,16 @@ def _page_scores(q: np.ndarray, keys: np.ndarray, page_size: int, summary: str) 
     """[G, J, D] queries x keys [n, G, D] grouped in pages -> [G, pages] (max over J)."""
     P = keys.shape[0] // page_size
     pages = keys[:P * page_size].reshape(P, page_size, *keys.shape[1:])
+    mean = np.einsum("gjd,pgd->gjp", q, pages.mean(axis=1)).max(axis=1)
+    if summary == "mean":
+        return mean
+    mx_, mn = pages.max(axis=1), pages.min(axis=1)  # [P, G, D]
+    ub = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), mx_)
+          + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), mn)).max(axis=1)
     if summary == "minmax":
-        mx_, mn = pages.max(axis=1), pages.min(axis=1)  # [P, G, D]
-        s = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), mx_)
-             + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), mn))
-    else:
-        s = np.einsum("gjd,pgd->gjp", q, pages.mean(axis=1))
-    return s.max(axis=1)
+        return ub
+    rank = lambda s: np.argsort(np.argsort(-s, axis=-1), axis=-1)  # noqa: E731
+    return -np.minimum(rank(ub), rank(mean)).astype(np.float32)
 
 
 def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_steps: int = 8,
@@ -126,7 +129,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         mx.eval(token)
     out = {}
     ps, tp = config.page_size, config.top_pages
-    for summary in ("minmax", "mean"):
+    for summary in ("minmax", "mean", "hybrid"):
         hits, total = 0, 0
         for s in stores:
             P = s.n_pages
