@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--top-p", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--top-pages", type=int, default=8)
+    ap.add_argument("--summary", default="minmax")
     ap.add_argument("--cold-store", default="ram")
     ap.add_argument("--storage", default="fp32")
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
@@ -36,7 +37,8 @@ def main() -> None:
     a = ap.parse_args()
     loaded = load(a.model)
     cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
-                      page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store)
+                      page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
+                      summary=a.summary)
     filler = open(a.filler or DEFAULT_FILLER, encoding="utf-8").read()
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)

@@ -110,9 +110,9 @@ class CacheConfig:
     rope_mode: str = "shifted"
     hot_budget: Optional[int] = None
     retrieve_tokens: int = 64
-    page_size: int = 32
-    top_pages: int = 8
-    summary: str = "minmax"
+    page_size: int = 8
+    top_pages: int = 64
+    summary: str = "hybrid"
     cold_store: str = "ram"
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
