@@ -80,6 +80,19 @@ def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
     assert misses["mean"] > 0
 
 
+def test_hybrid_keeps_the_best_page_of_each_summary():
+    rng = np.random.RandomState(0)
+    D, ps = 16, 8
+    q = rng.randn(1, 1, 1, D).astype(np.float32)
+    keys = rng.randn(20 * ps, D).astype(np.float32)
+    keys[3 * ps:4 * ps] = 0.4 * q[0, 0, 0] + 0.1 * rng.randn(ps, D)   # best mean
+    keys[11 * ps + 2] = 2 * q[0, 0, 0]                                 # best bound
+    store = _micro_store("hybrid", top_pages=2)
+    k = mx.array(keys[None, None])
+    store.add(k, k, start_position=0)
+    assert sorted(store.top_pages_of(q)[0, 0].tolist()) == [3, 11]
+
+
 def test_pages_append_without_copying_the_store():
     store = _micro_store("minmax", page_size=4)
     k = mx.zeros((1, 2, 4, 8))

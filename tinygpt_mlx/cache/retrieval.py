@@ -249,20 +249,42 @@ class ColdStore:
             return sink
         return sink + self.retrieve_tokens - 1
 
-    def page_scores(self, q: np.ndarray) -> np.ndarray:
+    def page_scores(self, q: np.ndarray, summary: Optional[str] = None) -> np.ndarray:
         """Coarse pass: queries [G, rep, L, D] x summaries -> [G, L, pages] (max over the
-        GQA group: a page any head of the group wants is kept). "hybrid" ranks pages by both
-        summaries and keeps a page by its better rank (half the pages from each list)."""
-        if self.summary == "mean":
-            return np.einsum("grld,pgd->grlp", q, self.smean.view()).max(axis=1)
-        smax, smin = self.smax.view(), self.smin.view()  # [P, G, D]
-        ub = (np.einsum("grld,pgd->grlp", np.maximum(q, 0), smax)
-              + np.einsum("grld,pgd->grlp", np.minimum(q, 0), smin)).max(axis=1)
-        if self.summary == "minmax":
-            return ub
-        mean = np.einsum("grld,pgd->grlp", q, self.smean.view()).max(axis=1)
-        rank = lambda s: np.argsort(np.argsort(-s, axis=-1), axis=-1)  # noqa: E731
-        return -np.minimum(rank(ub), rank(mean)).astype(np.float32)
+        GQA group: a page any head of the group wants is kept). BLAS matmuls over the
+        page-major summaries [P, G, D] seen as [G, D, P]."""
+        summary = summary or self.summary
+        G, rep, L, D = q.shape
+        qf = q.reshape(G, rep * L, D)
+
+        def score(x: np.ndarray, summ: GrowingArray) -> np.ndarray:
+            return np.matmul(x, summ.view().transpose(1, 2, 0))  # [G, rep*L, P]
+        if summary == "mean":
+            out = score(qf, self.smean)
+        else:
+            out = score(np.maximum(qf, 0), self.smax) + score(np.minimum(qf, 0), self.smin)
+        return out.reshape(G, rep, L, -1).max(axis=1)
+
+    def top_pages_of(self, q: np.ndarray) -> np.ndarray:
+        """The `top_pages` pages [G, L, k] for each query. "hybrid" interleaves the min/max
+        ranking and the mean ranking (a page counts at its better rank) and keeps the first
+        k distinct pages."""
+        k = self.top_pages
+        if self.summary != "hybrid":
+            return np.argpartition(-self.page_scores(q), k - 1, axis=-1)[..., :k]
+        lists = []
+        for summary in ("minmax", "mean"):
+            sc = self.page_scores(q, summary)
+            top = np.argpartition(-sc, k - 1, axis=-1)[..., :k]
+            order = np.argsort(-np.take_along_axis(sc, top, axis=-1), axis=-1)
+            lists.append(np.take_along_axis(top, order, axis=-1))
+        both = np.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], 2 * k)  # mm0, mean0, mm1, ...
+        out = np.empty(lists[0].shape, dtype=both.dtype)
+        flat_in, flat_out = both.reshape(-1, 2 * k), out.reshape(-1, k)
+        for r in range(flat_in.shape[0]):
+            _, first = np.unique(flat_in[r], return_index=True)
+            flat_out[r] = flat_in[r][np.sort(first)[:k]]
+        return out
 
     def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
@@ -274,8 +296,7 @@ class ColdStore:
         G, _, L, _ = q.shape
         P, ps = self.n_pages, self.page_size
         if P > self.top_pages:
-            k = self.top_pages
-            pages = np.argpartition(-self.page_scores(q), k - 1, axis=-1)[..., :k]
+            pages = self.top_pages_of(q)
         else:
             pages = np.broadcast_to(np.arange(P), (G, L, P))
         idx = (pages[..., None] * ps + np.arange(ps)).reshape(G, L, -1)
@@ -286,7 +307,7 @@ class ColdStore:
         T = min(self.retrieve_tokens, m)
         if T < m:
             kk = self._gather(self.keys, idx)                        # [G, L, m, D]
-            exact = np.einsum("grld,glmd->grlm", q, kk).max(axis=1)  # [G, L, m]
+            exact = np.matmul(q.transpose(0, 2, 1, 3), kk.transpose(0, 1, 3, 2)).max(axis=2)  # [G, L, m]
             pick = np.argpartition(-exact, T - 1, axis=-1)[..., :T]
             idx = np.take_along_axis(idx, pick, axis=-1)
         return np.sort(idx, axis=-1), pages, m
