@@ -74,6 +74,8 @@ def sample(
     kiv_cold_path: c.KivColdPath = None,
     kiv_cold_bits: c.KivColdBits = None,
     kiv_positions: c.KivPositions = None,
+    ignore_eos: Annotated[bool, typer.Option(
+        "--ignore-eos", help="Keep generating past the end-of-text token (for long runs).")] = False,
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Also write the report as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
@@ -88,7 +90,7 @@ def sample(
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            prefill_chunk=prefill_chunk).items() if v is not None})
+            prefill_chunk=prefill_chunk, ignore_eos=ignore_eos).items() if v is not None})
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     with c.guarded():

@@ -96,3 +96,12 @@ def test_bad_model_and_prompt_errors(native_path, tmp_path):
     assert r.exit_code == 0, r.output
     r = run("sample", native_path, "-p", "a", "--prompt-file", native_path)
     assert r.exit_code != 0 and "not both" in r.output
+
+
+def test_ignore_eos_generates_every_token(native_path, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("sample", native_path, "-p", "The", "-n", 300, "--temperature", 1.0, "--seed", 0,
+            "--ignore-eos", "--streaming-llm-sink", 4, "--streaming-llm-window", 32, "--report-json", out)
+    assert r.exit_code == 0, r.output
+    rep = json.loads(out.read_text())
+    assert rep["generated_tokens"] == 300 and rep["stored_count"] == 36 and rep["current_length"] == 300

@@ -239,6 +239,7 @@ class SampleConfig:
     seed: Optional[int] = None
     prefill_chunk: int = 512
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # keep generating past EOS (benchmarks, long-run memory checks)
 
     def __post_init__(self) -> None:
         _positive("max_tokens", self.max_tokens, 0)

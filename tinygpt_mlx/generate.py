@@ -142,9 +142,10 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
                            sample_config.top_k, sample_config.seed)
     detok = tok.detokenizer()
     stops = sample_config.stop
+    eos = frozenset() if sample_config.ignore_eos else frozenset(tok.eos_ids)
     held = ""  # text held back while it might be the start of a stop string
     for token in generate_step(loaded.model, ids, cache, sampler, sample_config.max_tokens,
-                               sample_config.prefill_chunk, stats, frozenset(tok.eos_ids), progress):
+                               sample_config.prefill_chunk, stats, eos, progress):
         held += detok.add(token)
         if stops:
             hit = min((held.find(s) for s in stops if s in held), default=-1)
