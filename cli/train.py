@@ -29,6 +29,8 @@ def train(
     d_ff: int = typer.Option(768, "--d-ff"),
     yoco: bool = typer.Option(False, "--yoco/--no-yoco", help="YOCO: upper layers share the middle layer's K/V."),
     needle_fraction: float = typer.Option(0.35, "--needle-fraction", help="Share of rows that are synthetic needle documents."),
+    answer_weight: float = typer.Option(1.0, "--answer-weight", help="Loss weight of needle-answer tokens (others weigh 1)."),
+    pack_fraction: float = typer.Option(0.0, "--pack-fraction", help="Share of needle rows packed with several short needle documents."),
     eval_every: int = typer.Option(100, "--eval-every"),
     ckpt_every: int = typer.Option(100, "--ckpt-every"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
@@ -46,7 +48,8 @@ def train(
             work_dir=str(work_dir) if work_dir else None, steps=steps, tokens=tokens,
             seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume,
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
-            n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction,
+            n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction, answer_weight=answer_weight,
+            pack_fraction=pack_fraction,
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()
         run(args, console=console)

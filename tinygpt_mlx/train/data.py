@@ -28,7 +28,8 @@ class TrainData:
         start = rng.randrange(0, len(self.tokens) - n)
         return self.tokens[start:start + n].tolist()
 
-    def needle_row(self, rng: random.Random, seq_len: int) -> list[int]:
+    def needle_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], tuple[int, int]]:
+        """A needle document + answer + real text; also the answer's token span in the row."""
         n_doc = rng.randint(min(48, seq_len // 2), max(min(48, seq_len // 2), seq_len - 12))
         distractors = 0 if rng.random() < 0.5 else rng.randint(1, 3)
         n_doc = min(max(n_doc, 48 + 24 * distractors), seq_len - 12)  # room for the extra facts
@@ -36,23 +37,60 @@ class TrainData:
             prompt, answer = corpus.make_needle_doc_tokens(
                 rng, self.filler, self.encode, n_doc, distractors=distractors)
         except ValueError:  # the context is too short for this template: plain text instead
-            return self.window(rng, seq_len + 1)
-        row = list(self.encode(prompt)) + list(self.encode(" " + answer + ".\n\n"))
+            return self.window(rng, seq_len + 1), (0, 0)
+        p = list(self.encode(prompt))
+        a = list(self.encode(" " + answer))
+        row = p + a + list(self.encode(".\n\n"))
         rest = seq_len + 1 - len(row)
         if rest > 0:
             row += self.window(rng, rest)
-        return row[:seq_len + 1]
+        return row[:seq_len + 1], (len(p), min(len(p) + len(a), seq_len + 1))
+
+    def packed_needle_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list]:
+        """Several short needle documents (24-192 tokens) with their answers, separated by
+        <|endoftext|>, filling the row: many retrieval examples per row (a curriculum)."""
+        row: list[int] = []
+        spans = []
+        tries = 0
+        while len(row) < seq_len - 48 and tries < 40:
+            tries += 1
+            room = seq_len - len(row) - 10
+            n_doc = min(room, rng.randint(40, 192))
+            try:
+                prompt, answer = corpus.make_needle_doc_tokens(rng, self.filler, self.encode, n_doc)
+            except ValueError:  # too long a template for the room left: draw another
+                continue
+            p = list(self.encode(prompt))
+            a = list(self.encode(" " + answer))
+            spans.append((len(row) + len(p), len(row) + len(p) + len(a)))
+            row += p + a + list(self.encode(".")) + [self.eot_id]
+        row += self.window(rng, max(0, seq_len + 1 - len(row)))
+        return row[:seq_len + 1], [(a, min(b, seq_len + 1)) for a, b in spans if a < seq_len + 1]
 
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
-              needle_fraction: float) -> np.ndarray:
+              needle_fraction: float, answer_weight: float = 1.0,
+              pack_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
+        """(rows [B, seq_len+1], loss weights [B, seq_len] for the targets rows[:, 1:]).
+
+        Targets that are needle answers weigh `answer_weight`, all others 1. Of the needle
+        rows, `pack_fraction` are packed with several short needle documents."""
         rng = random.Random(seed * 1_000_003 + step)
         rows = []
-        for _ in range(batch_size):
+        weights = np.ones((batch_size, seq_len), dtype=np.float32)
+        for i in range(batch_size):
             if rng.random() < needle_fraction:
-                rows.append(self.needle_row(rng, seq_len))
+                if pack_fraction and rng.random() < pack_fraction:
+                    row, spans = self.packed_needle_row(rng, seq_len)
+                else:
+                    row, span = self.needle_row(rng, seq_len)
+                    spans = [span]
+                rows.append(row)
+                for a, b in spans:
+                    if b > a:
+                        weights[i, a - 1:b - 1] = answer_weight
             else:
                 rows.append(self.window(rng, seq_len + 1))
-        return np.asarray(rows, dtype=np.int64)
+        return np.asarray(rows, dtype=np.int64), weights
 
 
 def eval_windows(tokens: np.ndarray, seq_len: int, max_windows: int) -> np.ndarray:

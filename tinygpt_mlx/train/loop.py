@@ -48,6 +48,8 @@ class TrainArgs:
     yoco: bool = False
     rope_theta: float = 10000.0
     needle_fraction: float = 0.3
+    answer_weight: float = 1.0          # loss weight of needle-answer targets (others weigh 1)
+    pack_fraction: float = 0.0          # share of needle rows packed with several short documents
     eval_every: int = 200
     eval_windows: int = 32
     ckpt_every: int = 200
@@ -200,13 +202,19 @@ def run(args: TrainArgs, console=None) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-    step, tokens_seen, elapsed, history = 0, 0, 0.0, []
+    step, tokens_seen, elapsed, history, segments = 0, 0, 0.0, [], []
     if resumed is not None:
         model.load_state_dict(resumed["model"])
         opt.load_state_dict(resumed["optimizer"])
         step, tokens_seen = resumed["step"], resumed["tokens_seen"]
         elapsed, history = resumed["elapsed"], resumed["history"]
+        segments = resumed.get("segments", [])
         log(f"resumed from {ckpt_path} at step {step}")
+    # Every (re)start with its settings: a resumed run may change the schedule or the data mix.
+    segments.append({"from_step": step, "steps": total, "needle_fraction": args.needle_fraction,
+                     "answer_weight": args.answer_weight, "pack_fraction": args.pack_fraction,
+                     "threads": args.threads,
+                     "precision": args.precision, "lr": args.lr})
 
     train_data = data_mod.TrainData(d["train_tokens"], d["train_text"], d["encode"], d["eot"])
     windows = data_mod.eval_windows(d["heldout_tokens"], args.seq_len, args.eval_windows)
@@ -222,7 +230,7 @@ def run(args: TrainArgs, console=None) -> dict:
     def checkpoint():
         _save_checkpoint(ckpt_path, {
             "model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-            "tokens_seen": tokens_seen, "elapsed": elapsed, "history": history,
+            "tokens_seen": tokens_seen, "elapsed": elapsed, "history": history, "segments": segments,
             "args": dataclasses.asdict(args), "config": cfg.to_dict()}, torch)
 
     from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,  # noqa: PLC0415
@@ -242,11 +250,15 @@ def run(args: TrainArgs, console=None) -> dict:
             for g in opt.param_groups:
                 g["lr"] = lr
             t0 = time.time()
-            batch = torch.from_numpy(train_data.batch(args.seed, step, args.batch_size, args.seq_len,
-                                                      args.needle_fraction))
+            rows, weights = train_data.batch(args.seed, step, args.batch_size, args.seq_len,
+                                             args.needle_fraction, args.answer_weight,
+                                             args.pack_fraction)
+            batch, w = torch.from_numpy(rows), torch.from_numpy(weights).reshape(-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 logits = model(batch[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+            ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                 reduction="none")
+            loss = (ce * w).sum() / w.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -291,7 +303,8 @@ def run(args: TrainArgs, console=None) -> dict:
         "wall_time_s": round(elapsed, 1), "tokens_per_s": round(tokens_seen / max(elapsed, 1e-9), 1),
         "heldout_loss": metrics.get("heldout_loss"), "heldout_ppl": metrics.get("heldout_ppl"),
         "unigram_heldout_loss": unigram, "unigram_heldout_ppl": math.exp(unigram),
-        "needle_acc_teacher_forced": metrics.get("needle_acc"), **args.extra,
+        "needle_acc_teacher_forced": metrics.get("needle_acc"), "answer_weight": args.answer_weight,
+        "segments": segments, **args.extra,
     }
     from ..format import save  # noqa: PLC0415
     save(out, mlx_model, tok.to_str(), extra=extra)
