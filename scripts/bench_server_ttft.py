@@ -15,7 +15,7 @@ the final chunk. Median of --repeats conversations, each on a different slice of
 
   python scripts/bench_server_ttft.py --model models/tinygpt-base.tinygpt
   python scripts/bench_server_ttft.py --fixture            # the tests' tiny random model
-  python scripts/bench_server_ttft.py --random-shape 2048  # untrained, tinygpt-base's shape
+  python scripts/bench_server_ttft.py --random-shape 2048  # untrained, d256 / 6 layers
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from tinygpt_mlx.server import create_app  # noqa: E402
 
 
 def build_model(kind: str, context: int) -> Path:
-    """A random-weight native model: the tests' tiny fixture, or tinygpt-base's training shape."""
+    """A random-weight native model: the tests' tiny fixture, or the training default shape."""
     sys.path.insert(0, str(ROOT / "tests"))
     from conftest import build_native, train_tokenizer  # noqa: PLC0415
     tok = train_tokenizer().to_str()
@@ -59,10 +59,11 @@ def serve(loaded, cache_config, prefill_chunk):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
     while not server.started:
         time.sleep(0.05)
-    return app, server, f"http://127.0.0.1:{port}"
+    return app, server, thread, f"http://127.0.0.1:{port}"
 
 
 def chat(url: str, model: str, messages: list, num_predict: int) -> dict:
@@ -90,7 +91,7 @@ def main() -> None:
     src.add_argument("--model", type=Path, help="a .tinygpt file or mlx-lm directory")
     src.add_argument("--fixture", action="store_true", help="the tests' tiny random model (context 256)")
     src.add_argument("--random-shape", type=int, metavar="CONTEXT",
-                     help="random weights in tinygpt-base's shape (d256, 6 layers) with this context")
+                     help="random weights, d256 / 6 layers (the training default), with this context")
     ap.add_argument("--context-tokens", type=int, default=None,
                     help="tokens in the first user message (default: 70%% of the model's context)")
     ap.add_argument("--answer-tokens", type=int, default=16)
@@ -105,7 +106,7 @@ def main() -> None:
     if args.fixture or args.random_shape:
         path = build_model("fixture" if args.fixture else "random-base-shape", args.random_shape or 256)
         label = ("tiny test fixture (random weights, d64, 2 layers, context 256)" if args.fixture else
-                 f"UNTRAINED random weights in tinygpt-base's shape (d256, 6 layers, context {args.random_shape})")
+                 f"UNTRAINED random weights, d256, 6 layers (the training default), context {args.random_shape}")
     else:
         path = args.model or ROOT / "models" / "tinygpt-base.tinygpt"
         label = str(path)
@@ -116,7 +117,7 @@ def main() -> None:
     text = (ROOT / "data" / "heldout.txt").read_text(encoding="utf-8")
     ids = tok.encode(text[:200_000])
     cache_config = CacheConfig.from_flags(sink=args.streaming_llm_sink, window=args.streaming_llm_window)
-    app, server, url = serve(loaded, cache_config, args.prefill_chunk)
+    app, server, thread, url = serve(loaded, cache_config, args.prefill_chunk)
     model = loaded.name
     runs = {"warm": [], "cold": []}
     try:
@@ -132,7 +133,8 @@ def main() -> None:
                 app.state.server.pool.invalidate(slot)
             runs["cold"].append(chat(url, model, msgs, args.answer_tokens))
     finally:
-        server.should_exit = True
+        server.should_exit = True     # shutdown stops the worker; join before the interpreter exits
+        thread.join(timeout=30)
     out = {"model": label, "cache": cache_config.label(), "first_message_tokens": n_first, "repeats": args.repeats,
            "prefill_chunk": args.prefill_chunk}
     for k, rs in runs.items():
