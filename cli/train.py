@@ -21,6 +21,7 @@ def train(
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5% of steps, at most 200)."),
     seed: int = typer.Option(0, "--seed", help="Seeds initialisation and every batch."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work dir."),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Stop with a checkpoint after this step (the schedule still ends at --steps)."),
     vocab_size: int = typer.Option(4096, "--vocab-size"),
     d_model: int = typer.Option(256, "--d-model"),
     n_layers: int = typer.Option(4, "--n-layers"),
@@ -46,7 +47,7 @@ def train(
         args = TrainArgs(
             data=str(data), out=str(out), heldout=str(heldout) if heldout else None,
             work_dir=str(work_dir) if work_dir else None, steps=steps, tokens=tokens,
-            seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume,
+            seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume, stop_after=stop_after,
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction, answer_weight=answer_weight,
             pack_fraction=pack_fraction,
