@@ -188,3 +188,23 @@ def test_passkey_accuracy_runs_on_mlx_model():
     assert res["trials"] == 3 and 0.0 <= res["accuracy"] <= 1.0
     assert [r[0] for r in res["results"]] == [0.0, 0.5, 1.0]
     assert all(len(r[1]) == 5 for r in res["results"])
+
+
+def test_shipped_model_loads_and_matches_docs():
+    from pathlib import Path
+
+    from tinygpt_mlx.format import load
+
+    root = Path(__file__).resolve().parent.parent
+    path = root / "models" / "tinygpt-base.tinygpt"
+    if not path.exists():
+        pytest.skip("no shipped model in this checkout")
+    model, tok_json, extra = load(path)
+    cfg = model.config
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff) == (4, 256, 8, 4, 768)
+    assert (cfg.vocab_size, cfg.context_length, cfg.yoco) == (4096, 512, False)
+    assert path.stat().st_size <= 40e6
+    docs = (root / "docs" / "model.md").read_text()
+    n = model.num_parameters()
+    assert f"{n:,}" in docs and f"{extra['tokens_trained']:,}" in docs
+    assert "| layers | 4 decoder blocks" in docs and "d_model 256" in docs and "d_ff 768" in docs
