@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
+import typing
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
@@ -90,6 +92,48 @@ def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=Non
             top_pages=top_pages, **extra)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
+
+
+# Every cache flag: command parameter name -> (its option type, the `cache_config` keyword).
+CACHE_OPTIONS = {
+    "kv_quantize": (KvQuantize, "kv_quantize"),
+    "kv_quantize_keys": (KvKeys, "kv_quantize_keys"),
+    "kv_quantize_values": (KvValues, "kv_quantize_values"),
+    "kv_group_size": (KvGroup, "group_size"),
+    "kv_residual": (KvResidual, "residual"),
+    "streaming_llm_sink": (Sink, "sink"),
+    "streaming_llm_window": (Window, "window"),
+    "streaming_llm_rope": (RopeMode, "rope_mode"),
+    "kiv_hot_budget": (HotBudget, "hot_budget"),
+    "kiv_top_p": (KivTopP, "retrieve_tokens"),
+    "kiv_page_size": (KivPage, "page_size"),
+    "kiv_top_pages": (KivPages, "top_pages"),
+    "kiv_summary": (KivSummary, "summary"),
+    "kiv_cold_store": (KivColdStore, "cold_store"),
+    "kiv_cold_path": (KivColdPath, "cold_path"),
+    "kiv_cold_bits": (KivColdBits, "cold_bits"),
+    "kiv_positions": (KivPositions, "retrieved_position"),
+}
+
+
+def with_cache_options(fn):
+    """Give a typer command every cache flag; it receives them as one `cache_config` argument
+    (a CacheConfig, validated: a bad value or combination is a BadParameter)."""
+    sig = inspect.signature(fn)
+    hints = typing.get_type_hints(fn, include_extras=True)  # resolve postponed annotations
+    params = [p.replace(annotation=hints.get(p.name, p.annotation))
+              for p in sig.parameters.values() if p.name != "cache_config"]
+    params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ann)
+               for name, (ann, _) in CACHE_OPTIONS.items()]
+
+    def command(**kwargs):
+        flags = {kw: kwargs.pop(name) for name, (_, kw) in CACHE_OPTIONS.items()}
+        return fn(cache_config=cache_config(**flags), **kwargs)
+
+    command.__name__, command.__doc__, command.__module__ = fn.__name__, fn.__doc__, fn.__module__
+    command.__signature__ = sig.replace(parameters=params, return_annotation=None)
+    command.__annotations__ = {p.name: p.annotation for p in params}
+    return command
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate import perplexity as ppl
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
 from tinygpt_mlx.loading import load
@@ -19,7 +20,9 @@ from . import common as c
 from .common import err
 
 
+@c.with_cache_options
 def perplexity(
+    cache_config: CacheConfig,
     model: c.ModelArg = None,
     text: Annotated[Path, typer.Option(
         "--text", help="UTF-8 text to score.", exists=True, dir_okay=False)] = ...,
@@ -31,18 +34,6 @@ def perplexity(
     prefill_tokens: Annotated[Optional[int], typer.Option(
         "--prefill-tokens", help=f"Tokens in the first (prefill) chunk; the rest go one by one. "
         f"Default {ppl.PREFILL_TOKENS}.", show_default=False)] = None,
-    kv_quantize: c.KvQuantize = None,
-    kv_quantize_keys: c.KvKeys = None,
-    kv_quantize_values: c.KvValues = None,
-    kv_group_size: c.KvGroup = None,
-    kv_residual: c.KvResidual = None,
-    streaming_llm_sink: c.Sink = None,
-    streaming_llm_window: c.Window = None,
-    streaming_llm_rope: c.RopeMode = None,
-    kiv_hot_budget: c.HotBudget = None,
-    kiv_top_p: c.KivTopP = None,
-    kiv_page_size: c.KivPage = None,
-    kiv_top_pages: c.KivPages = None,
     modes: Annotated[Optional[str], typer.Option(
         "--modes", help=f"Instead of the cache flags: a comma list of policies scored side by side "
         f"against one baseline run (a table; JSON under 'modes'). Each: {SPEC_HELP}.",
@@ -51,11 +42,8 @@ def perplexity(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
-    config = c.cache_config(
-        kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
-        streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
-        kiv_top_p, kiv_page_size, kiv_top_pages)
-    flags_given = config != c.cache_config()
+    config = cache_config
+    flags_given = config != CacheConfig()
     with c.guarded():
         if modes is not None and flags_given:
             raise ValueError("give --modes or cache flags, not both")

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tinygpt_mlx.config import SampleConfig, field_default
+from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.generate import stream_generate
 from tinygpt_mlx.loading import load
 
@@ -40,7 +40,9 @@ def print_report(r: dict) -> None:
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
 
 
+@c.with_cache_options
 def sample(
+    cache_config: CacheConfig,
     model: c.ModelArg = None,
     prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
@@ -57,23 +59,6 @@ def sample(
         "--top-k", help="Keep only the k most likely tokens (0 = off).", show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")] = None,
     prefill_chunk: c.PrefillChunk = None,
-    kv_quantize: c.KvQuantize = None,
-    kv_quantize_keys: c.KvKeys = None,
-    kv_quantize_values: c.KvValues = None,
-    kv_group_size: c.KvGroup = None,
-    kv_residual: c.KvResidual = None,
-    streaming_llm_sink: c.Sink = None,
-    streaming_llm_window: c.Window = None,
-    streaming_llm_rope: c.RopeMode = None,
-    kiv_hot_budget: c.HotBudget = None,
-    kiv_top_p: c.KivTopP = None,
-    kiv_page_size: c.KivPage = None,
-    kiv_top_pages: c.KivPages = None,
-    kiv_summary: c.KivSummary = None,
-    kiv_cold_store: c.KivColdStore = None,
-    kiv_cold_path: c.KivColdPath = None,
-    kiv_cold_bits: c.KivColdBits = None,
-    kiv_positions: c.KivPositions = None,
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Keep generating past the end-of-text token (for long runs).")] = False,
     report_json: Annotated[Optional[Path], typer.Option(
@@ -82,11 +67,6 @@ def sample(
     """Generate text: banner and report on stderr, only the generated text on stdout."""
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both")
-    cache_config = c.cache_config(
-        kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
-        streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
-        kiv_top_p, kiv_page_size, kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
-        cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from tinygpt_mlx.config import field_default
+from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server.config import ServerConfig
 
@@ -18,7 +18,9 @@ from .common import err
 _V = ServerConfig
 
 
+@c.with_cache_options
 def serve(
+    cache_config: CacheConfig,
     model: c.ModelArg = None,
     host: Annotated[Optional[str], typer.Option(
         help=f"Address to listen on. Default {field_default(_V, 'host')} (keep loopback unless you mean to share).",
@@ -33,31 +35,9 @@ def serve(
         "--small-request", help="Prompts shorter than this (tokens) never evict a conversation that long "
         f"(UI title/tag requests). Default {field_default(_V, 'small_request')}.", show_default=False)] = None,
     prefill_chunk: c.PrefillChunk = None,
-    kv_quantize: c.KvQuantize = None,
-    kv_quantize_keys: c.KvKeys = None,
-    kv_quantize_values: c.KvValues = None,
-    kv_group_size: c.KvGroup = None,
-    kv_residual: c.KvResidual = None,
-    streaming_llm_sink: c.Sink = None,
-    streaming_llm_window: c.Window = None,
-    streaming_llm_rope: c.RopeMode = None,
-    kiv_hot_budget: c.HotBudget = None,
-    kiv_top_p: c.KivTopP = None,
-    kiv_page_size: c.KivPage = None,
-    kiv_top_pages: c.KivPages = None,
-    kiv_summary: c.KivSummary = None,
-    kiv_cold_store: c.KivColdStore = None,
-    kiv_cold_path: c.KivColdPath = None,
-    kiv_cold_bits: c.KivColdBits = None,
-    kiv_positions: c.KivPositions = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
-    cache_config = c.cache_config(
-        kv_quantize, kv_quantize_keys, kv_quantize_values, kv_group_size, kv_residual,
-        streaming_llm_sink, streaming_llm_window, streaming_llm_rope, kiv_hot_budget,
-        kiv_top_p, kiv_page_size, kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
-        cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
     try:
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,

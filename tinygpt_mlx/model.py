@@ -123,9 +123,8 @@ class Model(nn.Module):
 
     def make_cache(self) -> list:
         """Plain full-precision caches (mlx-lm's convention); `tinygpt_mlx.make_cache` gives policies."""
-        from .cache import KVCache
-        from .config import CacheConfig
-        return KVCache(self, CacheConfig()).layers
+        from .cache import make_cache
+        return make_cache(self)
 
     def num_parameters(self) -> int:
         from mlx.utils import tree_flatten
