@@ -127,5 +127,5 @@ class Model(nn.Module):
         return make_cache(self)
 
     def num_parameters(self) -> int:
-        from mlx.utils import tree_flatten
-        return sum(v.size for _, v in tree_flatten(self.parameters()))
+        from .loading import count_parameters
+        return count_parameters(self)
