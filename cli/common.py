@@ -71,6 +71,9 @@ KivColdBits = Annotated[Optional[int], typer.Option(
 KivPositions = Annotated[Optional[str], typer.Option(
     "--kiv-positions", help=f"Retrieval: RoPE slot of retrieved tokens, fixed (one slot before the hot window, "
     f"InfLLM) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
+KivIndexBlock = Annotated[Optional[int], typer.Option(
+    "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
+    f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
 PrefillChunk = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per forward pass. Default {field_default(_S, 'prefill_chunk')}.",
     show_default=False)]
@@ -113,6 +116,7 @@ CACHE_OPTIONS = {
     "kiv_cold_path": (KivColdPath, "cold_path"),
     "kiv_cold_bits": (KivColdBits, "cold_bits"),
     "kiv_positions": (KivPositions, "retrieved_position"),
+    "kiv_index_block": (KivIndexBlock, "index_block"),
 }
 
 

@@ -32,6 +32,8 @@ def train(
     needle_fraction: float = typer.Option(0.35, "--needle-fraction", help="Share of rows that are synthetic needle documents."),
     answer_weight: float = typer.Option(1.0, "--answer-weight", help="Loss weight of needle-answer tokens (others weigh 1)."),
     pack_fraction: float = typer.Option(0.0, "--pack-fraction", help="Share of needle rows packed with several short needle documents."),
+    copy_fraction: float = typer.Option(0.0, "--copy-fraction", help="Share of rows that repeat a span of text or random tokens (dense copying signal that forms induction heads)."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Warm start from the weights of a training checkpoint (fresh optimizer and schedule; same tokenizer: reuse its work dir's tokenizer.json)."),
     eval_every: int = typer.Option(100, "--eval-every"),
     ckpt_every: int = typer.Option(100, "--ckpt-every"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
@@ -50,7 +52,8 @@ def train(
             seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume, stop_after=stop_after,
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction, answer_weight=answer_weight,
-            pack_fraction=pack_fraction,
+            pack_fraction=pack_fraction, copy_fraction=copy_fraction,
+            init_from=str(init_from) if init_from else None,
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()
         run(args, console=console)

@@ -47,9 +47,9 @@ def test_retrieving_everything_equals_full_cache_mlx_lm(llama):
     assert float(mx.abs(out - ref).max()) < 1e-4
 
 
-def _micro_store(summary, page_size=8, top_pages=1, retrieve_tokens=4):
+def _micro_store(summary, page_size=8, top_pages=1, retrieve_tokens=4, index_block=32):
     cfg = CacheConfig(hot_budget=8, rope_mode="absolute", page_size=page_size, top_pages=top_pages,
-                      retrieve_tokens=retrieve_tokens, summary=summary)
+                      retrieve_tokens=retrieve_tokens, summary=summary, index_block=index_block)
     return ColdStore(cfg)
 
 
@@ -168,3 +168,47 @@ def test_needle_cli_writes_json(native_path, tmp_path):
         assert {"policy", "context", "depth", "seed", "passed"} <= set(cell)
         assert isinstance(cell["passed"], bool)
     assert "retrievals" in [c for c in data["cells"] if c["policy"] == "retrieval"][-1]["telemetry"]
+
+
+def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():
+    """Block summaries are the min of their pages' mins and the max of their maxes (so they
+    bound every key of the block); with the index in use a planted key along the query is still
+    retrieved. (A block bound is looser than a page bound, so the planted key is 3|q|^2 here,
+    not the 2|q|^2 that the flat scan always finds: the index trades recall for speed.)"""
+    D, ps, Bp = 16, 8, 4
+    for seed in range(5):
+        rng = np.random.RandomState(seed)
+        q = rng.randn(1, 1, 1, D).astype(np.float32)
+        n_pages = 200                                     # > 2 * top_pages * Bp: the index is on
+        keys = rng.randn(n_pages * ps + 5, D).astype(np.float32)
+        needle = rng.randint(len(keys) - 5)
+        keys[needle] = 3 * q[0, 0, 0]
+        store = _micro_store("minmax", top_pages=2, index_block=Bp)
+        for s in range(0, len(keys), 37):                 # appends that straddle pages and blocks
+            k = mx.array(keys[None, None, s:s + 37])
+            store.add(k, k, start_position=s)
+        assert store._uses_index() and store.n_blocks == n_pages // Bp
+        smin, smax = store.smin.view(), store.smax.view()
+        np.testing.assert_array_equal(store.bmin.view(), smin.reshape(-1, Bp, *smin.shape[1:]).min(axis=1))
+        np.testing.assert_array_equal(store.bmax.view(), smax.reshape(-1, Bp, *smax.shape[1:]).max(axis=1))
+        idx, pages, _ = store.select(q)
+        assert needle in idx[0, 0]
+        assert pages[0, 0, 0] == needle // ps
+
+
+def test_two_level_index_matches_the_flat_scan_on_its_candidates():
+    """Index off (index_block 0) and on agree on the best page when the best page's block is
+    among the expanded ones; hybrid works through the index."""
+    D, ps = 16, 8
+    rng = np.random.RandomState(3)
+    q = rng.randn(1, 2, 1, D).astype(np.float32)
+    keys = rng.randn(300 * ps, D).astype(np.float32)
+    keys[1234] = 3 * q[0, 0, 0]
+    out = {}
+    for block in (0, 4):
+        store = _micro_store("hybrid", top_pages=4, index_block=block)
+        k = mx.array(keys[None, None])
+        store.add(k, k, start_position=0)
+        out[block] = store.top_pages_of(q)[0, 0]
+        assert store._uses_index() == bool(block)
+    assert out[0][0] == out[4][0] == 1234 // ps

@@ -124,6 +124,50 @@ def test_resume_without_checkpoint_fails(tmp_path):
         run(_args(tmp_path, resume=True), console=_quiet_console())
 
 
+def test_init_from_warm_starts_and_yoco_drops_shared_kv(tmp_path):
+    """--init-from copies the weights (fresh optimizer): the warm-started model equals the
+    checkpoint; a YOCO model takes a standard checkpoint minus the K/V projections of its
+    shared layers; a checkpoint of another shape is an error."""
+    torch = pytest.importorskip("torch")
+    from tinygpt_mlx.train import run
+    from tinygpt_mlx.train.loop import init_weights
+    from tinygpt_mlx.train.torch_model import build_model
+
+    run(_args(tmp_path / "a", steps=10, n_layers=4), console=_quiet_console())
+    ckpt = tmp_path / "a" / "work" / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False)
+    cfg = ModelConfig(**saved["config"])
+    extra = run(_args(tmp_path / "c", steps=4, n_layers=4, init_from=str(ckpt), copy_fraction=0.3),
+                console=_quiet_console())   # end to end with the copy task mixed in
+    assert extra["segments"][-1]["init_from"] == str(ckpt)
+    m = build_model(cfg)
+    init_weights(m, str(ckpt), torch)
+    for k, v in m.state_dict().items():
+        assert torch.equal(v, saved["model"][k]), k
+    y = build_model(ModelConfig(**{**saved["config"], "yoco": True}))
+    init_weights(y, str(ckpt), torch)
+    assert len(y.state_dict()) < len(saved["model"])
+    with pytest.raises(ValueError, match="does not fit"):
+        init_weights(build_model(ModelConfig(**{**saved["config"], "n_layers": 3})), str(ckpt), torch)
+
+
+def test_copy_rows_repeat_a_span_and_weigh_its_first_copy_zero():
+    from tinygpt_mlx.train.data import TrainData
+
+    tokens = np.arange(5000, dtype=np.uint16) % 300
+    td = TrainData(tokens, "", lambda s: [], eot_id=0)
+    rows, w = td.batch(seed=1, step=3, batch_size=32, seq_len=64, needle_fraction=0.0,
+                       copy_fraction=1.0, vocab_size=300)
+    assert rows.shape == (32, 65)
+    for row, wr in zip(rows, w):
+        n = int((wr == 0).sum()) + 1            # first copy: targets 0..n-2 weigh 0
+        assert (row[n:] == row[:65 - n]).all()  # every later token repeats the span
+    # copy_fraction 0 leaves the old batches unchanged
+    a, _ = td.batch(seed=1, step=3, batch_size=8, seq_len=64, needle_fraction=0.0)
+    b, _ = td.batch(seed=1, step=3, batch_size=8, seq_len=64, needle_fraction=0.0, copy_fraction=0.0)
+    assert (a == b).all()
+
+
 def test_lr_schedule():
     from tinygpt_mlx.train import lr_at
 

@@ -98,6 +98,8 @@ class CacheConfig:
     retrieved_position  shifted retrieval: where retrieved tokens sit, "fixed" (all at one
                  slot just before the hot window, InfLLM) or "slots" (in order, in
                  `retrieve_tokens` slots before the hot window)
+    index_block  retrieval: pages per block of the two-level page index (block summaries
+                 bound their pages'; 0 = always scan every page summary)
     """
 
     storage: str = "fp32"
@@ -117,6 +119,7 @@ class CacheConfig:
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
+    index_block: int = 32
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
@@ -142,6 +145,7 @@ class CacheConfig:
                 raise ValueError("retrieval (hot budget) and a StreamingLLM window cannot both be set")
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
+        _positive("index_block", self.index_block, 0)
         if self.summary not in SUMMARY_KINDS:
             raise ValueError(f"summary must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
         if self.cold_store not in COLD_STORES:
@@ -209,7 +213,8 @@ class CacheConfig:
                                 "page_size": self.page_size, "top_pages": self.top_pages,
                                 "summary": self.summary, "cold_store": self.cold_store,
                                 "cold_bits": self.cold_bits, "rope_mode": self.rope_mode,
-                                "retrieved_position": self.retrieved_position})
+                                "retrieved_position": self.retrieved_position,
+                                "index_block": self.index_block})
         return d
 
     def label(self) -> str:

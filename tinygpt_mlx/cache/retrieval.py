@@ -168,6 +168,7 @@ class ColdStore:
         self.keys = self.values = None   # GrowingArray [n, G, D] or _Int8Rows
         self.positions: Optional[GrowingArray] = None
         self.smin = self.smax = self.smean = None  # GrowingArray [pages, G, D]
+        self.bmin = self.bmax = self.bmean = None  # the same per block of `index_block` pages
         self.telemetry = Telemetry()
         self.truth: Optional[np.ndarray] = None   # absolute positions of a known needle
         self.step = 0
@@ -184,6 +185,11 @@ class ColdStore:
     @property
     def n_pages(self) -> int:
         return self.n // self.page_size
+
+    @property
+    def n_blocks(self) -> int:
+        Bp = self.config.index_block
+        return self.n_pages // Bp if Bp else 0
 
     def _path(self, name: str) -> Optional[str]:
         if self.directory is None:
@@ -205,6 +211,12 @@ class ColdStore:
             self.smax = GrowingArray((G, Dk), np.float32, None, initial=16)
         if self.summary in ("mean", "hybrid"):
             self.smean = GrowingArray((G, Dk), np.float32, None, initial=16)
+        if self.config.index_block:
+            if self.smin is not None:
+                self.bmin = GrowingArray((G, Dk), np.float32, None, initial=16)
+                self.bmax = GrowingArray((G, Dk), np.float32, None, initial=16)
+            if self.smean is not None:
+                self.bmean = GrowingArray((G, Dk), np.float32, None, initial=16)
         self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
 
     def add(self, keys: mx.array, values: mx.array, start_position: int) -> None:
@@ -234,6 +246,21 @@ class ColdStore:
             if self.smean is not None:
                 self.smean.append(pages.mean(axis=1))
             self._tail_keys = [tail[full:]] if tail.shape[0] > full else []
+            self._add_blocks()
+
+    def _add_blocks(self) -> None:
+        """Block summaries of the index for every block of pages completed so far."""
+        Bp = self.config.index_block
+        if not Bp:
+            return
+        done = (self.bmin if self.bmin is not None else self.bmean).n
+        for b in range(done, self.n_blocks):
+            sl = slice(b * Bp, (b + 1) * Bp)
+            if self.bmin is not None:
+                self.bmin.append(self.smin.view()[sl].min(axis=0, keepdims=True))
+                self.bmax.append(self.smax.view()[sl].max(axis=0, keepdims=True))
+            if self.bmean is not None:
+                self.bmean.append(self.smean.view()[sl].mean(axis=0, keepdims=True))
 
     def _gather(self, store: Any, idx: np.ndarray) -> np.ndarray:
         gi = np.arange(self.G).reshape((self.G,) + (1,) * (idx.ndim - 1))
@@ -250,20 +277,70 @@ class ColdStore:
         return sink + self.retrieve_tokens - 1
 
     def page_scores(self, q: np.ndarray, summary: Optional[str] = None) -> np.ndarray:
-        """Coarse pass: queries [G, rep, L, D] x summaries -> [G, L, pages] (max over the
-        GQA group: a page any head of the group wants is kept). BLAS matmuls over the
-        page-major summaries [P, G, D] seen as [G, D, P]."""
-        summary = summary or self.summary
+        """Coarse pass over every page: queries [G, rep, L, D] x summaries -> [G, L, pages]
+        (max over the GQA group: a page any head of the group wants is kept)."""
+        return self._scores(q, summary or self.summary, self.smin, self.smax, self.smean)
+
+    @staticmethod
+    def _scores(q: np.ndarray, summary: str, smin, smax, smean) -> np.ndarray:
+        """Upper bound (minmax) or mean-key score of queries [G, rep, L, D] against page-major
+        summaries [P, G, D] (BLAS matmuls over the summaries seen as [G, D, P])."""
         G, rep, L, D = q.shape
         qf = q.reshape(G, rep * L, D)
 
         def score(x: np.ndarray, summ: GrowingArray) -> np.ndarray:
             return np.matmul(x, summ.view().transpose(1, 2, 0))  # [G, rep*L, P]
         if summary == "mean":
-            out = score(qf, self.smean)
+            out = score(qf, smean)
         else:
-            out = score(np.maximum(qf, 0), self.smax) + score(np.minimum(qf, 0), self.smin)
+            out = score(np.maximum(qf, 0), smax) + score(np.minimum(qf, 0), smin)
         return out.reshape(G, rep, L, -1).max(axis=1)
+
+    def _candidate_scores(self, q: np.ndarray, summary: str, cand: np.ndarray) -> np.ndarray:
+        """Scores [G, L, C] of queries [G, rep, L, D] against the pages `cand` [G, L, C] only."""
+        qt = q.transpose(0, 2, 1, 3)                                  # [G, L, rep, D]
+        gi = np.arange(self.G).reshape(self.G, 1, 1)
+
+        def score(x: np.ndarray, summ: GrowingArray) -> np.ndarray:
+            return np.matmul(x, summ.array[cand, gi].transpose(0, 1, 3, 2))  # [G, L, rep, C]
+        if summary == "mean":
+            out = score(qt, self.smean)
+        else:
+            out = score(np.maximum(qt, 0), self.smax) + score(np.minimum(qt, 0), self.smin)
+        return out.max(axis=2)
+
+    def _uses_index(self) -> bool:
+        """The two-level index pays once the flat scan covers > 2x the pages it would score."""
+        Bp = self.config.index_block
+        return bool(Bp) and self.n_pages > 2 * self.top_pages * Bp
+
+    def ranked_pages(self, q: np.ndarray, summary: str) -> np.ndarray:
+        """The `top_pages` best pages [G, L, k] for each query, best first, by one summary.
+
+        Short stores scan every page summary. Long ones use the two-level index: blocks of
+        `index_block` pages carry the min of their pages' mins and the max of their maxes
+        (still an upper bound on every key of the block; mean: the mean of the means), the
+        `top_pages` best blocks are expanded and their pages ranked, with the pages of the
+        unfinished block always among the candidates. Decode then reads P / index_block block
+        summaries plus top_pages x index_block page summaries instead of all P."""
+        k = min(self.top_pages, self.n_pages)
+        if self._uses_index():
+            Bp = self.config.index_block
+            NB = self.n_blocks
+            bs = self._scores(q, summary, self.bmin, self.bmax, self.bmean)      # [G, L, NB]
+            kb = min(self.top_pages, NB)
+            blocks = np.argpartition(-bs, kb - 1, axis=-1)[..., :kb]
+            cand = (blocks[..., None] * Bp + np.arange(Bp)).reshape(*blocks.shape[:2], -1)
+            if self.n_pages > NB * Bp:
+                rest = np.broadcast_to(np.arange(NB * Bp, self.n_pages), cand.shape[:2] + (self.n_pages - NB * Bp,))
+                cand = np.concatenate([cand, rest], axis=-1)
+            sc = self._candidate_scores(q, summary, cand)
+        else:
+            cand = None
+            sc = self.page_scores(q, summary)
+        top = np.argpartition(-sc, k - 1, axis=-1)[..., :k]
+        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(sc, top, axis=-1), axis=-1), axis=-1)
+        return top if cand is None else np.take_along_axis(cand, top, axis=-1)
 
     def top_pages_of(self, q: np.ndarray) -> np.ndarray:
         """The `top_pages` pages [G, L, k] for each query. "hybrid" interleaves the min/max
@@ -271,13 +348,8 @@ class ColdStore:
         k distinct pages."""
         k = self.top_pages
         if self.summary != "hybrid":
-            return np.argpartition(-self.page_scores(q), k - 1, axis=-1)[..., :k]
-        lists = []
-        for summary in ("minmax", "mean"):
-            sc = self.page_scores(q, summary)
-            top = np.argpartition(-sc, k - 1, axis=-1)[..., :k]
-            order = np.argsort(-np.take_along_axis(sc, top, axis=-1), axis=-1)
-            lists.append(np.take_along_axis(top, order, axis=-1))
+            return self.ranked_pages(q, self.summary)
+        lists = [self.ranked_pages(q, summary) for summary in ("minmax", "mean")]
         both = np.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], 2 * k)  # mm0, mean0, mm1, ...
         out = np.empty(lists[0].shape, dtype=both.dtype)
         flat_in, flat_out = both.reshape(-1, 2 * k), out.reshape(-1, k)
@@ -369,7 +441,8 @@ class ColdStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         if self.G is None:
             return {"cold": 0}
-        summ = sum(a.nbytes for a in (self.smin, self.smax, self.smean) if a is not None)
+        summ = sum(a.nbytes for a in (self.smin, self.smax, self.smean, self.bmin, self.bmax, self.bmean)
+                   if a is not None)
         where = "cold_disk" if self.directory is not None else "cold"
         return {where: self.keys.nbytes + self.values.nbytes, "cold_summary": summ}
 

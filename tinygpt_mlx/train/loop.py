@@ -50,6 +50,8 @@ class TrainArgs:
     needle_fraction: float = 0.3
     answer_weight: float = 1.0          # loss weight of needle-answer targets (others weigh 1)
     pack_fraction: float = 0.0          # share of needle rows packed with several short documents
+    copy_fraction: float = 0.0          # share of rows that repeat a span (induction signal)
+    init_from: Optional[str] = None     # warm start: weights of a checkpoint.pt (fresh optimizer)
     eval_every: int = 200
     eval_windows: int = 32
     ckpt_every: int = 200
@@ -157,6 +159,24 @@ def evaluate(model, torch, windows: np.ndarray, needle_rows, needle_spans, batch
             "needle_acc": correct / len(needle_rows) if len(needle_rows) else None}
 
 
+def init_weights(model, path: str, torch) -> None:
+    """Copy the weights of a training checkpoint into `model` (same shape). Parameters the
+    model lacks are dropped (a YOCO model has no K/V projections in its shared layers); a
+    parameter the checkpoint lacks or of another shape is an error."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"--init-from: no checkpoint at {path}")
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = state.get("model", state)
+    own = model.state_dict()
+    missing = [k for k in own if k not in state]
+    wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+    extra = [k for k in state if k not in own and not k.endswith(("k_proj.weight", "v_proj.weight"))]
+    if missing or wrong or extra:
+        raise ValueError(f"--init-from {path}: does not fit this model "
+                         f"(missing {missing[:3]}, other shape {wrong[:3]}, unused {extra[:3]})")
+    model.load_state_dict({k: state[k] for k in own})
+
+
 def _save_checkpoint(path: Path, state: dict, torch) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
@@ -177,6 +197,8 @@ def run(args: TrainArgs, console=None) -> dict:
     if args.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be bf16 or fp32, got {args.precision!r}")
     total = args.total_steps()
+    if not 0 <= args.needle_fraction + args.copy_fraction <= 1:
+        raise ValueError("--needle-fraction + --copy-fraction must lie in [0, 1]")
     warmup = args.warmup if args.warmup is not None else max(1, min(200, total // 20))
 
     resumed = None
@@ -210,9 +232,13 @@ def run(args: TrainArgs, console=None) -> dict:
         elapsed, history = resumed["elapsed"], resumed["history"]
         segments = resumed.get("segments", [])
         log(f"resumed from {ckpt_path} at step {step}")
+    elif args.init_from:
+        init_weights(model, args.init_from, torch)
+        log(f"initialised from the weights of {args.init_from}")
     # Every (re)start with its settings: a resumed run may change the schedule or the data mix.
     segments.append({"from_step": step, "steps": total, "needle_fraction": args.needle_fraction,
                      "answer_weight": args.answer_weight, "pack_fraction": args.pack_fraction,
+                     "copy_fraction": args.copy_fraction, "init_from": args.init_from,
                      "threads": args.threads,
                      "precision": args.precision, "lr": args.lr})
 
@@ -252,7 +278,8 @@ def run(args: TrainArgs, console=None) -> dict:
             t0 = time.time()
             rows, weights = train_data.batch(args.seed, step, args.batch_size, args.seq_len,
                                              args.needle_fraction, args.answer_weight,
-                                             args.pack_fraction)
+                                             args.pack_fraction, args.copy_fraction,
+                                             cfg.vocab_size)
             batch, w = torch.from_numpy(rows), torch.from_numpy(weights).reshape(-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 logits = model(batch[:, :-1])
