@@ -3,8 +3,12 @@
 Each policy's cache is prefilled with the same random tokens; then decode steps run in turn
 (fp32 step, fp16 step, int8 step, ...) so that load from other processes hits every policy
 alike. Prints a markdown table of ms/token (min and median) and tokens/s from the median.
-Not a test.  Usage:
+`--fill random` fills every layer's cache with random K/V through `update_and_fetch` instead
+of running the model over the prompt (the cost of a decode step depends on what is stored,
+not on where it came from; a 32K prefill of the 512-context model on this CPU takes ~10 min
+per policy). Not a test.  Usage:
     python scripts/bench_kivi_decode.py MODEL --lengths 1024 8192 --policies fp32,fp16,int8,int4
+    python scripts/bench_kivi_decode.py MODEL --lengths 1024 8192 32768 --fill random
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ from tinygpt_mlx.generate import forward, prefill
 from tinygpt_mlx.loading import load
 
 
+def fill_random(model, cache, T: int, chunk: int) -> None:
+    """Write T random tokens' K/V (N(0, 1), the model's KV shape) into every owned layer cache."""
+    cfg = model.config if hasattr(model, "config") else model.args
+    hkv = getattr(cfg, "n_kv_heads", None) or cfg.num_key_value_heads
+    dh = getattr(cfg, "head_dim", None) or cfg.d_model // cfg.n_heads
+    key = mx.random.key(1)
+    for layer in cache.owned:
+        for s in range(0, T, chunk):
+            n = min(chunk, T - s)
+            key, k1, k2 = mx.random.split(key, 3)
+            mx.eval(layer.update_and_fetch(mx.random.normal((1, hkv, n, dh), key=k1),
+                                           mx.random.normal((1, hkv, n, dh), key=k2)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -27,6 +45,8 @@ def main() -> None:
     ap.add_argument("--policies", default="fp32,fp16,int8,int4,int2,k8v4", help="evaluate.modes specs")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--chunk", type=int, default=512)
+    ap.add_argument("--fill", choices=("prefill", "random"), default="prefill",
+                    help="prefill: run the model over random tokens; random: write random K/V directly")
     args = ap.parse_args()
     loaded = load(args.model)
     model, vocab = loaded.model, loaded.tokenizer.vocab_size
@@ -38,7 +58,10 @@ def main() -> None:
         toks = mx.random.randint(0, vocab, (T,), key=mx.random.key(0)).tolist()
         caches = {n: make_cache(model, parse_policy(n)) for n in names}
         for c in caches.values():
-            mx.eval(prefill(model, toks, c, args.chunk))
+            if args.fill == "prefill":
+                mx.eval(prefill(model, toks, c, args.chunk))
+            else:
+                fill_random(model, c, T, args.chunk)
         times: dict[str, list[float]] = {n: [] for n in names}
         for i in range(args.steps):
             token = mx.array([[toks[i]]])

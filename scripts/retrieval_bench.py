@@ -29,6 +29,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=32)
     ap.add_argument("--top-pages", type=int, default=8)
     ap.add_argument("--summary", default="minmax")
+    ap.add_argument("--index-block", type=int, default=32, help="pages per block of the two-level index (0 = flat)")
+    ap.add_argument("--recall-variants", default="minmax:0,mean:0,hybrid:0",
+                    help="summary:index_block pairs compared on the same keys and queries")
     ap.add_argument("--cold-store", default="ram")
     ap.add_argument("--storage", default="fp32")
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
@@ -38,14 +41,16 @@ def main() -> None:
     loaded = load(a.model)
     cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
                       page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
-                      summary=a.summary)
+                      summary=a.summary, index_block=a.index_block)
     filler = open(a.filler or DEFAULT_FILLER, encoding="utf-8").read()
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)
     out = {"model": loaded.name, "policy": cfg.describe()}
     if a.recall_tokens:
         p2, _ = make_needle_doc_tokens(random.Random(1), filler, loaded.tokenizer.encode, a.recall_tokens, 0.5)
-        out["summary_recall"] = rb.summary_recall(loaded.model, cfg, loaded.tokenizer.encode(p2))
+        variants = [(v.split(":")[0], int(v.split(":")[1])) for v in a.recall_variants.split(",")]
+        out["summary_recall"] = rb.summary_recall(loaded.model, cfg, loaded.tokenizer.encode(p2),
+                                                  variants=variants)
         print("summary recall", out["summary_recall"], flush=True)
     ctx = [int(x) for x in a.contexts.split(",") if x]
     if not ctx:

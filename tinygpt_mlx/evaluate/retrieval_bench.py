@@ -91,36 +91,32 @@ def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts:
     return rows
 
 
-def _page_scores(q: np.ndarray, keys: np.ndarray, page_size: int, summary: str) -> np.ndarray:
-    """[G, J, D] queries x keys [n, G, D] grouped in pages -> [G, pages] (max over J)."""
-    P = keys.shape[0] // page_size
-    pages = keys[:P * page_size].reshape(P, page_size, *keys.shape[1:])
-    mean = np.einsum("gjd,pgd->gjp", q, pages.mean(axis=1)).max(axis=1)
-    if summary == "mean":
-        return mean
-    mx_, mn = pages.max(axis=1), pages.min(axis=1)  # [P, G, D]
-    ub = (np.einsum("gjd,pgd->gjp", np.maximum(q, 0), mx_)
-          + np.einsum("gjd,pgd->gjp", np.minimum(q, 0), mn)).max(axis=1)
-    if summary == "minmax":
-        return ub
-    rank = lambda s: np.argsort(np.argsort(-s, axis=-1), axis=-1)  # noqa: E731
-    return -np.minimum(rank(ub), rank(mean)).astype(np.float32)
+def _store_like(store: ColdStore, config: CacheConfig) -> ColdStore:
+    """A RAM cold store under `config` holding the same exact keys as `store` (values unused)."""
+    out = ColdStore(config, store.layer_index)
+    keys = mx.array(store.keys.view().astype(np.float32).transpose(1, 0, 2)[None])  # [1, G, n, D]
+    out.add(keys, keys, 0)
+    return out
 
 
 def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_steps: int = 8,
-                   k: int = 16, chunk: int = 128) -> dict:
-    """Recall of the exact top-k cold tokens inside the selected pages, minmax vs mean."""
+                   k: int = 16, chunk: int = 128, variants: Optional[list[tuple[str, int]]] = None) -> dict:
+    """Recall of the exact top-k cold tokens inside the pages each (summary, index_block)
+    variant selects, on the same keys and the same recorded decode queries. The selection is
+    the cold store's own (`ColdStore.top_pages_of`): flat scans (index_block 0) and the
+    two-level index, minmax vs mean vs hybrid."""
+    import dataclasses  # noqa: PLC0415
+
+    variants = variants or [(s, 0) for s in ("minmax", "mean", "hybrid")]
     cache = make_cache(model, config)
     logits = prefill(model, tokens, cache, chunk)
     stores = _cold(cache)
     queries: dict[int, list] = {id(s): [] for s in stores}
-    originals = {}
     for s in stores:  # record the (positioned) queries each store is asked
         orig = s.select
-        originals[id(s)] = orig
 
         def spy(q, _orig=orig, _s=s):
-            queries[id(_s)].append(q.reshape(q.shape[0], -1, q.shape[-1]).copy())  # [G, J, D]
+            queries[id(_s)].append(q.copy())  # [G, rep, L, D]
             return _orig(q)
         s.select = spy
     token = mx.argmax(logits)
@@ -129,21 +125,27 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         mx.eval(token)
     out = {}
     ps, tp = config.page_size, config.top_pages
-    for summary in ("minmax", "mean", "hybrid"):
-        hits, total = 0, 0
+    for summary, block in variants:
+        hits, total, indexed = 0, 0, False
         for s in stores:
-            P = s.n_pages
-            keys = s.keys.view()[:P * ps].astype(np.float32) if s.cold_bits is None else None
-            if keys is None or P <= tp:
+            if s.cold_bits is not None or s.n_pages <= tp:
                 continue
+            v = _store_like(s, dataclasses.replace(config, summary=summary, index_block=block))
+            indexed |= v._uses_index()
+            keys = v.keys.view()[:v.n_pages * ps]
             for q in queries[id(s)][-decode_steps:]:
-                exact = np.einsum("gjd,ngd->gjn", q, keys).max(axis=1)    # [G, n]
-                top = np.argpartition(-exact, k - 1, axis=1)[:, :k] // ps  # pages of the top-k
-                chosen = np.argpartition(-_page_scores(q, keys, ps, summary), tp - 1, axis=1)[:, :tp]
+                qj = q.reshape(q.shape[0], -1, q.shape[-1])                 # [G, J, D]
+                exact = np.einsum("gjd,ngd->gjn", qj, keys).max(axis=1)     # [G, n]
+                top = np.argpartition(-exact, k - 1, axis=1)[:, :k] // ps   # pages of the top-k
+                chosen = v.top_pages_of(q)[:, -1]                           # [G, top_pages]
                 for g in range(q.shape[0]):
                     hits += int(np.isin(top[g], chosen[g]).sum())
                     total += k
-        out[summary] = hits / total if total else None
+            v.close()
+        name = summary if not block else f"{summary}/index{block}"
+        out[name] = hits / total if total else None
+        if block and not indexed:
+            out[name + " (index not engaged: store too short)"] = out.pop(name)
     for s in stores:
         s.close()
     return {"top_k": k, "top_pages": tp, "page_size": ps, "cold_tokens": max((s.n for s in stores), default=0),
