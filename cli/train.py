@@ -33,6 +33,7 @@ def train(
     answer_weight: float = typer.Option(1.0, "--answer-weight", help="Loss weight of needle-answer tokens (others weigh 1)."),
     pack_fraction: float = typer.Option(0.0, "--pack-fraction", help="Share of needle rows packed with several short needle documents."),
     copy_fraction: float = typer.Option(0.0, "--copy-fraction", help="Share of rows that repeat a span of text or random tokens (dense copying signal that forms induction heads)."),
+    copy_span: int = typer.Option(0, "--copy-span", help="Longest repeated span of the copy rows, in tokens (0: half the row; short spans repeat close together, which forms induction heads sooner)."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Warm start from the weights of a training checkpoint (fresh optimizer and schedule; same tokenizer: reuse its work dir's tokenizer.json)."),
     eval_every: int = typer.Option(100, "--eval-every"),
     ckpt_every: int = typer.Option(100, "--ckpt-every"),
@@ -52,7 +53,7 @@ def train(
             seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume, stop_after=stop_after,
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction, answer_weight=answer_weight,
-            pack_fraction=pack_fraction, copy_fraction=copy_fraction,
+            pack_fraction=pack_fraction, copy_fraction=copy_fraction, copy_span=copy_span,
             init_from=str(init_from) if init_from else None,
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()

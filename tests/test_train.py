@@ -156,12 +156,16 @@ def test_copy_rows_repeat_a_span_and_weigh_its_first_copy_zero():
 
     tokens = np.arange(5000, dtype=np.uint16) % 300
     td = TrainData(tokens, "", lambda s: [], eot_id=0)
-    rows, w = td.batch(seed=1, step=3, batch_size=32, seq_len=64, needle_fraction=0.0,
-                       copy_fraction=1.0, vocab_size=300)
-    assert rows.shape == (32, 65)
-    for row, wr in zip(rows, w):
-        n = int((wr == 0).sum()) + 1            # first copy: targets 0..n-2 weigh 0
-        assert (row[n:] == row[:65 - n]).all()  # every later token repeats the span
+    for span in (0, 16):
+        rows, w = td.batch(seed=1, step=3, batch_size=32, seq_len=64, needle_fraction=0.0,
+                           copy_fraction=1.0, vocab_size=300, copy_span=span)
+        assert rows.shape == (32, 65)
+        lengths = []
+        for row, wr in zip(rows, w):
+            n = int((wr == 0).sum()) + 1            # first copy: targets 0..n-2 weigh 0
+            assert (row[n:] == row[:65 - n]).all()  # every later token repeats the span
+            lengths.append(n)
+        assert 8 <= min(lengths) and max(lengths) <= (span or 32)
     # copy_fraction 0 leaves the old batches unchanged
     a, _ = td.batch(seed=1, step=3, batch_size=8, seq_len=64, needle_fraction=0.0)
     b, _ = td.batch(seed=1, step=3, batch_size=8, seq_len=64, needle_fraction=0.0, copy_fraction=0.0)

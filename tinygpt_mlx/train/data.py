@@ -67,12 +67,13 @@ class TrainData:
         row += self.window(rng, max(0, seq_len + 1 - len(row)))
         return row[:seq_len + 1], [(a, min(b, seq_len + 1)) for a, b in spans if a < seq_len + 1]
 
-    def copy_row(self, rng: random.Random, seq_len: int, vocab_size: int) -> tuple[list[int], int]:
+    def copy_row(self, rng: random.Random, seq_len: int, vocab_size: int,
+                 max_span: int = 0) -> tuple[list[int], int]:
         """A span repeated until the row is full: every token after the first copy is predictable
         only by looking back one span length (the dense signal that forms induction heads).
         Half the spans are real text, half uniformly random tokens. Returns the row and the
         length of the first copy (whose targets, unpredictable for random spans, weigh 0)."""
-        n = rng.randint(8, seq_len // 2)
+        n = rng.randint(8, max(8, min(max_span or seq_len // 2, seq_len // 2)))
         if rng.random() < 0.5:
             span = self.window(rng, n)
         else:
@@ -84,19 +85,20 @@ class TrainData:
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
               needle_fraction: float, answer_weight: float = 1.0,
               pack_fraction: float = 0.0, copy_fraction: float = 0.0,
-              vocab_size: int = 0) -> tuple[np.ndarray, np.ndarray]:
+              vocab_size: int = 0, copy_span: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(rows [B, seq_len+1], loss weights [B, seq_len] for the targets rows[:, 1:]).
 
         Targets that are needle answers weigh `answer_weight`, all others 1. Of the needle
         rows, `pack_fraction` are packed with several short needle documents. A further
-        `copy_fraction` of the rows are repeated spans (`copy_row`)."""
+        `copy_fraction` of the rows are repeated spans (`copy_row`) of 8 to `copy_span` tokens
+        (0: up to half the row)."""
         rng = random.Random(seed * 1_000_003 + step)
         rows = []
         weights = np.ones((batch_size, seq_len), dtype=np.float32)
         for i in range(batch_size):
             u = rng.random()
             if copy_fraction and u >= 1.0 - copy_fraction:
-                row, n = self.copy_row(rng, seq_len, vocab_size or int(self.tokens.max()) + 1)
+                row, n = self.copy_row(rng, seq_len, vocab_size or int(self.tokens.max()) + 1, copy_span)
                 rows.append(row)
                 weights[i, :n - 1] = 0.0
             elif u < needle_fraction:

@@ -51,6 +51,7 @@ class TrainArgs:
     answer_weight: float = 1.0          # loss weight of needle-answer targets (others weigh 1)
     pack_fraction: float = 0.0          # share of needle rows packed with several short documents
     copy_fraction: float = 0.0          # share of rows that repeat a span (induction signal)
+    copy_span: int = 0                  # longest repeated span (0: half the row)
     init_from: Optional[str] = None     # warm start: weights of a checkpoint.pt (fresh optimizer)
     eval_every: int = 200
     eval_windows: int = 32
@@ -238,7 +239,8 @@ def run(args: TrainArgs, console=None) -> dict:
     # Every (re)start with its settings: a resumed run may change the schedule or the data mix.
     segments.append({"from_step": step, "steps": total, "needle_fraction": args.needle_fraction,
                      "answer_weight": args.answer_weight, "pack_fraction": args.pack_fraction,
-                     "copy_fraction": args.copy_fraction, "init_from": args.init_from,
+                     "copy_fraction": args.copy_fraction, "copy_span": args.copy_span,
+                     "init_from": args.init_from,
                      "threads": args.threads,
                      "precision": args.precision, "lr": args.lr})
 
@@ -279,7 +281,7 @@ def run(args: TrainArgs, console=None) -> dict:
             rows, weights = train_data.batch(args.seed, step, args.batch_size, args.seq_len,
                                              args.needle_fraction, args.answer_weight,
                                              args.pack_fraction, args.copy_fraction,
-                                             cfg.vocab_size)
+                                             cfg.vocab_size, args.copy_span)
             batch, w = torch.from_numpy(rows), torch.from_numpy(weights).reshape(-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 logits = model(batch[:, :-1])
