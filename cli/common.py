@@ -120,9 +120,13 @@ CACHE_OPTIONS = {
 }
 
 
-def with_cache_options(fn):
+def with_cache_options(fn=None, **defaults):
     """Give a typer command every cache flag; it receives them as one `cache_config` argument
-    (a CacheConfig, validated: a bad value or combination is a BadParameter)."""
+    (a CacheConfig, validated: a bad value or combination is a BadParameter). `defaults`
+    (cache_config keywords) apply where the user gave no flag, e.g.
+    `@with_cache_options(hot_budget=256)`."""
+    if fn is None:
+        return lambda f: with_cache_options(f, **defaults)
     sig = inspect.signature(fn)
     hints = typing.get_type_hints(fn, include_extras=True)  # resolve postponed annotations
     params = [p.replace(annotation=hints.get(p.name, p.annotation))
@@ -132,6 +136,7 @@ def with_cache_options(fn):
 
     def command(**kwargs):
         flags = {kw: kwargs.pop(name) for name, (_, kw) in CACHE_OPTIONS.items()}
+        flags.update({k: v for k, v in defaults.items() if flags.get(k) is None})
         return fn(cache_config=cache_config(**flags), **kwargs)
 
     command.__name__, command.__doc__, command.__module__ = fn.__name__, fn.__doc__, fn.__module__

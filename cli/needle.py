@@ -55,6 +55,7 @@ def print_table(result: dict) -> None:
     Console().print(table)
 
 
+@c.with_cache_options(hot_budget=256)
 def needle(
     model: c.ModelArg = None,
     contexts: Annotated[str, typer.Option("--contexts", help="Comma list of prompt lengths in tokens.")] = "1024,2048",
@@ -68,24 +69,16 @@ def needle(
     filler: Annotated[Optional[Path], typer.Option(
         "--filler", help="Haystack text (default data/heldout.txt).", exists=True, dir_okay=False)] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward pass.")] = 128,
-    kv_quantize: c.KvQuantize = None,
-    streaming_llm_sink: c.Sink = None,
-    streaming_llm_rope: c.RopeMode = None,
-    kiv_hot_budget: c.HotBudget = 256,
-    kiv_top_p: c.KivTopP = None,
-    kiv_page_size: c.KivPage = None,
-    kiv_top_pages: c.KivPages = None,
-    kiv_summary: c.KivSummary = None,
-    kiv_cold_store: c.KivColdStore = None,
-    kiv_cold_path: c.KivColdPath = None,
-    kiv_cold_bits: c.KivColdBits = None,
-    kiv_positions: c.KivPositions = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
                                                  dir_okay=False)] = None,
+    *, cache_config,
 ) -> None:
-    """Needle-in-a-haystack pass/fail grid per policy, context, depth and seed."""
+    """Needle-in-a-haystack pass/fail grid per policy, context, depth and seed.
+
+    The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
+    StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
     if min(ctx_list) < 16:
@@ -95,10 +88,7 @@ def needle(
     if seeds < 1 or digits < 1 or prefill_chunk < 1:
         raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    cfg = c.cache_config(kv_quantize=kv_quantize, sink=streaming_llm_sink, rope_mode=streaming_llm_rope,
-                         hot_budget=kiv_hot_budget, retrieve_tokens=kiv_top_p, page_size=kiv_page_size,
-                         top_pages=kiv_top_pages, summary=kiv_summary, cold_store=kiv_cold_store,
-                         cold_path=kiv_cold_path, cold_bits=kiv_cold_bits, retrieved_position=kiv_positions)
+    cfg = cache_config
     with c.guarded():
         nd.policy_configs(cfg, names)  # validate the names before loading anything
         loaded = load(model)
