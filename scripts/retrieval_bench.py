@@ -10,7 +10,7 @@ import argparse
 import json
 import random
 
-from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.corpus import make_needle_doc_tokens
 from tinygpt_mlx.evaluate import retrieval_bench as rb
 from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER
@@ -25,11 +25,12 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--hot", type=int, default=256)
     ap.add_argument("--sink", type=int, default=4)
-    ap.add_argument("--top-p", type=int, default=64)
-    ap.add_argument("--page-size", type=int, default=32)
-    ap.add_argument("--top-pages", type=int, default=8)
-    ap.add_argument("--summary", default="minmax")
-    ap.add_argument("--index-block", type=int, default=32, help="pages per block of the two-level index (0 = flat)")
+    ap.add_argument("--top-p", type=int, default=field_default(CacheConfig, "retrieve_tokens"))
+    ap.add_argument("--page-size", type=int, default=field_default(CacheConfig, "page_size"))
+    ap.add_argument("--top-pages", type=int, default=field_default(CacheConfig, "top_pages"))
+    ap.add_argument("--summary", default=field_default(CacheConfig, "summary"))
+    ap.add_argument("--index-block", type=int, default=field_default(CacheConfig, "index_block"),
+                    help="pages per block of the two-level index (0 = flat scan)")
     ap.add_argument("--recall-variants", default="minmax:0,mean:0,hybrid:0",
                     help="summary:index_block pairs compared on the same keys and queries")
     ap.add_argument("--cold-store", default="ram")

@@ -212,3 +212,17 @@ def test_two_level_index_matches_the_flat_scan_on_its_candidates():
         out[block] = store.top_pages_of(q)[0, 0]
         assert store._uses_index() == bool(block)
     assert out[0][0] == out[4][0] == 1234 // ps
+
+
+def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
+    """The scaling bench (interleaved decode over several contexts): hot bytes stay fixed,
+    cold bytes grow with the context, and the long context uses the two-level index."""
+    from tinygpt_mlx.evaluate.retrieval_bench import decode_scaling
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=8, index_block=4)
+    rows = decode_scaling(native.model, cfg, TOKENS, [150, 2048], decode_steps=2, chunk=32)
+    assert [r["context"] for r in rows] == [150 + 3, 2048 + 3]   # + warm-up and 2 steps
+    assert rows[0]["hot_bytes"] == rows[1]["hot_bytes"]
+    assert rows[1]["cold_bytes"] > 10 * rows[0]["cold_bytes"]
+    assert rows[1]["decode_ms_per_token"] > 0
+    assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1

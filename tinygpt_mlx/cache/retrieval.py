@@ -419,7 +419,8 @@ class ColdStore:
     def _record(self, L: int, idx: np.ndarray, pages: np.ndarray, m: int) -> None:
         rec = dict(step=self.step, layer=self.layer_index, queries=L, cold_tokens=self.n,
                    cold_pages=self.n_pages, pages_selected=int(pages.shape[1]),
-                   tokens_scored=int(m), tokens_retrieved=int(idx.shape[1]))
+                   tokens_scored=int(m), tokens_retrieved=int(idx.shape[1]),
+                   indexed=self._uses_index())
         self.step += 1
         if self.truth is not None:
             pos = self.positions.view()
@@ -515,7 +516,8 @@ def retrieval_report(cache: Iterable, last_steps: Optional[int] = None) -> dict:
            "cold_tokens": max(r["cold_tokens"] for r in recs),
            "pages_selected": float(np.mean([r["pages_selected"] for r in recs])),
            "tokens_scored": float(np.mean([r["tokens_scored"] for r in recs])),
-           "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs]))}
+           "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs])),
+           "indexed": float(np.mean([r["indexed"] for r in recs]))}
     hits = [r for r in recs if "page_recall" in r]
     if hits:
         out.update(page_recall=float(np.mean([r["page_recall"] for r in hits])),
