@@ -56,6 +56,9 @@ def main() -> None:
     ctx = [int(x) for x in a.contexts.split(",") if x]
     if not ctx:
         print(json.dumps(out.get("summary_recall"), indent=1))
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
         return
     print(f"{'context':>9} {'decode ms/tok':>13} {'hot MiB':>8} {'cold MiB':>9} {'summary MiB':>11}", flush=True)
 
