@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from tinygpt_mlx.config import ModelConfig, field_default
+
 
 def train(
     data: Path = typer.Option(Path("data/corpus"), "--data", help="Corpus: a text file or a directory of *.txt (scripts/fetch_corpus.sh)."),
@@ -15,7 +17,7 @@ def train(
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Tokenizer, token cache, checkpoint and metrics (default: runs/<out stem>)."),
     steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (or give --tokens)."),
     tokens: Optional[int] = typer.Option(None, "--tokens", help="Training tokens (steps = tokens / (batch * seq-len))."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Training context length (= the model's context_length)."),
+    seq_len: int = typer.Option(field_default(ModelConfig, "context_length"), "--seq-len", help="Training context length (= the model's context_length)."),
     batch_size: int = typer.Option(16, "--batch-size"),
     lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (warmup, then cosine decay to 10%)."),
     warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5% of steps, at most 200)."),
@@ -23,11 +25,11 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work dir."),
     stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Stop with a checkpoint after this step (the schedule still ends at --steps)."),
     vocab_size: int = typer.Option(4096, "--vocab-size"),
-    d_model: int = typer.Option(256, "--d-model"),
-    n_layers: int = typer.Option(4, "--n-layers"),
-    n_heads: int = typer.Option(8, "--n-heads"),
-    n_kv_heads: int = typer.Option(4, "--n-kv-heads"),
-    d_ff: int = typer.Option(768, "--d-ff"),
+    d_model: int = typer.Option(field_default(ModelConfig, "d_model"), "--d-model"),
+    n_layers: int = typer.Option(field_default(ModelConfig, "n_layers"), "--n-layers"),
+    n_heads: int = typer.Option(field_default(ModelConfig, "n_heads"), "--n-heads"),
+    n_kv_heads: int = typer.Option(field_default(ModelConfig, "n_kv_heads"), "--n-kv-heads"),
+    d_ff: int = typer.Option(field_default(ModelConfig, "d_ff"), "--d-ff"),
     yoco: bool = typer.Option(False, "--yoco/--no-yoco", help="YOCO: upper layers share the middle layer's K/V."),
     needle_fraction: float = typer.Option(0.35, "--needle-fraction", help="Share of rows that are synthetic needle documents."),
     answer_weight: float = typer.Option(1.0, "--answer-weight", help="Loss weight of needle-answer tokens (others weigh 1)."),

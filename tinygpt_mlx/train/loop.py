@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from .. import corpus
-from ..config import ModelConfig
+from ..config import ModelConfig, field_default
 from . import data as data_mod
 from .tokenizer import encode_batch, train_tokenizer
 from .torch_model import build_model, require_torch, to_mlx
@@ -30,7 +30,7 @@ class TrainArgs:
     work_dir: Optional[str] = None      # None: runs/<out stem>
     steps: Optional[int] = None         # either steps or tokens
     tokens: Optional[int] = None
-    seq_len: int = 512
+    seq_len: int = field_default(ModelConfig, "context_length")
     batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -39,14 +39,15 @@ class TrainArgs:
     grad_clip: float = 1.0
     seed: int = 0
     resume: bool = False
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 6
-    n_heads: int = 8
-    n_kv_heads: int = 4
-    d_ff: int = 768
-    yoco: bool = False
-    rope_theta: float = 10000.0
+    vocab_size: int = 4096             # the tokenizer's size (ModelConfig has no default)
+    # the model shape: ModelConfig's defaults are the one source
+    d_model: int = field_default(ModelConfig, "d_model")
+    n_layers: int = field_default(ModelConfig, "n_layers")
+    n_heads: int = field_default(ModelConfig, "n_heads")
+    n_kv_heads: int = field_default(ModelConfig, "n_kv_heads")
+    d_ff: int = field_default(ModelConfig, "d_ff")
+    yoco: bool = field_default(ModelConfig, "yoco")
+    rope_theta: float = field_default(ModelConfig, "rope_theta")
     needle_fraction: float = 0.3
     answer_weight: float = 1.0          # loss weight of needle-answer targets (others weigh 1)
     pack_fraction: float = 0.0          # share of needle rows packed with several short documents
