@@ -279,35 +279,23 @@ class ColdStore:
     def page_scores(self, q: np.ndarray, summary: Optional[str] = None) -> np.ndarray:
         """Coarse pass over every page: queries [G, rep, L, D] x summaries -> [G, L, pages]
         (max over the GQA group: a page any head of the group wants is kept)."""
-        return self._scores(q, summary or self.summary, self.smin, self.smax, self.smean)
+        return self._scan(q, summary or self.summary, self.smin, self.smax, self.smean)
 
     @staticmethod
-    def _scores(q: np.ndarray, summary: str, smin, smax, smean) -> np.ndarray:
-        """Upper bound (minmax) or mean-key score of queries [G, rep, L, D] against page-major
-        summaries [P, G, D] (BLAS matmuls over the summaries seen as [G, D, P])."""
+    def _scan(q: np.ndarray, summary: str, smin, smax, smean) -> np.ndarray:
+        """Scores of queries [G, rep, L, D] against every row of page-major summaries
+        [P, G, D] (pages, or the index's blocks): BLAS matmuls over them seen as [G, D, P]."""
         G, rep, L, D = q.shape
-        qf = q.reshape(G, rep * L, D)
-
-        def score(x: np.ndarray, summ: GrowingArray) -> np.ndarray:
-            return np.matmul(x, summ.view().transpose(1, 2, 0))  # [G, rep*L, P]
-        if summary == "mean":
-            out = score(qf, smean)
-        else:
-            out = score(np.maximum(qf, 0), smax) + score(np.minimum(qf, 0), smin)
+        out = _summary_scores(q.reshape(G, rep * L, D), summary, smin, smax, smean,
+                              lambda x, summ: np.matmul(x, summ.view().transpose(1, 2, 0)))
         return out.reshape(G, rep, L, -1).max(axis=1)
 
     def _candidate_scores(self, q: np.ndarray, summary: str, cand: np.ndarray) -> np.ndarray:
         """Scores [G, L, C] of queries [G, rep, L, D] against the pages `cand` [G, L, C] only."""
-        qt = q.transpose(0, 2, 1, 3)                                  # [G, L, rep, D]
         gi = np.arange(self.G).reshape(self.G, 1, 1)
-
-        def score(x: np.ndarray, summ: GrowingArray) -> np.ndarray:
-            return np.matmul(x, summ.array[cand, gi].transpose(0, 1, 3, 2))  # [G, L, rep, C]
-        if summary == "mean":
-            out = score(qt, self.smean)
-        else:
-            out = score(np.maximum(qt, 0), self.smax) + score(np.minimum(qt, 0), self.smin)
-        return out.max(axis=2)
+        out = _summary_scores(q.transpose(0, 2, 1, 3), summary, self.smin, self.smax, self.smean,
+                              lambda x, summ: np.matmul(x, summ.array[cand, gi].transpose(0, 1, 3, 2)))
+        return out.max(axis=2)                                         # [G, L, rep, C] -> [G, L, C]
 
     def _uses_index(self) -> bool:
         """The two-level index pays once the flat scan covers > 2x the pages it would score."""
@@ -327,7 +315,7 @@ class ColdStore:
         if self._uses_index():
             Bp = self.config.index_block
             NB = self.n_blocks
-            bs = self._scores(q, summary, self.bmin, self.bmax, self.bmean)      # [G, L, NB]
+            bs = self._scan(q, summary, self.bmin, self.bmax, self.bmean)       # [G, L, NB]
             kb = min(self.top_pages, NB)
             blocks = np.argpartition(-bs, kb - 1, axis=-1)[..., :kb]
             cand = (blocks[..., None] * Bp + np.arange(Bp)).reshape(*blocks.shape[:2], -1)
@@ -452,6 +440,14 @@ class ColdStore:
         self.keys = self.values = None
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def _summary_scores(x: np.ndarray, summary: str, smin, smax, smean, score) -> np.ndarray:
+    """Quest's bound sum_i max(x_i min_i, x_i max_i) (minmax) or x . mean (mean) of queries x
+    against summary arrays, with `score(x, array)` doing the product (full scan or gather)."""
+    if summary == "mean":
+        return score(x, smean)
+    return score(np.maximum(x, 0), smax) + score(np.minimum(x, 0), smin)
 
 
 class RetrievedSegment:

@@ -134,20 +134,24 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     for _ in range(decode_steps):
         token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
         mx.eval(token)
-    out = {}
     ps, tp = config.page_size, config.top_pages
+    scored = [s for s in stores if s.cold_bits is None and s.n_pages > tp]
+    # ground truth, once for all variants: the pages holding each query's exact top-k tokens
+    truth = {}
+    for s in scored:
+        keys = s.keys.view()[:s.n_pages * ps].astype(np.float32)
+        truth[id(s)] = []
+        for q in queries[id(s)][-decode_steps:]:
+            qj = q.reshape(q.shape[0], -1, q.shape[-1])                     # [G, J, D]
+            exact = np.einsum("gjd,ngd->gjn", qj, keys).max(axis=1)         # [G, n]
+            truth[id(s)].append(np.argpartition(-exact, k - 1, axis=1)[:, :k] // ps)
+    out = {}
     for summary, block in variants:
         hits, total, indexed = 0, 0, False
-        for s in stores:
-            if s.cold_bits is not None or s.n_pages <= tp:
-                continue
+        for s in scored:
             v = _store_like(s, dataclasses.replace(config, summary=summary, index_block=block))
             indexed |= v._uses_index()
-            keys = v.keys.view()[:v.n_pages * ps]
-            for q in queries[id(s)][-decode_steps:]:
-                qj = q.reshape(q.shape[0], -1, q.shape[-1])                 # [G, J, D]
-                exact = np.einsum("gjd,ngd->gjn", qj, keys).max(axis=1)     # [G, n]
-                top = np.argpartition(-exact, k - 1, axis=1)[:, :k] // ps   # pages of the top-k
+            for q, top in zip(queries[id(s)][-decode_steps:], truth[id(s)]):
                 chosen = v.top_pages_of(q)[:, -1]                           # [G, top_pages]
                 for g in range(q.shape[0]):
                     hits += int(np.isin(top[g], chosen[g]).sum())
