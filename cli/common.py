@@ -152,7 +152,7 @@ def guarded() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except (PosttrainError, ValueError, TypeError, FileNotFoundError) as e:
+    except (PosttrainError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -9,6 +9,8 @@ import typer
 
 from tinygpt_mlx.config import ModelConfig, field_default
 
+from . import common as c
+
 
 def train(
     data: Path = typer.Option(Path("data/corpus"), "--data", help="Corpus: a text file or a directory of *.txt (scripts/fetch_corpus.sh)."),
@@ -48,7 +50,7 @@ def train(
     from tinygpt_mlx.train import TrainArgs, run  # noqa: PLC0415
 
     console = Console(stderr=True)
-    try:
+    with c.guarded():
         args = TrainArgs(
             data=str(data), out=str(out), heldout=str(heldout) if heldout else None,
             work_dir=str(work_dir) if work_dir else None, steps=steps, tokens=tokens,
@@ -60,9 +62,6 @@ def train(
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()
         run(args, console=console)
-    except (ImportError, FileNotFoundError, ValueError) as e:
-        console.print(f"[red]error:[/red] {e}")
-        raise typer.Exit(1) from None
 
 
 def register(app: typer.Typer) -> None:

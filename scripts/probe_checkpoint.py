@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import random
 
-import numpy as np
-
 
 def main() -> None:
     import torch
@@ -22,6 +20,7 @@ def main() -> None:
 
     from tinygpt_mlx.config import ModelConfig
     from tinygpt_mlx.train import data as D
+    from tinygpt_mlx.train.loop import needle_accuracy
     from tinygpt_mlx.train.torch_model import build_model
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -52,11 +51,8 @@ def main() -> None:
             rep = F.cross_entropy(lg[:, n:].reshape(-1, lg.shape[-1]), x[:, n + 1:].reshape(-1)).item()
             acc = (lg[:, n:].argmax(-1) == x[:, n + 1:]).float().mean().item()
             out.append(f"copy@{n}: acc {acc:.2f} (loss first {first:.2f}, repeats {rep:.2f})")
-        x = torch.from_numpy(rows)
-        with torch.no_grad():
-            pred = torch.cat([m(x[i:i + 8, :-1]).argmax(-1) for i in range(0, len(x), 8)])
-        full = [bool((pred[j, s - 1:e - 1] == x[j, s:e]).all()) for j, (s, e) in enumerate(spans)]
-        out.append(f"pass key (teacher-forced) {np.mean(full):.2f}")
+        acc = needle_accuracy(m, torch, rows, spans)
+        out.append(f"pass key (teacher-forced) {acc:.2f}")
         print(f"{path} step {c['step']}: " + " | ".join(out), flush=True)
 
 

@@ -105,3 +105,15 @@ def test_ignore_eos_generates_every_token(native_path, tmp_path):
     assert r.exit_code == 0, r.output
     rep = json.loads(out.read_text())
     assert rep["generated_tokens"] == 300 and rep["stored_count"] == 36 and rep["current_length"] == 300
+
+
+def test_train_bad_flags_give_one_line_errors(tmp_path):
+    """A missing --init-from checkpoint and a row mix over 100% fail fast, before any data
+    is read, with one red line and exit code 1."""
+    pytest.importorskip("torch")
+    base = ("train", "--data", tmp_path / "nothing", "--out", tmp_path / "m.tinygpt", "--steps", 1)
+    r = run(*base, "--init-from", tmp_path / "missing.pt")
+    assert r.exit_code == 1 and "no checkpoint at" in r.output and len(r.output.strip().splitlines()) == 1
+    r = run(*base, "--needle-fraction", 0.8, "--copy-fraction", 0.5)
+    assert r.exit_code == 1 and "--copy-fraction must lie in [0, 1]" in r.output
+    assert len(r.output.strip().splitlines()) == 1

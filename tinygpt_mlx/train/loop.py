@@ -149,24 +149,31 @@ def evaluate(model, torch, windows: np.ndarray, needle_rows, needle_spans, batch
                                    reduction="sum")
             total += float(loss)
             count += x[:, 1:].numel()
-        correct = 0
+    acc = needle_accuracy(model, torch, needle_rows, needle_spans, batch)
+    model.train()
+    loss = total / count
+    return {"heldout_loss": loss, "heldout_ppl": math.exp(loss), "needle_acc": acc}
+
+
+def needle_accuracy(model, torch, needle_rows, needle_spans, batch: int = 8) -> Optional[float]:
+    """Teacher-forced pass-key accuracy: the share of documents whose answer tokens are all
+    the argmax (None without documents)."""
+    if not len(needle_rows):
+        return None
+    correct = 0
+    with torch.no_grad():
         for i in range(0, len(needle_rows), batch):
             x = torch.from_numpy(needle_rows[i:i + batch])
             pred = model(x[:, :-1]).argmax(-1)
             for j, (a, b) in enumerate(needle_spans[i:i + batch]):
                 correct += bool((pred[j, a - 1:b - 1] == x[j, a:b]).all())
-    model.train()
-    loss = total / count
-    return {"heldout_loss": loss, "heldout_ppl": math.exp(loss),
-            "needle_acc": correct / len(needle_rows) if len(needle_rows) else None}
+    return correct / len(needle_rows)
 
 
 def init_weights(model, path: str, torch) -> None:
     """Copy the weights of a training checkpoint into `model` (same shape). Parameters the
     model lacks are dropped (a YOCO model has no K/V projections in its shared layers); a
     parameter the checkpoint lacks or of another shape is an error."""
-    if not Path(path).exists():
-        raise FileNotFoundError(f"--init-from: no checkpoint at {path}")
     state = torch.load(path, map_location="cpu", weights_only=False)
     state = state.get("model", state)
     own = model.state_dict()
@@ -201,6 +208,8 @@ def run(args: TrainArgs, console=None) -> dict:
     total = args.total_steps()
     if not 0 <= args.needle_fraction + args.copy_fraction <= 1:
         raise ValueError("--needle-fraction + --copy-fraction must lie in [0, 1]")
+    if args.init_from and not args.resume and not Path(args.init_from).exists():
+        raise FileNotFoundError(f"--init-from: no checkpoint at {args.init_from}")
     warmup = args.warmup if args.warmup is not None else max(1, min(200, total // 20))
 
     resumed = None
