@@ -34,6 +34,13 @@ KvGroup = Annotated[Optional[int], typer.Option(
 KvResidual = Annotated[Optional[int], typer.Option(
     "--kv-residual", help=f"KIVI residual R: newest tokens kept exact (a multiple of G). "
     f"Default {field_default(_C, 'residual')}.", show_default=False)]
+KvExactTopk = Annotated[Optional[int], typer.Option(
+    "--kv-exact-topk", help="KIVI: per query head, re-score and re-value the K packed tokens with the highest "
+    "scores from an exact shadow copy (sharp heads then see fp32 K/V; 0 = off). "
+    f"Default {field_default(_C, 'exact_topk')}.", show_default=False)]
+KvShadow = Annotated[Optional[str], typer.Option(
+    "--kv-shadow", help="KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds "
+    f"only the packed cache) or in ram. Default {field_default(_C, 'shadow_store')}.", show_default=False)]
 Sink = Annotated[Optional[int], typer.Option(
     "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window).",
     show_default=False)]
@@ -63,7 +70,8 @@ KivColdStore = Annotated[Optional[str], typer.Option(
     "--kiv-cold-store", help=f"Retrieval: cold store in ram or on disk (memory-mapped). "
     f"Default {field_default(_C, 'cold_store')}.", show_default=False)]
 KivColdPath = Annotated[Optional[str], typer.Option(
-    "--kiv-cold-path", help="Retrieval: directory for the disk cold store (default: a temp dir).",
+    "--kiv-cold-path", help="Directory for disk stores: retrieval's cold store, KIVI's exact shadow "
+    "(default: a temp dir).",
     show_default=False)]
 KivColdBits = Annotated[Optional[int], typer.Option(
     "--kiv-cold-bits", help="Retrieval: quantise the cold store to 8 or 4 bits (default exact).",
@@ -104,6 +112,8 @@ CACHE_OPTIONS = {
     "kv_quantize_values": (KvValues, "kv_quantize_values"),
     "kv_group_size": (KvGroup, "group_size"),
     "kv_residual": (KvResidual, "residual"),
+    "kv_exact_topk": (KvExactTopk, "exact_topk"),
+    "kv_shadow": (KvShadow, "shadow_store"),
     "streaming_llm_sink": (Sink, "sink"),
     "streaming_llm_window": (Window, "window"),
     "streaming_llm_rope": (RopeMode, "rope_mode"),

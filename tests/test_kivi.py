@@ -252,6 +252,12 @@ def test_cli_sample_kv_quantize_int4(native32_path, native_path):
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["sample", str(native_path), "-p", "hello", "-n", "4", "--kv-quantize", "int4"])
     assert r.exit_code == 1 and "head dim 16" in r.output
+    r = runner.invoke(app, ["sample", str(native32_path), "-p", prompt, "-n", "8", "--temperature", "0",
+                            "--kv-quantize", "int4", "--kv-exact-topk", "16", "--kv-shadow", "ram"])
+    assert r.exit_code == 0, r.output
+    assert "exact top-16" in r.output and "shadow" in r.output
+    r = runner.invoke(app, ["sample", str(native32_path), "-p", "hello", "-n", "4", "--kv-exact-topk", "16"])
+    assert r.exit_code != 0 and "kv-exact-topk" in r.output
 
 
 def test_cli_cache_report(native32_path):
@@ -278,3 +284,97 @@ def test_yoco_shared_layers_read_the_owners_packed_segments(tmp_path, tokenizer_
             layer.attention_installed = installed
         outs.append(run(model, cache, toks, prefill=80))
     assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+
+
+# ----- exact top-k refinement from the shadow copy ------------------------------------------
+
+@pytest.mark.parametrize("kw", [
+    dict(key_bits=4, value_bits=4, shadow_store="disk"),
+    dict(key_bits=2, value_bits=2, shadow_store="ram"),
+    dict(key_bits=4),                   # exact values: only the scores are refined
+    dict(value_bits=4),                 # exact keys: only the outputs are refined
+    dict(key_bits=4, value_bits=4, sink=4, window=64, rope_mode="absolute"),   # eviction
+], ids=lambda kw: CacheConfig(**kw).label() + f" shadow {kw.get('shadow_store', 'disk')}")
+def test_exact_topk_covering_every_token_equals_the_exact_cache(native32, kw):
+    """With K >= stored tokens every packed token is re-scored and re-valued exactly, so the
+    refined KIVI cache must give the logits of the fp32 cache with the same eviction."""
+    model, toks = native32.model, tokens(260, seed=5)
+    exact_kw = {k: v for k, v in kw.items() if k in ("sink", "window", "rope_mode")}
+    ref = run(model, make_cache(model, CacheConfig(**exact_kw)), toks, prefill=120)
+    plain = run(model, make_cache(model, CacheConfig(**kw)), toks, prefill=120)
+    cache = make_cache(model, CacheConfig(exact_topk=10_000, **kw))
+    refined = run(model, cache, toks, prefill=120)
+    assert cache.owned[0].body.n_packed > 0
+    if "window" in kw:
+        assert cache.owned[0].body.evicted > 0
+    assert mx.abs(refined - ref).max().item() < 1e-4
+    assert mx.abs(plain - ref).max().item() > 1e-3   # the packed cache alone is not exact
+
+
+def test_exact_topk_matches_a_dense_reference():
+    """K < stored: the K best packed scores per query head are replaced by exact scores and
+    those tokens' values by exact values; checked against the same rule in numpy."""
+    B, H, rep, D, T, K = 1, 2, 2, 32, 200, 8
+    rng = np.random.RandomState(6)
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=K, shadow_store="ram")
+    layer = LayerCache(cfg)
+    layer.attention_installed = True
+    k = rng.randn(B, H, T, D).astype(np.float32)
+    v = rng.randn(B, H, T, D).astype(np.float32)
+    layer.update_and_fetch(mx.array(k), mx.array(v))
+    layer.update_and_fetch(mx.array(k[:, :, :1]), mx.array(v[:, :, :1]))   # freezes the prompt's blocks
+    k = np.concatenate([k, k[:, :, :1]], axis=2)
+    v = np.concatenate([v, v[:, :, :1]], axis=2)
+    q = rng.randn(B, H * rep, 1, D).astype(np.float32)
+    out = np.array(layer.attend(mx.array(q), D ** -0.5, None))
+
+    P = layer.body.n_packed
+    assert 0 < P < T and layer.body.shadow.nbytes == 2 * P * B * H * D * 4
+    kd, vd = (np.array(a) for a in layer.body.fetch(mx.float32))       # dequantised body + residual
+    ref = np.zeros_like(out)
+    for hq in range(H * rep):
+        h = hq // rep
+        qs = q[0, hq, 0] * D ** -0.5
+        s = kd[0, h] @ qs
+        top = np.argsort(-s[:P])[:K]
+        s[top] = k[0, h, top] @ qs
+        p = np.exp(s - s.max())
+        p /= p.sum()
+        vals = vd[0, h].copy()
+        vals[top] = v[0, h, top]
+        ref[0, hq, 0] = p @ vals
+    assert np.abs(out - ref).max() < 1e-5
+
+
+def test_shadow_follows_truncation_and_its_files_are_removed(tmp_path):
+    import gc
+
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=4, cold_path=str(tmp_path))
+    store = KiviStore(cfg, mx.float32)
+    x = mx.array(np.random.RandomState(7).randn(1, 2, 160, 32).astype(np.float32))
+    store.append(x, -x)
+    store.append(x[:, :, :1], x[:, :, :1])
+    assert store.n_packed == 128 and store.shadow.label == "shadow_disk"
+    assert any(tmp_path.rglob("*.bin"))
+    store.truncate(64)
+    kx, vx = store.shadow.gather(mx.arange(64).reshape(1, 1, 1, 1, 64) * mx.ones((1, 2, 1, 1, 1), mx.int32))
+    assert mx.array_equal(kx[0, :, 0, 0], x[0, :, :64]).item()
+    assert mx.array_equal(vx[0, :, 0, 0], -x[0, :, :64]).item()
+    assert store.nbytes_breakdown()["shadow_disk"] == 2 * 64 * 2 * 32 * 4
+    del store
+    gc.collect()
+    assert not any(tmp_path.rglob("*.bin"))
+
+
+def test_exact_topk_needs_a_quantised_cache_and_parses_as_a_mode():
+    from tinygpt_mlx.evaluate.modes import parse_policy
+
+    with pytest.raises(ValueError, match="exact_topk"):
+        CacheConfig(exact_topk=8)
+    with pytest.raises(ValueError, match="exact_topk"):
+        CacheConfig(key_bits=4, exact_topk=-1)
+    with pytest.raises(ValueError, match="shadow_store"):
+        CacheConfig(key_bits=4, exact_topk=8, shadow_store="tape")
+    cfg = parse_policy("int4+top16+shadowram")
+    assert (cfg.key_bits, cfg.value_bits, cfg.exact_topk, cfg.shadow_store) == (4, 4, 16, "ram")
+    assert "exact top-16" in cfg.label()

@@ -90,6 +90,9 @@ class CacheConfig:
     value_bits   KIVI bits for values (quantised per token), None = exact
     group_size   KIVI group G: tokens per key block / channels per value group
     residual     KIVI residual R: newest tokens kept exact
+    exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
+                 and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
+    shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
@@ -107,6 +110,8 @@ class CacheConfig:
     value_bits: Optional[int] = None
     group_size: int = 32
     residual: int = 32
+    exact_topk: int = 0
+    shadow_store: str = "disk"
     sink: int = 0
     window: Optional[int] = None
     rope_mode: str = "shifted"
@@ -132,6 +137,11 @@ class CacheConfig:
         _positive("residual", self.residual, 0)
         if self.quantised and self.residual % self.group_size:
             raise ValueError(f"residual {self.residual} must be a multiple of group_size {self.group_size}")
+        _positive("exact_topk", self.exact_topk, 0)
+        if self.exact_topk and not self.quantised:
+            raise ValueError("exact_topk (--kv-exact-topk) refines a KIVI cache: it needs int8/int4/int2 keys or values")
+        if self.shadow_store not in COLD_STORES:
+            raise ValueError(f"shadow_store must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
         _positive("sink", self.sink, 0)
         if self.window is not None:
             _positive("window", self.window)
@@ -204,6 +214,8 @@ class CacheConfig:
         if self.quantised:
             d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
                            "group_size": self.group_size, "residual": self.residual})
+            if self.exact_topk:
+                d["kivi"].update(exact_topk=self.exact_topk, shadow_store=self.shadow_store)
         if self.streaming:
             d.update(streaming_llm={"sink": self.sink, "window": self.window,
                                     "rope_mode": self.rope_mode})
@@ -223,6 +235,8 @@ class CacheConfig:
             kb = f"int{self.key_bits}" if self.key_bits else self.storage
             vb = f"int{self.value_bits}" if self.value_bits else self.storage
             prec = kb if kb == vb else f"K {kb} / V {vb}"
+            if self.exact_topk:
+                prec += f" (exact top-{self.exact_topk})"
         else:
             prec = self.storage
         parts = [prec]

@@ -15,13 +15,26 @@ arrive before RoPE; a frozen key is rotated at its virtual slot u = slot + E, wh
 the tokens evicted from the body so far (eviction shifts every body slot by the same amount),
 and at read time the query is rotated by E instead: <R(p) q, R(u - E) k> = <R(p + E) q, R(u) k>.
 So packed keys are never re-rotated, never re-quantised.
+
+Exact top-k refinement (`CacheConfig.exact_topk` = K): a full-precision shadow copy of the frozen
+tokens is kept outside the packed body (memory-mapped on disk by default, so RAM still holds only
+the packed cache). Attention scores the packed body as usual, takes for every query head the K
+tokens with the highest packed scores, re-scores them with their exact keys and re-values them
+with their exact values: out = qmm(p with those K zeroed, V) + p_K . V_exact. A sharp head
+(a copy head attends to one or a few earlier tokens) then sees exactly what an fp32 cache gives
+it, and only the tail of the softmax, where weights are small, carries quantisation error.
+With K >= the stored tokens the result equals exact attention (tested).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import shutil
+import weakref
+
 import mlx.core as mx
+import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
@@ -60,6 +73,9 @@ class KiviStore:
         self.n_packed = 0   # tokens in frozen blocks
         self.frozen = 0     # tokens ever frozen (monotonic)
         self.evicted = 0    # frozen tokens dropped from the front (E in the module doc)
+        self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
+                                                          self.value_bits is not None)
+                                              if config.exact_topk else None)
 
     def __len__(self) -> int:
         return self.n_packed + len(self.residual)
@@ -88,6 +104,8 @@ class KiviStore:
         k, v = self.residual.drop_front(n)
         if self.shifted:
             k = self.rope(k.astype(mx.float32), offset=self.config.sink + self.frozen)
+        if self.shadow is not None:
+            self.shadow.append(k, v)
         kpart = (quant.quantise_k(k, self.key_bits, self.group) if self.key_bits
                  else (k.astype(self.storage),))
         vpart = (quant.quantise_v(v, self.value_bits, self.group) if self.value_bits
@@ -119,6 +137,8 @@ class KiviStore:
         self.values = self._slice(self.values, self.value_bits, False, m, None)
         self.n_packed -= m
         self.evicted += m
+        if self.shadow is not None:
+            self.shadow.drop_front(m)
         return k, v
 
     def truncate(self, n: int) -> None:
@@ -132,6 +152,8 @@ class KiviStore:
         self.values = self._slice(self.values, self.value_bits, False, 0, n)
         self.frozen -= self.n_packed - n
         self.n_packed = n
+        if self.shadow is not None:
+            self.shadow.truncate(n)
         self.residual = DenseStore(self.storage)
         self.residual.step = self.group
 
@@ -197,7 +219,10 @@ class KiviStore:
         """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
         side if any) and the residual's stored tokens."""
         packed = sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
-        return {"body_packed": packed, "residual": self.residual.nbytes}
+        out = {"body_packed": packed, "residual": self.residual.nbytes}
+        if self.shadow is not None:
+            out[self.shadow.label] = self.shadow.nbytes
+        return out
 
 
 class PackedSegment:
@@ -208,6 +233,7 @@ class PackedSegment:
         self.store = store
         first = store.keys[0]
         self.n_heads = first.shape[1]
+        self.chosen: Optional[tuple] = None   # (indices, exact values) of the refined tokens
 
     def scores(self, q: mx.array) -> mx.array:
         s = self.store
@@ -215,15 +241,105 @@ class PackedSegment:
             q = _rotate_rows(s.rope, q, s.evicted, 0)
         if s.key_bits:
             kp, ks, kz = (mx.expand_dims(a, 2) for a in s.keys)
-            return quant.quantised_matmul(q, kp, ks, kz, bits=s.key_bits, group=s.group)
-        return q @ mx.expand_dims(s.keys[0].astype(mx.float32), 2).swapaxes(-1, -2)
+            scores = quant.quantised_matmul(q, kp, ks, kz, bits=s.key_bits, group=s.group)
+        else:
+            scores = q @ mx.expand_dims(s.keys[0].astype(mx.float32), 2).swapaxes(-1, -2)
+        if s.shadow is not None:
+            scores = self._refine_scores(q, scores)
+        return scores
+
+    def _refine_scores(self, q: mx.array, scores: mx.array) -> mx.array:
+        """Replace the top-k packed scores of every query by exact ones (module doc)."""
+        s = self.store
+        T = scores.shape[-1]
+        k = min(s.config.exact_topk, T)
+        if k < T:
+            idx = mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
+        else:
+            idx = mx.broadcast_to(mx.arange(T, dtype=mx.uint32), scores.shape)
+        keys, values = s.shadow.gather(idx)                   # [B, Hkv, rep, L, k, D] each
+        self.chosen = (idx, values)
+        if keys is None:
+            return scores
+        exact = (keys @ q[..., None])[..., 0]                  # [B, Hkv, rep, L, k]
+        return mx.put_along_axis(scores, idx, exact, axis=-1)
 
     def output(self, p: mx.array) -> mx.array:
         s = self.store
+        exact = None
+        if self.chosen is not None and self.chosen[1] is not None:
+            idx, values = self.chosen
+            pk = mx.take_along_axis(p, idx, axis=-1)
+            p = mx.put_along_axis(p, idx, mx.zeros_like(pk), axis=-1)
+            exact = (pk[..., None, :] @ values)[..., 0, :]
         if s.value_bits:
             vp, vs, vz = (mx.expand_dims(a, 2) for a in s.values)
-            return quant.quantised_matmul(p, vp, vs, vz, bits=s.value_bits, group=s.group)
-        return p @ mx.expand_dims(s.values[0].astype(mx.float32), 2)
+            out = quant.quantised_matmul(p, vp, vs, vz, bits=s.value_bits, group=s.group)
+        else:
+            out = p @ mx.expand_dims(s.values[0].astype(mx.float32), 2)
+        return out if exact is None else out + exact
+
+
+class ShadowStore:
+    """Exact copies of the frozen tokens of the quantised sides, token-major [n, B*H, D], in
+    RAM or memory-mapped in a private directory (removed when the store is collected).
+
+    Keys are kept as they were frozen (rotated to their virtual slot in shifted mode), so exact
+    scores use the same rotated query as the packed scores.
+    """
+
+    def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
+        from .retrieval import private_dir  # noqa: PLC0415 (retrieval imports the cache package)
+
+        self.np_dtype = np.float16 if storage == mx.float16 else np.float32   # numpy has no bf16
+        self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
+        if self.directory is not None:
+            weakref.finalize(self, shutil.rmtree, self.directory, True)
+        self.label = "shadow_disk" if self.directory is not None else "shadow"
+        self.sides = (keys, values)
+        self.arrays: list = [None, None]      # GrowingArray per side, made at the first append
+        self.heads = 0                        # B * H
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        from .retrieval import GrowingArray  # noqa: PLC0415
+
+        B, H = keys.shape[:2]
+        self.heads = B * H
+        for i, (want, x) in enumerate(zip(self.sides, (keys, values))):
+            if not want:
+                continue
+            rows = np.asarray(x.astype(mx.float32)).astype(self.np_dtype)          # [B, H, T, D]
+            rows = rows.reshape(B * H, rows.shape[2], rows.shape[3]).transpose(1, 0, 2)
+            if self.arrays[i] is None:
+                path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
+                self.arrays[i] = GrowingArray(rows.shape[1:], self.np_dtype, path)
+            self.arrays[i].append(rows)
+
+    def gather(self, idx: mx.array) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """Exact keys and values of tokens `idx` [B, Hkv, rep, L, k] -> [B, Hkv, rep, L, k, D]
+        (None for a side that is not quantised)."""
+        t = np.asarray(idx).astype(np.int64)
+        B, H = t.shape[:2]
+        bh = (np.arange(B)[:, None] * H + np.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
+        out = []
+        for arr in self.arrays:
+            out.append(None if arr is None else
+                       mx.array(arr.array[t, bh].astype(np.float32, copy=False)))
+        return out[0], out[1]
+
+    def drop_front(self, n: int) -> None:
+        for arr in self.arrays:
+            if arr is not None:
+                arr.drop_front(n)
+
+    def truncate(self, n: int) -> None:
+        for arr in self.arrays:
+            if arr is not None:
+                arr.truncate(n)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(arr.nbytes for arr in self.arrays if arr is not None)
 
 
 def _rotate_rows(rope: Callable, x: mx.array, first: int, step: int) -> mx.array:

@@ -98,6 +98,17 @@ class GrowingArray:
     def view(self) -> np.ndarray:
         return self.array[: self.n]
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first `n` rows: the rest move to the front (in place, also on disk)."""
+        n = min(n, self.n)
+        if n:
+            self.array[: self.n - n] = self.array[n: self.n]
+            self.n -= n
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first `n` rows."""
+        self.n = min(self.n, n)
+
     @property
     def nbytes(self) -> int:
         return self.n * int(np.prod(self.shape)) * self.dtype.itemsize
@@ -468,18 +479,21 @@ class RetrievedSegment:
 
 def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -> ColdStore:
     """Create a layer's cold store (RAM, or a memmap in a private temp dir / under cold_path)."""
-    directory = None
-    if config.cold_store == "disk":
-        base = config.cold_path
-        if base is not None:
-            os.makedirs(base, exist_ok=True)
-        directory = tempfile.mkdtemp(prefix=f"posttrainllm-cold-l{layer_index}-", dir=base)
+    directory = private_dir(f"cold-l{layer_index}", config.cold_path) if config.cold_store == "disk" else None
     store = ColdStore(config, layer_index, rope=layer_cache.rope, shifted=layer_cache.shifted,
                       directory=directory)
     if directory is not None:
         weakref.finalize(store, shutil.rmtree, directory, True)
     layer_cache.cold = store
     return store
+
+
+def private_dir(name: str, base: Optional[str]) -> str:
+    """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
+    the owner removes it with `weakref.finalize(owner, shutil.rmtree, path, True)`."""
+    if base is not None:
+        os.makedirs(base, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
 
 
 def _cold_stores(cache: Iterable) -> list[ColdStore]:

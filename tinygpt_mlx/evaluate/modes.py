@@ -5,6 +5,7 @@ A spec is `+`-separated parts, each optional, mapped onto `CacheConfig.from_flag
     fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
     k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
     g64, r128                                  KIVI group size G, residual R
+    top64, shadowram                           KIVI exact top-k refinement, its shadow in RAM
     sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
     hot256                                     retrieval hot budget
 
@@ -20,13 +21,13 @@ import re
 from ..config import KV_QUANTIZE_CHOICES, CacheConfig
 
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), "
+             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram, sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), "
              "hotN (retrieval); e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 _KV = re.compile(r"k([248])v([248])")
 _STREAM = re.compile(r"(?:sink(\d+)/)?window(\d+)(?::(absolute|shifted))?")
-_NUMBERED = re.compile(r"(g|r|hot)(\d+)")
-_FIELDS = {"g": "group_size", "r": "residual", "hot": "hot_budget"}
+_NUMBERED = re.compile(r"(g|r|hot|top)(\d+)")
+_FIELDS = {"g": "group_size", "r": "residual", "hot": "hot_budget", "top": "exact_topk"}
 
 
 def parse_policy(spec: str) -> CacheConfig:
@@ -49,6 +50,8 @@ def parse_policy(spec: str) -> CacheConfig:
             put("sink", int(m[1] or 0))
             if m[3]:
                 put("rope_mode", m[3])
+        elif part in ("shadowram", "shadowdisk"):
+            put("shadow_store", part[len("shadow"):])
         elif m := _NUMBERED.fullmatch(part):
             put(_FIELDS[m[1]], int(m[2]))
         else:

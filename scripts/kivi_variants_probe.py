@@ -1,0 +1,170 @@
+"""Which part of int4 KIVI error flips greedy tokens, and would another 4-bit scheme fix it?
+(a measurement, not a policy)
+
+Runs greedy decoding through the real cache with the frozen blocks *fake-quantised*: each block
+is quantised and dequantised in fp32 when it freezes and then stored dense, so any grouping can be
+tried (MLX's kernels only take G = 32/64/128 along the packed axis). `k4v4` reproduces the packed
+int4 cache's tokens (dequantised vs packed attention agree to < 1e-4). Prints the mean greedy
+prefix match against the fp32 cache per variant:
+
+    kKvV            keys K bits per channel over G=32 tokens, values V bits per token (KIVI)
+    k4g16, k4g8     finer key groups (16 or 8 tokens)
+    v4g16, v4g8     finer value groups (16 or 8 channels)
+    k4pre           keys quantised before RoPE (KVQuant)
+    k4had, v4had    a Hadamard rotation of the head dimension before quantising (QuaRot)
+    k4out2          the 2 largest-norm tokens of each key block kept exact (dense-and-sparse)
+    k4L3, v4L0 ...  only layer i quantised (the others exact)
+    +topN           exact top-N refinement (what `--kv-exact-topk N` does)
+
+    python scripts/kivi_variants_probe.py models/tinygpt-base.tinygpt \\
+        --prompts docs/results/kivi_long_prompts_48.txt --variants k4v4,k4,v4,k4g8,v4g8,k4L3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+import mlx.core as mx
+import numpy as np
+
+from tinygpt_mlx.cache import kivi
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate.compare import greedy_tokens, prefix_match, read_prompts
+from tinygpt_mlx.loading import load
+
+
+def fake_quant(x: mx.array, bits: int, group: int, axis: int) -> mx.array:
+    """Affine min/max quantise-dequantise of x [B, H, T, D] in groups along axis -2 (tokens) or -1."""
+    x = x.astype(mx.float32)
+    if axis == -2:
+        x = mx.swapaxes(x, -1, -2)
+    *lead, n = x.shape
+    g = x.reshape(*lead, n // group, group)
+    lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
+    step = mx.maximum((hi - lo) / (2 ** bits - 1), 1e-8)
+    out = (mx.clip(mx.round((g - lo) / step), 0, 2 ** bits - 1) * step + lo).reshape(*lead, n)
+    return mx.swapaxes(out, -1, -2) if axis == -2 else out
+
+
+def hadamard(n: int) -> mx.array:
+    h = np.array([[1.0]])
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(h / math.sqrt(n), dtype=mx.float32)
+
+
+def key_quantiser(bits: int, group: int, how: str):
+    def f(k: mx.array, store) -> mx.array:
+        if how == "had":
+            H = hadamard(k.shape[-1])
+            return fake_quant(k @ H, bits, group, -2) @ H.T
+        if how == "pre":    # undo RoPE at the tokens' positions, quantise, rotate back
+            B, Hh, T, D = k.shape
+            flat = k.transpose(2, 0, 1, 3).reshape(T * B * Hh, 1, D)
+            offs = mx.repeat(store.frozen + mx.arange(T), B * Hh)
+            pre = store.rope(flat, offset=-offs).reshape(T, B, Hh, D).transpose(1, 2, 0, 3)
+            q = fake_quant(pre, bits, group, -2).transpose(2, 0, 1, 3).reshape(T * B * Hh, 1, D)
+            return store.rope(q, offset=offs).reshape(T, B, Hh, D).transpose(1, 2, 0, 3)
+        if how.startswith("out"):   # largest-norm tokens exact, left out of the ranges
+            m = int(how[3:])
+            norm = (k * k).sum(-1)
+            exact = (norm >= mx.sort(norm, axis=-1)[..., -m][..., None])[..., None]
+            keep = ~exact
+            mean = (k * keep).sum(-2, keepdims=True) / mx.maximum(keep.sum(-2, keepdims=True), 1)
+            return mx.where(exact, k, fake_quant(mx.where(exact, mean, k), bits, group, -2))
+        return fake_quant(k, bits, group, -2)
+    return f
+
+
+def value_quantiser(bits: int, group: int, how: str):
+    def f(v: mx.array, store) -> mx.array:
+        if how == "had":
+            H = hadamard(v.shape[-1])
+            return fake_quant(v @ H, bits, group, -1) @ H.T
+        return fake_quant(v, bits, group, -1)
+    return f
+
+
+_PART = re.compile(r"(k|v)(\d)(g\d+|pre|had|out\d+)?(L\d)?")
+
+
+def parse(spec: str) -> dict:
+    """'k4v4+top16' -> {"k": ..., "v": ..., "topk": 16}; kN/vN parts may carry a suffix."""
+    out: dict = {"layers": {}}
+    for part in spec.split("+"):
+        if part.startswith("top"):
+            out["topk"] = int(part[3:])
+            continue
+        for m in re.finditer(r"[kv]\d(?:g\d+|pre|had|out\d+)?(?:L\d)?", part):
+            side, bits, how, layer = _PART.fullmatch(m[0]).groups()
+            how = how or ""
+            group = int(how[1:]) if how.startswith("g") else 32
+            make = key_quantiser if side == "k" else value_quantiser
+            out[side] = make(int(bits), group, how)
+            if layer:
+                out["layers"][side] = int(layer[1:])
+    return out
+
+
+ACTIVE: dict = {}
+
+
+def _freeze(self, n: int) -> None:
+    """KiviStore._freeze, storing fake-quantised dense blocks (and the exact shadow if asked)."""
+    k, v = self.residual.drop_front(n)
+    k, v = k.astype(mx.float32), v.astype(mx.float32)
+    if self.shadow is not None:
+        self.shadow.append(k, v)
+    for side in ("k", "v"):
+        layer = ACTIVE["layers"].get(side)
+        if side in ACTIVE and (layer is None or layer == self.layer_index):
+            if side == "k":
+                k = ACTIVE["k"](k, self)
+            else:
+                v = ACTIVE["v"](v, self)
+    self.keys = kivi._concat(self.keys, (k,), (-2,))
+    self.values = kivi._concat(self.values, (v,), (-2,))
+    self.n_packed += n
+    self.frozen += n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--prompts", required=True, help="one prompt per line")
+    ap.add_argument("--variants", default="k4v4,k4,v4,k4g16,k4g8,v4g16,v4g8,k4pre,k4had,v4had,k4out2,"
+                                          "k4L0,k4L1,k4L2,k4L3,v4L0,v4L1,v4L2,v4L3,k4v4+top16,k4v4+top64")
+    ap.add_argument("--tokens", type=int, default=60)
+    a = ap.parse_args()
+    loaded = load(a.model)
+    n_layers = len(loaded.model.layers)
+    prompts = [loaded.tokenizer.encode(p) for p in read_prompts(a.prompts)]
+    refs = [greedy_tokens(loaded.model, ids, CacheConfig(), a.tokens) for ids in prompts]
+
+    count = [0]
+    init = kivi.KiviStore.__init__
+
+    def tagged_init(self, *args, **kw):   # caches are built layer by layer, in order
+        init(self, *args, **kw)
+        self.layer_index = count[0] % n_layers
+        count[0] += 1
+        self.key_bits = self.value_bits = None   # blocks are stored dense (fake-quantised)
+
+    kivi.KiviStore.__init__ = tagged_init
+    kivi.KiviStore._freeze = _freeze
+    for spec in a.variants.split(","):
+        ACTIVE.clear()
+        ACTIVE.update(parse(spec))
+        cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=ACTIVE.get("topk", 0), shadow_store="ram")
+        matched = []
+        for ref, ids in zip(refs, prompts):
+            count[0] = 0
+            matched.append(prefix_match(ref, greedy_tokens(loaded.model, ids, cfg, a.tokens))[0])
+        print(f"{spec:14s} mean prefix match {sum(matched) / a.tokens / len(matched):.3f}  "
+              f"prompts reproduced {sum(m == a.tokens for m in matched)}/{len(matched)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
