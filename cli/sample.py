@@ -36,7 +36,10 @@ def print_report(r: dict) -> None:
     err.print(f"\n[bold]report[/bold]: prompt {r['prompt_tokens']} tokens, generated {r['generated_tokens']} "
               f"({r['finish_reason']}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
-    err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])} over {r['layers_with_kv']} layers"
+    disk = r["cache_disk_bytes"]
+    where = (f", {c.fmt_bytes(r['cache_bytes'] - disk)} in RAM + {c.fmt_bytes(disk)} memory-mapped on disk"
+             if disk else "")
+    err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])}{where} over {r['layers_with_kv']} layers"
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
 
 

@@ -59,11 +59,13 @@ def main() -> None:
         mx.eval(acc)
     print(f"model {loaded.name}, {n} scored tokens of {args.text} ({args.prefill}-token prefill, "
           "then one by one)\n")
-    print("| policy | cache | cache MiB | perplexity | KL(fp32 ‖ policy) | top-1 agreement |")
+    print("| policy | cache | cache MiB (RAM) | perplexity | KL(fp32 ‖ policy) | top-1 agreement |")
     print("|---|---|---:|---:|---:|---:|")
     for s, cache in caches.items():
         r = acc[s]
-        print(f"| {s} | {labels[s]} | {cache.nbytes / 2**20:.2f} | {math.exp(r['nll'].item() / n):.3f} | "
+        disk = getattr(cache, "disk_nbytes", 0)
+        ram = f"{(cache.nbytes - disk) / 2**20:.2f}" + (f" (+{disk / 2**20:.2f} on disk)" if disk else "")
+        print(f"| {s} | {labels[s]} | {ram} | {math.exp(r['nll'].item() / n):.3f} | "
               f"{max(0.0, r['kl'].item() / n):.5f} | {r['agree'].item() / n:.4f} |")
 
 

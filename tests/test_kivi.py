@@ -255,7 +255,11 @@ def test_cli_sample_kv_quantize_int4(native32_path, native_path):
     r = runner.invoke(app, ["sample", str(native32_path), "-p", prompt, "-n", "8", "--temperature", "0",
                             "--kv-quantize", "int4", "--kv-exact-topk", "16", "--kv-shadow", "ram"])
     assert r.exit_code == 0, r.output
-    assert "exact top-16" in r.output and "shadow" in r.output
+    assert "exact top-16" in r.output and "shadow" in r.output and "on disk" not in r.output
+    r = runner.invoke(app, ["sample", str(native32_path), "-p", prompt, "-n", "8", "--temperature", "0",
+                            "--kv-quantize", "int4", "--kv-exact-topk", "16"])
+    assert r.exit_code == 0, r.output
+    assert "shadow_disk" in r.output and "memory-mapped on disk" in r.output
     r = runner.invoke(app, ["sample", str(native32_path), "-p", "hello", "-n", "4", "--kv-exact-topk", "16"])
     assert r.exit_code != 0 and "kv-exact-topk" in r.output
 
@@ -378,3 +382,13 @@ def test_exact_topk_needs_a_quantised_cache_and_parses_as_a_mode():
     cfg = parse_policy("int4+top16+shadowram")
     assert (cfg.key_bits, cfg.value_bits, cfg.exact_topk, cfg.shadow_store) == (4, 4, 16, "ram")
     assert "exact top-16" in cfg.label()
+
+
+@pytest.mark.parametrize("T,k", [(64, 8), (4096, 16), (8192, 64), (96, 200)])
+def test_top_k_indices_is_the_exact_top_k(T, k):
+    from tinygpt_mlx.cache.kivi import top_k_indices
+
+    scores = mx.random.normal((2, 3, 1, T), key=mx.random.key(T + k))
+    got = np.sort(np.array(top_k_indices(scores, k, 32)), axis=-1)
+    want = np.sort(np.argsort(-np.array(scores), axis=-1)[..., :min(k, T)], axis=-1)
+    assert np.array_equal(got, want)

@@ -251,12 +251,7 @@ class PackedSegment:
     def _refine_scores(self, q: mx.array, scores: mx.array) -> mx.array:
         """Replace the top-k packed scores of every query by exact ones (module doc)."""
         s = self.store
-        T = scores.shape[-1]
-        k = min(s.config.exact_topk, T)
-        if k < T:
-            idx = mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
-        else:
-            idx = mx.broadcast_to(mx.arange(T, dtype=mx.uint32), scores.shape)
+        idx = top_k_indices(scores, s.config.exact_topk, s.group)
         keys, values = s.shadow.gather(idx)                   # [B, Hkv, rep, L, k, D] each
         self.chosen = (idx, values)
         if keys is None:
@@ -278,6 +273,26 @@ class PackedSegment:
         else:
             out = p @ mx.expand_dims(s.values[0].astype(mx.float32), 2)
         return out if exact is None else out + exact
+
+
+def top_k_indices(scores: mx.array, k: int, block: int) -> mx.array:
+    """Indices of the k largest scores along the last axis (in no particular order).
+
+    Over many tokens a full argpartition dominates a decode step (2.7 ms for 8 x 32K scores on
+    this CPU), so it runs in two stages: the k blocks of `block` tokens with the largest maxima
+    hold every one of the top k (each top-k token's block has a maximum >= the k-th score, and
+    at most k blocks can), then the top k of those k * block candidates (0.65 ms).
+    """
+    T = scores.shape[-1]
+    if k >= T:
+        return mx.broadcast_to(mx.arange(T, dtype=mx.uint32), scores.shape)
+    if T % block or T // block <= 2 * k:
+        return mx.argpartition(-scores, k - 1, axis=-1)[..., :k]
+    blocks = scores.reshape(*scores.shape[:-1], T // block, block)
+    best = mx.argpartition(-blocks.max(axis=-1), k - 1, axis=-1)[..., :k]          # [..., k]
+    cand = mx.take_along_axis(blocks, best[..., None], axis=-2).reshape(*scores.shape[:-1], k * block)
+    pick = mx.argpartition(-cand, k - 1, axis=-1)[..., :k]
+    return mx.take_along_axis(best, pick // block, axis=-1) * block + pick % block
 
 
 class ShadowStore:

@@ -342,6 +342,11 @@ class KVCache(list):
                 out.append(c)
         return out
 
+    @property
+    def disk_nbytes(self) -> int:
+        """The part of `nbytes` held in memory-mapped files (breakdown keys ending in "_disk")."""
+        return sum(v for k, v in self.nbytes_breakdown().items() if k.endswith("_disk"))
+
     def nbytes_breakdown(self) -> dict[str, int]:
         total: dict[str, int] = {}
         for c in self._distinct():
