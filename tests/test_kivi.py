@@ -206,6 +206,9 @@ def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
         assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
         # the fixture's widened random weights are sensitive: int4 keys move logits by ~4
         assert mx.abs(outs[0] - baseline).max().item() < 0.5
+        # the exact top-k refinement covering every token gives back the exact cache
+        refined = run(model, make_cache(model, CacheConfig(key_bits=4, exact_topk=10_000)), toks, prefill=80)
+        assert mx.abs(refined - baseline).max().item() < 1e-4
     finally:
         attention.uninstall()
     assert llama_module.scaled_dot_product_attention is original
