@@ -318,6 +318,22 @@ def test_exact_topk_covering_every_token_equals_the_exact_cache(native32, kw):
     assert mx.abs(plain - ref).max().item() > 1e-3   # the packed cache alone is not exact
 
 
+def test_exact_topk_in_shifted_streaming_mode_removes_the_quantisation(native32):
+    """Shifted StreamingLLM: packed keys sit at virtual slots and the query is rotated by the
+    evicted count. With K covering the cache the refinement must use the same rotation, so
+    int4 and int8 bodies (same slots, different codes) give the same logits."""
+    model, toks = native32.model, tokens(300, seed=8)
+    out = {}
+    for bits in (4, 8):
+        for k in (0, 10_000):
+            cfg = CacheConfig(key_bits=bits, value_bits=bits, sink=4, window=64, exact_topk=k)
+            cache = make_cache(model, cfg)
+            out[bits, k] = run(model, cache, toks, prefill=120)
+            assert cache.owned[0].body.evicted > 0
+    assert mx.abs(out[4, 0] - out[8, 0]).max().item() > 1e-2
+    assert mx.abs(out[4, 10_000] - out[8, 10_000]).max().item() < 1e-4
+
+
 def test_exact_topk_matches_a_dense_reference():
     """K < stored: the K best packed scores per query head are replaced by exact scores and
     those tokens' values by exact values; checked against the same rule in numpy."""

@@ -491,9 +491,13 @@ def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -
 def private_dir(name: str, base: Optional[str]) -> str:
     """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
     the owner removes it with `weakref.finalize(owner, shutil.rmtree, path, True)`."""
-    if base is not None:
-        os.makedirs(base, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
+    try:
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        return tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
+    except OSError as e:
+        raise ValueError(f"cannot create a disk store under {base or tempfile.gettempdir()}: "
+                         f"{e.strerror or e}") from None
 
 
 def _cold_stores(cache: Iterable) -> list[ColdStore]:
