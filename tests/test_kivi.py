@@ -301,14 +301,15 @@ def test_yoco_shared_layers_read_the_owners_packed_segments(tmp_path, tokenizer_
     dict(key_bits=4),                   # exact values: only the scores are refined
     dict(value_bits=4),                 # exact keys: only the outputs are refined
     dict(key_bits=4, value_bits=4, sink=4, window=64, rope_mode="absolute"),   # eviction
-], ids=lambda kw: CacheConfig(**kw).label() + f" shadow {kw.get('shadow_store', 'disk')}")
+], ids=lambda kw: CacheConfig(exact_topk=1, **kw).label())
 def test_exact_topk_covering_every_token_equals_the_exact_cache(native32, kw):
     """With K >= stored tokens every packed token is re-scored and re-valued exactly, so the
     refined KIVI cache must give the logits of the fp32 cache with the same eviction."""
     model, toks = native32.model, tokens(260, seed=5)
     exact_kw = {k: v for k, v in kw.items() if k in ("sink", "window", "rope_mode")}
     ref = run(model, make_cache(model, CacheConfig(**exact_kw)), toks, prefill=120)
-    plain = run(model, make_cache(model, CacheConfig(**kw)), toks, prefill=120)
+    plain_kw = {k: v for k, v in kw.items() if k != "shadow_store"}
+    plain = run(model, make_cache(model, CacheConfig(**plain_kw)), toks, prefill=120)
     cache = make_cache(model, CacheConfig(exact_topk=10_000, **kw))
     refined = run(model, cache, toks, prefill=120)
     assert cache.owned[0].body.n_packed > 0
@@ -332,6 +333,9 @@ def test_exact_topk_in_shifted_streaming_mode_removes_the_quantisation(native32)
             assert cache.owned[0].body.evicted > 0
     assert mx.abs(out[4, 0] - out[8, 0]).max().item() > 1e-2
     assert mx.abs(out[4, 10_000] - out[8, 10_000]).max().item() < 1e-4
+    # and the refined result is the exact one: within int8's own error of plain int8 (a wrong
+    # query rotation for the exact scores moves the logits by ~0.8 here)
+    assert mx.abs(out[4, 10_000] - out[8, 0]).max().item() < 0.1
 
 
 def test_exact_topk_matches_a_dense_reference():
@@ -369,24 +373,73 @@ def test_exact_topk_matches_a_dense_reference():
     assert np.abs(out - ref).max() < 1e-5
 
 
-def test_shadow_follows_truncation_and_its_files_are_removed(tmp_path):
+def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_path):
     import gc
 
     cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=4, cold_path=str(tmp_path))
     store = KiviStore(cfg, mx.float32)
-    x = mx.array(np.random.RandomState(7).randn(1, 2, 160, 32).astype(np.float32))
+    x = mx.array(np.random.RandomState(7).randn(1, 2, 224, 32).astype(np.float32))
     store.append(x, -x)
     store.append(x[:, :, :1], x[:, :, :1])
-    assert store.n_packed == 128 and store.shadow.label == "shadow_disk"
+    assert store.n_packed == 192 and store.shadow.label == "shadow_disk"
     assert any(tmp_path.rglob("*.bin"))
-    store.truncate(64)
-    kx, vx = store.shadow.gather(mx.arange(64).reshape(1, 1, 1, 1, 64) * mx.ones((1, 2, 1, 1, 1), mx.int32))
-    assert mx.array_equal(kx[0, :, 0, 0], x[0, :, :64]).item()
-    assert mx.array_equal(vx[0, :, 0, 0], -x[0, :, :64]).item()
-    assert store.nbytes_breakdown()["shadow_disk"] == 2 * 64 * 2 * 32 * 4
+    # eviction hands on the exact rows (absolute mode) and the shadow drops them too
+    k, v = store.drop_front(64)
+    assert mx.array_equal(k, x[:, :, :64]).item() and mx.array_equal(v, -x[:, :, :64]).item()
+    store.truncate(96)                                   # keeps packed tokens 64..159 of x
+    idx = mx.arange(96).reshape(1, 1, 1, 1, 96) * mx.ones((1, 2, 1, 1, 1), mx.int32)
+    assert mx.array_equal(store.shadow.gather(0, idx)[0, :, 0, 0], x[0, :, 64:160]).item()
+    assert mx.array_equal(store.shadow.gather(1, idx)[0, :, 0, 0], -x[0, :, 64:160]).item()
+    assert store.nbytes_breakdown()["shadow_disk"] == 2 * 96 * 2 * 32 * 4
     del store
     gc.collect()
     assert not any(tmp_path.rglob("*.bin"))
+
+
+@pytest.mark.parametrize("path", [False, True], ids=["ram", "disk"])
+def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_them(tmp_path, path):
+    from tinygpt_mlx.cache.retrieval import GrowingArray
+
+    arr = GrowingArray((2,), np.float32, str(tmp_path / "a.bin") if path else None, initial=8)
+    rows = np.arange(40, dtype=np.float32).reshape(20, 2)
+    arr.append(rows[:6])
+    arr.drop_front(2)                       # 2 dropped < 4 live: nothing moves
+    assert (arr.start, arr.n) == (2, 6) and np.array_equal(arr.view(), rows[2:6])
+    arr.drop_front(1)
+    arr.append(rows[6:12])                  # needs room: compacts before growing
+    assert arr.start == 0 and np.array_equal(arr.view(), rows[3:12]) and arr.capacity == 16
+    arr.drop_front(5)                       # 5 dropped >= 4 live: the live rows move to the front
+    assert (arr.start, len(arr)) == (0, 4) and np.array_equal(arr.view(), rows[8:12])
+    arr.truncate(3)
+    assert np.array_equal(arr.view(), rows[8:11]) and arr.nbytes == 3 * 2 * 4
+
+
+def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatch):
+    """A prefill chunk is refined in slices of queries under GATHER_BUDGET: same logits as in
+    one piece. A bf16 cache keeps a bf16 shadow (2 bytes per element) and, refined over every
+    token, gives the bf16 cache's logits."""
+    from tinygpt_mlx.cache import kivi
+
+    model, toks = native32.model, tokens(220, seed=9)
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=8)
+    whole = run(model, make_cache(model, cfg), toks, chunk=80, prefill=200)
+    monkeypatch.setattr(kivi, "GATHER_BUDGET", 1)        # one query per slice
+    sliced = run(model, make_cache(model, cfg), toks, chunk=80, prefill=200)
+    assert mx.abs(whole - sliced).max().item() < 1e-5
+    ref = run(model, make_cache(model, CacheConfig(storage="bf16")), toks, prefill=120)
+    cache = make_cache(model, CacheConfig(storage="bf16", key_bits=4, value_bits=4, exact_topk=10_000))
+    got = run(model, cache, toks, prefill=120)
+    body = cache.owned[0].body
+    assert body.shadow.nbytes == 2 * body.n_packed * 2 * 32 * 2
+    assert mx.abs(got - ref).max().item() < 1e-3
+
+
+def test_exact_topk_refuses_a_model_without_installable_attention(native32, monkeypatch):
+    from tinygpt_mlx import attention
+
+    monkeypatch.setattr(attention, "is_installed", lambda model: False)
+    with pytest.raises(ValueError, match="kv-exact-topk"):
+        make_cache(native32.model, CacheConfig(key_bits=4, exact_topk=8))
 
 
 def test_exact_topk_needs_a_quantised_cache_and_parses_as_a_mode():
@@ -398,9 +451,11 @@ def test_exact_topk_needs_a_quantised_cache_and_parses_as_a_mode():
         CacheConfig(key_bits=4, exact_topk=-1)
     with pytest.raises(ValueError, match="shadow_store"):
         CacheConfig(key_bits=4, exact_topk=8, shadow_store="tape")
+    with pytest.raises(ValueError, match="only applies with exact_topk"):
+        CacheConfig(key_bits=4, shadow_store="ram")
     cfg = parse_policy("int4+top16+shadowram")
     assert (cfg.key_bits, cfg.value_bits, cfg.exact_topk, cfg.shadow_store) == (4, 4, 16, "ram")
-    assert "exact top-16" in cfg.label()
+    assert "exact top-16, ram shadow" in cfg.label()
 
 
 @pytest.mark.parametrize("T,k", [(64, 8), (4096, 16), (8192, 64), (96, 200)])

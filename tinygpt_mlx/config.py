@@ -142,6 +142,8 @@ class CacheConfig:
             raise ValueError("exact_topk (--kv-exact-topk) refines a KIVI cache: it needs int8/int4/int2 keys or values")
         if self.shadow_store not in COLD_STORES:
             raise ValueError(f"shadow_store must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
+        if self.shadow_store != "disk" and not self.exact_topk:
+            raise ValueError("shadow_store (--kv-shadow) only applies with exact_topk (--kv-exact-topk K)")
         _positive("sink", self.sink, 0)
         if self.window is not None:
             _positive("window", self.window)
@@ -236,7 +238,8 @@ class CacheConfig:
             vb = f"int{self.value_bits}" if self.value_bits else self.storage
             prec = kb if kb == vb else f"K {kb} / V {vb}"
             if self.exact_topk:
-                prec += f" (exact top-{self.exact_topk})"
+                where = "" if self.shadow_store == "disk" else f", {self.shadow_store} shadow"
+                prec += f" (exact top-{self.exact_topk}{where})"
         else:
             prec = self.storage
         parts = [prec]

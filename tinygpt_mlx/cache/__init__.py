@@ -57,6 +57,9 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
     if any(c.needs_query for c in cache.owned):
         attention.install(model)
         ready = attention.is_installed(model)
+        if not ready and config.exact_topk:
+            raise ValueError(f"--kv-exact-topk needs our attention in the model's code, which cannot be "
+                             f"installed into {type(model).__module__}: use plain KIVI")
         for c in cache.owned:
             c.attention_installed = ready
     return cache

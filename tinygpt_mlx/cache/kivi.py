@@ -128,11 +128,15 @@ class KiviStore:
 
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Evict the oldest whole blocks (`droppable(n)` tokens); returns them dequantised
-        (keys pre-RoPE in shifted mode, like every stored key there)."""
+        (keys pre-RoPE in shifted mode, like every stored key there), or in absolute mode with a
+        shadow the exact rows of the quantised sides."""
         m = self.droppable(n)
         if m == 0:
             return self._empty()
         k, v = self._dense(0, m, self.storage)
+        if self.shadow is not None and not self.shifted:   # hand on exact rows (a cold store keeps them)
+            k = self.shadow.front(0, m) if self.shadow.has(0) else k
+            v = self.shadow.front(1, m) if self.shadow.has(1) else v
         self.keys = self._slice(self.keys, self.key_bits, True, m, None)
         self.values = self._slice(self.values, self.value_bits, False, m, None)
         self.n_packed -= m
@@ -233,7 +237,7 @@ class PackedSegment:
         self.store = store
         first = store.keys[0]
         self.n_heads = first.shape[1]
-        self.chosen: Optional[tuple] = None   # (indices, exact values) of the refined tokens
+        self.chosen: Optional[mx.array] = None   # indices of the refined tokens [B, Hkv, rep, L, k]
 
     def scores(self, q: mx.array) -> mx.array:
         s = self.store
@@ -252,27 +256,47 @@ class PackedSegment:
         """Replace the top-k packed scores of every query by exact ones (module doc)."""
         s = self.store
         idx = top_k_indices(scores, s.config.exact_topk, s.group)
-        keys, values = s.shadow.gather(idx)                   # [B, Hkv, rep, L, k, D] each
-        self.chosen = (idx, values)
-        if keys is None:
+        self.chosen = idx
+        if not s.shadow.has(0):
             return scores
-        exact = (keys @ q[..., None])[..., 0]                  # [B, Hkv, rep, L, k]
+        exact = _by_query_slices(idx, s.shadow, 0, lambda keys, lo, hi: (keys @ q[..., lo:hi, :, None])[..., 0])
         return mx.put_along_axis(scores, idx, exact, axis=-1)
 
     def output(self, p: mx.array) -> mx.array:
         s = self.store
         exact = None
-        if self.chosen is not None and self.chosen[1] is not None:
-            idx, values = self.chosen
+        if self.chosen is not None and s.shadow.has(1):
+            idx = self.chosen
             pk = mx.take_along_axis(p, idx, axis=-1)
             p = mx.put_along_axis(p, idx, mx.zeros_like(pk), axis=-1)
-            exact = (pk[..., None, :] @ values)[..., 0, :]
+            exact = _by_query_slices(idx, s.shadow, 1, lambda values, lo, hi: (pk[..., lo:hi, None, :] @ values)[..., 0, :])
         if s.value_bits:
             vp, vs, vz = (mx.expand_dims(a, 2) for a in s.values)
             out = quant.quantised_matmul(p, vp, vs, vz, bits=s.value_bits, group=s.group)
         else:
             out = p @ mx.expand_dims(s.values[0].astype(mx.float32), 2)
         return out if exact is None else out + exact
+
+
+#: Bytes of exact rows gathered at once: a prefill chunk's queries are refined in slices so that
+#: [B, Hkv, rep, slice, K, D] stays under this (decode gathers one query's rows).
+GATHER_BUDGET = 64 << 20
+
+
+def _by_query_slices(idx: mx.array, shadow: "ShadowStore", side: int, fn: Callable) -> mx.array:
+    """fn(exact rows of idx[..., lo:hi, :], lo, hi) over slices of the query axis, concatenated."""
+    B, H, rep, L, k = idx.shape
+    per_query = B * H * rep * k * shadow.dims[side] * 4
+    step = max(1, GATHER_BUDGET // max(per_query, 1))
+    if step >= L:
+        return fn(shadow.gather(side, idx), 0, L)
+    parts = []
+    for lo in range(0, L, step):
+        hi = min(L, lo + step)
+        part = fn(shadow.gather(side, idx[..., lo:hi, :]), lo, hi)
+        mx.eval(part)       # frees this slice's rows before the next is gathered
+        parts.append(part)
+    return mx.concatenate(parts, axis=-2)
 
 
 def top_k_indices(scores: mx.array, k: int, block: int) -> mx.array:
@@ -299,48 +323,62 @@ class ShadowStore:
     """Exact copies of the frozen tokens of the quantised sides, token-major [n, B*H, D], in
     RAM or memory-mapped in a private directory (removed when the store is collected).
 
-    Keys are kept as they were frozen (rotated to their virtual slot in shifted mode), so exact
-    scores use the same rotated query as the packed scores.
+    Rows keep the storage dtype (bf16 as its 16-bit patterns: numpy has no bf16). Keys are kept
+    as they were frozen (rotated to their virtual slot in shifted mode), so exact scores use the
+    same rotated query as the packed scores.
     """
+
+    _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
         from .retrieval import private_dir  # noqa: PLC0415 (retrieval imports the cache package)
 
-        self.np_dtype = np.float16 if storage == mx.float16 else np.float32   # numpy has no bf16
+        self.storage = storage
         self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
         if self.directory is not None:
             weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.label = "shadow_disk" if self.directory is not None else "shadow"
         self.sides = (keys, values)
         self.arrays: list = [None, None]      # GrowingArray per side, made at the first append
-        self.heads = 0                        # B * H
+        self.dims = [0, 0]
+        self.batch_heads = (0, 0)
+
+    def has(self, side: int) -> bool:
+        return self.sides[side]
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         from .retrieval import GrowingArray  # noqa: PLC0415
 
-        B, H = keys.shape[:2]
-        self.heads = B * H
-        for i, (want, x) in enumerate(zip(self.sides, (keys, values))):
-            if not want:
+        for i, x in enumerate((keys, values)):
+            if not self.sides[i]:
                 continue
-            rows = np.asarray(x.astype(mx.float32)).astype(self.np_dtype)          # [B, H, T, D]
-            rows = rows.reshape(B * H, rows.shape[2], rows.shape[3]).transpose(1, 0, 2)
+            B, H, T, D = x.shape
+            self.batch_heads = (B, H)
+            x = x.astype(self.storage)
+            rows = np.asarray(x.view(mx.uint16) if self.storage == mx.bfloat16 else x)
+            rows = rows.reshape(B * H, T, D).transpose(1, 0, 2)
             if self.arrays[i] is None:
                 path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
-                self.arrays[i] = GrowingArray(rows.shape[1:], self.np_dtype, path)
+                self.arrays[i] = GrowingArray(rows.shape[1:], self._NP[self.storage], path)
+                self.dims[i] = D
             self.arrays[i].append(rows)
 
-    def gather(self, idx: mx.array) -> tuple[Optional[mx.array], Optional[mx.array]]:
-        """Exact keys and values of tokens `idx` [B, Hkv, rep, L, k] -> [B, Hkv, rep, L, k, D]
-        (None for a side that is not quantised)."""
+    def gather(self, side: int, idx: mx.array) -> mx.array:
+        """Exact rows (fp32) of tokens `idx` [B, Hkv, rep, L, k] of one side -> [B, Hkv, rep, L, k, D]."""
         t = np.asarray(idx).astype(np.int64)
         B, H = t.shape[:2]
         bh = (np.arange(B)[:, None] * H + np.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
-        out = []
-        for arr in self.arrays:
-            out.append(None if arr is None else
-                       mx.array(arr.array[t, bh].astype(np.float32, copy=False)))
-        return out[0], out[1]
+        rows = mx.array(self.arrays[side].view()[t, bh])
+        if self.storage == mx.bfloat16:
+            rows = rows.view(mx.bfloat16)
+        return rows.astype(mx.float32)
+
+    def front(self, side: int, n: int) -> mx.array:
+        """The oldest `n` rows of a side as [B, H, n, D] in the storage dtype."""
+        rows = mx.array(self.arrays[side].view()[:n])              # [n, B*H, D]
+        if self.storage == mx.bfloat16:
+            rows = rows.view(mx.bfloat16)
+        return rows.transpose(1, 0, 2).reshape(*self.batch_heads, n, rows.shape[-1])
 
     def drop_front(self, n: int) -> None:
         for arr in self.arrays:

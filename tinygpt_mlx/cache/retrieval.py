@@ -59,11 +59,14 @@ class GrowingArray:
 
     RAM: a numpy array; a growth copies the live part once (amortised O(1) per row).
     Disk: a numpy memmap; a growth extends the file and maps it again (nothing is copied).
-    `array` is the same object between growths (tests check this).
+    `array` is the same object between growths (tests check this). Live rows are
+    `array[start:n]`: `drop_front` only moves `start`, and the live rows move to the front once
+    the dropped ones outnumber them (amortised O(1) per dropped row).
     """
 
     def __init__(self, shape: tuple, dtype: Any, path: Optional[str] = None, initial: int = 256):
         self.shape, self.dtype, self.path = tuple(shape), np.dtype(dtype), path
+        self.start = 0
         self.n = 0
         self.growths = 0
         self.array = self._allocate(initial, None)
@@ -84,8 +87,13 @@ class GrowingArray:
     def capacity(self) -> int:
         return self.array.shape[0]
 
+    def __len__(self) -> int:
+        return self.n - self.start
+
     def append(self, rows: np.ndarray) -> None:
         n = rows.shape[0]
+        if self.n + n > self.capacity:
+            self._compact()
         if self.n + n > self.capacity:
             cap = self.capacity
             while cap < self.n + n:
@@ -96,22 +104,27 @@ class GrowingArray:
         self.n += n
 
     def view(self) -> np.ndarray:
-        return self.array[: self.n]
+        return self.array[self.start: self.n]
 
     def drop_front(self, n: int) -> None:
-        """Forget the first `n` rows: the rest move to the front (in place, also on disk)."""
-        n = min(n, self.n)
-        if n:
-            self.array[: self.n - n] = self.array[n: self.n]
-            self.n -= n
+        """Forget the oldest `n` live rows."""
+        self.start += min(n, len(self))
+        if self.start >= len(self):
+            self._compact()
+
+    def _compact(self) -> None:
+        if self.start:
+            live = len(self)
+            self.array[:live] = self.array[self.start: self.n]
+            self.start, self.n = 0, live
 
     def truncate(self, n: int) -> None:
-        """Keep only the first `n` rows."""
-        self.n = min(self.n, n)
+        """Keep only the oldest `n` live rows."""
+        self.n = self.start + min(len(self), n)
 
     @property
     def nbytes(self) -> int:
-        return self.n * int(np.prod(self.shape)) * self.dtype.itemsize
+        return len(self) * int(np.prod(self.shape)) * self.dtype.itemsize
 
 
 @dataclass

@@ -5,7 +5,7 @@ A spec is `+`-separated parts, each optional, mapped onto `CacheConfig.from_flag
     fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
     k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
     g64, r128                                  KIVI group size G, residual R
-    top64, shadowram                           KIVI exact top-k refinement, its shadow in RAM
+    top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
     sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
     hot256                                     retrieval hot budget
 
@@ -21,7 +21,7 @@ import re
 from ..config import KV_QUANTIZE_CHOICES, CacheConfig
 
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram, sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), "
+             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), "
              "hotN (retrieval); e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 _KV = re.compile(r"k([248])v([248])")
