@@ -36,8 +36,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(loaded, **kw):
-    app = create_app(loaded, CacheConfig(), prefill_chunk=64, **kw)
+def _serve(loaded, cache_config=None, **kw):
+    app = create_app(loaded, cache_config or CacheConfig(), prefill_chunk=64, **kw)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -343,3 +343,18 @@ def test_serve_command(native_path, monkeypatch):
     srv.worker.stop()
     bad = CliRunner().invoke(app, ["serve", str(native_path), "--max-slots", "0"])
     assert bad.exit_code != 0
+
+
+def test_shutdown_removes_the_disk_stores_of_the_slots(native, tmp_path):
+    """Slot caches live until shutdown, and uvicorn re-raises SIGTERM after it (so exit-time
+    finalizers never run): the lifespan removes the KIVI shadow files itself."""
+    cfg = CacheConfig(key_bits=4, exact_topk=8, cold_path=str(tmp_path))
+    srv, thread, url = _serve(native, cfg, max_slots=1)
+    try:
+        r = ollama.Client(host=url).generate(model=native.name, prompt=LONG * 3, options=GREEDY)
+        assert r["prompt_eval_count"] > 64           # enough tokens to freeze KIVI blocks
+        assert any(tmp_path.rglob("*.bin"))      # the slot's shadow, kept for prefix reuse
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=10)
+    assert not any(tmp_path.iterdir())

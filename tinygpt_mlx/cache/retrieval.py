@@ -501,16 +501,34 @@ def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -
     return store
 
 
+_PRIVATE_DIRS: set = set()
+
+
 def private_dir(name: str, base: Optional[str]) -> str:
     """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
-    the owner removes it with `weakref.finalize(owner, shutil.rmtree, path, True)`."""
+    the owner removes it with `weakref.finalize(owner, shutil.rmtree, path, True)`, and
+    `remove_private_dirs` removes every one still there (a server's shutdown: uvicorn re-raises
+    SIGTERM after it, so exit-time finalizers never run)."""
     try:
         if base is not None:
             os.makedirs(base, exist_ok=True)
-        return tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
+        path = tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
     except OSError as e:
         raise ValueError(f"cannot create a disk store under {base or tempfile.gettempdir()}: "
                          f"{e.strerror or e}") from None
+    _PRIVATE_DIRS.add(path)
+    return path
+
+
+def remove_private_dirs() -> int:
+    """Delete every directory `private_dir` made in this process that still exists; returns how many."""
+    removed = 0
+    for path in list(_PRIVATE_DIRS):
+        if os.path.isdir(path):
+            shutil.rmtree(path, True)
+            removed += 1
+        _PRIVATE_DIRS.discard(path)
+    return removed
 
 
 def _cold_stores(cache: Iterable) -> list[ColdStore]:

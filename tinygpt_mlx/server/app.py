@@ -106,6 +106,10 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     async def lifespan(app):
         yield
         srv.worker.stop()
+        from ..cache.retrieval import remove_private_dirs  # noqa: PLC0415
+        removed = remove_private_dirs()     # disk cold stores / KIVI shadows of the slots
+        if removed:
+            log.info("removed %d disk store directories", removed)
 
     app = FastAPI(title="posttrainllm", lifespan=lifespan)
     app.state.server = srv
