@@ -61,12 +61,8 @@ def key_quantiser(bits: int, group: int, how: str):
             H = hadamard(k.shape[-1])
             return fake_quant(k @ H, bits, group, -2) @ H.T
         if how == "pre":    # undo RoPE at the tokens' positions, quantise, rotate back
-            B, Hh, T, D = k.shape
-            flat = k.transpose(2, 0, 1, 3).reshape(T * B * Hh, 1, D)
-            offs = mx.repeat(store.frozen + mx.arange(T), B * Hh)
-            pre = store.rope(flat, offset=-offs).reshape(T, B, Hh, D).transpose(1, 2, 0, 3)
-            q = fake_quant(pre, bits, group, -2).transpose(2, 0, 1, 3).reshape(T * B * Hh, 1, D)
-            return store.rope(q, offset=offs).reshape(T, B, Hh, D).transpose(1, 2, 0, 3)
+            pre = kivi._rotate_rows(store.rope, k, -store.frozen, -1)
+            return kivi._rotate_rows(store.rope, fake_quant(pre, bits, group, -2), store.frozen, 1)
         if how.startswith("out"):   # largest-norm tokens exact, left out of the ranges
             m = int(how[3:])
             norm = (k * k).sum(-1)
@@ -157,7 +153,8 @@ def main() -> None:
     for spec in a.variants.split(","):
         ACTIVE.clear()
         ACTIVE.update(parse(spec))
-        cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=ACTIVE.get("topk", 0), shadow_store="ram")
+        topk = ACTIVE.get("topk", 0)
+        cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=topk, shadow_store="ram" if topk else "disk")
         matched = []
         for ref, ids in zip(refs, prompts):
             count[0] = 0
