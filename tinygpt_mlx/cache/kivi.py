@@ -30,9 +30,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-import shutil
-import weakref
-
 import mlx.core as mx
 import numpy as np
 
@@ -286,7 +283,7 @@ GATHER_BUDGET = 64 << 20
 def _by_query_slices(idx: mx.array, shadow: "ShadowStore", side: int, fn: Callable) -> mx.array:
     """fn(exact rows of idx[..., lo:hi, :], lo, hi) over slices of the query axis, concatenated."""
     B, H, rep, L, k = idx.shape
-    per_query = B * H * rep * k * shadow.dims[side] * 4
+    per_query = B * H * rep * k * shadow.dim(side) * 4
     step = max(1, GATHER_BUDGET // max(per_query, 1))
     if step >= L:
         return fn(shadow.gather(side, idx), 0, L)
@@ -331,20 +328,27 @@ class ShadowStore:
     _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
-        from .retrieval import private_dir  # noqa: PLC0415 (retrieval imports the cache package)
+        from .retrieval import private_dir, remove_with  # noqa: PLC0415 (retrieval imports the cache package)
 
         self.storage = storage
         self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
         if self.directory is not None:
-            weakref.finalize(self, shutil.rmtree, self.directory, True)
+            remove_with(self, self.directory)
         self.label = "shadow_disk" if self.directory is not None else "shadow"
         self.sides = (keys, values)
         self.arrays: list = [None, None]      # GrowingArray per side, made at the first append
-        self.dims = [0, 0]
         self.batch_heads = (0, 0)
 
     def has(self, side: int) -> bool:
         return self.sides[side]
+
+    def dim(self, side: int) -> int:
+        return self.arrays[side].shape[-1]
+
+    def _mx(self, rows: np.ndarray) -> mx.array:
+        """Stored rows as an MLX array in the storage dtype (bf16 is kept as its bit patterns)."""
+        rows = mx.array(rows)
+        return rows.view(mx.bfloat16) if self.storage == mx.bfloat16 else rows
 
     def append(self, keys: mx.array, values: mx.array) -> None:
         from .retrieval import GrowingArray  # noqa: PLC0415
@@ -360,7 +364,6 @@ class ShadowStore:
             if self.arrays[i] is None:
                 path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
                 self.arrays[i] = GrowingArray(rows.shape[1:], self._NP[self.storage], path)
-                self.dims[i] = D
             self.arrays[i].append(rows)
 
     def gather(self, side: int, idx: mx.array) -> mx.array:
@@ -368,17 +371,12 @@ class ShadowStore:
         t = np.asarray(idx).astype(np.int64)
         B, H = t.shape[:2]
         bh = (np.arange(B)[:, None] * H + np.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
-        rows = mx.array(self.arrays[side].view()[t, bh])
-        if self.storage == mx.bfloat16:
-            rows = rows.view(mx.bfloat16)
-        return rows.astype(mx.float32)
+        return self._mx(self.arrays[side].view()[t, bh]).astype(mx.float32)
 
     def front(self, side: int, n: int) -> mx.array:
         """The oldest `n` rows of a side as [B, H, n, D] in the storage dtype."""
-        rows = mx.array(self.arrays[side].view()[:n])              # [n, B*H, D]
-        if self.storage == mx.bfloat16:
-            rows = rows.view(mx.bfloat16)
-        return rows.transpose(1, 0, 2).reshape(*self.batch_heads, n, rows.shape[-1])
+        rows = self._mx(self.arrays[side].view()[:n])              # [n, B*H, D]
+        return rows.transpose(1, 0, 2).reshape(*self.batch_heads, n, self.dim(side))
 
     def drop_front(self, n: int) -> None:
         for arr in self.arrays:

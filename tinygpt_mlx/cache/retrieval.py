@@ -496,7 +496,7 @@ def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -
     store = ColdStore(config, layer_index, rope=layer_cache.rope, shifted=layer_cache.shifted,
                       directory=directory)
     if directory is not None:
-        weakref.finalize(store, shutil.rmtree, directory, True)
+        remove_with(store, directory)
     layer_cache.cold = store
     return store
 
@@ -506,7 +506,7 @@ _PRIVATE_DIRS: set = set()
 
 def private_dir(name: str, base: Optional[str]) -> str:
     """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
-    the owner removes it with `weakref.finalize(owner, shutil.rmtree, path, True)`, and
+    `remove_with(owner, path)` removes it when the owner is collected, and
     `remove_private_dirs` removes every one still there (a server's shutdown: uvicorn re-raises
     SIGTERM after it, so exit-time finalizers never run)."""
     try:
@@ -520,15 +520,22 @@ def private_dir(name: str, base: Optional[str]) -> str:
     return path
 
 
+def remove_with(owner: Any, path: str) -> None:
+    """Remove the private directory `path` once `owner` is garbage-collected (or at exit)."""
+    weakref.finalize(owner, _remove_private_dir, path)
+
+
+def _remove_private_dir(path: str) -> bool:
+    _PRIVATE_DIRS.discard(path)
+    if not os.path.isdir(path):
+        return False
+    shutil.rmtree(path, True)
+    return True
+
+
 def remove_private_dirs() -> int:
     """Delete every directory `private_dir` made in this process that still exists; returns how many."""
-    removed = 0
-    for path in list(_PRIVATE_DIRS):
-        if os.path.isdir(path):
-            shutil.rmtree(path, True)
-            removed += 1
-        _PRIVATE_DIRS.discard(path)
-    return removed
+    return sum(_remove_private_dir(path) for path in list(_PRIVATE_DIRS))
 
 
 def _cold_stores(cache: Iterable) -> list[ColdStore]:
