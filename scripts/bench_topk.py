@@ -7,21 +7,12 @@ Usage: python scripts/bench_topk.py [--tokens 32768] [--k 64] [--heads 4 --rep 2
 from __future__ import annotations
 
 import argparse
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from bench_quant_matmul import _time as _ms   # this directory: the same timing loop
 from tinygpt_mlx.cache.kivi import top_k_indices
-
-
-def _ms(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def main() -> None:
