@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
+import tempfile
+import time
 import typing
 from pathlib import Path
 from typing import Annotated, Iterator, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from tinygpt_mlx.config import KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.errors import PosttrainError
@@ -163,11 +167,110 @@ def guarded() -> Iterator[None]:
     except typer.Exit:
         raise
     except (PosttrainError, ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        err.print(f"[red]error:[/red] {e}")
+        fail(str(e))
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(130) from None
+
+
+def fail(message: str) -> None:
+    """One red `error:` line on stderr; the message is printed verbatim (no rich markup, so
+    square brackets in paths and pip extras survive)."""
+    err.print(f"[red]error:[/red] {escape(message)}")
+
+
+def check_writable(path: Optional[Path], flag: str) -> None:
+    """Refuse an output path before any work: its folder must exist and be writable, and the
+    path itself must not be a folder. Raises BadParameter naming `flag` and the path."""
+    if path is None:
+        return
+    parent = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise typer.BadParameter(f"{path} is a directory, not a file", param_hint=f"'{flag}'")
+    if not parent.is_dir():
+        raise typer.BadParameter(f"folder {parent} does not exist", param_hint=f"'{flag}'")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise typer.BadParameter(f"{path} is not writable", param_hint=f"'{flag}'")
+
+
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Write a file whole or not at all: a temporary file in the same folder, renamed into place."""
+    mode = "wb" if isinstance(data, bytes) else "w"
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent if str(path.parent) else ".")
+    try:
+        with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+class Progress:
+    """Progress of one long stage on stderr: a live bar (done / total, rate, ETA) on a terminal;
+    otherwise a line when the stage starts, one at most every `every` seconds, and one at the end.
+
+        with Progress("prefill", total=n, unit="tok") as p:
+            p.update(done)          # or p.advance(1)
+    """
+
+    def __init__(self, description: str, total: Optional[int] = None, unit: str = "",
+                 every: float = 10.0, console: Console = err, transient: bool = True):
+        self.description, self.total, self.unit, self.every = description, total, unit, every
+        self.console, self.transient = console, transient
+        self.done = 0
+        self._bar = self._task = None
+        self._t0 = self._last = 0.0
+
+    @property
+    def live(self) -> bool:
+        return self.console.is_terminal
+
+    def __enter__(self) -> "Progress":
+        self._t0 = self._last = time.perf_counter()
+        if self.live:
+            from rich import progress as rp
+            columns = [rp.TextColumn("{task.description}"), rp.BarColumn(), rp.MofNCompleteColumn(),
+                       rp.TextColumn("{task.fields[rate]}"), rp.TimeRemainingColumn()]
+            self._bar = rp.Progress(*columns, console=self.console, transient=self.transient)
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.description, total=self.total, rate="")
+        else:
+            of = f" ({self.total} {self.unit})".replace(" )", ")") if self.total else ""
+            self.console.print(f"{escape(self.description)}{of} ...")
+        return self
+
+    def _rate(self) -> str:
+        dt = time.perf_counter() - self._t0
+        return f"{self.done / dt:.1f} {self.unit}/s".strip() if dt > 0 and self.done else ""
+
+    def update(self, done: int, total: Optional[int] = None, description: Optional[str] = None) -> None:
+        self.done = done
+        if total is not None:
+            self.total = total
+        if description is not None:
+            self.description = description
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=self.total, rate=self._rate(),
+                             description=self.description)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.every:
+            self._last = now
+            of = f"/{self.total}" if self.total else ""
+            self.console.print(f"{escape(self.description)}: {done}{of} {self.unit}, {self._rate()}".rstrip(", "))
+
+    def advance(self, n: int = 1, description: Optional[str] = None) -> None:
+        self.update(self.done + n, description=description)
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(exc_type, exc, tb)
+        elif exc_type is None:
+            dt = time.perf_counter() - self._t0
+            self.console.print(f"{escape(self.description)}: done, {self.done} {self.unit} in {dt:.1f} s".replace("  ", " "))
 
 
 def fmt_bytes(n: int) -> str:

@@ -1,29 +1,60 @@
-"""The `posttrainllm` app: composes one typer module per command."""
+"""The `posttrainllm` app: composes one typer module per command.
+
+Help is click's plain layout (flags shown as flags; rich's panels mis-render them with the
+click this project pins against), and every usage error is one line on stderr:
+`error: Invalid value for '--tokens' / '-n': ...`, exit code 2.
+"""
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import typer
+from typer._click import exceptions as cx  # typer vendors its own click
+from typer.core import TyperGroup
+
+from .common import fail
+
+
+class OneLineErrors(TyperGroup):
+    """Runs the command with click's standalone handling off, so that a usage error becomes
+    one `error:` line (the message kept verbatim) instead of a usage block and a boxed panel."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except cx.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help())
+            sys.exit(0)
+        except cx.UsageError as e:
+            hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
+            fail(f"{e.format_message()}{hint}")
+            sys.exit(e.exit_code)
+        except cx.ClickException as e:
+            fail(e.format_message())
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            fail("aborted")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
     name="posttrainllm",
+    cls=OneLineErrors,
     help="Long-context LLM sampling with MLX: StreamingLLM, KIVI and tiered retrieval in one KV cache.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     add_completion=False,
 )
 
-# Each module registers its command(s); a module that is not there yet simply adds none.
 COMMANDS = ("sample", "info", "train", "compare", "perplexity", "bench", "cache_report", "needle", "serve")
 for _name in COMMANDS:
-    try:
-        _mod = importlib.import_module(f"cli.{_name}")
-    except ModuleNotFoundError as _e:
-        if _e.name != f"cli.{_name}":
-            raise
-        continue
-    _mod.register(app)
+    importlib.import_module(f"cli.{_name}").register(app)
 
 if __name__ == "__main__":
     app()

@@ -45,12 +45,11 @@ def serve(
     except ValueError as e:
         raise typer.BadParameter(str(e)) from None
     with c.guarded():
-        try:
-            import uvicorn  # noqa: PLC0415
+        # The web stack is imported here, not at the top: it is only needed by this command,
+        # and importing it costs every other command (and `--help`) a third of a second.
+        import uvicorn  # noqa: PLC0415
 
-            from tinygpt_mlx.server import create_app  # noqa: PLC0415
-        except ImportError as e:
-            raise ValueError(f"the server needs its extras: pip install 'posttrainllm[serve]' ({e})") from None
+        from tinygpt_mlx.server.app import create_app  # noqa: PLC0415
         loaded = load(model)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,

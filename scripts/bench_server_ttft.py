@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server import create_app  # noqa: E402
+from tinygpt_mlx.server.app import create_app  # noqa: E402
 
 
 def build_model(kind: str, context: int) -> Path:

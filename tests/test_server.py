@@ -22,7 +22,7 @@ httpx = pytest.importorskip("httpx")
 
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.generate import prefill  # noqa: E402
-from tinygpt_mlx.server import create_app  # noqa: E402
+from tinygpt_mlx.server.app import create_app  # noqa: E402
 from tinygpt_mlx.server.prompt import plain_chat_text  # noqa: E402
 from tinygpt_mlx.server.slots import SlotPool  # noqa: E402
 

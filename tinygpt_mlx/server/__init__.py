@@ -4,8 +4,7 @@ app.py (app factory and shared state), routes.py (endpoints), slots.py (warm slo
 worker.py (the single generation thread), prompt.py (templates, context fitting),
 ollama.py / openai.py (schemas), streams.py (NDJSON / SSE bodies), config.py (defaults).
 docs/server.md describes the behaviour and the measurements.
+
+The app factory is `tinygpt_mlx.server.app.create_app`; this package imports nothing, so that
+reading `server.config` (the CLI's defaults) does not load the web framework.
 """
-
-from .app import create_app
-
-__all__ = ["create_app"]
