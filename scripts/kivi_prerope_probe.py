@@ -42,7 +42,7 @@ def main() -> None:
             k, _ = layer.fetch()                                   # [B, H, T, D] post-RoPE
             T = (k.shape[2] // a.group) * a.group
             k = k[:, :, :T].astype(mx.float32)
-            rope = layer.rope
+            rope = layer.positions.rope
             B, H, _, D = k.shape
             flat = k.transpose(2, 0, 1, 3).reshape(T * B * H, 1, D)
             pos = mx.repeat(mx.arange(T), B * H)

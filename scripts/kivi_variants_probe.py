@@ -61,8 +61,8 @@ def key_quantiser(bits: int, group: int, how: str):
             H = hadamard(k.shape[-1])
             return fake_quant(k @ H, bits, group, -2) @ H.T
         if how == "pre":    # undo RoPE at the tokens' positions, quantise, rotate back
-            pre = kivi._rotate_rows(store.rope, k, -store.frozen, -1)
-            return kivi._rotate_rows(store.rope, fake_quant(pre, bits, group, -2), store.frozen, 1)
+            pre = store.positions.rotate_rows(k, -store.frozen, -1)
+            return store.positions.rotate_rows(fake_quant(pre, bits, group, -2), store.frozen, 1)
         if how.startswith("out"):   # largest-norm tokens exact, left out of the ranges
             m = int(how[3:])
             norm = (k * k).sum(-1)

@@ -104,7 +104,7 @@ def test_eviction_keeps_first_sink_and_last_window(native, mode, chunks):
     assert mx.allclose(v, v_ref[:, :, keep], atol=1e-5).item()
     expected = k_ref[:, :, keep]
     if mode == "shifted":  # the same keys, re-rotated from their positions to slots 0..S-1
-        expected = rotate_each(layer.rope, expected, [s - p for s, p in enumerate(keep)])
+        expected = rotate_each(layer.positions.rope, expected, [s - p for s, p in enumerate(keep)])
     assert mx.allclose(k, expected, atol=1e-4).item()
 
 

@@ -7,9 +7,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import contextlib
+
 from tinygpt_mlx import attention
-from tinygpt_mlx.cache import LayerCache, make_cache
+from tinygpt_mlx.cache import KVCache, LayerCache, layer_cache, make_cache
 from tinygpt_mlx.cache.kivi import KiviStore
+from tinygpt_mlx.cache.positions import Positions
 from tinygpt_mlx.config import CacheConfig
 
 from conftest import build_native
@@ -30,6 +33,16 @@ def native32(native32_path):
     return load(native32_path)
 
 
+def kivi_store(cfg):
+    """A KIVI body store on its own (absolute positions), rounding through KVCache's codec."""
+    return KiviStore(cfg, mx.float32, Positions(cfg, None), KVCache)
+
+
+def routed(installed):
+    """The packed fast path (our attention reads the segments), or the dense reference path."""
+    return contextlib.nullcontext() if installed else attention.reference_path()
+
+
 def tokens(n, vocab=300, seed=0):
     return mx.array(np.random.RandomState(seed).randint(0, vocab, (1, n)))
 
@@ -47,7 +60,7 @@ def run(model, cache, toks, chunk=40, prefill=0):
 
 
 def test_residual_handover_and_group_boundaries():
-    store = KiviStore(CacheConfig(key_bits=4, value_bits=4, group_size=G, residual=R), mx.float32)
+    store = kivi_store(CacheConfig(key_bits=4, value_bits=4, group_size=G, residual=R))
     kv = mx.random.normal((2, 1, 2, 300, 32))
     frozen_at = []
     for t in range(200):
@@ -99,9 +112,8 @@ def test_packed_attention_equals_dequantised_reference(native32, kw):
     outs = []
     for installed in (True, False):
         cache = make_cache(model, CacheConfig(**kw))
-        for layer in cache.owned:
-            layer.attention_installed = installed
-        outs.append(run(model, cache, toks, prefill=120))
+        with routed(installed):
+            outs.append(run(model, cache, toks, prefill=120))
         assert cache.owned[0].body.n_packed > 0
     assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
 
@@ -182,7 +194,7 @@ def test_clear_error_when_group_does_not_divide_head_dim(native):
     with pytest.raises(ValueError, match="head dim 16"):
         run(native.model, make_cache(native.model, CacheConfig(key_bits=4, value_bits=4)), tokens(4))
     with pytest.raises(ValueError, match="group size 48"):
-        KiviStore(CacheConfig(key_bits=4, value_bits=4, group_size=48, residual=48), mx.float32)
+        kivi_store(CacheConfig(key_bits=4, value_bits=4, group_size=48, residual=48))
     # keys are grouped along tokens, so key-only KIVI works on any head dim
     run(native.model, make_cache(native.model, CacheConfig(key_bits=4)), tokens(80))
 
@@ -191,17 +203,16 @@ def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
     from mlx_lm.models import llama as llama_module
 
     model, toks = llama.model, tokens(150, seed=4)
-    original = llama_module.scaled_dot_product_attention
+    before = llama_module.scaled_dot_product_attention   # as the session's load() left it
     baseline = run(model, make_cache(model, CacheConfig()), toks, prefill=80)
-    try:
+    with attention.install(model):
         outs = []
         for installed in (True, False):
             cache = make_cache(model, CacheConfig(key_bits=8))   # head dim 16: keys only
-            assert isinstance(cache[0], LayerCache) and attention.is_installed(model)
+            assert isinstance(cache[0], LayerCache) and attention.routes(model)
             assert llama_module.scaled_dot_product_attention is attention.scaled_dot_product_attention
-            for layer in cache.owned:
-                layer.attention_installed = installed
-            outs.append(run(model, cache, toks, prefill=80))
+            with routed(installed):
+                outs.append(run(model, cache, toks, prefill=80))
             assert cache.owned[0].body.n_packed > 0
         assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
         # the fixture's widened random weights are sensitive: int4 keys move logits by ~4
@@ -209,9 +220,7 @@ def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
         # the exact top-k refinement covering every token gives back the exact cache
         refined = run(model, make_cache(model, CacheConfig(key_bits=4, exact_topk=10_000)), toks, prefill=80)
         assert mx.abs(refined - baseline).max().item() < 1e-4
-    finally:
-        attention.uninstall()
-    assert llama_module.scaled_dot_product_attention is original
+    assert llama_module.scaled_dot_product_attention is before
     assert mx.array_equal(run(model, make_cache(model, CacheConfig()), toks, prefill=80), baseline).item()
 
 
@@ -227,9 +236,8 @@ def test_sdpa_never_receives_integer_tensors(native32, monkeypatch):
     model = native32.model
     for installed in (True, False):
         cache = make_cache(model, CacheConfig(key_bits=2, value_bits=2))
-        for layer in cache.owned:
-            layer.attention_installed = installed
-        run(model, cache, tokens(100), prefill=60)
+        with routed(installed):
+            run(model, cache, tokens(100), prefill=60)
     assert seen, "the reference path must go through SDPA"
     assert all(mx.issubdtype(d, mx.floating) for dts in seen for d in dts)
     from tinygpt_mlx import quant
@@ -295,9 +303,8 @@ def test_yoco_shared_layers_read_the_owners_packed_segments(tmp_path, tokenizer_
     for installed in (True, False):
         cache = make_cache(model, CacheConfig(key_bits=4, value_bits=4))
         assert len(cache.owned) == 3 and cache[3] is cache[2]
-        for layer in cache.owned:
-            layer.attention_installed = installed
-        outs.append(run(model, cache, toks, prefill=80))
+        with routed(installed):
+            outs.append(run(model, cache, toks, prefill=80))
     assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
 
 
@@ -352,8 +359,7 @@ def test_exact_topk_matches_a_dense_reference():
     B, H, rep, D, T, K = 1, 2, 2, 32, 200, 8
     rng = np.random.RandomState(6)
     cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=K, shadow_store="ram")
-    layer = LayerCache(cfg)
-    layer.attention_installed = True
+    layer = layer_cache(cfg, rope=None)
     k = rng.randn(B, H, T, D).astype(np.float32)
     v = rng.randn(B, H, T, D).astype(np.float32)
     layer.update_and_fetch(mx.array(k), mx.array(v))
@@ -385,7 +391,7 @@ def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_pa
     import gc
 
     cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=4, cold_path=str(tmp_path))
-    store = KiviStore(cfg, mx.float32)
+    store = kivi_store(cfg)
     x = mx.array(np.random.RandomState(7).randn(1, 2, 224, 32).astype(np.float32))
     store.append(x, -x)
     store.append(x[:, :, :1], x[:, :, :1])
@@ -406,7 +412,7 @@ def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_pa
 
 @pytest.mark.parametrize("path", [False, True], ids=["ram", "disk"])
 def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_them(tmp_path, path):
-    from tinygpt_mlx.cache.retrieval import GrowingArray
+    from tinygpt_mlx.cache.arrays import GrowingArray
 
     arr = GrowingArray((2,), np.float32, str(tmp_path / "a.bin") if path else None, initial=8)
     rows = np.arange(40, dtype=np.float32).reshape(20, 2)
@@ -445,7 +451,7 @@ def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatc
 def test_exact_topk_refuses_a_model_without_installable_attention(native32, monkeypatch):
     from tinygpt_mlx import attention
 
-    monkeypatch.setattr(attention, "is_installed", lambda model: False)
+    monkeypatch.setattr(attention, "routes", lambda model: False)
     with pytest.raises(ValueError, match="kv-exact-topk"):
         make_cache(native32.model, CacheConfig(key_bits=4, exact_topk=8))
 

@@ -9,8 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tinygpt_mlx.cache import make_cache
-from tinygpt_mlx.cache.retrieval import ColdStore, GrowingArray, retrieval_report
+from tinygpt_mlx.cache import KVCache, make_cache
+from tinygpt_mlx.cache.arrays import GrowingArray
+from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import forward, prefill
 
@@ -50,7 +51,7 @@ def test_retrieving_everything_equals_full_cache_mlx_lm(llama):
 def _micro_store(summary, page_size=8, top_pages=1, retrieve_tokens=4, index_block=32):
     cfg = CacheConfig(hot_budget=8, rope_mode="absolute", page_size=page_size, top_pages=top_pages,
                       retrieve_tokens=retrieve_tokens, summary=summary, index_block=index_block)
-    return ColdStore(cfg)
+    return ColdStore(cfg, KVCache)
 
 
 def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
@@ -73,7 +74,7 @@ def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
         for summary in misses:
             store = _micro_store(summary)
             k = mx.array(keys[None, None])
-            store.add(k, k, start_position=100)
+            store.append(k, k, start_position=100)
             idx, pages, _ = store.select(q)
             misses[summary] += needle not in idx[0, 0]
     assert misses["minmax"] == 0
@@ -89,17 +90,17 @@ def test_hybrid_keeps_the_best_page_of_each_summary():
     keys[11 * ps + 2] = 2 * q[0, 0, 0]                                 # best bound
     store = _micro_store("hybrid", top_pages=2)
     k = mx.array(keys[None, None])
-    store.add(k, k, start_position=0)
+    store.append(k, k, start_position=0)
     assert sorted(store.top_pages_of(q)[0, 0].tolist()) == [3, 11]
 
 
 def test_pages_append_without_copying_the_store():
     store = _micro_store("minmax", page_size=4)
     k = mx.zeros((1, 2, 4, 8))
-    store.add(k, k, 0)
+    store.append(k, k, 0)
     arrays = [store.keys.array]
     for i in range(1, 600):
-        store.add(k + i, k, 4 * i)
+        store.append(k + i, k, 4 * i)
         if store.keys.array is not arrays[-1]:
             arrays.append(store.keys.array)
     assert len(store) == 2400 and store.n_pages == 600
@@ -124,8 +125,7 @@ def test_disk_store_equals_ram_store(native, tmp_path):
     disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw))
     assert mx.array_equal(ram, disk)
     assert "cold_disk" in cache.nbytes_breakdown() and any(tmp_path.rglob("*.bin"))
-    for c in cache.owned:
-        c.cold.close()
+    cache.close()
     assert not any(tmp_path.rglob("*.bin"))
 
 
@@ -135,8 +135,8 @@ def test_positions_stay_bounded_and_prefill_chunks_retrieve(native):
     _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2)
     c = cache[0]
     assert c.current_length == 452 and c.stored_count == 4 + 32
-    assert c.offset <= 4 + c.cold.reserved_slots + 32
-    rep = retrieval_report(cache)
+    assert c.offset <= 4 + c.positions.reserved + 32
+    rep = cache.retrieval_report()
     # every prefill chunk after the first evictions retrieved, not only the decode steps
     assert rep["retrievals"] > 2 * 2 * 2 and rep["tokens_retrieved"] == 12
 
@@ -186,7 +186,7 @@ def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():
         store = _micro_store("minmax", top_pages=2, index_block=Bp)
         for s in range(0, len(keys), 37):                 # appends that straddle pages and blocks
             k = mx.array(keys[None, None, s:s + 37])
-            store.add(k, k, start_position=s)
+            store.append(k, k, start_position=s)
         assert store._uses_index() and store.n_blocks == n_pages // Bp
         smin, smax = store.smin.view(), store.smax.view()
         np.testing.assert_array_equal(store.bmin.view(), smin.reshape(-1, Bp, *smin.shape[1:]).min(axis=1))
@@ -208,7 +208,7 @@ def test_two_level_index_matches_the_flat_scan_on_its_candidates():
     for block in (0, 4):
         store = _micro_store("hybrid", top_pages=4, index_block=block)
         k = mx.array(keys[None, None])
-        store.add(k, k, start_position=0)
+        store.append(k, k, start_position=0)
         out[block] = store.top_pages_of(q)[0, 0]
         assert store._uses_index() == bool(block)
     assert out[0][0] == out[4][0] == 1234 // ps

@@ -1,69 +1,115 @@
-"""Attention over whatever the cache hands back, and its installation into mlx-lm models.
+"""Attention over whatever the cache holds, and its explicit, reversible routing into models.
 
-mlx-lm model modules call a module-level `scaled_dot_product_attention(queries, keys, values,
-cache=, scale=, mask=)` after `cache.update_and_fetch`. The cache alone never sees the query,
-but packed KIVI keys and retrieval need it, so `install(model)` puts this module's function in
-place of that name in the model's modules (KIV does the same to Hugging Face models) and
-`uninstall` restores the original. For caches that are not ours it calls the original.
+Model code (mlx-lm's and the native TinyGPT's alike) calls a module-level
+`scaled_dot_product_attention(queries, keys, values, cache=, scale=, mask=)` after
+`cache.update_and_fetch`. Packed KIVI keys and retrieval need the query, which the cache alone
+never sees, so a model's attention must be *routed* through this module's function: the native
+model imports it; for an mlx-lm model `install(model)` puts it in place of that name in the
+model's modules (KIV does the same to Hugging Face models) and returns a `Routing` handle whose
+`close()` restores exactly what it replaced. `loading.load` does this and the loaded model owns
+the handle; building a cache never installs anything.
+
+The function dispatches on the cache: one of ours that holds packed or retrieved data attends
+over its own segments (`cache.attend`); any other cache gets mlx-lm's attention over the keys
+and values that `update_and_fetch` returned.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import mlx.core as mx
-
 from mlx_lm.models import base as _mlx_base
 
 _original_sdpa = _mlx_base.scaled_dot_product_attention
-_installed: dict[str, Any] = {}  # module name -> the function it had before
+#: module name -> [the function it had before, how many live Routings patched it]
+_patched: dict[str, list] = {}
+_reference = False   # set by `reference_path()`
+
+
+@contextlib.contextmanager
+def reference_path() -> Iterator[None]:
+    """Within the block, attention ignores the caches' own segments and runs mlx-lm's dense
+    attention over what `update_and_fetch` returned (every packed block dequantised): the
+    reference that tests compare the packed fast path against. Retrieval has no reference
+    here (the dense K/V hold only the sink and the hot window)."""
+    global _reference
+    before, _reference = _reference, True
+    try:
+        yield
+    finally:
+        _reference = before
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Optional[Any], sinks: Optional[mx.array] = None
                                  ) -> mx.array:
     """Dense attention, or the cache's own attention when it holds packed/retrieved data."""
-    from .cache.kv_cache import LayerCache  # noqa: PLC0415 (cycle: cache imports config only)
-
-    if isinstance(cache, LayerCache) and cache.needs_query and cache.attention_installed:
+    if not _reference and getattr(cache, "needs_query", False):
         if sinks is not None:
             raise ValueError("posttrainllm caches do not support learned attention sinks yet")
         return cache.attend(queries, scale, mask)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
-def _model_modules(model: Any) -> list[str]:
+def _attention_modules(model: Any) -> list[str]:
+    """The modules of `model`'s layers whose code calls a module-level attention function."""
     names = set()
     for _, m in model.named_modules():
         mod = type(m).__module__
-        if mod.startswith("mlx_lm.models.") and hasattr(sys.modules.get(mod), "scaled_dot_product_attention"):
+        if hasattr(sys.modules.get(mod), "scaled_dot_product_attention"):
             names.add(mod)
     return sorted(names)
 
 
-def install(model: Any) -> list[str]:
-    """Route the attention of `model`'s mlx-lm modules through this module. Idempotent."""
+def routes(model: Any) -> bool:
+    """True when every attention call of `model` goes through `scaled_dot_product_attention` here."""
+    mods = _attention_modules(model)
+    return bool(mods) and all(sys.modules[m].scaled_dot_product_attention is scaled_dot_product_attention
+                              for m in mods)
+
+
+class Routing:
+    """The handle `install` returns: `close()` (or leaving a `with` block) undoes the install.
+    Several handles may patch one module (two models of one architecture): the original comes
+    back when the last of them closes."""
+
+    def __init__(self, modules: list[str]):
+        self.modules = modules
+        self.closed = False
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for name in self.modules:
+            entry = _patched[name]
+            entry[1] -= 1
+            if entry[1] == 0:
+                sys.modules[name].scaled_dot_product_attention = entry[0]
+                del _patched[name]
+
+    def __enter__(self) -> "Routing":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def install(model: Any) -> Routing:
+    """Route the attention of `model`'s modules through this module; returns the handle that
+    undoes it. Modules that already call our function (the native model's) are left alone."""
     done = []
-    for name in _model_modules(model):
+    for name in _attention_modules(model):
         mod = sys.modules[name]
-        if name not in _installed:
-            _installed[name] = mod.scaled_dot_product_attention
+        if name in _patched:
+            _patched[name][1] += 1
+        elif mod.scaled_dot_product_attention is scaled_dot_product_attention:
+            continue
+        else:
+            _patched[name] = [mod.scaled_dot_product_attention, 1]
             mod.scaled_dot_product_attention = scaled_dot_product_attention
         done.append(name)
-    return done
-
-
-def uninstall() -> None:
-    """Restore every module's original attention function."""
-    for name, fn in list(_installed.items()):
-        sys.modules[name].scaled_dot_product_attention = fn
-        del _installed[name]
-
-
-def is_installed(model: Any) -> bool:
-    """True when attention of `model` goes through `scaled_dot_product_attention` here."""
-    if getattr(model, "model_type", None) == "tinygpt":
-        return True
-    mods = _model_modules(model)
-    return bool(mods) and all(m in _installed for m in mods)
+    return Routing(done)

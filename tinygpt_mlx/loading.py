@@ -9,7 +9,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from mlx_lm.utils import load as mlx_load
+
+from . import attention
+from . import format as tinygpt_format
 from .errors import ModelFormatError
+from .model import count_parameters
 from .tokenizer import Tokenizer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -18,16 +23,31 @@ DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
 
 @dataclass
 class LoadedModel:
+    """A model, its tokenizer, and the routing of its attention through ours
+    (`attention.install`, done by `load`): `close()` or leaving a `with` block undoes it."""
+
     model: Any
     tokenizer: Tokenizer
     kind: str                     # "tinygpt" or "mlx-lm"
     path: Path
     context_length: Optional[int]
     info: dict = field(default_factory=dict)
+    routing: Optional[attention.Routing] = None
 
     @property
     def name(self) -> str:
         return self.path.stem if self.kind == "tinygpt" else self.path.name
+
+    def close(self) -> None:
+        """Restore the model modules' own attention (other loaded models keep theirs routed)."""
+        if self.routing is not None:
+            self.routing.close()
+
+    def __enter__(self) -> "LoadedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def default_model_path() -> Path:
@@ -38,19 +58,17 @@ def default_model_path() -> Path:
     return path
 
 
-def count_parameters(model: Any) -> int:
-    from mlx.utils import tree_flatten  # noqa: PLC0415
-    return sum(v.size for _, v in tree_flatten(model.parameters()))
-
-
 def load(path: Union[str, Path, None] = None) -> LoadedModel:
     """Load a model for sampling; `None` means the shipped default."""
     path = Path(path) if path is not None else default_model_path()
     if not path.exists():
         raise ModelFormatError(f"{path}: no such file or directory")
-    if path.is_dir():
-        return _load_mlx_lm(path)
-    from . import format as tinygpt_format  # noqa: PLC0415
+    loaded = _load_mlx_lm(path) if path.is_dir() else _load_native(path)
+    loaded.routing = attention.install(loaded.model)
+    return loaded
+
+
+def _load_native(path: Path) -> LoadedModel:
     model, tok_json, extra = tinygpt_format.load(path)
     try:
         tokenizer = Tokenizer.from_json(tok_json)
@@ -72,7 +90,6 @@ def _load_mlx_lm(path: Path) -> LoadedModel:
         raise ModelFormatError(f"{path}/config.json: invalid JSON ({e})") from None
     if not list(path.glob("*.safetensors")):
         raise ModelFormatError(f"{path}: no *.safetensors weights")
-    from mlx_lm.utils import load as mlx_load  # noqa: PLC0415
     try:
         model, wrapper = mlx_load(str(path))
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:

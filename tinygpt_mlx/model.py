@@ -2,9 +2,9 @@
 gated SiLU MLP), written in mlx-lm's style so the two read alike.
 
 The model knows no tokenizer, no CLI and no cache policy: each attention layer applies RoPE at
-`cache.offset`, hands its keys and values to `cache.update_and_fetch`, and attends through
-`tinygpt_mlx.attention.scaled_dot_product_attention`, the same function installed into mlx-lm
-model modules. With `ModelConfig.yoco`, layers above the middle one hold no K/V of their own:
+`cache.offset`, hands its keys and values to `cache.update_and_fetch`, and attends through the
+module-level name `scaled_dot_product_attention`, bound here to `tinygpt_mlx.attention`'s
+function: the same protocol as mlx-lm model modules, whose name `attention.install` rebinds. With `ModelConfig.yoco`, layers above the middle one hold no K/V of their own:
 they attend to the K/V computed once by the middle layer (YOCO, Sun et al. 2024).
 """
 
@@ -14,9 +14,15 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache as MlxLayerCache
 
-from . import attention
+from .attention import scaled_dot_product_attention
 from .config import ModelConfig
+
+
+def count_parameters(model: Any) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
 
 
 class Attention(nn.Module):
@@ -45,7 +51,7 @@ class Attention(nn.Module):
                 keys, values = cache.update_and_fetch(keys, values)
         else:
             keys, values = shared_kv
-        out = attention.scaled_dot_product_attention(
+        out = scaled_dot_product_attention(
             queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         out = out.transpose(0, 2, 1, 3).reshape(B, L, -1)
         return self.o_proj(out), (keys, values)
@@ -122,10 +128,12 @@ class Model(nn.Module):
         return self.lm_head(h)
 
     def make_cache(self) -> list:
-        """Plain full-precision caches (mlx-lm's convention); `tinygpt_mlx.make_cache` gives policies."""
-        from .cache import make_cache
-        return make_cache(self)
+        """Plain full-precision caches, mlx-lm's own (its convention: one per layer, a shared
+        layer holding its owner's); `tinygpt_mlx.make_cache` gives our policies."""
+        caches: list = []
+        for i, owner in enumerate(self.config.kv_owner):
+            caches.append(caches[owner] if owner != i else MlxLayerCache())
+        return caches
 
     def num_parameters(self) -> int:
-        from .loading import count_parameters
         return count_parameters(self)

@@ -1,12 +1,26 @@
-"""The KV cache: the single owner of storage policy (precision, eviction, retrieval)."""
+"""The KV cache: the single owner of storage policy (precision, eviction, retrieval).
+
+One-way flow: `CacheConfig` -> `make_cache` (this factory) -> a `LayerCache` per layer ->
+its stores `[sink, body, cold?]` -> the attention segments they contribute. Modules, leaves
+first: arrays (growing/disk arrays), positions (RoPE rules), segments (attention over
+segments), store (the interface, exact storage), kivi (packed body), cold (retrieval's cold
+store), telemetry, kv_cache (LayerCache, KVCache), report (bytes tables).
+"""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from mlx_lm.models.cache import KVCache as MlxLayerCache
+from mlx_lm.models.cache import make_prompt_cache
+
+from .. import attention
 from ..config import CacheConfig
+from .cold import ColdStore
+from .kivi import KiviStore
 from .kv_cache import KVCache, LayerCache
-from .store import DenseStore
+from .positions import Positions
+from .store import DTYPES, DenseStore
 
 __all__ = ["KVCache", "LayerCache", "DenseStore", "make_cache", "find_rope"]
 
@@ -20,46 +34,44 @@ def find_rope(layer: Any) -> Optional[Callable]:
     return None
 
 
-def _kv_owner(model: Any) -> list[int]:
-    owner = getattr(model, "kv_owner", None)
-    return list(owner) if owner is not None else list(range(len(model.layers)))
+def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
+    """One layer's cache under `config`: its position rules and its stores."""
+    storage = DTYPES[config.storage]
+    positions = Positions(config, rope)
+    sink = DenseStore(storage, label="sink")
+    body = KiviStore(config, storage, positions, KVCache) if config.quantised else DenseStore(storage)
+    cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None
+    return LayerCache(config, positions, sink, body, cold)
 
 
 def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
     """Per-layer caches for `model` under `config`, usable as `cache=` / `prompt_cache=`.
 
-    Layers whose model-made cache is not a plain full-attention KVCache (sliding-window layers
-    of Gemma 2/3 and similar) keep the model's own cache; our policy applies to the global
-    attention layers. Where the policy needs the query (packed keys, retrieval), our attention
-    is installed into the model's modules.
+    Starts from the caches the model itself makes (mlx-lm's `make_prompt_cache`; the native
+    model makes mlx-lm `KVCache`s too): each plain full-attention layer cache becomes ours,
+    layers that share one (YOCO) share ours, and layers with another cache type (the
+    sliding-window layers of Gemma 2/3 and similar) keep the model's.
+
+    Policies that read the query (retrieval, exact top-k) need the model's attention routed
+    through `tinygpt_mlx.attention` (`loading.load` does it; `attention.install(model)` by
+    hand): without it they are refused here. Plain KIVI without routing falls back to the
+    dense reference path (every packed block dequantised per step).
     """
-    from mlx_lm.models.cache import KVCache as MlxKVCache  # noqa: PLC0415
-
-    from . import retrieval_hook  # noqa: PLC0415
-    from .. import attention  # noqa: PLC0415
-
     config = config or CacheConfig()
-    layers = model.layers
-    native = model.make_cache() if hasattr(model, "make_cache") and getattr(model, "model_type", "") != "tinygpt" else None
-    owner = _kv_owner(model)
+    if (config.retrieval or config.exact_topk) and not attention.routes(model):
+        what = "--kv-exact-topk" if config.exact_topk else "retrieval (--kiv-hot-budget)"
+        raise ValueError(f"{what} needs our attention in the model's code, which is not routed for "
+                         f"{type(model).__module__}: load the model with tinygpt_mlx.loading.load "
+                         "(or call tinygpt_mlx.attention.install(model))")
+    own = make_prompt_cache(model)
     out: list = []
-    for i, layer in enumerate(layers):
-        if owner[i] != i:
-            out.append(out[owner[i]])
-            continue
-        if native is not None and type(native[i]) is not MlxKVCache:
-            out.append(native[i])
-            continue
-        c = LayerCache(config, rope=find_rope(layer))
-        retrieval_hook.attach(c, config, layer_index=i)
-        out.append(c)
-    cache = KVCache(out, config)
-    if any(c.needs_query for c in cache.owned):
-        attention.install(model)
-        ready = attention.is_installed(model)
-        if not ready and config.exact_topk:
-            raise ValueError(f"--kv-exact-topk needs our attention in the model's code, which cannot be "
-                             f"installed into {type(model).__module__}: use plain KIVI")
-        for c in cache.owned:
-            c.attention_installed = ready
-    return cache
+    made: dict[int, LayerCache] = {}
+    for i, (layer, c) in enumerate(zip(model.layers, own)):
+        if type(c) is not MlxLayerCache:
+            out.append(c)
+        elif id(c) in made:
+            out.append(made[id(c)])
+        else:
+            made[id(c)] = layer_cache(config, find_rope(layer), i)
+            out.append(made[id(c)])
+    return KVCache(out, config)

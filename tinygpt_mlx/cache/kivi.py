@@ -35,6 +35,9 @@ import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
+from .arrays import GrowingArray, private_dir, remove_dir, remove_with
+from .positions import Positions
+from .segments import DenseSegment, Reading
 from .store import DenseStore
 
 # Each side of the frozen body: (packed, scale, zero) when quantised, (dense,) when exact.
@@ -44,12 +47,13 @@ Side = tuple
 class KiviStore:
     """The body store of a KIVI cache: frozen packed blocks of G tokens + an exact residual.
 
-    Offers the body-store interface of `DenseStore` (append, drop_front, droppable, truncate,
-    fetch, nbytes, len) plus `segments(layer_cache)` for attention on packed data and
-    `nbytes_breakdown()`. Bit widths are `key_bits` / `value_bits` (None = exact side).
+    An `Evictable` store (store.py). Bit widths are `key_bits` / `value_bits` (None = exact
+    side). Quantisation rounds through `codec` (the `KVCache` class: `quantise_affine`,
+    `dequantise_k`, `dequantise_v`); positions come from `positions` (shifted mode rotates keys
+    once, as they freeze).
     """
 
-    def __init__(self, config: CacheConfig, storage: mx.Dtype, rope: Optional[Callable] = None):
+    def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any):
         if config.group_size not in quant.GROUP_SIZES:
             raise ValueError(f"KIVI group size {config.group_size} is not supported: MLX's quantised "
                              f"kernels take {', '.join(map(str, quant.GROUP_SIZES))}")
@@ -58,13 +62,12 @@ class KiviStore:
                              "(its slot gap moves the body's slots); use rope_mode 'absolute'")
         self.config = config
         self.storage = storage
+        self.codec = codec
+        self.positions = positions
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.group = config.group_size
         self.keep = config.residual
-        self.shifted = config.streaming and config.rope_mode == "shifted"
-        self.rope = rope
-        self.residual = DenseStore(storage)
-        self.residual.step = self.group
+        self.residual = DenseStore(storage, label="residual", step=self.group)
         self.keys: Optional[Side] = None
         self.values: Optional[Side] = None
         self.n_packed = 0   # tokens in frozen blocks
@@ -99,13 +102,14 @@ class KiviStore:
 
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
-        if self.shifted:
-            k = self.rope(k.astype(mx.float32), offset=self.config.sink + self.frozen)
+        if self.positions.shifted:
+            k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
-        kpart = (quant.quantise_k(k, self.key_bits, self.group) if self.key_bits
+        # keys per channel (groups of G tokens along K^T's last axis), values per token
+        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group) if self.key_bits
                  else (k.astype(self.storage),))
-        vpart = (quant.quantise_v(v, self.value_bits, self.group) if self.value_bits
+        vpart = (self.codec.quantise_affine(v, self.value_bits, self.group) if self.value_bits
                  else (v.astype(self.storage),))
         self.keys = _concat(self.keys, kpart, self._axes(self.key_bits, keys=True))
         self.values = _concat(self.values, vpart, self._axes(self.value_bits, keys=False))
@@ -131,7 +135,7 @@ class KiviStore:
         if m == 0:
             return self._empty()
         k, v = self._dense(0, m, self.storage)
-        if self.shadow is not None and not self.shifted:   # hand on exact rows (a cold store keeps them)
+        if self.shadow is not None and not self.positions.shifted:   # hand on exact rows (a cold store keeps them)
             k = self.shadow.front(0, m) if self.shadow.has(0) else k
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
         self.keys = self._slice(self.keys, self.key_bits, True, m, None)
@@ -155,8 +159,7 @@ class KiviStore:
         self.n_packed = n
         if self.shadow is not None:
             self.shadow.truncate(n)
-        self.residual = DenseStore(self.storage)
-        self.residual.step = self.group
+        self.residual = DenseStore(self.storage, label="residual", step=self.group)
 
     def _slice(self, side: Side, bits: Optional[int], keys: bool, lo: int, hi: Optional[int]) -> Side:
         """Tokens [lo, hi) of a frozen side, as contiguous arrays."""
@@ -187,29 +190,33 @@ class KiviStore:
         """Frozen tokens [lo, hi), dequantised; keys pre-RoPE in shifted mode."""
         ks = self._slice(self.keys, self.key_bits, True, lo, hi)
         vs = self._slice(self.values, self.value_bits, False, lo, hi)
-        k = quant.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
-        v = quant.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
-        if self.shifted:
-            k = _rotate_rows(self.rope, k.astype(mx.float32), -(self.config.sink + self.evicted + lo), -1)
+        k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
+        v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
+        if self.positions.shifted:
+            k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
         return z, z
 
-    def segments(self, layer_cache: Any) -> list:
-        """Attention segments, oldest first: the packed body, then the exact residual."""
-        from .kv_cache import DenseSegment  # noqa: PLC0415 (kv_cache imports this module lazily)
-
+    def segments(self, reading: Reading) -> list:
+        """Attention segments, oldest first: the packed body, then the exact residual (its first
+        token sits right after the packed ones)."""
         segs: list = []
         if self.n_packed:
             segs.append(PackedSegment(self))
         if len(self.residual):
-            k, v = self.residual.fetch(layer_cache.dtype)
-            if self.shifted:
-                k = self.rope(k, offset=self.config.sink + self.n_packed)
-            segs.append(DenseSegment(k, v))
+            k, v = self.residual.fetch(reading.dtype)
+            segs.append(DenseSegment(self.positions.place(k, reading.first_slot + self.n_packed), v))
         return segs
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        self.n_packed = 0
+        self.residual.close()
+        if self.shadow is not None:
+            self.shadow.close()
 
     # ----- bytes ----------------------------------------------------------------------------
     @property
@@ -238,8 +245,8 @@ class PackedSegment:
 
     def scores(self, q: mx.array) -> mx.array:
         s = self.store
-        if s.shifted and s.evicted:
-            q = _rotate_rows(s.rope, q, s.evicted, 0)
+        if s.positions.shifted and s.evicted:
+            q = s.positions.rotate_rows(q, s.evicted, 0)
         if s.key_bits:
             kp, ks, kz = (mx.expand_dims(a, 2) for a in s.keys)
             scores = quant.quantised_matmul(q, kp, ks, kz, bits=s.key_bits, group=s.group)
@@ -328,8 +335,6 @@ class ShadowStore:
     _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
-        from .retrieval import private_dir, remove_with  # noqa: PLC0415 (retrieval imports the cache package)
-
         self.storage = storage
         self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
         if self.directory is not None:
@@ -351,8 +356,6 @@ class ShadowStore:
         return rows.view(mx.bfloat16) if self.storage == mx.bfloat16 else rows
 
     def append(self, keys: mx.array, values: mx.array) -> None:
-        from .retrieval import GrowingArray  # noqa: PLC0415
-
         for i, x in enumerate((keys, values)):
             if not self.sides[i]:
                 continue
@@ -392,19 +395,10 @@ class ShadowStore:
     def nbytes(self) -> int:
         return sum(arr.nbytes for arr in self.arrays if arr is not None)
 
-
-def _rotate_rows(rope: Callable, x: mx.array, first: int, step: int) -> mx.array:
-    """Rotate row t (axis -2) of x by position first + step * t, whatever x's leading axes."""
-    shape = x.shape
-    T, D = shape[-2], shape[-1]
-    lead = x.size // (T * D)
-    flat = mx.swapaxes(x.reshape(lead, T, D), 0, 1).reshape(T * lead, 1, D)
-    if step == 0:
-        out = rope(flat, offset=first)
-    else:
-        offs = mx.repeat(first + step * mx.arange(T), lead)
-        out = rope(flat, offset=offs)
-    return mx.swapaxes(out.reshape(T, lead, D), 0, 1).reshape(shape)
+    def close(self) -> None:
+        self.arrays = [None, None]
+        if self.directory is not None:
+            remove_dir(self.directory)
 
 
 def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:

@@ -1,67 +1,62 @@
 """`KVCache`: the single owner of KV storage policy, for every layer of a model.
 
-Each layer's K/V is a sequence of segments, oldest first: the StreamingLLM sink (exact), the
-body (exact, or KIVI-packed blocks) and, for retrieval, a cold store that receives what the
-body evicts. One `CacheConfig` picks the precision, the eviction and the retrieval; the
-policies compose here instead of living in parallel classes.
+Each layer's K/V is a sequence of stores, oldest first: the StreamingLLM sink (exact), the body
+(exact, or KIVI-packed blocks) and, for retrieval, a cold store that receives what the body
+evicts. One `CacheConfig` picks the precision, the eviction and the retrieval; the policies
+compose here instead of living in parallel classes. The factory (`cache.make_cache`) builds the
+stores; a `LayerCache` only calls them and hands them what they need (store.py).
 
 StreamingLLM (Xiao et al. 2023): keep the first `sink` tokens and the newest `window`, drop
-the middle (`evict_middle_if_needed`). In "shifted" RoPE mode keys are stored before RoPE and
-rotated to their cache slot on every read, so query-key distances stay inside the trained
-range; in "absolute" mode keys keep their original rotation (mlx-lm's RotatingKVCache).
+the middle (`evict_middle_if_needed`). Positions (absolute / shifted / retrieved slots) are
+decided by one `Positions` object per layer (positions.py).
+
+Naming, for readers who know mlx-lm: mlx-lm's `KVCache` is ONE layer's cache; here that is a
+`LayerCache` (it implements mlx-lm's per-layer protocol), and `KVCache` is the whole model's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 
+from .. import quant
 from ..config import CacheConfig
-from .store import DTYPES, DenseStore
+from .positions import Positions
+from .segments import Reading, attend
+from .store import DenseStore, Evictable
+from .telemetry import RetrievalTelemetry, summarise
 
 
 class LayerCache:
-    """One layer's view of the cache; implements mlx-lm's per-layer cache protocol.
+    """One layer's cache (mlx-lm's per-layer protocol: `offset`, `update_and_fetch`,
+    `make_mask`, `state`, `trim`), over the stores `[sink, body, cold?]`.
 
     `offset` is the RoPE position the next token gets: tokens seen (`current_length`) in
-    absolute mode, its cache slot in shifted StreamingLLM mode. Neither ever decreases.
+    absolute mode, its cache slot in shifted mode. Neither ever decreases.
     """
 
-    def __init__(self, config: CacheConfig, rope: Optional[Callable] = None):
+    def __init__(self, config: CacheConfig, positions: Positions, sink: DenseStore, body: Evictable,
+                 cold: Optional[Any] = None):
         self.config = config
-        self.rope = rope
+        self.positions = positions
+        self.sink_store = sink
+        self.body = body
+        self.cold = cold
+        self.telemetry = RetrievalTelemetry() if cold is not None else None
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
-        storage = DTYPES[config.storage]
-        self.sink_store = DenseStore(storage)
-        self.body = make_body_store(config, storage, rope)
-        self.cold = None       # set by the retrieval policy
-        # True when our attention is installed in the model: update_and_fetch may then return
-        # only the new tokens and `attend` reads the segments itself (packed / retrieved data).
-        self.attention_installed = False
-        if self.shifted and rope is None:
-            raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
 
     # ----- policy ---------------------------------------------------------------------------
-    @property
-    def shifted(self) -> bool:
-        return (self.config.streaming or self.config.retrieval) and self.config.rope_mode == "shifted"
-
-    def _slot_gap(self, pending: int = 0) -> int:
-        """Shifted retrieval: cache slots reserved between the sink and the hot window for the
-        retrieved tokens (once anything is cold, or is about to be with `pending` tokens)."""
-        if self.cold is None or not self.shifted:
-            return 0
-        if len(self.cold) or (pending and self._pending_drop(pending)):
-            return self.cold.reserved_slots
-        return 0
-
     @property
     def needs_query(self) -> bool:
         """Whether attention must run inside the cache (packed keys, retrieval)."""
         return self.config.quantised or self.cold is not None
+
+    def _cold_in_use(self, pending: int = 0) -> bool:
+        """Whether anything is cold, or will be once `pending` tokens are appended."""
+        return self.cold is not None and (len(self.cold) > 0 or bool(pending and self._pending_drop(pending)))
 
     def _recent_limit(self, pending: int) -> Optional[int]:
         """Body tokens to keep so that the next `pending` tokens each see exactly `window`
@@ -82,22 +77,30 @@ class LayerCache:
 
         With `pending` new tokens about to be appended, keep `window - 1` old tokens, the
         ones the first new token can still see (attention inside a chunk is windowed by the
-        mask); after a step (`pending == 0`) keep `window`. Returns the tokens dropped.
+        mask); after a step (`pending == 0`) keep `window`. Retrieval hands what it drops to
+        the cold store. Returns the tokens dropped.
         """
         n = self._pending_drop(pending)
         if n:
             k, v = self.body.drop_front(n)
             if self.cold is not None:
-                self.cold.add(k, v, self.start)
+                self.cold.append(k, v, self.start)
             self.start += n
         return n
+
+    def extend_cold(self, keys: mx.array, values: mx.array) -> None:
+        """Take `keys`/`values` [B, H, n, D] as already seen and evicted: they join the cold store
+        at positions after its last one (a benchmark's way to reach long contexts fast)."""
+        n = keys.shape[2]
+        positions = self.cold.positions.view()
+        self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
+        self.seen += n
 
     # ----- mlx-lm protocol ------------------------------------------------------------------
     @property
     def offset(self) -> int:
-        if self.shifted:
-            return self.stored_count - self._pending_drop(1) + self._slot_gap(1)
-        return self.seen
+        return self.positions.query_offset(self.seen, self.stored_count - self._pending_drop(1),
+                                           self._cold_in_use(1))
 
     @property
     def current_length(self) -> int:
@@ -108,12 +111,14 @@ class LayerCache:
         return len(self.sink_store) + len(self.body)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the new tokens; return every stored token dense (`fetch`, built lazily: when
+        our attention reads the segments instead, these arrays are never evaluated)."""
         L = keys.shape[2]
         self.evict_middle_if_needed(pending=L)
         if self.dtype is None:
             self.dtype = keys.dtype
-        if self.shifted:
-            keys = self._unrotate(keys, self.stored_count + self._slot_gap())
+        if self.positions.shifted:
+            keys = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_in_use()))
         n_sink = max(0, min(L, self.config.sink - len(self.sink_store)))
         if n_sink:
             self.sink_store.append(keys[..., :n_sink, :], values[..., :n_sink, :])
@@ -121,27 +126,26 @@ class LayerCache:
                 self.start = self.seen + n_sink
         self.body.append(keys[..., n_sink:, :], values[..., n_sink:, :])
         self.seen += L
-        if self.needs_query and self.attention_installed:
-            return keys, values
         return self.fetch()
 
+    def _readings(self) -> tuple[Reading, Reading]:
+        body_slot = self.positions.body_slot(len(self.sink_store), self._cold_in_use())
+        return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, body_slot))
+
     def fetch(self) -> tuple[mx.array, mx.array]:
-        """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position."""
+        """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
+        the reference path (packed blocks dequantised; attention tests compare against it)."""
         parts = []
-        for store, slot in ((self.sink_store, 0), (self.body, len(self.sink_store) + self._slot_gap())):
+        for store, reading in zip((self.sink_store, self.body), self._readings()):
             if len(store):
                 k, v = store.fetch(self.dtype)
-                parts.append((self.rope(k, offset=slot) if self.shifted else k, v))
+                parts.append((self.positions.place(k, reading.first_slot), v))
+        if not parts:
+            z = mx.zeros((0,), self.dtype or mx.float32)
+            return z, z
         if len(parts) == 1:
             return parts[0]
         return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
-
-    def _unrotate(self, keys: mx.array, first_slot: int) -> mx.array:
-        """Undo the RoPE the model applied at slots first_slot.. (store keys pre-RoPE)."""
-        B, H, L, D = keys.shape
-        flat = keys.transpose(2, 0, 1, 3).reshape(L * B * H, 1, D)
-        offs = -mx.repeat(mx.arange(first_slot, first_slot + L), B * H)
-        return self.rope(flat, offset=offs).reshape(L, B, H, D).transpose(1, 2, 0, 3)
 
     def key_positions(self, pending: int = 0) -> mx.array:
         """Absolute positions of the stored tokens (after the next update of `pending`)."""
@@ -180,44 +184,20 @@ class LayerCache:
         return mask
 
     def segments(self) -> list:
-        """What attention reads, in key-position order matching `make_mask`'s columns.
-
-        Each segment offers `scores(q)` -> [B, Hkv, rep, L, T] for queries q [B, Hkv, rep, L, D]
-        (already scaled) and `output(p)` -> [B, Hkv, rep, L, D] for probabilities over its T.
-        """
-        if hasattr(self.body, "segments"):
-            segs = []
-            if len(self.sink_store):
-                k, v = self.sink_store.fetch(self.dtype)
-                segs.append(DenseSegment(self.rope(k, offset=0) if self.shifted else k, v))
-            return segs + self.body.segments(self)
-        return [DenseSegment(*self.fetch())]
+        """What attention reads, in key-position order matching `make_mask`'s columns."""
+        sink, body = self._readings()
+        return self.sink_store.segments(sink) + self.body.segments(body)
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """One softmax over the scores of every segment; the output sums segment outputs.
-
-        Nothing is dequantised into a full-length temporary: packed segments score with
-        `mx.quantized_matmul`. Computed in fp32 whatever the storage precision.
-        """
-        segs = self.segments()
-        retrieved = self.cold.retrieve(queries, scale, self) if self.cold is not None else []
-        segs = retrieved + segs
-        B, Hq, L, D = queries.shape
-        hkv = segs[-1].n_heads
-        q = (queries.astype(mx.float32) * scale).reshape(B, hkv, Hq // hkv, L, D)
-        scores = [sg.scores(q) for sg in segs]
-        sizes = [sc.shape[-1] for sc in scores]
-        scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-        mask = _mask_array(mask, L, sum(sizes), sum(sizes[:len(retrieved)]))
-        if mask is not None:
-            scores = mx.where(mask, scores, -mx.inf)
-        probs = mx.softmax(scores, axis=-1, precise=True)
-        out, start = None, 0
-        for sg, n in zip(segs, sizes):
-            part = sg.output(probs[..., start:start + n])
-            out = part if out is None else out + part
-            start += n
-        return out.reshape(B, Hq, L, -1).astype(queries.dtype)
+        """Attention of `queries` [B, Hq, L, D] over retrieved cold tokens (if any), the sink and
+        the body: one softmax over every segment's scores (segments.attend)."""
+        retrieved: list = []
+        if self.cold is not None and len(self.cold):
+            reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store)),
+                              queries, scale)
+            retrieved, selection = self.cold.retrieve(reading)
+            self.telemetry.record(selection)
+        return attend(retrieved + self.segments(), len(retrieved), queries, scale, mask)
 
     @property
     def state(self):
@@ -252,52 +232,17 @@ class LayerCache:
         return sum(self.nbytes_breakdown().values())
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        out = {"sink": self.sink_store.nbytes}
-        out.update(self.body.nbytes_breakdown() if hasattr(self.body, "nbytes_breakdown")
-                   else {"body": self.body.nbytes})
+        out = dict(self.sink_store.nbytes_breakdown())
+        out.update(self.body.nbytes_breakdown())
         if self.cold is not None:
             out.update(self.cold.nbytes_breakdown())
         return out
 
-
-class DenseSegment:
-    """Exact keys/values [B, Hkv, T, D] as an attention segment."""
-
-    def __init__(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
-        self.n_heads = keys.shape[1]
-
-    def scores(self, q: mx.array) -> mx.array:
-        return q @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)
-
-    def output(self, p: mx.array) -> mx.array:
-        return p @ mx.expand_dims(self.values, 2)
-
-
-def _mask_array(mask: Any, L: int, total: int, n_retrieved: int) -> Optional[mx.array]:
-    """`make_mask`'s answer as a boolean [L, total] array (None = all visible); retrieved
-    tokens come first and are visible to every query (they are all older)."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        stored = total - n_retrieved
-        q = mx.arange(stored - L, stored)[:, None]
-        mask = mx.arange(stored)[None] <= q
-    if n_retrieved:
-        mask = mx.concatenate([mx.ones((L, n_retrieved), dtype=mx.bool_), mask], axis=-1)
-    return mask
-
-
-def make_body_store(config: CacheConfig, storage: mx.Dtype, rope: Optional[Callable] = None):
-    """The body segment for a policy: exact, or KIVI-packed when bits are set (KIVI needs the
-    model's RoPE in shifted mode, where it rotates keys as it freezes them)."""
-    if config.quantised:
-        try:
-            from .kivi import KiviStore  # noqa: PLC0415
-        except ImportError:
-            raise ValueError("KIVI quantisation (int8/int4/int2) is not available in this build yet") from None
-        return KiviStore(config, storage, rope)
-    return DenseStore(storage)
+    def close(self) -> None:
+        """Release every store (a disk store's files are removed)."""
+        for store in (self.sink_store, self.body, self.cold):
+            if store is not None:
+                store.close()
 
 
 class KVCache(list):
@@ -305,23 +250,58 @@ class KVCache(list):
 
     It is a list of per-layer caches, so it can be passed as `cache=` to the native model and
     as `prompt_cache=` to mlx-lm's `generate`; layers that share K/V (YOCO) hold their owner's
-    object, and layers with their own cache type (sliding-window layers) keep it.
+    object, and layers with their own cache type (sliding-window layers) keep it. It owns the
+    whole-cache operations (eviction, trimming, bytes, telemetry, closing) and the KIVI codec
+    that the stores round through (`quantise_affine`, `dequantise_k`, `dequantise_v`).
+    Use it as a context manager, or call `close()`, to remove disk stores at once.
     """
 
     def __init__(self, layers: list, config: CacheConfig):
         super().__init__(layers)
         self.config = config
 
+    # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
+    @staticmethod
+    def quantise_affine(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Asymmetric affine quantisation of groups of `group` consecutive elements of x's last
+        axis: zero = min(g), scale = max(eps, (max(g) - min(g)) / (2^bits - 1)),
+        q = clip(round((x - zero) / scale), 0, 2^bits - 1), packed 32 // bits codes per uint32.
+        KIVI keys go in as K^T (groups of G tokens per channel), values as V (groups of G
+        channels per token). Returns (packed, scale, zero)."""
+        return quant.quantise_affine(x, bits, group)
+
+    @staticmethod
+    def dequantise_k(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, group: int,
+                     dtype: mx.Dtype = mx.float32) -> mx.array:
+        """Keys back from K^T codes: K_hat[t, d] = scale[d, t // G] * q[d, t] + zero[d, t // G],
+        returned as [..., T, D]."""
+        return quant.dequantise_k(packed, scale, zero, bits, group, dtype)
+
+    @staticmethod
+    def dequantise_v(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, group: int,
+                     dtype: mx.Dtype = mx.float32) -> mx.array:
+        """Values back from per-token codes: V_hat[t, d] = scale[t, d // G] * q[t, d] + zero[t, d // G]."""
+        return quant.dequantise_v(packed, scale, zero, bits, group, dtype)
+
+    # ----- layers ---------------------------------------------------------------------------
     @property
     def owned(self) -> list[LayerCache]:
         """The distinct caches of ours (shared layers counted once)."""
+        return [c for c in self._distinct() if isinstance(c, LayerCache)]
+
+    def _distinct(self) -> list:
         seen, out = set(), []
         for c in self:
-            if isinstance(c, LayerCache) and id(c) not in seen:
+            if c is not None and id(c) not in seen:
                 seen.add(id(c))
                 out.append(c)
         return out
 
+    @property
+    def layers_with_kv(self) -> int:
+        return len(self._distinct())
+
+    # ----- counts and bytes -----------------------------------------------------------------
     @property
     def current_length(self) -> int:
         return max((c.current_length for c in self.owned), default=0)
@@ -333,14 +313,6 @@ class KVCache(list):
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self._distinct())
-
-    def _distinct(self) -> list:
-        seen, out = set(), []
-        for c in self:
-            if c is not None and id(c) not in seen:
-                seen.add(id(c))
-                out.append(c)
-        return out
 
     @property
     def disk_nbytes(self) -> int:
@@ -355,10 +327,43 @@ class KVCache(list):
                 total[k] = total.get(k, 0) + v
         return total
 
+    # ----- whole-cache operations -----------------------------------------------------------
     def evict_middle_if_needed(self) -> int:
         """Trim every layer to its policy after a step; returns tokens dropped per layer."""
         return max((c.evict_middle_if_needed() for c in self.owned), default=0)
 
-    @property
-    def layers_with_kv(self) -> int:
-        return len(self._distinct())
+    def is_trimmable(self) -> bool:
+        """Whether `trim` can roll tokens back (plain full caches, ours or the model's own)."""
+        return all(c.is_trimmable() for c in self._distinct())
+
+    def trim(self, n: int) -> int:
+        """Forget the newest `n` tokens of every layer; returns how many were forgotten."""
+        if not self.is_trimmable():
+            return 0
+        return max((c.trim(n) for c in self._distinct()), default=0)
+
+    def set_truth(self, positions: Optional[list[int]]) -> None:
+        """Tell the retrieval telemetry the absolute positions of a ground-truth needle."""
+        for c in self.owned:
+            if c.telemetry is not None:
+                c.telemetry.truth = positions
+
+    def reset_telemetry(self) -> None:
+        for c in self.owned:
+            if c.telemetry is not None:
+                c.telemetry.reset()
+
+    def retrieval_report(self, last_steps: Optional[int] = None) -> dict:
+        """Retrieval telemetry summed over layers (telemetry.summarise)."""
+        return summarise([c.telemetry for c in self.owned if c.telemetry is not None], last_steps)
+
+    def close(self) -> None:
+        """Release every layer's stores now (disk stores' files removed). Idempotent."""
+        for c in self.owned:
+            c.close()
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,12 +1,41 @@
-"""Exact (full-precision) K/V storage: the building block of every cache segment."""
+"""The store interface every cache segment implements, and exact (full-precision) storage.
+
+A layer cache holds `[sink, body, cold?]`, each a store. Data flows one way: the layer cache
+calls its stores and hands them what they need (a `segments.Reading`: compute dtype, position
+rules, first slot, and for retrieval the queries); no store sees the layer cache.
+
+* `Store` (every tier): `append`, `segments(reading)`, `nbytes_breakdown`, `close`, `len`.
+* `Evictable(Store)` (sink and body, exact or KIVI-packed): also `droppable`, `drop_front`
+  (returns the dropped K/V, which the cold store may receive), `truncate`, and `fetch` (every
+  stored token dense, in position order: the reference path that attention is tested against).
+
+The cold store (cold.py) is a `Store` whose `append` also takes the first token's position.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import mlx.core as mx
 
+from .segments import DenseSegment, Reading
+
 DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
+
+
+class Store(Protocol):
+    def __len__(self) -> int: ...
+    def segments(self, reading: Reading) -> list: ...
+    def nbytes_breakdown(self) -> dict[str, int]: ...
+    def close(self) -> None: ...
+
+
+class Evictable(Store, Protocol):
+    def append(self, keys: mx.array, values: mx.array) -> None: ...
+    def droppable(self, n: int) -> int: ...
+    def drop_front(self, n: int) -> tuple[mx.array, mx.array]: ...
+    def truncate(self, n: int) -> None: ...
+    def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]: ...
 
 
 class DenseStore:
@@ -18,10 +47,10 @@ class DenseStore:
     front of a new buffer only when the end is reached (amortised O(1) per token).
     """
 
-    step = 256
-
-    def __init__(self, dtype: mx.Dtype = mx.float32):
+    def __init__(self, dtype: mx.Dtype = mx.float32, label: str = "body", step: int = 256):
         self.dtype = dtype
+        self.label = label      # its name in the bytes breakdown
+        self.step = step
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.head = 0
@@ -70,6 +99,20 @@ class DenseStore:
         if dtype is not None and dtype != self.dtype:
             k, v = k.astype(dtype), v.astype(dtype)
         return k, v
+
+    def segments(self, reading: Reading) -> list:
+        """One exact segment, keys placed at their slots (shifted mode) or as stored."""
+        if not self.n:
+            return []
+        k, v = self.fetch(reading.dtype)
+        return [DenseSegment(reading.positions.place(k, reading.first_slot), v)]
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        return {self.label: self.nbytes}
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        self.head = self.n = 0
 
     @property
     def nbytes(self) -> int:

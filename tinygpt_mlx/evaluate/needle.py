@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from ..cache import make_cache
-from ..cache.retrieval import reset_telemetry, retrieval_report, set_truth
 from ..config import CacheConfig
 from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
 from ..generate import forward
@@ -72,13 +71,13 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
     """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers."""
     cache = make_cache(model, config)
     if config.retrieval:
-        set_truth(cache, truth)
+        cache.set_truth(truth)
     t0 = time.perf_counter()
     starts = list(range(0, len(ids), chunk))
     logits = None
     for i in starts:
         if i == starts[-1]:
-            reset_telemetry(cache)   # keep the question's chunk and the decode steps
+            cache.reset_telemetry()   # keep the question's chunk and the decode steps
         logits = forward(model, mx.array(ids[i:i + chunk])[None], cache)[0, -1]
         mx.eval(logits)
     prefill_s = time.perf_counter() - t0
@@ -98,10 +97,8 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
             "decode_ms_per_token": round(1000 * decode_s / max(1, n_new - 1), 3),
             "cache_bytes": cache.nbytes_breakdown()}
     if config.retrieval:
-        cell["telemetry"] = retrieval_report(cache)
-    for c in cache.owned:
-        if getattr(c, "cold", None) is not None:
-            c.cold.close()
+        cell["telemetry"] = cache.retrieval_report()
+    cache.close()
     return cell
 
 

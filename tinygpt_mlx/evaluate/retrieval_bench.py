@@ -20,21 +20,17 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 import numpy as np
 
-from ..cache import make_cache
-from ..cache.retrieval import ColdStore, retrieval_report
+from ..cache import KVCache, make_cache
+from ..cache.cold import ColdStore
 from ..config import CacheConfig
 from ..generate import forward, prefill
-
-
-def _cold(cache) -> list[ColdStore]:
-    return [c.cold for c in cache.owned if getattr(c, "cold", None) is not None]
 
 
 def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
     """Append copies of each cold store's own pages until `target_tokens` tokens are cold in
     total (hot tokens included). Positions continue from the last cold position."""
-    for store in _cold(cache):
-        lc = next(c for c in cache.owned if c.cold is store)
+    for lc in cache.owned:
+        store = lc.cold
         base = store.n
         if base == 0:
             raise ValueError("nothing is cold yet: prefill more than the hot budget first")
@@ -49,9 +45,8 @@ def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
             j = i % base
             k = src_k[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
             v = src_v[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
-            store.add(k, v, int(store.positions.view()[-1]) + 1)
+            lc.extend_cold(k, v)
             i += n
-        lc.seen = store.n + lc.stored_count  # the cache has now "seen" the whole context
 
 
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
@@ -92,21 +87,20 @@ def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts:
                "decode_ms_per_token": round(1000 * float(np.median(times[i])), 2),
                "decode_ms_min": round(1000 * float(np.min(times[i])), 2),
                "hot_bytes": hot, "cold_bytes": cold, "summary_bytes": parts.get("cold_summary", 0),
-               "bytes": parts, "telemetry": retrieval_report(cache, last_steps=decode_steps)}
+               "bytes": parts, "telemetry": cache.retrieval_report(last_steps=decode_steps)}
         rows.append(row)
         if progress is not None:
             progress(row)
     for cache in caches:
-        for s in _cold(cache):
-            s.close()
+        cache.close()
     return rows
 
 
 def _store_like(store: ColdStore, config: CacheConfig) -> ColdStore:
     """A RAM cold store under `config` holding the same exact keys as `store` (values unused)."""
-    out = ColdStore(config, store.layer_index)
+    out = ColdStore(config, KVCache, store.layer_index)
     keys = mx.array(store.keys.view().astype(np.float32).transpose(1, 0, 2)[None])  # [1, G, n, D]
-    out.add(keys, keys, 0)
+    out.append(keys, keys, 0)
     return out
 
 
@@ -121,7 +115,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     variants = variants or [(s, 0) for s in ("minmax", "mean", "hybrid")]
     cache = make_cache(model, config)
     logits = prefill(model, tokens, cache, chunk)
-    stores = _cold(cache)
+    stores = [c.cold for c in cache.owned]
     queries: dict[int, list] = {id(s): [] for s in stores}
     for s in stores:  # record the (positioned) queries each store is asked
         orig = s.select

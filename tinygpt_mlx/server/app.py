@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from . import ollama as ol
 from . import openai as oa
 from . import prompt as pr
+from ..cache.arrays import remove_private_dirs
 from .config import ServerConfig
 from .slots import SlotPool
 from .worker import Job, Worker
@@ -106,7 +107,6 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     async def lifespan(app):
         yield
         srv.worker.stop()
-        from ..cache.retrieval import remove_private_dirs  # noqa: PLC0415
         removed = remove_private_dirs()     # disk cold stores / KIVI shadows of the slots
         if removed:
             log.info("removed %d disk store directories", removed)

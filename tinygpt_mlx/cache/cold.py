@@ -31,118 +31,38 @@ fixed (../shared/REFERENCES.md):
   keys keep their original rotation and queries their true position (the naive baseline,
   outside the trained range once the context exceeds it). The fine pass ranks tokens by the
   score they will really get: the query is rotated back by the slot the token will occupy.
-* Telemetry: every retrieval appends a record (pages, tokens, and when the positions of a
-  ground-truth needle are set with `set_truth`, whether its page and tokens were fetched).
+* Telemetry: every retrieval returns a `telemetry.Selection` (pages, tokens) beside its
+  segments; the layer cache records it (telemetry.py).
+* Rows are stored token-major in `arrays.GrowingArray`s (RAM, or memory-mapped in a private
+  directory removed by `close()` or when the store is collected); `cold_bits` packs them with
+  the cache's codec (`KVCache.quantise_affine`, values' per-token layout).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import weakref
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import CacheConfig
+from ..quant import GROUP_SIZES
+from .arrays import GrowingArray, private_dir, remove_dir, remove_with
+from .segments import Reading, RetrievedSegment
+from .telemetry import Selection
 
-__all__ = ["ColdStore", "GrowingArray", "set_truth", "retrieval_report", "reset_telemetry"]
+__all__ = ["ColdStore"]
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # numpy has no bf16
-
-
-class GrowingArray:
-    """A token-major array [capacity, *shape] that doubles its capacity when full.
-
-    RAM: a numpy array; a growth copies the live part once (amortised O(1) per row).
-    Disk: a numpy memmap; a growth extends the file and maps it again (nothing is copied).
-    `array` is the same object between growths (tests check this). Live rows are
-    `array[start:n]`: `drop_front` only moves `start`, and the live rows move to the front once
-    the dropped ones outnumber them (amortised O(1) per dropped row).
-    """
-
-    def __init__(self, shape: tuple, dtype: Any, path: Optional[str] = None, initial: int = 256):
-        self.shape, self.dtype, self.path = tuple(shape), np.dtype(dtype), path
-        self.start = 0
-        self.n = 0
-        self.growths = 0
-        self.array = self._allocate(initial, None)
-
-    def _allocate(self, capacity: int, old: Optional[np.ndarray]) -> np.ndarray:
-        if self.path is None:
-            new = np.empty((capacity,) + self.shape, self.dtype)
-            if old is not None and self.n:
-                new[: self.n] = old[: self.n]
-            return new
-        if old is not None:
-            old.flush()
-            del old
-        mode = "r+" if os.path.exists(self.path) else "w+"
-        return np.memmap(self.path, dtype=self.dtype, mode=mode, shape=(capacity,) + self.shape)
-
-    @property
-    def capacity(self) -> int:
-        return self.array.shape[0]
-
-    def __len__(self) -> int:
-        return self.n - self.start
-
-    def append(self, rows: np.ndarray) -> None:
-        n = rows.shape[0]
-        if self.n + n > self.capacity:
-            self._compact()
-        if self.n + n > self.capacity:
-            cap = self.capacity
-            while cap < self.n + n:
-                cap *= 2
-            self.array = self._allocate(cap, self.array)
-            self.growths += 1
-        self.array[self.n: self.n + n] = rows
-        self.n += n
-
-    def view(self) -> np.ndarray:
-        return self.array[self.start: self.n]
-
-    def drop_front(self, n: int) -> None:
-        """Forget the oldest `n` live rows."""
-        self.start += min(n, len(self))
-        if self.start >= len(self):
-            self._compact()
-
-    def _compact(self) -> None:
-        if self.start:
-            live = len(self)
-            self.array[:live] = self.array[self.start: self.n]
-            self.start, self.n = 0, live
-
-    def truncate(self, n: int) -> None:
-        """Keep only the oldest `n` live rows."""
-        self.n = self.start + min(len(self), n)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self) * int(np.prod(self.shape)) * self.dtype.itemsize
-
-
-@dataclass
-class Telemetry:
-    """Per-retrieval records of one layer's cold store."""
-
-    records: list = field(default_factory=list)
-
-    def add(self, **rec) -> None:
-        self.records.append(rec)
 
 
 class _PackedRows:
     """Cold rows [n, G, D] quantised per token with `quant.quantise_v` (KIVI's value layout:
     asymmetric affine, groups of channels), stored as packed uint32 codes + scale + zero."""
 
-    def __init__(self, G: int, D: int, bits: int, path: Optional[str]):
-        from ..quant import GROUP_SIZES  # noqa: PLC0415
+    def __init__(self, G: int, D: int, bits: int, path: Optional[str], codec: Any):
+        self.codec = codec
         groups = [g for g in sorted(GROUP_SIZES, reverse=True) if D % g == 0]
         if not groups:
             raise ValueError(f"cold_bits needs a head dimension that is a multiple of "
@@ -154,16 +74,14 @@ class _PackedRows:
         self.zero = GrowingArray((G, D // self.group), np.float32, name("zero"))
 
     def append(self, rows: np.ndarray) -> None:
-        from ..quant import quantise_v  # noqa: PLC0415
-        packed, scale, zero = quantise_v(mx.array(rows), self.bits, self.group)
+        packed, scale, zero = self.codec.quantise_affine(mx.array(rows), self.bits, self.group)
         self.codes.append(np.asarray(packed))
         self.scale.append(np.asarray(scale))
         self.zero.append(np.asarray(zero))
 
     def gather(self, idx: np.ndarray, gi: np.ndarray) -> np.ndarray:
-        from ..quant import dequantise_v  # noqa: PLC0415
         parts = [mx.array(a.array[idx, gi]) for a in (self.codes, self.scale, self.zero)]
-        return np.asarray(dequantise_v(*parts, self.bits, self.group))
+        return np.asarray(self.codec.dequantise_v(*parts, self.bits, self.group))
 
     @property
     def nbytes(self) -> int:
@@ -173,36 +91,29 @@ class _PackedRows:
 class ColdStore:
     """One layer's cold store: pages of evicted tokens, summaries, and retrieval."""
 
-    def __init__(self, config: CacheConfig, layer_index: int = 0, rope: Any = None,
-                 shifted: bool = False, directory: Optional[str] = None):
+    def __init__(self, config: CacheConfig, codec: Any, layer_index: int = 0):
         self.config = config
+        self.codec = codec           # KVCache: the packing of `cold_bits` rounds through it
         self.layer_index = layer_index
-        self.rope = rope
-        self.shifted = shifted
         self.page_size = config.page_size
         self.top_pages = config.top_pages
         self.retrieve_tokens = config.retrieve_tokens
         self.summary = config.summary
         self.cold_bits = config.cold_bits
         self.dtype = _NP_DTYPES[config.storage]
-        self.directory = directory  # a private directory for the disk store (removed on close)
+        # a private directory for the disk store, removed by close() or with this store
+        self.directory = private_dir(f"cold-l{layer_index}", config.cold_path) if config.cold_store == "disk" else None
+        if self.directory is not None:
+            remove_with(self, self.directory)
         self.n = 0
         self.G: Optional[int] = None  # B * Hkv
         self.B: Optional[int] = None
-        self.keys = self.values = None   # GrowingArray [n, G, D] or _Int8Rows
+        self.keys = self.values = None   # GrowingArray [n, G, D] or _PackedRows
         self.positions: Optional[GrowingArray] = None
         self.smin = self.smax = self.smean = None  # GrowingArray [pages, G, D]
         self.bmin = self.bmax = self.bmean = None  # the same per block of `index_block` pages
-        self.telemetry = Telemetry()
-        self.truth: Optional[np.ndarray] = None   # absolute positions of a known needle
-        self.step = 0
 
     # ----- storage --------------------------------------------------------------------------
-    @property
-    def reserved_slots(self) -> int:
-        """Cache slots the retrieved tokens occupy before the hot window (shifted mode)."""
-        return 1 if self.config.retrieved_position == "fixed" else self.retrieve_tokens
-
     def __len__(self) -> int:
         return self.n
 
@@ -227,8 +138,8 @@ class ColdStore:
             self.keys = GrowingArray((G, Dk), self.dtype, self._path("keys"))
             self.values = GrowingArray((G, Dv), self.dtype, self._path("values"))
         else:
-            self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"))
-            self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"))
+            self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"), self.codec)
+            self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"), self.codec)
         self.positions = GrowingArray((), np.int64, None)
         if self.summary in ("minmax", "hybrid"):
             self.smin = GrowingArray((G, Dk), np.float32, None, initial=16)
@@ -243,7 +154,7 @@ class ColdStore:
                 self.bmean = GrowingArray((G, Dk), np.float32, None, initial=16)
         self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
 
-    def add(self, keys: mx.array, values: mx.array, start_position: int) -> None:
+    def append(self, keys: mx.array, values: mx.array, start_position: int) -> None:
         """Append evicted tokens [B, H, n, D] whose first has absolute position `start_position`."""
         B, H, n, Dk = keys.shape
         if n == 0:
@@ -293,13 +204,6 @@ class ColdStore:
         return store.gather(idx, gi)
 
     # ----- retrieval ------------------------------------------------------------------------
-    def _placement(self, layer_cache: Any) -> int:
-        """The cache slot the retrieved keys are scored at (shifted mode)."""
-        sink = len(layer_cache.sink_store)
-        if self.config.retrieved_position == "fixed":
-            return sink
-        return sink + self.retrieve_tokens - 1
-
     def page_scores(self, q: np.ndarray, summary: Optional[str] = None) -> np.ndarray:
         """Coarse pass over every page: queries [G, rep, L, D] x summaries -> [G, L, pages]
         (max over the GQA group: a page any head of the group wants is kept)."""
@@ -396,59 +300,34 @@ class ColdStore:
             idx = np.take_along_axis(idx, pick, axis=-1)
         return np.sort(idx, axis=-1), pages, m
 
-    def retrieve(self, queries: mx.array, scale: float, layer_cache: Any) -> list:
-        """Attention segments of retrieved cold tokens for queries [B, Hq, L, D] (post-RoPE)."""
-        if self.n == 0:
-            return []
+    def retrieve(self, reading: Reading) -> tuple[list, Selection]:
+        """Attention segments of the cold tokens retrieved for `reading.queries` [B, Hq, L, D]
+        (post-RoPE), and the `Selection` that describes them (telemetry). In shifted mode the
+        retrieved keys are placed at `reading.first_slot` (module doc)."""
+        queries, pos = reading.queries, reading.positions
         B, Hq, L, D = queries.shape
         hkv = self.G // B
         rep = Hq // hkv
         q = queries.astype(mx.float32)
-        slot = self._placement(layer_cache) if self.shifted else 0
-        if self.shifted and slot:
+        slot = reading.first_slot if pos.shifted else 0
+        if slot:
             # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
-            q = self._rotate(q, -slot)
+            q = pos.rotate_to(q, -slot)
         qn = np.asarray(q).reshape(self.G, rep, L, D)
         idx, pages, m = self.select(qn)
         T = idx.shape[-1]
         k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, L, T, -1))
         v = mx.array(self._gather(self.values, idx).reshape(B, hkv, L, T, -1))
-        if self.shifted:
-            if self.config.retrieved_position == "fixed":
-                k = self._rotate(k, slot)
-            else:
-                k = self.rope(k, offset=slot - T + 1)
-        self._record(L, idx[:, -1], pages[:, -1], m)
-        return [RetrievedSegment(k, v)]
+        if pos.shifted:
+            k = pos.rotate_to(k, slot) if pos.fixed else pos.place(k, slot - T + 1)
+        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
+                              page_size=self.page_size, tokens_scored=m, indexed=self._uses_index(),
+                              idx=idx[:, -1], pages=pages[:, -1], positions=self.positions.view())
+        return [RetrievedSegment(k, v)], selection
 
-    def _rotate(self, x: mx.array, position: int) -> mx.array:
-        """Every row of x [..., D] rotated by RoPE to one `position` (negative undoes)."""
-        shape = x.shape
-        flat = x.reshape(-1, 1, shape[-1])
-        return self.rope(flat, offset=position).reshape(shape)
-
-    # ----- telemetry ------------------------------------------------------------------------
-    def _record(self, L: int, idx: np.ndarray, pages: np.ndarray, m: int) -> None:
-        rec = dict(step=self.step, layer=self.layer_index, queries=L, cold_tokens=self.n,
-                   cold_pages=self.n_pages, pages_selected=int(pages.shape[1]),
-                   tokens_scored=int(m), tokens_retrieved=int(idx.shape[1]),
-                   indexed=self._uses_index())
-        self.step += 1
-        if self.truth is not None:
-            pos = self.positions.view()
-            where = np.searchsorted(pos, self.truth)
-            ok = (where < self.n) & (pos[np.minimum(where, self.n - 1)] == self.truth)
-            cold_idx = where[ok]
-            if cold_idx.size:
-                ps = self.page_size
-                in_tail = cold_idx >= self.n_pages * ps
-                page_hit = np.array([[t or (c // ps) in set(pg.tolist()) for c, t in zip(cold_idx, in_tail)]
-                                     for pg in pages])
-                tok_hit = np.array([np.isin(cold_idx, row) for row in idx])
-                rec.update(needle_tokens=int(cold_idx.size), page_recall=float(page_hit.mean()),
-                           token_recall=float(tok_hit.mean()),
-                           token_any=float(tok_hit.any(axis=1).mean()))
-        self.telemetry.add(**rec)
+    def segments(self, reading: Reading) -> list:
+        """The `Store` interface: the retrieved segments alone."""
+        return self.retrieve(reading)[0] if self.n else []
 
     # ----- accounting -----------------------------------------------------------------------
     def nbytes_breakdown(self) -> dict[str, int]:
@@ -462,8 +341,9 @@ class ColdStore:
     def close(self) -> None:
         """Drop the arrays (and the disk store's files)."""
         self.keys = self.values = None
+        self.n = 0
         if self.directory is not None:
-            shutil.rmtree(self.directory, ignore_errors=True)
+            remove_dir(self.directory)
 
 
 def _summary_scores(x: np.ndarray, summary: str, smin, smax, smean, score) -> np.ndarray:
@@ -474,105 +354,3 @@ def _summary_scores(x: np.ndarray, summary: str, smin, smax, smean, score) -> np
     return score(np.maximum(x, 0), smax) + score(np.minimum(x, 0), smin)
 
 
-class RetrievedSegment:
-    """Retrieved keys/values [B, Hkv, L, T, D]: each of the L queries has its own T tokens."""
-
-    def __init__(self, keys: mx.array, values: mx.array):
-        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
-        self.n_heads = keys.shape[1]
-
-    def scores(self, q: mx.array) -> mx.array:
-        """q [B, Hkv, rep, L, D] -> [B, Hkv, rep, L, T]."""
-        return (mx.expand_dims(q, -2) @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)).squeeze(-2)
-
-    def output(self, p: mx.array) -> mx.array:
-        """p [B, Hkv, rep, L, T] -> [B, Hkv, rep, L, D]."""
-        return (mx.expand_dims(p, -2) @ mx.expand_dims(self.values, 2)).squeeze(-2)
-
-
-def attach_cold_store(layer_cache: Any, config: CacheConfig, layer_index: int) -> ColdStore:
-    """Create a layer's cold store (RAM, or a memmap in a private temp dir / under cold_path)."""
-    directory = private_dir(f"cold-l{layer_index}", config.cold_path) if config.cold_store == "disk" else None
-    store = ColdStore(config, layer_index, rope=layer_cache.rope, shifted=layer_cache.shifted,
-                      directory=directory)
-    if directory is not None:
-        remove_with(store, directory)
-    layer_cache.cold = store
-    return store
-
-
-_PRIVATE_DIRS: set = set()
-
-
-def private_dir(name: str, base: Optional[str]) -> str:
-    """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
-    `remove_with(owner, path)` removes it when the owner is collected, and
-    `remove_private_dirs` removes every one still there (a server's shutdown: uvicorn re-raises
-    SIGTERM after it, so exit-time finalizers never run)."""
-    try:
-        if base is not None:
-            os.makedirs(base, exist_ok=True)
-        path = tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
-    except OSError as e:
-        raise ValueError(f"cannot create a disk store under {base or tempfile.gettempdir()}: "
-                         f"{e.strerror or e}") from None
-    _PRIVATE_DIRS.add(path)
-    return path
-
-
-def remove_with(owner: Any, path: str) -> None:
-    """Remove the private directory `path` once `owner` is garbage-collected (or at exit)."""
-    weakref.finalize(owner, _remove_private_dir, path)
-
-
-def _remove_private_dir(path: str) -> bool:
-    _PRIVATE_DIRS.discard(path)
-    if not os.path.isdir(path):
-        return False
-    shutil.rmtree(path, True)
-    return True
-
-
-def remove_private_dirs() -> int:
-    """Delete every directory `private_dir` made in this process that still exists; returns how many."""
-    return sum(_remove_private_dir(path) for path in list(_PRIVATE_DIRS))
-
-
-def _cold_stores(cache: Iterable) -> list[ColdStore]:
-    owned = getattr(cache, "owned", cache)
-    return [c.cold for c in owned if getattr(c, "cold", None) is not None]
-
-
-def set_truth(cache: Iterable, positions: Optional[Iterable[int]]) -> None:
-    """Tell every cold store the absolute positions of a ground-truth needle (telemetry)."""
-    arr = None if positions is None else np.asarray(sorted(positions), dtype=np.int64)
-    for s in _cold_stores(cache):
-        s.truth = arr
-
-
-def reset_telemetry(cache: Iterable) -> None:
-    for s in _cold_stores(cache):
-        s.telemetry = Telemetry()
-
-
-def retrieval_report(cache: Iterable, last_steps: Optional[int] = None) -> dict:
-    """Telemetry summed over layers: retrievals, mean pages/tokens retrieved, and where a
-    needle is known the page recall and token recall (mean over heads, layers and steps)."""
-    recs = []
-    for s in _cold_stores(cache):
-        r = s.telemetry.records
-        recs.extend(r[-last_steps:] if last_steps else r)
-    if not recs:
-        return {"retrievals": 0}
-    out = {"retrievals": len(recs),
-           "cold_tokens": max(r["cold_tokens"] for r in recs),
-           "pages_selected": float(np.mean([r["pages_selected"] for r in recs])),
-           "tokens_scored": float(np.mean([r["tokens_scored"] for r in recs])),
-           "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs])),
-           "indexed": float(np.mean([r["indexed"] for r in recs]))}
-    hits = [r for r in recs if "page_recall" in r]
-    if hits:
-        out.update(page_recall=float(np.mean([r["page_recall"] for r in hits])),
-                   token_recall=float(np.mean([r["token_recall"] for r in hits])),
-                   token_any=float(np.mean([r["token_any"] for r in hits])))
-    return out

@@ -1,0 +1,132 @@
+"""Token-major arrays that grow in place, in RAM or memory-mapped on disk, and the private
+directories that hold the disk ones (removed when their owner goes, or at a server's shutdown).
+
+Used by every store that keeps rows outside MLX: retrieval's cold store and KIVI's exact shadow.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from typing import Any, Optional
+
+import numpy as np
+
+__all__ = ["GrowingArray", "private_dir", "remove_with", "remove_dir", "remove_private_dirs"]
+
+
+class GrowingArray:
+    """A token-major array [capacity, *shape] that doubles its capacity when full.
+
+    RAM: a numpy array; a growth copies the live part once (amortised O(1) per row).
+    Disk: a numpy memmap; a growth extends the file and maps it again (nothing is copied).
+    `array` is the same object between growths (tests check this). Live rows are
+    `array[start:n]`: `drop_front` only moves `start`, and the live rows move to the front once
+    the dropped ones outnumber them (amortised O(1) per dropped row).
+    """
+
+    def __init__(self, shape: tuple, dtype: Any, path: Optional[str] = None, initial: int = 256):
+        self.shape, self.dtype, self.path = tuple(shape), np.dtype(dtype), path
+        self.start = 0
+        self.n = 0
+        self.growths = 0
+        self.array = self._allocate(initial, None)
+
+    def _allocate(self, capacity: int, old: Optional[np.ndarray]) -> np.ndarray:
+        if self.path is None:
+            new = np.empty((capacity,) + self.shape, self.dtype)
+            if old is not None and self.n:
+                new[: self.n] = old[: self.n]
+            return new
+        if old is not None:
+            old.flush()
+            del old
+        mode = "r+" if os.path.exists(self.path) else "w+"
+        return np.memmap(self.path, dtype=self.dtype, mode=mode, shape=(capacity,) + self.shape)
+
+    @property
+    def capacity(self) -> int:
+        return self.array.shape[0]
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def append(self, rows: np.ndarray) -> None:
+        n = rows.shape[0]
+        if self.n + n > self.capacity:
+            self._compact()
+        if self.n + n > self.capacity:
+            cap = self.capacity
+            while cap < self.n + n:
+                cap *= 2
+            self.array = self._allocate(cap, self.array)
+            self.growths += 1
+        self.array[self.n: self.n + n] = rows
+        self.n += n
+
+    def view(self) -> np.ndarray:
+        return self.array[self.start: self.n]
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest `n` live rows."""
+        self.start += min(n, len(self))
+        if self.start >= len(self):
+            self._compact()
+
+    def _compact(self) -> None:
+        if self.start:
+            live = len(self)
+            self.array[:live] = self.array[self.start: self.n]
+            self.start, self.n = 0, live
+
+    def truncate(self, n: int) -> None:
+        """Keep only the oldest `n` live rows."""
+        self.n = self.start + min(len(self), n)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+_PRIVATE_DIRS: set = set()
+
+
+def private_dir(name: str, base: Optional[str]) -> str:
+    """A fresh directory for one store's memory-mapped files (under `base`, or a temp dir);
+    `remove_with(owner, path)` removes it when the owner is collected, and
+    `remove_private_dirs` removes every one still there (a server's shutdown: uvicorn re-raises
+    SIGTERM after it, so exit-time finalizers never run)."""
+    try:
+        if base is not None:
+            os.makedirs(base, exist_ok=True)
+        path = tempfile.mkdtemp(prefix=f"posttrainllm-{name}-", dir=base)
+    except OSError as e:
+        raise ValueError(f"cannot create a disk store under {base or tempfile.gettempdir()}: "
+                         f"{e.strerror or e}") from None
+    _PRIVATE_DIRS.add(path)
+    return path
+
+
+def remove_with(owner: Any, path: str) -> None:
+    """Remove the private directory `path` once `owner` is garbage-collected (or at exit)."""
+    weakref.finalize(owner, _remove_private_dir, path)
+
+
+def remove_dir(path: str) -> bool:
+    """Remove a private directory now (a store's `close`); False if it was already gone."""
+    return _remove_private_dir(path)
+
+
+def _remove_private_dir(path: str) -> bool:
+    _PRIVATE_DIRS.discard(path)
+    if not os.path.isdir(path):
+        return False
+    shutil.rmtree(path, True)
+    return True
+
+
+def remove_private_dirs() -> int:
+    """Delete every directory `private_dir` made in this process that still exists; returns how many."""
+    return sum(_remove_private_dir(path) for path in list(_PRIVATE_DIRS))

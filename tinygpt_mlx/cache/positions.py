@@ -1,0 +1,89 @@
+"""Every RoPE position rule of a layer cache, in one place.
+
+Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrieval):
+
+* absolute: keys are stored as the model rotated them, at their original positions, and the
+  query sits at its own position (tokens seen). Beyond the trained context this is out of range.
+* shifted (StreamingLLM's paper): positions are cache slots. Keys are stored before RoPE and
+  rotated to their slot when read; the query sits at the slot after the stored tokens. Slots:
+
+      [ sink 0 .. S )  [ reserved retrieval slots, R, once anything is cold ]  [ body S+R .. )
+
+  so query-key distances never exceed what the cache holds, whatever the context length.
+  Retrieved cold keys sit at one slot just before the hot window (`fixed`, as InfLLM gives
+  every memory unit one distance) or at R consecutive slots in their order (`slots`).
+
+Stores never decide a position: the layer cache hands them this object, and they ask it.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..config import CacheConfig
+
+
+class Positions:
+    """The position rules of one layer cache (module doc)."""
+
+    def __init__(self, config: CacheConfig, rope: Optional[Callable]):
+        self.shifted = (config.streaming or config.retrieval) and config.rope_mode == "shifted"
+        if self.shifted and rope is None:
+            raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
+        self.rope = rope
+        self.sink = config.sink
+        self.fixed = config.retrieved_position == "fixed"
+        self.retrieve_tokens = config.retrieve_tokens
+        self.reserved = (1 if self.fixed else config.retrieve_tokens) if config.retrieval else 0
+
+    # ----- slots ----------------------------------------------------------------------------
+    def gap(self, cold_in_use: bool) -> int:
+        """Slots reserved between the sink and the body for retrieved tokens (shifted mode)."""
+        return self.reserved if self.shifted and cold_in_use else 0
+
+    def body_slot(self, n_sink: int, cold_in_use: bool) -> int:
+        """The slot of the body's first token."""
+        return n_sink + self.gap(cold_in_use)
+
+    def query_offset(self, seen: int, stored_next: int, cold_in_use: bool) -> int:
+        """The RoPE position of the next token: its position (absolute), or its slot (shifted)
+        given the tokens stored once the next append has evicted what it must."""
+        return stored_next + self.gap(cold_in_use) if self.shifted else seen
+
+    def retrieved_slot(self, n_sink: int) -> int:
+        """Shifted retrieval: the slot of the newest retrieved key (all of them with `fixed`)."""
+        return n_sink if self.fixed else n_sink + self.retrieve_tokens - 1
+
+    def kivi_slot(self, frozen: int) -> int:
+        """Shifted KIVI: the virtual slot u = sink + frozen at which a frozen key is rotated
+        once (eviction shifts every body slot alike, so the query is rotated instead)."""
+        return self.sink + frozen
+
+    # ----- rotations ------------------------------------------------------------------------
+    def place(self, keys: mx.array, first_slot: int) -> mx.array:
+        """Stored keys [B, H, T, D] as attention sees them: rotated to slots first_slot.. in
+        shifted mode, as stored in absolute mode."""
+        return self.rope(keys, offset=first_slot) if self.shifted else keys
+
+    def unrotate(self, keys: mx.array, first_slot: int) -> mx.array:
+        """Undo the RoPE the model applied at slots first_slot.. (store keys pre-RoPE)."""
+        return self.rotate_rows(keys, -first_slot, -1)
+
+    def rotate_rows(self, x: mx.array, first: int, step: int) -> mx.array:
+        """Rotate row t (axis -2) of x by position first + step * t, whatever x's leading axes."""
+        shape = x.shape
+        T, D = shape[-2], shape[-1]
+        lead = x.size // (T * D)
+        flat = mx.swapaxes(x.reshape(lead, T, D), 0, 1).reshape(T * lead, 1, D)
+        if step == 0:
+            out = self.rope(flat, offset=first)
+        else:
+            out = self.rope(flat, offset=mx.repeat(first + step * mx.arange(T), lead))
+        return mx.swapaxes(out.reshape(T, lead, D), 0, 1).reshape(shape)
+
+    def rotate_to(self, x: mx.array, position: int) -> mx.array:
+        """Every row of x [..., D] rotated by RoPE to one `position` (negative undoes)."""
+        shape = x.shape
+        return self.rope(x.reshape(-1, 1, shape[-1]), offset=position).reshape(shape)

@@ -1,0 +1,96 @@
+"""Attention over segments: what each store contributes, and the one softmax across them.
+
+A segment offers `scores(q)` -> [B, Hkv, rep, L, T] for queries q [B, Hkv, rep, L, D] (already
+scaled) and `output(p)` -> [B, Hkv, rep, L, D] for probabilities over its T keys. Exact
+segments score with a matmul, packed ones (kivi.py) with `mx.quantized_matmul`; nothing is
+dequantised into a full-length temporary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .positions import Positions
+
+
+@dataclass
+class Reading:
+    """What a store is handed to produce its attention segments: the compute dtype, the
+    position rules and its first slot, and (for retrieval) the queries and their scale."""
+
+    dtype: mx.Dtype
+    positions: Positions
+    first_slot: int = 0
+    queries: Optional[mx.array] = None
+    scale: float = 1.0
+
+
+class DenseSegment:
+    """Exact keys/values [B, Hkv, T, D] as an attention segment."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
+        self.n_heads = keys.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        return q @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)
+
+    def output(self, p: mx.array) -> mx.array:
+        return p @ mx.expand_dims(self.values, 2)
+
+
+class RetrievedSegment:
+    """Retrieved keys/values [B, Hkv, L, T, D]: each of the L queries has its own T tokens."""
+
+    def __init__(self, keys: mx.array, values: mx.array):
+        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
+        self.n_heads = keys.shape[1]
+
+    def scores(self, q: mx.array) -> mx.array:
+        """q [B, Hkv, rep, L, D] -> [B, Hkv, rep, L, T]."""
+        return (mx.expand_dims(q, -2) @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)).squeeze(-2)
+
+    def output(self, p: mx.array) -> mx.array:
+        """p [B, Hkv, rep, L, T] -> [B, Hkv, rep, L, D]."""
+        return (mx.expand_dims(p, -2) @ mx.expand_dims(self.values, 2)).squeeze(-2)
+
+
+def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, mask: Any) -> mx.array:
+    """One softmax over the scores of every segment; the output sums segment outputs.
+
+    `segments` are in key order with the `n_retrieved` retrieved ones first (visible to every
+    query: they are all older). Computed in fp32 whatever the storage precision.
+    """
+    B, Hq, L, D = queries.shape
+    hkv = segments[-1].n_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, hkv, Hq // hkv, L, D)
+    scores = [sg.scores(q) for sg in segments]
+    sizes = [sc.shape[-1] for sc in scores]
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    mask = mask_array(mask, L, sum(sizes), sum(sizes[:n_retrieved]))
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    probs = mx.softmax(scores, axis=-1, precise=True)
+    out, start = None, 0
+    for sg, n in zip(segments, sizes):
+        part = sg.output(probs[..., start:start + n])
+        out = part if out is None else out + part
+        start += n
+    return out.reshape(B, Hq, L, -1).astype(queries.dtype)
+
+
+def mask_array(mask: Any, L: int, total: int, n_retrieved: int) -> Optional[mx.array]:
+    """`make_mask`'s answer as a boolean [L, total] array (None = all visible); retrieved
+    tokens come first and are visible to every query."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        stored = total - n_retrieved
+        q = mx.arange(stored - L, stored)[:, None]
+        mask = mx.arange(stored)[None] <= q
+    if n_retrieved:
+        mask = mx.concatenate([mx.ones((L, n_retrieved), dtype=mx.bool_), mask], axis=-1)
+    return mask

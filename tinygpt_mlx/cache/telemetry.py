@@ -1,0 +1,92 @@
+"""Retrieval telemetry: what each retrieval fetched, and (when a ground-truth needle's positions
+are known) whether its pages and tokens were among what was fetched.
+
+The cold store describes each retrieval as a `Selection`; the layer cache hands it to its
+`RetrievalTelemetry`, which keeps one record per retrieval. `KVCache.retrieval_report` sums
+the records of every layer (`summarise`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import numpy as np
+
+
+@dataclass
+class Selection:
+    """One retrieval of one layer: for the last query of the pass, the cold indices fetched
+    [G, T] and the pages scored [G, k] (G = batch x KV heads)."""
+
+    layer: int
+    queries: int
+    cold_tokens: int
+    cold_pages: int
+    page_size: int
+    tokens_scored: int
+    indexed: bool
+    idx: np.ndarray
+    pages: np.ndarray
+    positions: np.ndarray      # absolute position of every cold token, in cold order
+
+
+class RetrievalTelemetry:
+    """Per-retrieval records of one layer; `truth` = absolute positions of a known needle."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+        self._truth: Optional[np.ndarray] = None
+
+    @property
+    def truth(self) -> Optional[np.ndarray]:
+        return self._truth
+
+    @truth.setter
+    def truth(self, positions: Optional[Iterable[int]]) -> None:
+        self._truth = None if positions is None else np.asarray(sorted(positions), dtype=np.int64)
+
+    def reset(self) -> None:
+        self.records = []
+
+    def record(self, s: Selection) -> None:
+        rec = dict(step=len(self.records), layer=s.layer, queries=s.queries, cold_tokens=s.cold_tokens,
+                   cold_pages=s.cold_pages, pages_selected=int(s.pages.shape[1]),
+                   tokens_scored=int(s.tokens_scored), tokens_retrieved=int(s.idx.shape[1]),
+                   indexed=s.indexed)
+        if self._truth is not None:
+            pos, n = s.positions, s.cold_tokens
+            where = np.searchsorted(pos, self._truth)
+            ok = (where < n) & (pos[np.minimum(where, n - 1)] == self._truth)
+            cold_idx = where[ok]
+            if cold_idx.size:
+                ps = s.page_size
+                in_tail = cold_idx >= s.cold_pages * ps
+                page_hit = np.array([[t or (c // ps) in set(pg.tolist()) for c, t in zip(cold_idx, in_tail)]
+                                     for pg in s.pages])
+                tok_hit = np.array([np.isin(cold_idx, row) for row in s.idx])
+                rec.update(needle_tokens=int(cold_idx.size), page_recall=float(page_hit.mean()),
+                           token_recall=float(tok_hit.mean()), token_any=float(tok_hit.any(axis=1).mean()))
+        self.records.append(rec)
+
+
+def summarise(telemetries: Iterable[RetrievalTelemetry], last_steps: Optional[int] = None) -> dict:
+    """Records summed over layers: retrievals, mean pages/tokens retrieved, and where a needle
+    is known the page recall and token recall (mean over heads, layers and steps)."""
+    recs = []
+    for t in telemetries:
+        recs.extend(t.records[-last_steps:] if last_steps else t.records)
+    if not recs:
+        return {"retrievals": 0}
+    out = {"retrievals": len(recs),
+           "cold_tokens": max(r["cold_tokens"] for r in recs),
+           "pages_selected": float(np.mean([r["pages_selected"] for r in recs])),
+           "tokens_scored": float(np.mean([r["tokens_scored"] for r in recs])),
+           "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs])),
+           "indexed": float(np.mean([r["indexed"] for r in recs]))}
+    hits = [r for r in recs if "page_recall" in r]
+    if hits:
+        out.update(page_recall=float(np.mean([r["page_recall"] for r in hits])),
+                   token_recall=float(np.mean([r["token_recall"] for r in hits])),
+                   token_any=float(np.mean([r["token_any"] for r in hits])))
+    return out
