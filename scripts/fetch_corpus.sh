@@ -2,9 +2,10 @@
 # Fetch the training corpus from Debian text packages and write plain UTF-8 text.
 #
 #   scripts/fetch_corpus.sh [OUT_DIR]        (default: data)
-#   scripts/fetch_corpus.sh --shipped-heldout
-#       only the KJV's held-out tail (public domain), written to tinygpt_mlx/data/heldout_kjv.txt:
-#       the default filler/text shipped with the package (needle --filler, perplexity --text)
+#   scripts/fetch_corpus.sh --shipped-heldout [FILE]
+#       only the KJV's held-out tail (public domain), written to FILE (default
+#       tinygpt_mlx/data/heldout_kjv.txt): the text shipped with the package as the default
+#       needle --filler and perplexity --text
 #
 # Sources (all public domain or free licences, installed with apt-get):
 #   bible-kjv    the King James Bible, printed as plain text by the `bible` program
@@ -19,8 +20,8 @@ set -euo pipefail
 
 SHIPPED=""
 if [ "${1:-}" = "--shipped-heldout" ]; then
-    SHIPPED="$(cd "$(dirname "$0")/.." && pwd)/tinygpt_mlx/data/heldout_kjv.txt"
-    shift
+    SHIPPED=${2:-"$(cd "$(dirname "$0")/.." && pwd)/tinygpt_mlx/data/heldout_kjv.txt"}
+    set --
 fi
 OUT=${1:-data}
 HELDOUT_PERCENT=${HELDOUT_PERCENT:-2}
