@@ -48,6 +48,13 @@ def test_reserve_rule():
     assert pr.reserve_for(512, 0) == 1 and pr.reserve_for(2, None) == 1 and pr.reserve_for(3, 5) == 1
 
 
+def test_context_is_unbounded_where_the_cache_can_go_past_it(native):
+    assert pr.context_limit(native, CacheConfig(), None) == native.context_length == 256
+    assert pr.context_limit(native, CacheConfig(), 4096) == 256 and pr.context_limit(native, CacheConfig(), 64) == 64
+    assert pr.context_limit(native, CacheConfig(sink=4, window=64), None) is None      # StreamingLLM: no cut
+    assert pr.context_limit(native, CacheConfig(sink=4, window=64), 1000) == 1000      # unless asked
+
+
 def test_fit_chat_keeps_what_fits_unchanged(native):
     msgs = _chat(1)
     p, stops = pr.fit_chat(native, msgs, 512, 32)

@@ -200,7 +200,7 @@ def fit_chat(loaded: Any, messages: list[dict], limit: Optional[int],
             dropped.append("the first message")
         if system and not head:
             dropped.append("the system prompt")
-        names = " + ".join(n for n, on in (("system", bool(system) and bool(head)),
+        names = " + ".join(n for n, on in (("system", bool(system) and set(system) <= set(head)),
                                            ("first message", first is not None and first in head)) if on)
         kept_desc = (f"{names} ({head_tokens} tokens) and " if names else "") + \
             f"the last {_plural(k, 'turn')} ({len(kids) - head_tokens} tokens)"
