@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import types
 
 import mlx.core as mx
 import numpy as np
@@ -488,6 +489,8 @@ def _same_namespaces(before: dict, after: dict) -> list[str]:
             diffs.append(f"{name} unloaded")
             continue
         for attr in set(ns) | set(now):
+            if attr not in ns and isinstance(now[attr], types.ModuleType):
+                continue    # a submodule imported since (a package gains it as an attribute)
             if ns.get(attr, KeyError) is not now.get(attr, KeyError):
                 diffs.append(f"{name}.{attr}")
     return diffs
