@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from tinygpt_mlx.evaluate import bench as b
+from tinygpt_mlx.evaluate import inputs
 from tinygpt_mlx.evaluate.modes import SPEC_HELP
 from tinygpt_mlx.loading import load
 
@@ -68,27 +68,29 @@ def bench(
         "--plot", help="Write a PNG: decode ms/token and cache MiB against context.", dir_okay=False)] = None,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
+    c.check_writable(json_path, "--json")
+    c.check_writable(plot_path, "--plot")
     with c.guarded():
         ctx = _ints(contexts, "--contexts")
         specs = [s.strip() for s in policies.split(",") if s.strip()]
+        if plot_path is not None:
+            inputs.require_plotting()
         loaded = load(model)
         err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"contexts {ctx}")
         for s in specs:  # a bad spec fails before the model runs
             err.print(f"  {s}: [green]{b.make_policy(s, loaded.model).label}[/green]")
-        with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("warming up", total=None)
-
-            def advance(done: int, total: int, what: str) -> None:
-                bar.update(task, completed=done, total=total, description=what)
-            result = b.bench(loaded.model, specs, ctx, decode_steps,
-                             prefill_chunk or b.PREFILL_CHUNK, progress=advance)
+        with c.Progress("bench (warm-up, then timed prefill chunks and decode steps)", unit="steps") as bar:
+            def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell
+                bar.update(done, total, f"bench · {what}" if bar.live else None)
+            result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
+                             progress=advance)
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)
         result["model"] = loaded.name
         if json_path is not None:
-            json_path.write_text(json.dumps(result, indent=2))
+            c.write_atomic(json_path, json.dumps(result, indent=2))
         if plot_path is not None:
             b.plot(result["rows"], plot_path)
             err.print(f"plot written to {plot_path}")

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tinygpt_mlx.cache.report import bytes_table
+from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table
 from tinygpt_mlx.loading import load
 
 from . import common as c
@@ -34,9 +34,21 @@ def cache_report(
     with c.guarded():
         loaded = load(model)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
-        err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache ...")
-        rows = bytes_table(loaded.model, vocab, lengths, chunk=prefill_chunk or 512,
-                           group_size=kv_group_size, residual=kv_residual)
+        err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
+                  f"({len(REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")
+        longest, policies_done = max(lengths), []
+
+        def measured(label: str, n: int) -> None:  # after each (policy, length)
+            if label not in policies_done:
+                policies_done.append(label)
+            bar.update((len(policies_done) - 1) * longest + n,
+                       description=f"cache-report · {label}" if bar.live else None)
+            if not bar.live:
+                err.print(f"  {label}: {n} tokens measured")
+
+        with c.Progress("cache-report: filling caches", total=len(REPORT_POLICIES) * longest, unit="tok") as bar:
+            rows = bytes_table(loaded.model, vocab, lengths, chunk=prefill_chunk or 512,
+                               group_size=kv_group_size, residual=kv_residual, progress=measured)
     table = Table(title=f"KV cache bytes, {loaded.name} (measured: cache.nbytes after filling)")
     table.add_column("policy")
     for n in sorted(set(lengths)):

@@ -46,10 +46,14 @@ KvShadow = Annotated[Optional[str], typer.Option(
     "--kv-shadow", help="KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds "
     f"only the packed cache) or in ram. Default {field_default(_C, 'shadow_store')}.", show_default=False)]
 Sink = Annotated[Optional[int], typer.Option(
-    "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window).",
+    "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window, or "
+    "--kiv-hot-budget for retrieval).",
     show_default=False)]
 Window = Annotated[Optional[int], typer.Option(
-    "--streaming-llm-window", help="StreamingLLM: keep the last M tokens; the cache stops growing at N + M.",
+    "--streaming-llm-window", help="StreamingLLM: attend to the sink and the last M tokens; the cache stops "
+    "growing at N + M. With KIVI (--kv-quantize int*) only whole frozen groups of G are evicted, never the "
+    "exact residual R, so up to max(M, R) + G - 1 tokens stay stored after the sink (those older than M "
+    "are masked out). Keep N + M within the model's context (sample warns otherwise).",
     show_default=False)]
 RopeMode = Annotated[Optional[str], typer.Option(
     "--streaming-llm-rope", help="StreamingLLM positions: shifted (cache slots, the paper) or absolute "
@@ -94,11 +98,11 @@ PrefillChunk = Annotated[Optional[int], typer.Option(
 def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=None, group_size=None,
                  residual=None, sink=None, window=None, rope_mode=None, hot_budget=None,
                  retrieve_tokens=None, page_size=None, top_pages=None, **extra) -> CacheConfig:
-    """One CacheConfig from command-line values; a bad combination is a BadParameter."""
-    if sink is not None and window is None and hot_budget is None:
-        raise typer.BadParameter("--streaming-llm-sink needs --streaming-llm-window")
+    """One CacheConfig from command-line values; a bad value or combination is a BadParameter
+    naming the flag."""
     if rope_mode is not None and window is None and hot_budget is None:
-        raise typer.BadParameter("--streaming-llm-rope needs --streaming-llm-window")
+        raise typer.BadParameter("needs --streaming-llm-window or --kiv-hot-budget",
+                                 param_hint="'--streaming-llm-rope'")
     try:
         return CacheConfig.from_flags(
             kv_quantize=kv_quantize, kv_quantize_keys=kv_quantize_keys, kv_quantize_values=kv_quantize_values,
@@ -106,7 +110,7 @@ def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=Non
             hot_budget=hot_budget, retrieve_tokens=retrieve_tokens, page_size=page_size,
             top_pages=top_pages, **extra)
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise config_error(e) from None
 
 
 # Every cache flag: command parameter name -> (its option type, the `cache_config` keyword).
@@ -132,6 +136,40 @@ CACHE_OPTIONS = {
     "kiv_positions": (KivPositions, "retrieved_position"),
     "kiv_index_block": (KivIndexBlock, "index_block"),
 }
+
+
+def _flag(annotation) -> str:
+    """The long flag an `Annotated[..., typer.Option("--flag", ...)]` declares."""
+    info = typing.get_args(annotation)[1]
+    # With Annotated, typer takes the first declaration in the `default` slot.
+    return next(d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--"))
+
+
+# Config field (or `CacheConfig.from_flags` keyword) -> the command-line flag that sets it: one
+# table for every command, so that a config error names what the user typed (`config_error`).
+CONFIG_FLAGS: dict[str, str] = {
+    **{keyword: _flag(ann) for ann, keyword in CACHE_OPTIONS.values()},
+    "storage": "--kv-quantize", "key_bits": "--kv-quantize-keys", "value_bits": "--kv-quantize-values",
+    # SampleConfig
+    "max_tokens": "--tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+    "seed": "--seed", "prefill_chunk": "--prefill-chunk", "ignore_eos": "--ignore-eos",
+    # ServerConfig
+    "host": "--host", "port": "--port", "max_slots": "--max-slots", "small_request": "--small-request",
+}
+
+
+def config_error(e: ValueError) -> typer.BadParameter:
+    """A config's ValueError as a usage error naming the flag: `Invalid value for '--tokens':
+    must be an integer >= 0, got -1`. A `ConfigError` carries its field; a plain ValueError
+    (ServerConfig's) is read as "<field> <problem>" when it starts with a known field."""
+    field = getattr(e, "field", None)
+    if field in CONFIG_FLAGS:
+        return typer.BadParameter(e.describe(lambda f: CONFIG_FLAGS.get(f, f)),
+                                  param_hint=f"'{CONFIG_FLAGS[field]}'")
+    head, _, problem = str(e).partition(" ")
+    if field is None and head in CONFIG_FLAGS and problem:
+        return typer.BadParameter(problem, param_hint=f"'{CONFIG_FLAGS[head]}'")
+    return typer.BadParameter(str(e))
 
 
 def with_cache_options(fn=None, **defaults):

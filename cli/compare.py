@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from tinygpt_mlx.evaluate import compare as cmp
@@ -39,8 +38,8 @@ def print_table(result: dict) -> None:
 def compare(
     model: c.ModelArg = None,
     prompts: Annotated[Optional[Path], typer.Option(
-        "--prompts", help="One prompt per line (default: the prompt set shipped with the package).",
-        exists=True, dir_okay=False)] = None,
+        "--prompts", help="UTF-8 text, one prompt per line (default: the prompt set shipped with the package).",
+        show_default=False)] = None,
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {cmp.DEFAULT_TOKENS}.",
         show_default=False)] = None,
@@ -52,6 +51,7 @@ def compare(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
+    c.check_writable(json_path, "--json")
     with c.guarded():
         policies = parse_policies(modes)
         reference = (baseline, parse_policy(baseline))
@@ -62,13 +62,12 @@ def compare(
         for name, config in policies.items():
             err.print(f"  {name}: {config.label()}")
         n = tokens if tokens is not None else cmp.DEFAULT_TOKENS
-        with Progress(console=err, transient=True) as bar:
-            task = bar.add_task("generating", total=len(texts) * (1 + len(policies)))
-            result = cmp.compare(loaded, texts, policies, n, reference,
-                                 progress=lambda: bar.advance(task))
+        runs = len(texts) * (1 + len(policies))
+        with c.Progress(f"compare: {runs} greedy runs of {n} tokens", total=runs * n, unit="tok") as bar:
+            result = cmp.compare(loaded, texts, policies, n, reference, progress=lambda: bar.advance(n))
         print_table(result)
         if json_path is not None:
-            json_path.write_text(json.dumps(result, indent=2))
+            c.write_atomic(json_path, json.dumps(result, indent=2))
 
 
 def register(app: typer.Typer) -> None:

@@ -13,13 +13,15 @@ from . import common as c
 
 def info(model: c.ModelArg = None,
          as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text.")) -> None:
-    """Show a model's config, parameter count, tokenizer and file size."""
+    """Show a model's config, parameter count, tokenizer, file size and checksum state."""
     with c.guarded():
         loaded = load(model)
         out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],
                "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
                "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],
-               "config": loaded.info["config"]}
+               "checksum": loaded.checksum_state, "config": loaded.info["config"]}
+        if loaded.info.get("checksum"):
+            out["checksum_digests"] = loaded.info["checksum"]
         if loaded.info.get("training"):
             out["training"] = loaded.info["training"]
         if as_json:
@@ -28,6 +30,7 @@ def info(model: c.ModelArg = None,
         for k in ("path", "kind", "parameters", "context_length", "tokenizer", "vocab_size"):
             print(f"{k:15} {out[k]}")
         print(f"{'file size':15} {c.fmt_bytes(out['file_bytes'])}")
+        print(f"{'checksum':15} {out['checksum']}")
         print("config")
         for k, v in out["config"].items():
             if not isinstance(v, (dict, list)):

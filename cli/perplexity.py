@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate import inputs
 from tinygpt_mlx.evaluate import perplexity as ppl
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
 from tinygpt_mlx.loading import load
@@ -24,8 +24,11 @@ from .common import err
 def perplexity(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
-    text: Annotated[Path, typer.Option(
-        "--text", help="UTF-8 text to score.", exists=True, dir_okay=False)] = ...,
+    text: Annotated[Optional[Path], typer.Option(
+        "--text", help="UTF-8 text to score (default: the King James Bible's held-out tail shipped with "
+        "the package, its first context-length tokens unless --max-tokens; the docs' numbers used "
+        "data/heldout.txt from scripts/fetch_corpus.sh).",
+        show_default=False)] = None,
     max_tokens: Annotated[Optional[int], typer.Option(
         "--max-tokens", help="Score only the first N tokens of the text.", show_default=False)] = None,
     baseline: Annotated[str, typer.Option(
@@ -44,6 +47,7 @@ def perplexity(
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
     config = cache_config
     flags_given = config != CacheConfig()
+    c.check_writable(json_path, "--json")
     with c.guarded():
         if modes is not None and flags_given:
             raise ValueError("give --modes or cache flags, not both")
@@ -51,20 +55,22 @@ def perplexity(
             raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
         policies = parse_policies(modes) if modes is not None else {config.label(): config}
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
+        source = inputs.read_text(text or inputs.HELDOUT_KJV)
         loaded = load(model)
-        ids = loaded.tokenizer.encode(text.read_text(encoding="utf-8"))[:max_tokens]
+        if text is None and max_tokens is None and loaded.context_length:
+            max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
+        ids = loaded.tokenizer.encode(source)[:max_tokens]
         err.print(f"[bold]perplexity[/bold] · model [cyan]{loaded.name}[/cyan] (context "
-                  f"{loaded.context_length}) · {len(ids)} tokens · baseline "
+                  f"{loaded.context_length}) · {len(ids)} tokens of {text or 'the shipped KJV held-out text'} · "
+                  f"baseline "
                   f"{reference.label() if reference else 'none'}")
         for name, policy in policies.items():
             err.print(f"  {name}: [green]{policy.label()}[/green]")
-        columns = (TextColumn("scoring"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-        with Progress(*columns, console=err, transient=True) as bar:
-            task = bar.add_task("scoring", total=max(len(ids) - 1, 0))
+        with c.Progress("perplexity: scoring", total=max(len(ids) - 1, 0), unit="tok") as bar:
             results = ppl.perplexities(
                 loaded.model, ids, policies, reference,
                 prefill_tokens if prefill_tokens is not None else ppl.PREFILL_TOKENS,
-                loaded.context_length, progress=lambda done, total: bar.update(task, completed=done))
+                loaded.context_length, progress=lambda done, total: bar.update(done, total))
         print_table(results, baseline if reference else None)
         if json_path is not None:
             rows = {name: dict(r.to_dict(), policy=policies[name].describe()) for name, r in results.items()}
@@ -74,7 +80,7 @@ def perplexity(
                 first = next(iter(results.values()))
                 out = {"tokens": first.tokens, "baseline": baseline,
                        "baseline_perplexity": first.baseline_perplexity, "modes": rows}
-            json_path.write_text(json.dumps(out, indent=2))
+            c.write_atomic(json_path, json.dumps(out, indent=2))
 
 
 def print_table(results: dict, baseline: Optional[str]) -> None:

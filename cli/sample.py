@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
-from tinygpt_mlx.generate import stream_generate
+from tinygpt_mlx.generate import check_context, stream_generate
 from tinygpt_mlx.loading import load
 
 from . import common as c
@@ -17,12 +20,15 @@ from .common import err
 
 _S = SampleConfig
 
+# Prefill progress is shown for prompts longer than one prefill chunk or at least this long.
+PREFILL_PROGRESS_TOKENS = 1024
+
 
 def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
     info = loaded.info
-    err.print(f"[bold]posttrainllm[/bold] · model [cyan]{loaded.name}[/cyan] ({loaded.kind}, "
+    err.print(f"[bold]posttrainllm[/bold] · model [cyan]{escape(loaded.name)}[/cyan] ({escape(loaded.kind)}, "
               f"{info.get('parameters', 0) / 1e6:.2f}M parameters, context {loaded.context_length})")
-    err.print(f"cache policy: [green]{cache_config.label()}[/green]")
+    err.print(f"cache policy: [green]{escape(cache_config.label())}[/green]")
     s = sample_config
     err.print(f"sampling: temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}, seed {s.seed}, "
               f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}")
@@ -32,9 +38,9 @@ def print_report(r: dict) -> None:
     stored = f"stored {r['stored_count']}"
     if r["stored_count"] != r["current_length"]:
         stored += " (StreamingLLM cap)" if "streaming_llm" in r["policy"] else " (policy cap)"
-    parts = ", ".join(f"{k} {c.fmt_bytes(v)}" for k, v in r["cache_bytes_breakdown"].items() if v)
+    parts = ", ".join(f"{escape(k)} {c.fmt_bytes(v)}" for k, v in r["cache_bytes_breakdown"].items() if v)
     err.print(f"\n[bold]report[/bold]: prompt {r['prompt_tokens']} tokens, generated {r['generated_tokens']} "
-              f"({r['finish_reason']}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
+              f"({escape(r['finish_reason'])}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
     disk = r["cache_disk_bytes"]
     where = (f", {c.fmt_bytes(r['cache_bytes'] - disk)} in RAM + {c.fmt_bytes(disk)} memory-mapped on disk"
@@ -43,59 +49,174 @@ def print_report(r: dict) -> None:
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
 
 
+def note(message: str) -> None:
+    err.print(f"[dim]note:[/dim] {escape(message)}")
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/yellow] {escape(message)}")
+
+
+def read_prompt_file(path: Path) -> str:
+    """The prompt file's text; an unreadable, non-UTF-8 or empty file is a usage error naming it."""
+    hint = "'--prompt-file'"
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise typer.BadParameter(f"cannot read {path}: {e.strerror or e}", param_hint=hint) from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise typer.BadParameter(f"{path} is not UTF-8 text ({e.reason}: byte 0x{data[e.start]:02x} at offset "
+                                 f"{e.start})", param_hint=hint) from None
+    if not text:
+        raise typer.BadParameter(f"{path} is empty; omit --prompt-file to sample unconditionally from the "
+                                 "start token", param_hint=hint)
+    return text
+
+
+def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional[str]:
+    """Up front: a shifted policy whose cache slots reach past the trained context.
+
+    Shifted RoPE puts keys at cache slots, so the largest query-key distance is the span the
+    policy attends to: sink + window for StreamingLLM; sink + the retrieved tokens' slots
+    (1 with --kiv-positions fixed, --kiv-top-p with slots) + hot budget for retrieval.
+    """
+    if not context or cfg.rope_mode != "shifted":
+        return None
+    if cfg.streaming and cfg.sink + cfg.window > context:
+        return (f"StreamingLLM sink {cfg.sink} + window {cfg.window} = {cfg.sink + cfg.window} positions exceed "
+                f"the model's trained context ({context}), so attention reaches untrained positions; keep "
+                f"--streaming-llm-sink + --streaming-llm-window <= {context}")
+    if cfg.retrieval:
+        slots = 1 if cfg.retrieved_position == "fixed" else cfg.retrieve_tokens
+        span = cfg.sink + slots + cfg.hot_budget
+        if span > context:
+            return (f"retrieval spans sink {cfg.sink} + {slots} retrieved slot(s) + hot budget {cfg.hot_budget} "
+                    f"= {span} positions, past the model's trained context ({context}); keep that sum "
+                    f"<= {context} (lower --kiv-hot-budget)")
+    return None
+
+
+def passing_context_warning(context: int, cfg: CacheConfig) -> Optional[str]:
+    """What to say when the tokens seen pass the trained context: only where positions keep
+    growing (the full cache, or absolute RoPE positions under a window or retrieval)."""
+    if cfg.streaming or cfg.retrieval:
+        if cfg.rope_mode != "absolute":
+            return None
+        return (f"generation passed the model's trained context ({context} tokens): with "
+                "--streaming-llm-rope absolute, positions keep growing past it; --streaming-llm-rope "
+                "shifted keeps them inside")
+    return (f"generation passed the model's trained context ({context} tokens): the full cache keeps every "
+            "token, so attention now spans positions the model was never trained on; a window "
+            "(--streaming-llm-window) or retrieval (--kiv-hot-budget) keeps it inside")
+
+
 @c.with_cache_options
 def sample(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
-    prompt: Annotated[Optional[str], typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", "-p", help="Prompt text. Omit it (and --prompt-file) to sample unconditionally from the "
+        "start token; an empty --prompt '' is an error.")] = None,
     prompt_file: Annotated[Optional[Path], typer.Option(
-        "--prompt-file", help="Read the prompt from this UTF-8 file.", exists=True, dir_okay=False)] = None,
+        "--prompt-file", help="Read the prompt from this UTF-8 file (not empty).", exists=True,
+        dir_okay=False)] = None,
     tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", "-n", help=f"Tokens to generate. Default {field_default(_S, 'max_tokens')}.",
-        show_default=False)] = None,
+        "--tokens", "-n", help="Tokens to generate; 0 = prefill only (no text; the report times the prefill). "
+        f"Default {field_default(_S, 'max_tokens')}.", show_default=False)] = None,
     temperature: Annotated[Optional[float], typer.Option(
         help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
         show_default=False)] = None,
     top_p: Annotated[Optional[float], typer.Option(
         "--top-p", help=f"Nucleus sampling mass. Default {field_default(_S, 'top_p')}.", show_default=False)] = None,
     top_k: Annotated[Optional[int], typer.Option(
-        "--top-k", help="Keep only the k most likely tokens (0 = off).", show_default=False)] = None,
+        "--top-k", help=f"Keep only the k most likely tokens (0 = off). Default {field_default(_S, 'top_k')}.",
+        show_default=False)] = None,
     seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")] = None,
     prefill_chunk: c.PrefillChunk = None,
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Keep generating past the end-of-text token (for long runs).")] = False,
     report_json: Annotated[Optional[Path], typer.Option(
-        "--report-json", help="Also write the report as JSON to this path.", dir_okay=False)] = None,
+        "--report-json", help="Also write the report as JSON to this path (checked writable before the "
+        "model loads).", dir_okay=False)] = None,
 ) -> None:
-    """Generate text: banner and report on stderr, only the generated text on stdout."""
+    """Generate text: banner, notes and report on stderr, only the generated text on stdout.
+
+    No prompt at all samples unconditionally from the start token (a note says so); an empty
+    --prompt '' or --prompt-file is an error. --tokens 0 only runs the prefill. A prompt longer
+    than one prefill chunk (or 1024 tokens) shows prefill progress on stderr. Passing the model's
+    trained context, or a window / retrieval span wider than it, is warned about once on stderr.
+    """
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both")
+    if prompt == "":
+        raise typer.BadParameter("is empty; omit --prompt to sample unconditionally from the start token",
+                                 param_hint="'--prompt'")
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
             prefill_chunk=prefill_chunk, ignore_eos=ignore_eos).items() if v is not None})
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise c.config_error(e) from None
+    c.check_writable(report_json, "--report-json")
+    text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     with c.guarded():
-        text = prompt_file.read_text(encoding="utf-8") if prompt_file else (prompt or "")
         loaded = load(model)
-        ids = loaded.tokenizer.encode(text) if text else []
-        if not ids:
+        if text is None:
             bos = loaded.tokenizer.eos_id
             if bos is None:
-                raise ValueError("the prompt is empty and the model has no BOS/EOS token to start from")
+                raise ValueError("no prompt given and the model has no BOS/EOS token to start from; "
+                                 "give --prompt or --prompt-file")
             ids = [bos]
+        else:
+            ids = loaded.tokenizer.encode(text)
+            if not ids:
+                raise ValueError("the prompt encodes to no tokens")
+        context = loaded.context_length
+        check_context(len(ids), context, cache_config)
         banner(loaded, cache_config, sample_config, len(ids))
-        report = None
-        for chunk in stream_generate(loaded, ids, cache_config, sample_config):
-            if chunk.text:
-                c.write_stdout(chunk.text)
-            if chunk.done:
-                report = chunk.stats.report()
-        c.write_stdout("\n")
+        if text is None:
+            note(f"no prompt given: sampling unconditionally from the start token (id {ids[0]})")
+        if sample_config.max_tokens == 0:
+            note("--tokens 0: prefill only, no text is generated; the report times the prefill")
+        upfront = config_context_warning(context, cache_config)
+        if upfront:
+            warn(upfront)
+        passing = passing_context_warning(context, cache_config) if context else None
+        report = run(loaded, ids, cache_config, sample_config, context, passing)
         print_report(report)
         if report_json is not None:
-            report_json.write_text(json.dumps(report, indent=2))
+            c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")
+
+
+def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: SampleConfig,
+        context: Optional[int], passing: Optional[str]) -> dict:
+    """Stream the text to stdout; prefill progress and the context warning on stderr."""
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415
+
+    cache = make_cache(loaded.model, cache_config)
+    long = len(ids) > sample_config.prefill_chunk or len(ids) >= PREFILL_PROGRESS_TOKENS
+    wrote, report = "", None
+    with contextlib.ExitStack() as prefilling:
+        bar = prefilling.enter_context(c.Progress("prefill", total=len(ids), unit="tok")) if long else None
+        stream = stream_generate(loaded, ids, cache_config, sample_config, cache=cache,
+                                 progress=bar.update if bar is not None else None)
+        for chunk in stream:
+            prefilling.close()  # the first chunk comes after the prefill
+            if chunk.text:
+                c.write_stdout(chunk.text)
+                wrote = chunk.text
+            if passing and cache.current_length > context:
+                if wrote and not wrote.endswith("\n") and sys.stdout.isatty() and err.is_terminal:
+                    err.print()  # the warning on a line of its own, between the text
+                warn(passing)
+                passing = None
+            if chunk.done:
+                report = chunk.stats.report()
+    if wrote:
+        c.write_stdout("\n")
+    return report
 
 
 def register(app: typer.Typer) -> None:

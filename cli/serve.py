@@ -43,7 +43,7 @@ def serve(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
             prefill_chunk=prefill_chunk).items() if v is not None})
     except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
+        raise c.config_error(e) from None
     with c.guarded():
         # The web stack is imported here, not at the top: it is only needed by this command,
         # and importing it costs every other command (and `--help`) a third of a second.

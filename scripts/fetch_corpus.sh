@@ -2,6 +2,10 @@
 # Fetch the training corpus from Debian text packages and write plain UTF-8 text.
 #
 #   scripts/fetch_corpus.sh [OUT_DIR]        (default: data)
+#   scripts/fetch_corpus.sh --shipped-heldout [FILE]
+#       only the KJV's held-out tail (public domain), written to FILE (default
+#       tinygpt_mlx/data/heldout_kjv.txt): the text shipped with the package as the default
+#       needle --filler and perplexity --text
 #
 # Sources (all public domain or free licences, installed with apt-get):
 #   bible-kjv    the King James Bible, printed as plain text by the `bible` program
@@ -14,15 +18,23 @@
 # data/ is gitignored: the corpus is never committed.
 set -euo pipefail
 
+SHIPPED=""
+if [ "${1:-}" = "--shipped-heldout" ]; then
+    SHIPPED=${2:-"$(cd "$(dirname "$0")/.." && pwd)/tinygpt_mlx/data/heldout_kjv.txt"}
+    set --
+fi
 OUT=${1:-data}
 HELDOUT_PERCENT=${HELDOUT_PERCENT:-2}
 GCIDE_MAX_BYTES=${GCIDE_MAX_BYTES:-8000000}
 PACKAGES="bible-kjv fortunes dict-gcide"
+[ -z "$SHIPPED" ] || PACKAGES="bible-kjv"
 
 missing=""
 command -v bible >/dev/null 2>&1 || missing="$missing bible-kjv"
-[ -f /usr/share/games/fortunes/fortunes ] || missing="$missing fortunes"
-[ -f /usr/share/dictd/gcide.dict.dz ] || missing="$missing dict-gcide"
+if [ -z "$SHIPPED" ]; then
+    [ -f /usr/share/games/fortunes/fortunes ] || missing="$missing fortunes"
+    [ -f /usr/share/dictd/gcide.dict.dz ] || missing="$missing dict-gcide"
+fi
 if [ -n "$missing" ]; then
     SUDO=""
     [ "$(id -u)" -eq 0 ] || SUDO="sudo"
@@ -31,7 +43,6 @@ if [ -n "$missing" ]; then
         $SUDO apt-get update >&2 && $SUDO apt-get install -y --no-install-recommends $PACKAGES >&2; }
 fi
 
-mkdir -p "$OUT/corpus"
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 
@@ -45,6 +56,16 @@ bible -f Gen1:1-Rev22:21 | awk '
         sub(/^[^ ]+ /, "")
         print
     }' > "$TMP/kjv.txt"
+
+# Lines of a source kept for training (the first 100 - HELDOUT_PERCENT %); the rest are held out.
+keep_lines() { local lines; lines=$(wc -l < "$1"); echo $(( lines - lines * HELDOUT_PERCENT / 100 )); }
+
+if [ -n "$SHIPPED" ]; then
+    tail -n +"$(( $(keep_lines "$TMP/kjv.txt") + 1 ))" "$TMP/kjv.txt" > "$SHIPPED"
+    wc -c "$SHIPPED" >&2
+    exit 0
+fi
+mkdir -p "$OUT/corpus"
 
 # Fortunes: every English fortune file except ASCII art; "%" separators become blank lines.
 for f in /usr/share/games/fortunes/*; do
@@ -79,8 +100,7 @@ set -o pipefail
 
 : > "$OUT/heldout.txt"
 for name in kjv fortunes gcide; do
-    lines=$(wc -l < "$TMP/$name.txt")
-    keep=$(( lines - lines * HELDOUT_PERCENT / 100 ))
+    keep=$(keep_lines "$TMP/$name.txt")
     head -n "$keep" "$TMP/$name.txt" > "$OUT/corpus/$name.txt"
     tail -n +"$(( keep + 1 ))" "$TMP/$name.txt" >> "$OUT/heldout.txt"
     echo >> "$OUT/heldout.txt"

@@ -9,11 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+from pathlib import Path
 
 from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.corpus import make_needle_doc_tokens
 from tinygpt_mlx.evaluate import retrieval_bench as rb
-from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER
+from tinygpt_mlx.evaluate.inputs import CORPUS_HELDOUT, read_text
 from tinygpt_mlx.loading import load
 
 
@@ -36,14 +38,18 @@ def main() -> None:
     ap.add_argument("--cold-store", default="ram")
     ap.add_argument("--storage", default="fp32")
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
-    ap.add_argument("--filler", help="haystack text (default data/heldout.txt)")
+    ap.add_argument("--filler", help="haystack text (default data/heldout.txt, which the docs' numbers "
+                    "used: scripts/fetch_corpus.sh; the package ships tinygpt_mlx/data/heldout_kjv.txt)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    try:
+        filler = read_text(a.filler or Path(__file__).resolve().parents[1] / CORPUS_HELDOUT)
+    except (FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
     loaded = load(a.model)
     cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
                       page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
                       summary=a.summary, index_block=a.index_block)
-    filler = open(a.filler or DEFAULT_FILLER, encoding="utf-8").read()
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)
     out = {"model": loaded.name, "policy": cfg.describe()}

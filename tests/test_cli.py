@@ -64,16 +64,16 @@ def test_mlx_lm_directory(llama_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--kv-quantize", "int3"], "kv-quantize must be one of"),
+    (["--kv-quantize", "int3"], "'--kv-quantize': must be one of"),
     (["--streaming-llm-sink", "4"], "needs --streaming-llm-window"),
-    (["--streaming-llm-sink", "-1", "--streaming-llm-window", "8"], "sink must be"),
-    (["--streaming-llm-window", "0"], "window must be"),
-    (["--streaming-llm-window", "8", "--streaming-llm-rope", "sideways"], "rope_mode"),
+    (["--streaming-llm-sink", "-1", "--streaming-llm-window", "8"], "'--streaming-llm-sink': must be"),
+    (["--streaming-llm-window", "0"], "'--streaming-llm-window': must be"),
+    (["--streaming-llm-window", "8", "--streaming-llm-rope", "sideways"], "'--streaming-llm-rope'"),
     (["--streaming-llm-rope", "absolute"], "needs --streaming-llm-window"),
-    (["--temperature", "-1"], "temperature"),
-    (["--top-p", "0"], "top_p"),
-    (["--tokens", "-5"], "max_tokens"),
-    (["--prefill-chunk", "0"], "prefill_chunk"),
+    (["--temperature", "-1"], "'--temperature'"),
+    (["--top-p", "0"], "'--top-p'"),
+    (["--tokens", "-5"], "'--tokens'"),
+    (["--prefill-chunk", "0"], "'--prefill-chunk'"),
 ])
 def test_bad_flags_exit_nonzero_with_one_clear_line(native_path, args, message):
     r = run("sample", native_path, "-p", "hi", *args)

@@ -280,7 +280,7 @@ def test_cli_sample_kv_quantize_int4(native32_path, native_path, tmp_path):
     assert r.exit_code != 0 and "kv-exact-topk" in r.output
     r = runner.invoke(app, ["sample", str(native32_path), "-p", "hello", "-n", "4", "--kv-quantize", "int4",
                             "--kv-shadow", "ram"])
-    assert r.exit_code != 0 and "only applies with exact_topk" in r.output
+    assert r.exit_code != 0 and "'--kv-shadow': only applies with --kv-exact-topk" in r.output
 
 
 def test_cli_cache_report(native32_path):

@@ -174,12 +174,15 @@ def test_background_title_request_keeps_the_chat_warm(native, name):
 
 
 def test_truncation_to_num_ctx_is_reported(server, name):
+    # context 32, num_predict 8: the prompt gets 32 - 8 = 24 tokens, its first num_keep 5 and newest 19
     r = httpx.post(server + "/api/generate", json={
-        "model": name, "prompt": LONG, "stream": False, "options": dict(GREEDY, num_ctx=32)}, timeout=30)
+        "model": name, "prompt": LONG, "stream": False, "options": dict(GREEDY, num_ctx=32, num_keep=5)},
+        timeout=30)
     body = r.json()
-    assert r.status_code == 200 and body["truncated"]["kept_tokens"] == 31
-    assert body["prompt_tokens"] == 31 and "X-Prompt-Truncated" in r.headers
-    assert body["prompt_tokens"] + body["eval_count"] <= 33
+    assert r.status_code == 200 and body["truncated"]["kept_tokens"] == 24
+    assert body["truncated"]["num_keep"] == 5 and body["truncated"]["reserved"] == 8
+    assert body["prompt_tokens"] == 24 and "X-Prompt-Truncated" in r.headers
+    assert body["prompt_tokens"] + body["eval_count"] <= 32
 
 
 def test_errors(server, client, oai, name):

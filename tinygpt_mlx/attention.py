@@ -9,9 +9,10 @@ model's modules (KIV does the same to Hugging Face models) and returns a `Routin
 `close()` restores exactly what it replaced. `loading.load` does this and the loaded model owns
 the handle; building a cache never installs anything.
 
-The function dispatches on the cache: one of ours that holds packed or retrieved data attends
-over its own segments (`cache.attend`); any other cache gets mlx-lm's attention over the keys
-and values that `update_and_fetch` returned.
+The function dispatches on the cache: one of ours attends over its own segments
+(`cache.attend`: dense attention over its exact K/V, or scores straight from packed and
+retrieved data), so its `update_and_fetch` never has to assemble anything; any other cache
+gets mlx-lm's attention over the keys and values that `update_and_fetch` returned.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ _reference = False   # set by `reference_path()`
 
 @contextlib.contextmanager
 def reference_path() -> Iterator[None]:
-    """Within the block, attention ignores the caches' own segments and runs mlx-lm's dense
-    attention over what `update_and_fetch` returned (every packed block dequantised): the
-    reference that tests compare the packed fast path against. Retrieval has no reference
-    here (the dense K/V hold only the sink and the hot window)."""
+    """Within the block, attention over our caches runs mlx-lm's dense attention over
+    `cache.fetch()` (every stored token dense, packed blocks dequantised) instead of the
+    caches' own segments: the reference that tests compare the fast path against. Retrieval
+    has no reference here (the dense K/V hold only the sink and the hot window)."""
     global _reference
     before, _reference = _reference, True
     try:
@@ -46,12 +47,17 @@ def reference_path() -> Iterator[None]:
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Optional[Any], sinks: Optional[mx.array] = None
                                  ) -> mx.array:
-    """Dense attention, or the cache's own attention when it holds packed/retrieved data."""
-    if not _reference and getattr(cache, "needs_query", False):
-        if sinks is not None:
-            raise ValueError("posttrainllm caches do not support learned attention sinks yet")
-        return cache.attend(queries, scale, mask)
-    return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    """Attention for one layer call. A posttrainllm layer cache attends over its own segments
+    (its `update_and_fetch` returned only the new tokens); any other cache, or none, gets
+    mlx-lm's attention over the `keys`/`values` it was handed."""
+    if not getattr(cache, "reads_own_segments", False):
+        return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if sinks is not None:
+        raise ValueError("posttrainllm caches do not support learned attention sinks yet")
+    if _reference:
+        keys, values = cache.fetch()
+        return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
+    return cache.attend(queries, scale, mask)
 
 
 def _attention_modules(model: Any) -> list[str]:

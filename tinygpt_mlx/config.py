@@ -2,7 +2,8 @@
 
 `ModelConfig` describes the native TinyGPT, `CacheConfig` the KV-cache policy (precision x
 eviction x retrieval, composed in one object) and `SampleConfig` the decoding settings. Each
-validates itself in `__post_init__` and raises `ValueError` naming the bad value.
+validates itself in `__post_init__` and raises `ConfigError` (a `ValueError`) that carries the
+bad field's name, so that a front end can name its own spelling of it (the CLI names the flag).
 """
 
 from __future__ import annotations
@@ -20,9 +21,26 @@ COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "slots")
 
 
+class ConfigError(ValueError):
+    """A bad configuration value. `field` is the field (or `CacheConfig.from_flags` keyword) at
+    fault; `problem` is the message without it, where `{other}` stands for another field the
+    message refers to (listed in `related`). `str(e)` names fields as they are spelt here;
+    `describe(name)` spells them with `name(field)` instead, e.g. as command-line flags."""
+
+    def __init__(self, field: str, problem: str, related: tuple[str, ...] = ()):
+        self.field, self.problem, self.related = field, problem, tuple(related)
+        super().__init__(f"{field} {self.describe()}")
+
+    def describe(self, name=lambda field: field) -> str:
+        text = self.problem
+        for other in self.related:
+            text = text.replace("{" + other + "}", name(other))
+        return text
+
+
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -128,45 +146,49 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
-            raise ValueError(f"storage must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
-        for name in ("key_bits", "value_bits", "cold_bits"):
+            raise ConfigError("storage", f"must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
+        for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if bits is not None and bits not in QUANT_BITS.values():
-                raise ValueError(f"{name} must be 8, 4 or 2, got {bits!r}")
+                raise ConfigError(name, f"must be 8, 4 or 2, got {bits!r}")
         _positive("group_size", self.group_size)
         _positive("residual", self.residual, 0)
         if self.quantised and self.residual % self.group_size:
-            raise ValueError(f"residual {self.residual} must be a multiple of group_size {self.group_size}")
+            raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "
+                              f"got {self.residual}", ("group_size",))
         _positive("exact_topk", self.exact_topk, 0)
         if self.exact_topk and not self.quantised:
-            raise ValueError("exact_topk (--kv-exact-topk) refines a KIVI cache: it needs int8/int4/int2 keys or values")
+            raise ConfigError("exact_topk", "refines a KIVI cache: it needs int8/int4/int2 keys or values "
+                              "({kv_quantize})", ("kv_quantize",))
         if self.shadow_store not in COLD_STORES:
-            raise ValueError(f"shadow_store must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
+            raise ConfigError("shadow_store", f"must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
         if self.shadow_store != "disk" and not self.exact_topk:
-            raise ValueError("shadow_store (--kv-shadow) only applies with exact_topk (--kv-exact-topk K)")
+            raise ConfigError("shadow_store", "only applies with {exact_topk}", ("exact_topk",))
         _positive("sink", self.sink, 0)
         if self.window is not None:
             _positive("window", self.window)
         elif self.sink and self.hot_budget is None:
-            raise ValueError("a StreamingLLM sink needs a window (--streaming-llm-window)")
+            raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
+                              ("window", "hot_budget"))
         if self.rope_mode not in ROPE_MODES:
-            raise ValueError(f"rope_mode must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
+            raise ConfigError("rope_mode", f"must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
         if self.hot_budget is not None:
             _positive("hot_budget", self.hot_budget)
             if self.window is not None:
-                raise ValueError("retrieval (hot budget) and a StreamingLLM window cannot both be set")
+                raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
+                                  "eviction are alternatives", ("window",))
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
         _positive("index_block", self.index_block, 0)
         if self.summary not in SUMMARY_KINDS:
-            raise ValueError(f"summary must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
+            raise ConfigError("summary", f"must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
         if self.cold_store not in COLD_STORES:
-            raise ValueError(f"cold_store must be one of {', '.join(COLD_STORES)}, got {self.cold_store!r}")
+            raise ConfigError("cold_store", f"must be one of {', '.join(COLD_STORES)}, got {self.cold_store!r}")
         if self.retrieved_position not in RETRIEVED_POSITIONS:
-            raise ValueError(f"retrieved_position must be one of {', '.join(RETRIEVED_POSITIONS)}, "
-                             f"got {self.retrieved_position!r}")
+            raise ConfigError("retrieved_position", f"must be one of {', '.join(RETRIEVED_POSITIONS)}, "
+                              f"got {self.retrieved_position!r}")
         if self.cold_bits is not None and self.cold_bits not in (8, 4):
-            raise ValueError(f"cold_bits must be 8 or 4, got {self.cold_bits!r}")
+            raise ConfigError("cold_bits", f"must be 8 or 4, got {self.cold_bits!r}")
 
     @property
     def quantised(self) -> bool:
@@ -192,13 +214,14 @@ class CacheConfig:
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
         choice = kv_quantize or "fp32"
         if choice not in KV_QUANTIZE_CHOICES:
-            raise ValueError(f"kv-quantize must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
+            raise ConfigError("kv_quantize", f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
         if choice in QUANT_BITS:
             kwargs.setdefault("key_bits", QUANT_BITS[choice])
             kwargs.setdefault("value_bits", QUANT_BITS[choice])
         else:
             kwargs.setdefault("storage", choice)
-        for name, flag in (("key_bits", kv_quantize_keys), ("value_bits", kv_quantize_values)):
+        for name, keyword, flag in (("key_bits", "kv_quantize_keys", kv_quantize_keys),
+                                    ("value_bits", "kv_quantize_values", kv_quantize_values)):
             if flag is None:
                 continue
             if flag in QUANT_BITS:
@@ -206,8 +229,7 @@ class CacheConfig:
             elif flag in STORAGE_DTYPES:
                 kwargs[name] = None
             else:
-                raise ValueError(f"{name.replace('_bits', '')} precision must be one of "
-                                 f"{', '.join(KV_QUANTIZE_CHOICES)}, got {flag!r}")
+                raise ConfigError(keyword, f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {flag!r}")
         return cls(**kwargs)
 
     def describe(self) -> dict:
@@ -266,9 +288,9 @@ class SampleConfig:
     def __post_init__(self) -> None:
         _positive("max_tokens", self.max_tokens, 0)
         if not (self.temperature >= 0):
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+            raise ConfigError("temperature", f"must be >= 0, got {self.temperature!r}")
         if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         _positive("top_k", self.top_k, 0)
         _positive("prefill_chunk", self.prefill_chunk)
 

@@ -4,6 +4,7 @@ returned as the same `LoadedModel` either way.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,9 +24,20 @@ DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
 
 @dataclass
 class LoadedModel:
-    """A model, its tokenizer, and the routing of its attention through ours
-    (`attention.install`, done by `load`): `close()` or leaving a `with` block undoes it."""
+    """A model ready for sampling, whatever its kind.
 
+    model           the MLX module (`model(tokens, cache=...)` gives logits)
+    tokenizer       `Tokenizer`: encode / decode / eos_ids, for both kinds
+    kind            "tinygpt" (a native `.tinygpt` file) or "mlx-lm" (a model directory)
+    context_length  the trained context, or None if the model does not say
+    info            config, parameter count, file size; for native files also `training`
+                    (the extra metadata) and `checksum` (see `checksum_state`)
+
+    routing         the routing of its attention through ours (`attention.install`, done
+                    by `load`): `close()` or leaving a `with` block undoes it
+
+    Generate with `tinygpt_mlx.generate_text(loaded, prompt, ...)` for either kind.
+    """
     model: Any
     tokenizer: Tokenizer
     kind: str                     # "tinygpt" or "mlx-lm"
@@ -49,6 +61,27 @@ class LoadedModel:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def mlx_tokenizer(self) -> Any:
+        """mlx-lm's `TokenizerWrapper`, for calling mlx-lm's own functions
+        (`mlx_lm.generate(loaded.model, loaded.mlx_tokenizer, ...)`). Only mlx-lm model
+        directories have one: for a native `.tinygpt` model this raises `AttributeError`
+        (use `tinygpt_mlx.generate_text`, which works for both kinds)."""
+        wrapper = self.tokenizer._wrapper
+        if wrapper is None:
+            raise AttributeError(f"{self.path}: a native .tinygpt model has no mlx-lm tokenizer; "
+                                 "use tinygpt_mlx.generate_text(loaded, prompt) instead")
+        return wrapper
+
+    @property
+    def checksum_state(self) -> str:
+        """One line for `info`: 'verified sha256 …', 'none (saved before checksums existed)',
+        or 'not applicable (mlx-lm model directory)'."""
+        if self.kind != "tinygpt":
+            return "not applicable (mlx-lm model directory)"
+        c = self.info.get("checksum")
+        return f"verified {c['algorithm']} {c['tensors'][:16]}…" if c else "none (saved before checksums existed)"
+
 
 def default_model_path() -> Path:
     """The shipped default model; a clear error when none is shipped."""
@@ -69,14 +102,16 @@ def load(path: Union[str, Path, None] = None) -> LoadedModel:
 
 
 def _load_native(path: Path) -> LoadedModel:
-    model, tok_json, extra = tinygpt_format.load(path)
+    loaded_file = tinygpt_format.load_file(path)   # verifies the checksum when the file has one
+    model, tok_json, extra = loaded_file.model, loaded_file.tokenizer_json, loaded_file.extra
     try:
         tokenizer = Tokenizer.from_json(tok_json)
     except Exception as e:  # tokenizers raises plain Exception subclasses
         raise ModelFormatError(f"{path}: invalid tokenizer ({str(e).splitlines()[0]})") from None
     cfg = model.config
     info = {"config": cfg.to_dict(), "parameters": count_parameters(model),
-            "file_bytes": path.stat().st_size, "training": extra}
+            "file_bytes": path.stat().st_size, "training": extra,
+            "checksum": dataclasses.asdict(loaded_file.checksum) if loaded_file.checksum else None}
     return LoadedModel(model, tokenizer, "tinygpt", path, cfg.context_length, info)
 
 

@@ -110,23 +110,28 @@ class LayerCache:
     def stored_count(self) -> int:
         return len(self.sink_store) + len(self.body)
 
+    #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
+    reads_own_segments = True
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the new tokens; return every stored token dense (`fetch`, built lazily: when
-        our attention reads the segments instead, these arrays are never evaluated)."""
+        """Store the new tokens [B, H, L, D] and return them as given, whatever the policy:
+        attention reads the stored tokens itself (`attend`), and `fetch()` assembles them
+        dense for the reference path."""
         L = keys.shape[2]
         self.evict_middle_if_needed(pending=L)
         if self.dtype is None:
             self.dtype = keys.dtype
+        stored = keys
         if self.positions.shifted:
-            keys = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_in_use()))
+            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_in_use()))
         n_sink = max(0, min(L, self.config.sink - len(self.sink_store)))
         if n_sink:
-            self.sink_store.append(keys[..., :n_sink, :], values[..., :n_sink, :])
+            self.sink_store.append(stored[..., :n_sink, :], values[..., :n_sink, :])
             if len(self.body) == 0:
                 self.start = self.seen + n_sink
-        self.body.append(keys[..., n_sink:, :], values[..., n_sink:, :])
+        self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
         self.seen += L
-        return self.fetch()
+        return keys, values
 
     def _readings(self) -> tuple[Reading, Reading]:
         body_slot = self.positions.body_slot(len(self.sink_store), self._cold_in_use())
@@ -189,8 +194,12 @@ class LayerCache:
         return self.sink_store.segments(sink) + self.body.segments(body)
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention of `queries` [B, Hq, L, D] over retrieved cold tokens (if any), the sink and
-        the body: one softmax over every segment's scores (segments.attend)."""
+        """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores: the
+        fused dense kernel over `fetch()`. Packed or retrieved data: retrieved cold tokens (if
+        any), the sink and the body, one softmax over every segment's scores (segments.attend)."""
+        if not self.needs_query:
+            keys, values = self.fetch()
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         retrieved: list = []
         if self.cold is not None and len(self.cold):
             reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store)),

@@ -9,13 +9,13 @@ not stop the runs, so every run generates exactly `tokens` tokens and the rates 
 from __future__ import annotations
 
 from importlib import resources
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from ..cache import make_cache
 from ..config import CacheConfig, SampleConfig, field_default
 from ..generate import GenerationStats, check_context, generate_step
 from ..sampling import make_sampler
+from .inputs import read_text
 
 DEFAULT_TOKENS = 60
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
@@ -42,8 +42,8 @@ def default_prompts() -> list[str]:
 
 
 def read_prompts(path) -> list[str]:
-    """One prompt per non-blank line."""
-    prompts = [line.strip() for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    """One prompt per non-blank line; a missing or non-UTF-8 file is one error naming it."""
+    prompts = [line.strip() for line in read_text(path).splitlines()]
     prompts = [p for p in prompts if p]
     if not prompts:
         raise ValueError(f"{path}: no prompts (one per line)")

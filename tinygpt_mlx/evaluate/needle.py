@@ -7,6 +7,9 @@ with the answer (and not with a longer number). The prompt is prefilled in chunk
 cache policy (so a retrieval policy's hot budget caps the prefill too), then the answer is
 decoded greedily. The same document is used for every policy of a (context, depth, seed).
 
+The filler defaults to the King James Bible's held-out tail shipped with the package
+(`DEFAULT_FILLER`); the full held-out split `data/heldout.txt` comes from scripts/fetch_corpus.sh.
+
 Policies: "full" (exact full cache; only where the context fits the model), "streaming"
 (StreamingLLM with the retrieval policy's sink and hot budget as its window: the same hot
 memory without a cold store) and "retrieval" (the given retrieval policy). For retrieval
@@ -28,9 +31,12 @@ from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
 from ..generate import forward
+from .inputs import HELDOUT_KJV
 
 POLICIES = ("full", "streaming", "retrieval")
-DEFAULT_FILLER = Path(__file__).resolve().parents[2] / "data" / "heldout.txt"
+#: The haystack when none is given: the KJV held-out tail shipped with the package
+#: (`inputs.HELDOUT_KJV`). The numbers in docs/ used `data/heldout.txt` (scripts/fetch_corpus.sh).
+DEFAULT_FILLER = HELDOUT_KJV
 
 
 def policy_configs(retrieval: CacheConfig, names: list[str]) -> dict[str, CacheConfig]:

@@ -80,16 +80,15 @@ class Server:
             raise ApiError(404, f"model '{name}' not found")
         return name
 
-    def job(self, ids: list[int], s: dict, limit: Optional[int], unbounded_default: int,
-            text: Optional[str] = None) -> Job:
-        if not ids:
+    def job(self, p: "pr.Fitted", s: dict, unbounded_default: int) -> Job:
+        if not p.ids:
             raise ApiError(400, "the prompt is empty")
-        max_tokens = pr.max_new_tokens(s.get("num_predict", s.get("max_tokens")), limit, len(ids),
+        max_tokens = pr.max_new_tokens(s.get("num_predict", s.get("max_tokens")), p.limit, len(p.ids),
                                        unbounded_default)
         seed = s["seed"]
         seed = None if seed is None or seed < 0 else seed % 2**64     # -1: random (llama.cpp's convention)
-        return Job(ids, max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
-                   seed=seed, stop=tuple(s["stop"]), max_context=limit, text=text,
+        return Job(p.ids, max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
+                   seed=seed, stop=tuple(s["stop"]), max_context=p.limit, max_prompt=p.budget, text=p.text,
                    loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
     def submit(self, job: Job) -> None:

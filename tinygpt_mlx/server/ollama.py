@@ -74,8 +74,8 @@ def parse_options(options: Any) -> dict:
         raise OptionError(f"option num_ctx must be >= 2, got {out['num_ctx']}")
     if out["num_predict"] < -2:
         raise OptionError(f"option num_predict must be >= -2, got {out['num_predict']}")
-    if out["num_keep"] < 0:
-        out["num_keep"] = 0
+    if out["num_keep"] < -1:
+        raise OptionError(f"option num_keep must be >= -1 (-1: as many as allowed), got {out['num_keep']}")
     return out
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -89,13 +89,11 @@ def register(app: FastAPI, srv: Server) -> None:
         srv.check_model(body)
         return ol.show(loaded, cfg.label(), pr.template_text(loaded))
 
-    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, ids: list[int],
-                          text: Optional[str], chat: bool):
+    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, p: pr.Fitted, chat: bool):
         stream = _stream_flag(body, True)
-        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
-        ids, truncated = pr.fit(ids, limit, opts["num_keep"])
-        job = srv.job(ids, opts, limit, ol.UNBOUNDED_PREDICT, text=None if truncated else text)
+        job = srv.job(p, opts, ol.UNBOUNDED_PREDICT)
         srv.submit(job)
+        truncated = p.truncated
         headers = truncation_headers(truncated)
 
         def final(r, text):
@@ -123,7 +121,9 @@ def register(app: FastAPI, srv: Server) -> None:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=False))
         ids, text = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
-        return await _ollama_run(request, body, model, opts, ids, text, chat=False)
+        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
+        p = pr.fit_tokens(ids, text, limit, opts["num_predict"], opts["num_keep"])
+        return await _ollama_run(request, body, model, opts, p, chat=False)
 
     @app.post("/api/chat")
     async def chat(request: Request):
@@ -134,9 +134,10 @@ def register(app: FastAPI, srv: Server) -> None:
         if not messages:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=True))
-        ids, stops, text = pr.chat_ids(loaded, messages)
+        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
+        p, stops = pr.fit_chat(loaded, messages, limit, opts["num_predict"])
         opts["stop"] = tuple(opts["stop"]) + stops
-        return await _ollama_run(request, body, model, opts, ids, text, chat=True)
+        return await _ollama_run(request, body, model, opts, p, chat=True)
 
     @app.get("/v1/models")
     async def v1_models():
@@ -147,13 +148,11 @@ def register(app: FastAPI, srv: Server) -> None:
         srv.check_model({"model": name})
         return oa.models([name], int(srv.started))["data"][0]
 
-    async def _openai_run(request: Request, body: dict, model: str, s: dict, ids: list[int],
-                          text: Optional[str], chat: bool):
+    async def _openai_run(request: Request, body: dict, model: str, s: dict, p: pr.Fitted, chat: bool):
         stream = _stream_flag(body, False)
-        limit = pr.context_limit(loaded, cfg, None)
-        ids, truncated = pr.fit(ids, limit)
-        job = srv.job(ids, s, limit, ol.UNBOUNDED_PREDICT, text=None if truncated else text)
+        job = srv.job(p, s, ol.UNBOUNDED_PREDICT)
         srv.submit(job)
+        truncated = p.truncated
         headers = truncation_headers(truncated)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
         if stream:
@@ -188,9 +187,9 @@ def register(app: FastAPI, srv: Server) -> None:
         messages = _messages(body.get("messages"))
         if not messages:
             raise ApiError(400, "messages must not be empty")
-        ids, stops, text = pr.chat_ids(loaded, messages)
+        p, stops = pr.fit_chat(loaded, messages, pr.context_limit(loaded, cfg, None), s["max_tokens"])
         s["stop"] = tuple(s["stop"]) + stops
-        return await _openai_run(request, body, model, s, ids, text, chat=True)
+        return await _openai_run(request, body, model, s, p, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -206,7 +205,8 @@ def register(app: FastAPI, srv: Server) -> None:
             ids, text = _token_list(srv, p, "prompt"), None
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
-        return await _openai_run(request, body, model, s, ids, text, chat=False)
+        p = pr.fit_tokens(ids, text, pr.context_limit(loaded, cfg, None), s["max_tokens"])
+        return await _openai_run(request, body, model, s, p, chat=False)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def unsupported(rest: str):

@@ -70,6 +70,7 @@ class Job:
     seed: Optional[int] = None
     stop: tuple[str, ...] = ()
     max_context: Optional[int] = None   # stop with "length" when the context reaches this
+    max_prompt: Optional[int] = None    # the prompt budget (context - reserve), for the splice below
     # The prompt's text, when `ids` is its plain encoding: a slot whose decoded tokens begin the
     # text is extended with its own tokens (see SlotPool.splice) instead of the re-encoding.
     text: Optional[str] = None
@@ -188,7 +189,11 @@ class Worker:
         if job.text is None or self.loaded.kind != "tinygpt":
             return job.ids
         spliced = self.pool.splice(job.text, self.loaded.tokenizer)
-        if spliced is None or (job.max_context is not None and len(spliced) > job.max_context - 1):
+        if spliced is None:
+            return job.ids
+        room = job.max_prompt if job.max_prompt is not None else (
+            job.max_context - 1 if job.max_context is not None else None)
+        if room is not None and len(spliced) > room:
             return job.ids
         return spliced
 
@@ -223,8 +228,8 @@ class Worker:
                 held = held[cut:]
             if i + 1 == job.max_tokens:
                 break
-            if job.max_context is not None and len(slot.tokens) + 1 > job.max_context:
-                break                           # the next token would not fit the context
+            if job.max_context is not None and len(slot.tokens) + 1 >= job.max_context:
+                break           # prompt + reply fill the context (the last token is never fed)
             logits = forward(self.loaded.model, mx.array([[token]]), slot.cache)[0, -1].astype(mx.float32)
             slot.tokens.append(token)
         tail = held if cut_by_stop else held + detok.finalize()

@@ -1,0 +1,194 @@
+"""The evaluation commands (needle, bench, cache-report, compare, perplexity) on first contact:
+defaults that need no fetched data, output paths and the plot extra checked before any work,
+one-line errors naming the file, and progress on stderr only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tinygpt_mlx.evaluate import inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED_MODEL = ROOT / "models" / "tinygpt-base.tinygpt"
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(r, *needles: str) -> str:
+    """A failed run printed exactly one line on stderr, no traceback, naming every needle."""
+    assert r.exit_code != 0, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+class Spy:
+    """Stands in for the model loader / the long-running function: records calls, does nothing."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *a, **k):
+        self.calls += 1
+        raise RuntimeError("the work started")
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    spy = Spy()
+    for mod in ("needle", "bench", "cache_report", "compare", "perplexity"):
+        monkeypatch.setattr(f"cli.{mod}.load", spy)
+    return spy
+
+
+# --- defaults that work with no data fetched -------------------------------------------------
+
+def test_shipped_heldout_text_is_packaged_utf8_kjv():
+    text = inputs.HELDOUT_KJV.read_text(encoding="utf-8")
+    assert inputs.HELDOUT_KJV.parent == ROOT / "tinygpt_mlx" / "data"
+    assert 20_000 < len(text.encode()) < 200_000
+    # the held-out tail of the KJV: the last 2% of its lines end with the end of Revelation
+    assert text.rstrip().endswith("The grace of our Lord Jesus Christ be with you all. Amen.")
+
+
+@pytest.mark.skipif(shutil.which("bible") is None, reason="needs Debian's bible-kjv (apt-get install bible-kjv)")
+def test_shipped_heldout_text_regenerates_byte_for_byte(tmp_path):
+    out = tmp_path / "kjv.txt"
+    subprocess.run(["bash", str(ROOT / "scripts" / "fetch_corpus.sh"), "--shipped-heldout", str(out)],
+                   check=True, capture_output=True)
+    assert out.read_bytes() == inputs.HELDOUT_KJV.read_bytes()
+
+
+def test_needle_without_filler_runs_on_the_shipped_text(tmp_path, monkeypatch):
+    """A fresh install has no data/: the grid runs on the shipped held-out text."""
+    monkeypatch.chdir(tmp_path)  # no data/heldout.txt anywhere near
+    read = []
+    real = inputs.read_text
+    monkeypatch.setattr(inputs, "read_text", lambda p: read.append(Path(p)) or real(p))
+    out = tmp_path / "grid.json"
+    r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--depths", 0.5, "--seeds", 1, "--policies", "full",
+            "--json", out)
+    assert r.exit_code == 0, r.output
+    assert read == [inputs.HELDOUT_KJV]
+    grid = json.loads(out.read_text())
+    assert len(grid["cells"]) == 1
+    cell = grid["cells"][0]
+    assert isinstance(cell["passed"], bool)
+    assert cell["context"] == 96 and cell["policy"] == "full"
+    assert 90 <= cell["prompt_tokens"] <= 96  # the document is cut to the asked length, +- a token
+
+
+def test_missing_corpus_file_says_how_to_get_it(tmp_path, monkeypatch, no_load):
+    monkeypatch.chdir(tmp_path)
+    r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--depths", 0.5, "--seeds", 1,
+            "--filler", "data/heldout.txt")
+    one_line_error(r, "data/heldout.txt", "scripts/fetch_corpus.sh")
+    r = run("perplexity", SHIPPED_MODEL, "--text", "data/heldout.txt")
+    one_line_error(r, "data/heldout.txt", "scripts/fetch_corpus.sh")
+    assert no_load.calls == 0
+
+
+# --- a non-UTF-8 text file names the file ----------------------------------------------------
+
+@pytest.mark.parametrize("command, flag", [("needle", "--filler"), ("perplexity", "--text"),
+                                           ("compare", "--prompts")])
+def test_non_utf8_text_is_one_line_naming_the_file(tmp_path, no_load, command, flag):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("Caf\u00e9 au lait\n".encode("latin-1"))
+    r = run(command, SHIPPED_MODEL, flag, bad)
+    assert r.exit_code == 1
+    line = one_line_error(r, f"error: {bad}: not UTF-8 text (")
+    assert "byte 3" in line
+    assert no_load.calls == 0
+
+
+# --- output paths and the plot extra, before any work ----------------------------------------
+
+OUTPUTS = [("bench", "--json"), ("bench", "--plot"), ("needle", "--json"), ("needle", "--plot"),
+           ("compare", "--json"), ("perplexity", "--json")]
+
+
+@pytest.mark.parametrize("command, flag", OUTPUTS)
+def test_output_path_in_a_missing_folder_fails_before_work(tmp_path, no_load, command, flag):
+    target = tmp_path / "no-such-folder" / "out.file"
+    r = run(command, SHIPPED_MODEL, flag, target)
+    assert r.exit_code == 2
+    one_line_error(r, f"'{flag}'", str(target.parent))
+    assert no_load.calls == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_output_path_in_a_read_only_folder_fails_before_work(tmp_path, no_load):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        one_line_error(run("bench", SHIPPED_MODEL, "--json", ro / "b.json"), "'--json'", "not writable")
+    finally:
+        ro.chmod(0o700)
+    assert no_load.calls == 0
+
+
+@pytest.mark.parametrize("command", ["bench", "needle"])
+def test_plot_without_matplotlib_fails_at_once_naming_the_extra(tmp_path, monkeypatch, no_load, command):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # `import matplotlib` raises ImportError
+    grid = Spy()
+    monkeypatch.setattr("tinygpt_mlx.evaluate.bench.bench", grid)
+    monkeypatch.setattr("tinygpt_mlx.evaluate.needle.needle_grid", grid)
+    r = run(command, SHIPPED_MODEL, "--plot", tmp_path / "p.png")
+    line = one_line_error(r, "--plot", "matplotlib", "pip install 'posttrainllm[plot]'")
+    assert line.startswith("error: ")
+    assert no_load.calls == 0 and grid.calls == 0
+    assert not (tmp_path / "p.png").exists()
+
+
+# --- progress on stderr, stdout clean --------------------------------------------------------
+
+def test_cache_report_piped_prints_stage_lines_on_stderr_only():
+    """stderr is a pipe (not a terminal): a start line, a line per policy and length, a done line."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "cli.main", "cache-report", str(SHIPPED_MODEL),
+                        "--length", "8", "--length", "16", "--prefill-chunk", "8"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    err = p.stderr.splitlines()
+    assert "cache-report: filling caches (96 tok) ..." in err          # 6 policies x 16 tokens
+    assert "  int4: 8 tokens measured" in err and "  int4: 16 tokens measured" in err
+    assert any(line.startswith("cache-report: filling caches: done, 96 tok in ") for line in err)
+    assert "KV cache bytes" in p.stdout and "K int8 / V int4" in p.stdout
+    for progress in ("cache-report:", "tokens measured", ": done,", "tok/s"):
+        assert progress not in p.stdout
+
+
+@pytest.mark.parametrize("command, args, stage", [
+    ("bench", ["--contexts", "16", "--policies", "int8", "--decode-steps", "2"], "bench (warm-up"),
+    ("compare", ["--tokens", "3", "--modes", "bf16"], "compare: "),
+    ("perplexity", ["--max-tokens", "24", "--baseline", "none"], "perplexity: scoring (23 tok) ..."),
+    ("needle", ["--contexts", "160", "--depths", "0.5", "--seeds", "1", "--policies", "full"], "needle grid (1 cells) ..."),
+])
+def test_progress_stage_lines_go_to_stderr_not_stdout(native_path, tmp_path, command, args, stage):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("The quick\nIn the beginning\n")
+    extra = ["--prompts", prompts] if command == "compare" else []
+    r = run(command, native_path, *args, *extra)
+    assert r.exit_code == 0, r.output
+    err = r.stderr.splitlines()
+    assert any(line.startswith(stage) for line in err), r.stderr
+    assert any(": done, " in line for line in err), r.stderr
+    assert r.stdout.strip() and ": done, " not in r.stdout and " ..." not in r.stdout

@@ -1,0 +1,283 @@
+"""`posttrainllm sample` edge cases: flag-named config errors (and the one field -> flag table
+every command shares), prompt rules, output checks before work, prefill progress, context
+warnings, escaping of user text, help. The tiny test model's context is 256 tokens."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli.common import CONFIG_FLAGS
+from cli.main import app
+from tinygpt_mlx.config import CacheConfig, ConfigError, SampleConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT = 256
+runner = CliRunner()
+
+
+def run(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def lines(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.strip()]
+
+
+def assert_one_line_error(r, *named):
+    """Non-zero exit, exactly one non-empty line on stderr, no traceback, `named` all in it."""
+    assert r.exit_code != 0, r.output
+    assert len(lines(r.stderr)) == 1, r.stderr
+    assert "Traceback" not in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
+    for name in named:
+        assert name in r.stderr, (name, r.stderr)
+
+
+# ----- 1. config errors name the flag ------------------------------------------------------------
+# (command, arguments, the flag to name, the config field that used to be named instead)
+BAD_FLAGS = [
+    ("sample", ["--kv-quantize", "int3"], "--kv-quantize", "kv_quantize"),
+    ("sample", ["--kv-quantize-keys", "int3"], "--kv-quantize-keys", "kv_quantize_keys"),
+    ("sample", ["--kv-quantize-values", "fp8"], "--kv-quantize-values", "kv_quantize_values"),
+    ("sample", ["--kv-group-size", "0"], "--kv-group-size", "group_size"),
+    ("sample", ["--kv-quantize", "int4", "--kv-residual", "-1"], "--kv-residual", "residual"),
+    ("sample", ["--kv-quantize", "int4", "--kv-residual", "48"], "--kv-residual", "residual"),
+    ("sample", ["--kv-quantize", "int4", "--kv-exact-topk", "-1"], "--kv-exact-topk", "exact_topk"),
+    ("sample", ["--kv-exact-topk", "16"], "--kv-exact-topk", "exact_topk"),
+    ("sample", ["--kv-quantize", "int4", "--kv-exact-topk", "8", "--kv-shadow", "tape"], "--kv-shadow",
+     "shadow_store"),
+    ("sample", ["--kv-quantize", "int4", "--kv-shadow", "ram"], "--kv-shadow", "shadow_store"),
+    ("sample", ["--streaming-llm-sink", "-1", "--streaming-llm-window", "8"], "--streaming-llm-sink", "sink"),
+    ("sample", ["--streaming-llm-sink", "4"], "--streaming-llm-sink", "sink"),
+    ("sample", ["--streaming-llm-window", "0"], "--streaming-llm-window", "window"),
+    ("sample", ["--streaming-llm-window", "8", "--streaming-llm-rope", "sideways"], "--streaming-llm-rope",
+     "rope_mode"),
+    ("sample", ["--streaming-llm-rope", "absolute"], "--streaming-llm-rope", "rope_mode"),
+    ("sample", ["--kiv-hot-budget", "0"], "--kiv-hot-budget", "hot_budget"),
+    ("sample", ["--kiv-hot-budget", "8", "--streaming-llm-window", "8"], "--kiv-hot-budget", "hot_budget"),
+    ("sample", ["--kiv-top-p", "0"], "--kiv-top-p", "retrieve_tokens"),
+    ("sample", ["--kiv-page-size", "0"], "--kiv-page-size", "page_size"),
+    ("sample", ["--kiv-top-pages", "0"], "--kiv-top-pages", "top_pages"),
+    ("sample", ["--kiv-summary", "median"], "--kiv-summary", "summary"),
+    ("sample", ["--kiv-cold-store", "tape"], "--kiv-cold-store", "cold_store"),
+    ("sample", ["--kiv-cold-bits", "2"], "--kiv-cold-bits", "cold_bits"),
+    ("sample", ["--kiv-positions", "middle"], "--kiv-positions", "retrieved_position"),
+    ("sample", ["--kiv-index-block", "-1"], "--kiv-index-block", "index_block"),
+    ("sample", ["--tokens", "-1"], "--tokens", "max_tokens"),
+    ("sample", ["--temperature", "-1"], "--temperature", "temperature"),
+    ("sample", ["--top-p", "0"], "--top-p", "top_p"),
+    ("sample", ["--top-p", "1.5"], "--top-p", "top_p"),
+    ("sample", ["--top-k", "-1"], "--top-k", "top_k"),
+    ("sample", ["--prefill-chunk", "0"], "--prefill-chunk", "prefill_chunk"),
+    ("serve", ["--port", "0"], "--port", "port"),
+    ("serve", ["--port", "70000"], "--port", "port"),
+    ("serve", ["--max-slots", "0"], "--max-slots", "max_slots"),
+    ("serve", ["--small-request", "-1"], "--small-request", "small_request"),
+    ("serve", ["--prefill-chunk", "0"], "--prefill-chunk", "prefill_chunk"),
+    # the cache flags of another command go through the same translation
+    ("needle", ["--streaming-llm-window", "0"], "--streaming-llm-window", "window"),
+]
+FIELD_WORD = re.compile(r"(?<![-\w])(" + "|".join(k for k in CONFIG_FLAGS if "_" in k) + r")(?![-\w])")
+
+
+@pytest.mark.parametrize("command, args, flag, field", BAD_FLAGS, ids=lambda x: x if isinstance(x, str) else None)
+def test_config_errors_name_the_flag_not_the_field(tmp_path, command, args, flag, field):
+    missing = tmp_path / "not-loaded.tinygpt"   # every check must come before the model loads
+    extra = ["-p", "hi"] if command == "sample" else []
+    r = run(command, missing, *extra, *args)
+    assert_one_line_error(r, f"Invalid value for '{flag}': ")
+    assert r.exit_code == 2
+    problem = r.stderr.split(f"'{flag}': ", 1)[1]
+    assert not problem.startswith(field) and f"{field} must" not in r.stderr
+    assert not FIELD_WORD.search(r.stderr), r.stderr  # no snake_case field name anywhere
+
+
+def test_every_config_field_has_a_real_flag():
+    from typer.main import get_command
+
+    commands = get_command(app).commands
+    declared = {opt for name in ("sample", "serve") for p in commands[name].params for opt in p.opts}
+    for cls in (CacheConfig, SampleConfig):
+        for f in cls.__dataclass_fields__:
+            if f != "stop":  # not a CLI setting
+                assert f in CONFIG_FLAGS, f
+    assert set(CONFIG_FLAGS.values()) <= declared, set(CONFIG_FLAGS.values()) - declared
+
+
+def test_config_error_keeps_library_names():
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(key_bits=4, value_bits=4, residual=48)
+    assert e.value.field == "residual" and str(e.value).startswith("residual must be a multiple of group_size")
+    assert e.value.describe(lambda f: f"--{f}") == "must be a multiple of --group_size (32), got 48"
+
+
+# ----- 2 / 4. prompt rules -------------------------------------------------------------------------
+def test_non_utf8_prompt_file_names_the_file(native_path, tmp_path):
+    bad = tmp_path / "latin1[red]x.txt"
+    bad.write_bytes("café au lait".encode("latin-1"))
+    r = run("sample", native_path, "--prompt-file", bad, "-n", 2)
+    assert_one_line_error(r, "--prompt-file", str(bad), "not UTF-8", "0xe9")
+
+
+def test_empty_prompt_and_empty_prompt_file_are_errors(native_path, tmp_path):
+    r = run("sample", native_path, "--prompt", "", "-n", 2)
+    assert_one_line_error(r, "'--prompt'", "empty", "omit --prompt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run("sample", native_path, "--prompt-file", empty, "-n", 2)
+    assert_one_line_error(r, "'--prompt-file'", str(empty), "empty", "omit --prompt-file")
+
+
+def test_no_prompt_samples_unconditionally_with_a_note(native_path):
+    r = run("sample", native_path, "-n", 8, "--temperature", 0, "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    assert "note: no prompt given: sampling unconditionally" in r.stderr
+    assert "prompt 1 tokens" in r.stderr and r.stdout.strip()
+    r = run("sample", native_path, "-p", "The", "-n", 2)
+    assert "unconditionally" not in r.stderr
+
+
+def test_tokens_zero_is_prefill_only(native_path, tmp_path):
+    out = tmp_path / "r.json"
+    r = run("sample", native_path, "-p", "The quick brown fox", "-n", 0, "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert r.stdout == ""
+    assert len([ln for ln in lines(r.stderr) if "prefill only" in ln]) == 1
+    assert "posttrainllm" in r.stderr and "report" in r.stderr and "generated 0" in r.stderr
+    rep = json.loads(out.read_text())
+    assert rep["generated_tokens"] == 0 and rep["prompt_tokens"] > 1 and rep["current_length"] == rep["prompt_tokens"]
+    assert rep["prefill_tokens_per_s"] > 0
+    assert "prefill only" not in run("sample", native_path, "-p", "The", "-n", 1).stderr
+
+
+# ----- 3. output paths are checked before the model loads ----------------------------------------
+def test_report_json_checked_before_loading(tmp_path):
+    missing_model = tmp_path / "missing.tinygpt"   # loading it would fail with a different error
+    r = run("sample", missing_model, "-p", "hi", "--report-json", tmp_path / "no-such-dir" / "r.json")
+    assert_one_line_error(r, "'--report-json'", "no-such-dir")
+    assert "missing.tinygpt" not in r.stderr
+    r = run("sample", missing_model, "-p", "hi", "--report-json", tmp_path)
+    assert_one_line_error(r, "--report-json", "directory")
+
+
+def test_report_json_written_whole(native_path, tmp_path):
+    out = tmp_path / "r.json"
+    out.write_text("old")
+    r = run("sample", native_path, "-p", "The", "-n", 3, "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["generated_tokens"] <= 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]   # no temporary left behind
+
+
+# ----- 5. prefill progress on stderr, stdout only the text -----------------------------------------
+def test_long_prompt_shows_prefill_progress_and_stdout_is_only_text(native, native_path):
+    from tinygpt_mlx.generate import stream_generate
+
+    prompt = "The quick brown fox jumps over the lazy dog. " * 6
+    n_prompt = len(native.tokenizer.encode(prompt))
+    assert 64 < n_prompt < CONTEXT - 20
+    args = ["-p", prompt, "-n", 12, "--temperature", 0, "--prefill-chunk", 64]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "cli.main", "sample", str(native_path), *map(str, args)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    expected = "".join(ch.text for ch in stream_generate(
+        native, prompt, CacheConfig(), SampleConfig(max_tokens=12, temperature=0, prefill_chunk=64)))
+    assert expected and p.stdout == expected + "\n"
+    assert f"prefill ({n_prompt} tok) ..." in p.stderr
+    assert re.search(rf"prefill: done, {n_prompt} tok in [\d.]+ s", p.stderr), p.stderr
+    assert p.stderr.index("prefill (") > p.stderr.index("posttrainllm")  # after the banner
+    # a prompt within one chunk (and < 1024 tokens) stays quiet
+    assert "prefill (" not in run("sample", native_path, *args[:-2]).stderr
+
+
+# ----- 6. passing the trained context is never silent -----------------------------------------------
+def count_warnings(r) -> int:
+    return r.stderr.count("warning:")
+
+
+def test_full_cache_warns_once_when_generation_passes_the_context(native_path):
+    r = run("sample", native_path, "-p", "The", "-n", 300, "--temperature", 1.0, "--seed", 0, "--ignore-eos")
+    assert r.exit_code == 0, r.output
+    assert count_warnings(r) == 1, r.stderr
+    assert f"passed the model's trained context ({CONTEXT} tokens)" in r.stderr
+    assert "--streaming-llm-window" in r.stderr and "--kiv-hot-budget" in r.stderr
+    # at the moment it happens, not up front: text streamed before the warning, and after it
+    before, after = r.output.split("warning:", 1)
+    assert r.stdout[:40] in before and r.stdout.rstrip()[-40:] in after
+
+
+def test_no_warning_inside_the_context_and_the_exact_boundary(native, native_path):
+    prompt = "The quick"
+    p = len(native.tokenizer.encode(prompt))
+    # the model sees prompt + n - 1 tokens (the last sampled one is never fed)
+    inside = run("sample", native_path, "-p", prompt, "-n", CONTEXT - p + 1, "--ignore-eos", "--seed", 0)
+    assert inside.exit_code == 0 and count_warnings(inside) == 0, inside.stderr
+    assert f"currentLength {CONTEXT}," in inside.stderr
+    past = run("sample", native_path, "-p", prompt, "-n", CONTEXT - p + 2, "--ignore-eos", "--seed", 0)
+    assert past.exit_code == 0 and count_warnings(past) == 1, past.stderr
+    assert f"currentLength {CONTEXT + 1}," in past.stderr
+
+
+@pytest.mark.parametrize("args, warned, named", [
+    (["--streaming-llm-sink", 4, "--streaming-llm-window", CONTEXT - 3], True, "--streaming-llm-window"),
+    (["--streaming-llm-sink", 4, "--streaming-llm-window", CONTEXT - 4], False, None),
+    (["--kiv-hot-budget", CONTEXT], True, "--kiv-hot-budget"),               # + 1 fixed retrieved slot
+    (["--kiv-hot-budget", CONTEXT - 1], False, None),
+    (["--kiv-hot-budget", CONTEXT - 64, "--kiv-positions", "slots", "--kiv-top-p", 65], True, "--kiv-hot-budget"),
+])
+def test_span_wider_than_the_context_is_warned_up_front(native_path, args, warned, named):
+    r = run("sample", native_path, "-p", "The", "-n", 2, *args)   # short run: only the config can warn
+    assert r.exit_code == 0, r.output
+    assert count_warnings(r) == (1 if warned else 0), r.stderr
+    if warned:
+        assert named in r.stderr and f"trained context ({CONTEXT})" in r.stderr
+
+
+def test_window_run_past_the_context_warns_only_with_absolute_positions(native_path):
+    base = ("sample", native_path, "-p", "The", "-n", 300, "--ignore-eos", "--seed", 0,
+            "--streaming-llm-sink", 4, "--streaming-llm-window", 32)
+    r = run(*base)
+    assert r.exit_code == 0 and count_warnings(r) == 0, r.stderr
+    r = run(*base, "--streaming-llm-rope", "absolute")
+    assert r.exit_code == 0 and count_warnings(r) == 1, r.stderr
+    assert "--streaming-llm-rope shifted keeps them inside" in r.stderr
+
+
+# ----- 7. user text is shown intact ------------------------------------------------------------------
+def test_bracketed_missing_model_path_shown_intact(tmp_path):
+    path = tmp_path / "a[red]b[/red].tinygpt"
+    r = run("sample", path, "-p", "hi")
+    assert_one_line_error(r, str(path))
+    assert r.exit_code == 1
+
+
+def test_banner_escapes_the_model_name(native_path, tmp_path):
+    path = tmp_path / "m[bold]x[i].tinygpt"
+    shutil.copy(native_path, path)
+    r = run("sample", path, "-p", "hi", "-n", 2)
+    assert r.exit_code == 0, r.output
+    assert "model m[bold]x[i] (tinygpt" in r.stderr
+
+
+# ----- 8. help -------------------------------------------------------------------------------------
+def test_help_shows_flags_as_flags_and_explains_each():
+    from typer.main import get_command
+
+    r = run("sample", "--help")
+    assert r.exit_code == 0
+    text = " ".join(r.stdout.split())
+    assert "--ignore-eos Keep generating" in text and "<bool>" not in text
+    for param in get_command(app).commands["sample"].params:
+        assert param.help and param.help.strip(), param.name
+        assert " ".join(param.help.split())[:30] in text, param.name
+    for rule in ("unconditionally", "prefill only", "KIVI", "G - 1"):
+        assert rule in text, rule
