@@ -10,10 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tinygpt_mlx.evaluate import bench as b
-from tinygpt_mlx.evaluate import inputs
+from tinygpt_mlx.evaluate import defaults, inputs
 from tinygpt_mlx.evaluate.modes import SPEC_HELP
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -34,7 +32,7 @@ def _ratio(x: Optional[float]) -> str:
 
 
 def print_table(result: dict) -> None:
-    ref = b.REFERENCE
+    ref = defaults.BENCH_REFERENCE
     table = Table(title=f"bench: ×ratio vs our {ref} full cache in the same run; "
                         f"{result['decode_steps']} decode steps after each prefill")
     for col in ("policy", "context", "prefill tok/s", "decode tok/s", "cache"):
@@ -58,9 +56,9 @@ def bench(
     policies: Annotated[str, typer.Option(
         "--policies", help=f"Comma list of policies. Ours: {SPEC_HELP}. mlx-lm's: mlx (KVCache), "
         "mlx-rotatingN (RotatingKVCache(N, keep=4)), mlx-q8 / mlx-q4 (QuantizedKVCache). "
-        "fp32 always runs: ratios are against it.")] = b.DEFAULT_POLICIES,
+        "fp32 always runs: ratios are against it.")] = defaults.BENCH_POLICIES,
     decode_steps: Annotated[int, typer.Option(
-        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step.")] = b.DECODE_STEPS,
+        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step.")] = defaults.BENCH_DECODE_STEPS,
     prefill_chunk: c.PrefillChunk = None,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Write the rows as JSON to this path.", dir_okay=False)] = None,
@@ -68,6 +66,9 @@ def bench(
         "--plot", help="Write a PNG: decode ms/token and cache MiB against context.", dir_okay=False)] = None,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
+    from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     c.check_writable(json_path, "--json")
     c.check_writable(plot_path, "--plot")
     with c.guarded():

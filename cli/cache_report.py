@@ -8,8 +8,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -27,6 +25,9 @@ def cache_report(
     prefill_chunk: c.PrefillChunk = None,
 ) -> None:
     """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches with random tokens and print their bytes."""
+    from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     lengths = lengths or list(DEFAULT_LENGTHS)
     if any(n < 1 for n in lengths):
         raise typer.BadParameter("--length must be positive")

@@ -10,9 +10,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from tinygpt_mlx.evaluate import compare as cmp
+from tinygpt_mlx.evaluate import defaults
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -41,7 +40,7 @@ def compare(
         "--prompts", help="UTF-8 text, one prompt per line (default: the prompt set shipped with the package).",
         show_default=False)] = None,
     tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {cmp.DEFAULT_TOKENS}.",
+        "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {defaults.COMPARE_TOKENS}.",
         show_default=False)] = None,
     modes: Annotated[str, typer.Option(
         "--modes", help=f"Comma list of cache policies to compare. Each: {SPEC_HELP}.")] = DEFAULT_MODES,
@@ -51,6 +50,9 @@ def compare(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
+    from tinygpt_mlx.evaluate import compare as cmp  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     c.check_writable(json_path, "--json")
     with c.guarded():
         policies = parse_policies(modes)
@@ -61,7 +63,7 @@ def compare(
                   f"baseline [green]{reference[1].label()}[/green]")
         for name, config in policies.items():
             err.print(f"  {name}: {config.label()}")
-        n = tokens if tokens is not None else cmp.DEFAULT_TOKENS
+        n = tokens if tokens is not None else defaults.COMPARE_TOKENS
         runs = len(texts) * (1 + len(policies))
         with c.Progress(f"compare: {runs} greedy runs of {n} tokens", total=runs * n, unit="tok") as bar:
             result = cmp.compare(loaded, texts, policies, n, reference, progress=lambda: bar.advance(n))

@@ -6,14 +6,14 @@ import json
 
 import typer
 
-from tinygpt_mlx.loading import load
-
 from . import common as c
 
 
 def info(model: c.ModelArg = None,
          as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text.")) -> None:
     """Show a model's config, parameter count, tokenizer, file size and checksum state."""
+    from tinygpt_mlx.loading import load  # noqa: PLC0415 (see cli/main.py)
+
     with c.guarded():
         loaded = load(model)
         out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],

@@ -1,5 +1,11 @@
 """The `posttrainllm` app: composes one typer module per command.
 
+Imports: a command module imports only light modules at the top (typer, rich, the configs,
+`tinygpt_mlx.evaluate.defaults`); the library proper (`loading`, `generate`, the evaluation
+modules) is imported inside each command's body. mlx-lm's package imports transformers (and
+torch where installed), seconds of start-up that `posttrainllm --help`, a typo or a bad flag
+should not pay. tests/test_cli_imports.py keeps it so.
+
 Help is click's plain layout (flags shown as flags; rich's panels mis-render them with the
 click this project pins against), and every usage error is one line on stderr:
 `error: Invalid value for '--tokens' / '-n': ...`, exit code 2.

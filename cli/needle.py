@@ -11,8 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from tinygpt_mlx.evaluate import inputs
-from tinygpt_mlx.evaluate import needle as nd
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -82,6 +80,9 @@ def needle(
 
     The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
     StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
+    from tinygpt_mlx.evaluate import needle as nd  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
     if min(ctx_list) < 16:

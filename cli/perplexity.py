@@ -11,10 +11,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.evaluate import inputs
-from tinygpt_mlx.evaluate import perplexity as ppl
+from tinygpt_mlx.evaluate import defaults, inputs
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -36,7 +34,7 @@ def perplexity(
         "spec as in compare --modes, or none (e.g. a text longer than the model's context).")] = "fp32",
     prefill_tokens: Annotated[Optional[int], typer.Option(
         "--prefill-tokens", help=f"Tokens in the first (prefill) chunk; the rest go one by one. "
-        f"Default {ppl.PREFILL_TOKENS}.", show_default=False)] = None,
+        f"Default {defaults.PERPLEXITY_PREFILL_TOKENS}.", show_default=False)] = None,
     modes: Annotated[Optional[str], typer.Option(
         "--modes", help=f"Instead of the cache flags: a comma list of policies scored side by side "
         f"against one baseline run (a table; JSON under 'modes'). Each: {SPEC_HELP}.",
@@ -45,6 +43,9 @@ def perplexity(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
+    from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     config = cache_config
     flags_given = config != CacheConfig()
     c.check_writable(json_path, "--json")
@@ -69,7 +70,7 @@ def perplexity(
         with c.Progress("perplexity: scoring", total=max(len(ids) - 1, 0), unit="tok") as bar:
             results = ppl.perplexities(
                 loaded.model, ids, policies, reference,
-                prefill_tokens if prefill_tokens is not None else ppl.PREFILL_TOKENS,
+                prefill_tokens if prefill_tokens is not None else defaults.PERPLEXITY_PREFILL_TOKENS,
                 loaded.context_length, progress=lambda done, total: bar.update(done, total))
         print_table(results, baseline if reference else None)
         if json_path is not None:

@@ -12,8 +12,6 @@ import typer
 from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
-from tinygpt_mlx.generate import check_context, stream_generate
-from tinygpt_mlx.loading import load
 
 from . import common as c
 from .common import err
@@ -148,6 +146,9 @@ def sample(
     than one prefill chunk (or 1024 tokens) shows prefill progress on stderr. Passing the model's
     trained context, or a window / retrieval span wider than it, is warned about once on stderr.
     """
+    from tinygpt_mlx.generate import check_context  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both")
     if prompt == "":
@@ -193,7 +194,8 @@ def sample(
 def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: SampleConfig,
         context: Optional[int], passing: Optional[str]) -> dict:
     """Stream the text to stdout; prefill progress and the context warning on stderr."""
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.generate import stream_generate  # noqa: PLC0415
 
     cache = make_cache(loaded.model, cache_config)
     long = len(ids) > sample_config.prefill_chunk or len(ids) >= PREFILL_PROGRESS_TOKENS

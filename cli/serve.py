@@ -8,7 +8,6 @@ from typing import Annotated, Optional
 import typer
 
 from tinygpt_mlx.config import CacheConfig, field_default
-from tinygpt_mlx.loading import load
 from tinygpt_mlx.server.config import ServerConfig
 
 from . import common as c
@@ -45,10 +44,10 @@ def serve(
     except ValueError as e:
         raise c.config_error(e) from None
     with c.guarded():
-        # The web stack is imported here, not at the top: it is only needed by this command,
-        # and importing it costs every other command (and `--help`) a third of a second.
+        # The library and the web stack are imported here (see cli/main.py).
         import uvicorn  # noqa: PLC0415
 
+        from tinygpt_mlx.loading import load  # noqa: PLC0415
         from tinygpt_mlx.server.app import create_app  # noqa: PLC0415
         loaded = load(model)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -52,8 +52,8 @@ class Spy:
 @pytest.fixture
 def no_load(monkeypatch):
     spy = Spy()
-    for mod in ("needle", "bench", "cache_report", "compare", "perplexity"):
-        monkeypatch.setattr(f"cli.{mod}.load", spy)
+    # the commands import the loader when they run (cli/main.py), so the spy replaces it at its source
+    monkeypatch.setattr("tinygpt_mlx.loading.load", spy)
     return spy
 
 

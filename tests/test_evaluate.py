@@ -10,7 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.evaluate import bench, compare, parse_policy, perplexity, prefix_match
+from tinygpt_mlx.evaluate import bench, compare, perplexity
+from tinygpt_mlx.evaluate.compare import prefix_match
+from tinygpt_mlx.evaluate.modes import parse_policy
 from tinygpt_mlx.evaluate.modes import parse_policies
 
 @pytest.fixture(scope="module")

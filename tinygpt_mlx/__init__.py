@@ -7,13 +7,22 @@
     stream_text(loaded, prompt, ...)        the same, piece by piece
     make_cache(loaded.model, CacheConfig(...))
                                             a KV cache to pass as `cache=` and inspect after
+
+The names above are imported on first use (PEP 562): `import tinygpt_mlx.config` (the CLI's
+option help) must not pull in MLX's model code, whose mlx-lm import costs seconds.
 """
 
-from .api import generate_text, stream_text
-from .cache import KVCache, make_cache
-from .config import CacheConfig, ModelConfig, SampleConfig
-from .loading import LoadedModel, load
+import importlib
+from typing import Any
 
-__all__ = ["load", "LoadedModel", "generate_text", "stream_text", "KVCache", "make_cache",
-           "CacheConfig", "ModelConfig", "SampleConfig"]
+_EXPORTS = {"load": "loading", "LoadedModel": "loading", "generate_text": "api", "stream_text": "api",
+            "KVCache": "cache", "make_cache": "cache",
+            "CacheConfig": "config", "ModelConfig": "config", "SampleConfig": "config"}
+__all__ = list(_EXPORTS)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tinygpt_mlx' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

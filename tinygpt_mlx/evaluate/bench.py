@@ -29,13 +29,12 @@ from ..cache import make_cache
 from ..config import SampleConfig, field_default
 from ..errors import PosttrainError
 from ..generate import forward
+from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
+from .defaults import BENCH_POLICIES as DEFAULT_POLICIES
+from .defaults import BENCH_REFERENCE as REFERENCE
 from .modes import parse_policy
 
-DEFAULT_POLICIES = \
-    "fp32,bf16,int8,int4,sink4/window252,sink4/window252:absolute,mlx,mlx-rotating256,mlx-q8,mlx-q4"
-DECODE_STEPS = 32
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
-REFERENCE = "fp32"
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
 
 

@@ -15,9 +15,9 @@ from ..cache import make_cache
 from ..config import CacheConfig, SampleConfig, field_default
 from ..generate import GenerationStats, check_context, generate_step
 from ..sampling import make_sampler
+from .defaults import COMPARE_TOKENS as DEFAULT_TOKENS
 from .inputs import read_text
 
-DEFAULT_TOKENS = 60
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 
 

@@ -25,7 +25,8 @@ from ..config import CacheConfig
 from ..errors import ContextLengthError
 from ..generate import check_context, forward
 
-PREFILL_TOKENS = 64
+from .defaults import PERPLEXITY_PREFILL_TOKENS as PREFILL_TOKENS
+
 
 
 @dataclass

@@ -1,0 +1,34 @@
+"""`posttrainllm --help` and flag errors answer without loading MLX's model code.
+
+mlx-lm's package imports transformers (and torch where installed): seconds of start-up. The CLI
+modules import the library inside each command (cli/main.py), and `tinygpt_mlx` exports its
+names lazily; this checks the import graph rather than a time (no timed tests)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HEAVY = ("mlx_lm", "transformers", "torch", "fastapi", "uvicorn", "tinygpt_mlx.cache", "tinygpt_mlx.loading")
+
+
+def _loaded_after(code: str) -> set:
+    probe = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return set(out.stdout.split())
+
+
+def test_cli_import_and_help_load_no_model_code():
+    for code in ("import cli.main",
+                 "from typer.testing import CliRunner\nfrom cli.main import app\n"
+                 "r = CliRunner().invoke(app, ['sample', '--help'])\nassert r.exit_code == 0, r.output"):
+        loaded = _loaded_after(code)
+        assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
+
+
+def test_the_package_exports_its_names_lazily():
+    loaded = _loaded_after("import tinygpt_mlx.config")
+    assert "mlx_lm" not in loaded and "tinygpt_mlx.cache" not in loaded
+    loaded = _loaded_after("import tinygpt_mlx\nassert tinygpt_mlx.make_cache.__module__ == 'tinygpt_mlx.cache'")
+    assert "tinygpt_mlx.cache" in loaded
