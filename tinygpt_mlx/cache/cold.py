@@ -22,12 +22,12 @@ fixed (../shared/REFERENCES.md):
   the tokens together: GQA groups and chunk queries are aggregated by the max score, which
   keeps a token that any query of the group wants).
 * Positions (the `rope_mode` of the policy, "shifted" by default): keys are stored before
-  RoPE; the hot window sits at cache slots right after the sink and the reserved retrieval
-  slots, so query-key distances never exceed sink + reserved + hot_budget + prefill chunk,
+  RoPE; the hot window sits at cache slots right after the sink and the retrieval slots, so
+  query-key distances never exceed sink + retrieve slots + hot_budget + prefill chunk,
   whatever the context length. `retrieved_position="fixed"` (InfLLM) rotates every
-  retrieved key to ONE slot just before the hot window; "slots" gives them
-  `retrieve_tokens` consecutive slots in their original order (right-aligned, so when
-  everything is retrieved the distances equal the full cache's). With rope_mode "absolute"
+  retrieved key to ONE slot just before the hot window; "slots" gives them consecutive slots
+  in their original order, min(cold tokens, retrieve_tokens) of them, so when everything is
+  retrieved the distances equal the full cache's (positions.py decides every slot). With rope_mode "absolute"
   keys keep their original rotation and queries their true position (the naive baseline,
   outside the trained range once the context exceeds it). The fine pass ranks tokens by the
   score they will really get: the query is rotated back by the slot the token will occupy.

@@ -54,9 +54,11 @@ class LayerCache:
         """Whether attention must run inside the cache (packed keys, retrieval)."""
         return self.config.quantised or self.cold is not None
 
-    def _cold_in_use(self, pending: int = 0) -> bool:
-        """Whether anything is cold, or will be once `pending` tokens are appended."""
-        return self.cold is not None and (len(self.cold) > 0 or bool(pending and self._pending_drop(pending)))
+    def _cold_tokens(self, pending: int = 0) -> int:
+        """Tokens in the cold store, once `pending` tokens are appended (and the body evicted)."""
+        if self.cold is None:
+            return 0
+        return len(self.cold) + (self._pending_drop(pending) if pending else 0)
 
     def _recent_limit(self, pending: int) -> Optional[int]:
         """Body tokens to keep so that the next `pending` tokens each see exactly `window`
@@ -100,7 +102,7 @@ class LayerCache:
     @property
     def offset(self) -> int:
         return self.positions.query_offset(self.seen, self.stored_count - self._pending_drop(1),
-                                           self._cold_in_use(1))
+                                           self._cold_tokens(1))
 
     @property
     def current_length(self) -> int:
@@ -123,7 +125,7 @@ class LayerCache:
             self.dtype = keys.dtype
         stored = keys
         if self.positions.shifted:
-            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_in_use()))
+            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
         n_sink = max(0, min(L, self.config.sink - len(self.sink_store)))
         if n_sink:
             self.sink_store.append(stored[..., :n_sink, :], values[..., :n_sink, :])
@@ -134,7 +136,7 @@ class LayerCache:
         return keys, values
 
     def _readings(self) -> tuple[Reading, Reading]:
-        body_slot = self.positions.body_slot(len(self.sink_store), self._cold_in_use())
+        body_slot = self.positions.body_slot(len(self.sink_store), self._cold_tokens())
         return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, body_slot))
 
     def fetch(self) -> tuple[mx.array, mx.array]:
@@ -202,7 +204,7 @@ class LayerCache:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         retrieved: list = []
         if self.cold is not None and len(self.cold):
-            reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store)),
+            reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
                               queries, scale)
             retrieved, selection = self.cold.retrieve(reading)
             self.telemetry.record(selection)

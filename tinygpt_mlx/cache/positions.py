@@ -7,11 +7,14 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
 * shifted (StreamingLLM's paper): positions are cache slots. Keys are stored before RoPE and
   rotated to their slot when read; the query sits at the slot after the stored tokens. Slots:
 
-      [ sink 0 .. S )  [ reserved retrieval slots, R, once anything is cold ]  [ body S+R .. )
+      [ sink 0 .. S )  [ retrieval slots, R' ]  [ body S+R' .. )
 
   so query-key distances never exceed what the cache holds, whatever the context length.
   Retrieved cold keys sit at one slot just before the hot window (`fixed`, as InfLLM gives
-  every memory unit one distance) or at R consecutive slots in their order (`slots`).
+  every memory unit one distance: R' = 1 once anything is cold) or at consecutive slots in
+  their order (`slots`: R' = min(cold tokens, retrieve_tokens), so that when everything cold
+  is retrieved it sits right after the sink and every relative distance is the full cache's).
+  The body's keys are stored pre-RoPE and rotated when read, so R' may grow step by step.
 
 Stores never decide a position: the layer cache hands them this object, and they ask it.
 """
@@ -36,25 +39,30 @@ class Positions:
         self.sink = config.sink
         self.fixed = config.retrieved_position == "fixed"
         self.retrieve_tokens = config.retrieve_tokens
+        #: the most slots retrieved tokens ever take (shifted mode)
         self.reserved = (1 if self.fixed else config.retrieve_tokens) if config.retrieval else 0
 
     # ----- slots ----------------------------------------------------------------------------
-    def gap(self, cold_in_use: bool) -> int:
-        """Slots reserved between the sink and the body for retrieved tokens (shifted mode)."""
-        return self.reserved if self.shifted and cold_in_use else 0
+    def gap(self, cold_tokens: int) -> int:
+        """Slots between the sink and the body for retrieved tokens (shifted mode), given how
+        many tokens are cold: none while nothing is, then R' (module doc)."""
+        if not self.shifted or cold_tokens <= 0:
+            return 0
+        return 1 if self.fixed else min(cold_tokens, self.retrieve_tokens)
 
-    def body_slot(self, n_sink: int, cold_in_use: bool) -> int:
+    def body_slot(self, n_sink: int, cold_tokens: int) -> int:
         """The slot of the body's first token."""
-        return n_sink + self.gap(cold_in_use)
+        return n_sink + self.gap(cold_tokens)
 
-    def query_offset(self, seen: int, stored_next: int, cold_in_use: bool) -> int:
+    def query_offset(self, seen: int, stored_next: int, cold_tokens: int) -> int:
         """The RoPE position of the next token: its position (absolute), or its slot (shifted)
-        given the tokens stored once the next append has evicted what it must."""
-        return stored_next + self.gap(cold_in_use) if self.shifted else seen
+        given the tokens stored and cold once the next append has evicted what it must."""
+        return stored_next + self.gap(cold_tokens) if self.shifted else seen
 
-    def retrieved_slot(self, n_sink: int) -> int:
-        """Shifted retrieval: the slot of the newest retrieved key (all of them with `fixed`)."""
-        return n_sink if self.fixed else n_sink + self.retrieve_tokens - 1
+    def retrieved_slot(self, n_sink: int, cold_tokens: int) -> int:
+        """Shifted retrieval: the slot of the newest retrieved key (all of them with `fixed`),
+        the last slot before the body."""
+        return n_sink if self.fixed else n_sink + self.gap(cold_tokens) - 1
 
     def kivi_slot(self, frozen: int) -> int:
         """Shifted KIVI: the virtual slot u = sink + frozen at which a frozen key is rotated
