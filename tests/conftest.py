@@ -57,16 +57,17 @@ def native(native_path):
     return load(native_path)
 
 
-def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0) -> Path:
+def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0, hidden_size: int = 64, n_layers: int = 2,
+                    intermediate_size: int = 128, max_positions: int = 256) -> Path:
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
 
     path.mkdir(parents=True, exist_ok=True)
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
-    config = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
-              "vocab_size": len(vocab) + 1, "max_position_embeddings": 256, "rope_theta": 10000.0,
-              "tie_word_embeddings": True}
+    config = {"model_type": "llama", "hidden_size": hidden_size, "num_hidden_layers": n_layers,
+              "intermediate_size": intermediate_size, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-5, "vocab_size": len(vocab) + 1, "max_position_embeddings": max_positions,
+              "rope_theta": 10000.0, "tie_word_embeddings": True}
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(config))
     # random init is small; widen it so the tiny model's greedy paths are not all one token
@@ -76,7 +77,7 @@ def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0) -> Path:
     (path / "tokenizer.json").write_text(tokenizer_json)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-        "model_max_length": 256}))
+        "model_max_length": max_positions}))
     return path
 
 

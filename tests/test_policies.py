@@ -24,7 +24,6 @@ window mask `<=` instead of `<`, the 'slots' retrieval placement +1, a non-idemp
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import types
 
@@ -38,7 +37,7 @@ from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.modes import parse_policy
 from tinygpt_mlx.generate import forward
 
-from conftest import build_native
+from conftest import build_llama_dir, build_native
 
 # loaded before `_PRISTINE` (below) snapshots mlx-lm's modules at collection time
 import mlx_lm.models.base  # noqa: E402,F401
@@ -85,25 +84,9 @@ MODELS = ("native", "llama")
 # ----- models: head dim 32, two layers (and one-layer twins for the from-scratch reference) --
 
 def build_llama(path, tokenizer_json: str, n_layers: int = 2, seed: int = 0):
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads(tokenizer_json)["model"]["vocab"]
-    config = {"model_type": "llama", "hidden_size": 128, "num_hidden_layers": n_layers,
-              "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "rms_norm_eps": 1e-5, "vocab_size": len(vocab) + 1, "max_position_embeddings": 512,
-              "rope_theta": 10000.0, "tie_word_embeddings": True}
-    mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    # as conftest's Llama: widen the small random init so attention is not near uniform
-    params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(path / "model.safetensors"), params)
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "tokenizer.json").write_text(tokenizer_json)
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
-    return path
+    """conftest's Llama, head dim 32 (hidden 128 over 4 heads)."""
+    return build_llama_dir(path, tokenizer_json, seed, hidden_size=128, n_layers=n_layers,
+                           intermediate_size=256, max_positions=512)
 
 
 def _build(kind: str, n_layers: int, tmp_path_factory, tokenizer_json):

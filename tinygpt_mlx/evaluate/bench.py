@@ -30,7 +30,6 @@ from ..config import SampleConfig, field_default
 from ..errors import PosttrainError
 from ..generate import forward
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
-from .defaults import BENCH_POLICIES as DEFAULT_POLICIES
 from .defaults import BENCH_REFERENCE as REFERENCE
 from .modes import parse_policy
 
