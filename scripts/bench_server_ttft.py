@@ -149,7 +149,9 @@ def main() -> None:
           f"{out['warm']['prompt_eval_count']:.0f} tok / {out['warm']['ttft_ms']} ms | "
           f"{out['cold']['prompt_eval_count']:.0f} tok / {out['cold']['ttft_ms']} ms | {out['speedup']}x |")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(out, indent=2))
+        tmp.replace(args.json)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Not a test.  Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 
 import mlx.core as mx
 
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--prefill", type=int, default=64)
     ap.add_argument("--policies", default="int8,mlx-q8,int4,int4+r0,mlx-q4,int2,int2+r0,mlx-q2,k8v4")
+    ap.add_argument("--json", default=None, help="also write the table here (atomically)")
     args = ap.parse_args()
     loaded = load(args.model)
     model = loaded.model
@@ -61,12 +64,23 @@ def main() -> None:
           "then one by one)\n")
     print("| policy | cache | cache MiB (RAM) | perplexity | KL(fp32 ‖ policy) | top-1 agreement |")
     print("|---|---|---:|---:|---:|---:|")
+    rows = []
     for s, cache in caches.items():
         r = acc[s]
         disk = getattr(cache, "disk_nbytes", 0)
         ram = f"{(cache.nbytes - disk) / 2**20:.2f}" + (f" (+{disk / 2**20:.2f} on disk)" if disk else "")
         print(f"| {s} | {labels[s]} | {ram} | {math.exp(r['nll'].item() / n):.3f} | "
               f"{max(0.0, r['kl'].item() / n):.5f} | {r['agree'].item() / n:.4f} |")
+        rows.append({"policy": s, "cache": labels[s], "ram_bytes": int(cache.nbytes - disk),
+                     "disk_bytes": int(disk), "perplexity": math.exp(r["nll"].item() / n),
+                     "kl": max(0.0, r["kl"].item() / n), "top1_agreement": r["agree"].item() / n})
+    if args.json:
+        out = {"model": loaded.name, "model_path": args.model, "text": args.text, "scored_tokens": n,
+               "prefill": args.prefill, "policies": rows}
+        tmp = args.json + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(out, f, indent=2)
+        os.replace(tmp, args.json)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import time
 
 import mlx.core as mx
@@ -110,8 +111,10 @@ def main() -> None:
     for s in report["samples"]:
         print("---\n" + s)
     if a.json:
-        with open(a.json, "w") as f:
+        tmp = a.json + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(report, f, indent=2)
+        os.replace(tmp, a.json)
 
 
 if __name__ == "__main__":
