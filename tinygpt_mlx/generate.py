@@ -132,10 +132,10 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         if progress is not None:
             progress(done, len(prompt))
         if done < len(prompt):
+            yield Step(fed, logits, prompt=True)
             if stopped():
                 stats.finish_reason = "cancel"
                 return
-            yield Step(fed, logits, prompt=True)
     stats.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
     stats.finish_reason = "length"
