@@ -24,6 +24,8 @@ import random
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import numpy as np
+
 from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
@@ -135,7 +137,6 @@ def plot_grid(result: dict, path: Path) -> Path:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
     policies = list(result["policies"])
     contexts, depths = result["contexts"], result["depths"]
