@@ -23,6 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from tinygpt_mlx import corpus, make_cache
+from tinygpt_mlx.evaluate.passkey import passkey_accuracy
 from tinygpt_mlx.format import load
 
 PROMPTS = ("In the beginning", "A wise man once said", "Abandon, v. t.")
@@ -100,7 +101,7 @@ def main() -> None:
         decode = staticmethod(lambda ids: tok.decode(list(ids)))
 
     t0 = time.time()
-    pk = corpus.passkey_accuracy(model, Tok, heldout_text, a.n_tokens or ctx, trials=a.trials, seed=a.seed)
+    pk = passkey_accuracy(model, Tok, heldout_text, a.n_tokens or ctx, trials=a.trials, seed=a.seed)
     report["passkey"] = pk
     print(f"pass key at {pk['n_tokens']} tokens, full cache: {pk['accuracy']:.0%} of {pk['trials']} "
           f"({time.time() - t0:.0f}s)", flush=True)

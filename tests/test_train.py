@@ -221,6 +221,7 @@ def test_clean_text():
 
 
 def test_passkey_accuracy_runs_on_mlx_model():
+    from tinygpt_mlx.evaluate.passkey import passkey_accuracy
     from tinygpt_mlx.model import Model
     from tinygpt_mlx.train.tokenizer import train_tokenizer
 
@@ -232,7 +233,7 @@ def test_passkey_accuracy_runs_on_mlx_model():
 
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
                       n_kv_heads=2, d_ff=64, context_length=128)
-    res = corpus.passkey_accuracy(Model(cfg), Tok, FILLER, 128, trials=3, seed=0)
+    res = passkey_accuracy(Model(cfg), Tok, FILLER, 128, trials=3, seed=0)
     assert res["trials"] == 3 and 0.0 <= res["accuracy"] <= 1.0
     assert [r[0] for r in res["results"]] == [0.0, 0.5, 1.0]
     assert all(len(r[1]) == 5 for r in res["results"])

@@ -15,7 +15,7 @@ continuation is the answer:
 
 Training mixes such documents into the data (`tinygpt_mlx.train`), and the needle evaluation
 calls the same function with new random values and held-out filler. `make_needle_doc_tokens`
-fits a document to a token budget with any `encode` function, and `passkey_accuracy` measures
+fits a document to a token budget with any `encode` function; `evaluate.passkey` measures
 greedy retrieval with an MLX model.
 """
 
@@ -201,53 +201,3 @@ def make_needle_doc_tokens(rng: random.Random, filler: str, encode: Callable[[st
     if best is None:
         raise ValueError(f"cannot fit a needle document into {n_tokens} tokens")
     return best
-
-
-# ------------------------------------------------------------------------------ evaluation
-
-
-def _full_cache(model):
-    """The full-precision, unevicted cache for a native model (None: use full forwards)."""
-    if getattr(model, "model_type", None) != "tinygpt":
-        return None
-    from .cache import make_cache  # noqa: PLC0415
-    return make_cache(model)
-
-
-def passkey_accuracy(model, tokenizer, filler: str, n_tokens: int, trials: int = 50,
-                     seed: int = 0, template: Optional[int] = PASSKEY_TEMPLATE,
-                     digits: int = 5) -> dict:
-    """Greedy pass-key retrieval with an MLX model and the full (unevicted, fp32) cache.
-
-    model      a `tinygpt_mlx.model.Model` (cache: `tinygpt_mlx.make_cache`), or any callable
-               tokens[1, L] -> logits (then every step re-runs the full forward)
-    tokenizer  anything with `encode(str) -> ids` and `decode(ids) -> str`
-    filler     held-out text; n_tokens the prompt length; depths spread evenly over [0, 1]
-    Returns {"accuracy", "trials", "n_tokens", "results": [(depth, answer, output), ...]}.
-    """
-    import mlx.core as mx  # noqa: PLC0415
-
-    rng = random.Random(seed)
-    results, correct = [], 0
-    for i in range(trials):
-        depth = i / max(1, trials - 1)
-        prompt, answer = make_needle_doc_tokens(
-            rng, filler, tokenizer.encode, n_tokens - (digits + 2), depth, template=template,
-            value=random_value(rng, digits))
-        ids = list(tokenizer.encode(prompt))
-        out: list[int] = []
-        cache = _full_cache(model)
-        if cache is not None:  # prefill once, then one token at a time (full-precision cache)
-            logits = model(mx.array([ids]), cache)
-            for _ in range(digits + 1):
-                out.append(int(mx.argmax(logits[0, -1]).item()))
-                logits = model(mx.array([out[-1:]]), cache)
-        else:
-            for _ in range(digits + 1):
-                logits = model(mx.array([ids + out]))
-                out.append(int(mx.argmax(logits[0, -1]).item()))
-        text = tokenizer.decode(out)
-        ok = text.strip().startswith(answer) and not text.strip()[len(answer):len(answer) + 1].isdigit()
-        correct += ok
-        results.append((round(depth, 3), answer, text))
-    return {"accuracy": correct / trials, "trials": trials, "n_tokens": n_tokens, "results": results}

@@ -1,7 +1,12 @@
 """Generation against any cache: chunked prefill, then decode, yielding tokens and stats.
 
-`generate_step` is the engine (token ids in, token ids out); `stream_generate` adds the
-tokenizer, incremental detokenization, stop strings and the report. No printing here.
+`steps` is the one generation loop (a `Step` per model call: prefill chunks, then sampled
+tokens; hooks `progress` and `should_stop`); `generate_step` yields its token ids, and every
+front end drives one of the two: `sample` and the API (`stream_generate`), the server worker,
+compare, needle, the pass-key probe, bench and the retrieval bench. `stream_generate` adds the
+tokenizer, detokenization with stop strings (`textstream.TextStream`, shared with the server)
+and the report. Teacher-forced scoring (perplexity) is not generation and does not use it.
+No printing here.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from .cache import KVCache, make_cache
 from .config import CacheConfig, SampleConfig
 from .errors import ContextLengthError
 from .sampling import make_sampler
+from .textstream import TextStream
 
 
 @dataclass
@@ -66,26 +72,20 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
-def forward(model: Any, tokens: mx.array, cache: KVCache) -> mx.array:
-    """One model call on [1, L] tokens; trims the cache to its policy afterwards."""
+def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
+    """One model call on [1, L] tokens; a `KVCache` is trimmed to its policy afterwards (mlx-lm's
+    own per-layer caches, which the bench compares against, evict inside their own update)."""
     logits = model(tokens, cache=cache)
-    cache.evict_middle_if_needed()
+    if isinstance(cache, KVCache):
+        cache.evict_middle_if_needed()
     return logits
 
 
-def prefill(model: Any, tokens: list[int], cache: KVCache, chunk: int,
-            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
-    """Feed `tokens` in chunks; returns the fp32 logits after the last one, shape [V]."""
-    if not tokens:
-        raise ValueError("the prompt is empty: give at least one token")
-    logits = None
-    for i in range(0, len(tokens), chunk):
-        piece = mx.array(tokens[i:i + chunk])[None]
-        logits = forward(model, piece, cache)[:, -1, :]
-        mx.eval(logits)
-        if progress is not None:
-            progress(min(i + chunk, len(tokens)), len(tokens))
-    return logits[0].astype(mx.float32)
+def _call(model: Any, tokens: list[int], cache: Any) -> mx.array:
+    """`forward` on `tokens`, evaluated: the fp32 logits after the last token, shape [V]."""
+    logits = forward(model, mx.array(tokens)[None], cache)[0, -1].astype(mx.float32)
+    mx.eval(logits)
+    return logits
 
 
 def check_context(prompt_tokens: int, context_length: Optional[int], config: CacheConfig) -> None:
@@ -96,29 +96,94 @@ def check_context(prompt_tokens: int, context_length: Optional[int], config: Cac
             "use --streaming-llm-window or retrieval (--kiv-hot-budget), or shorten the prompt")
 
 
-def generate_step(model: Any, prompt: list[int], cache: KVCache, sampler: Callable,
-                  max_tokens: int, prefill_chunk: int, stats: GenerationStats,
-                  eos_ids: frozenset = frozenset(),
-                  progress: Optional[Callable[[int, int], None]] = None) -> Iterator[int]:
-    """Yield up to `max_tokens` sampled token ids; fills `stats` as it goes."""
-    t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache, prefill_chunk, progress)
+@dataclass
+class Step:
+    """One model call of a generation: the tokens it fed (`prompt`: a prefill chunk) and the
+    token sampled from its logits; `token` is None after a prefill chunk that is not the
+    prompt's last, and where generation ends (max_tokens, EOS, `should_stop`). `logits`: the
+    call's fp32 logits after its last token, shape [V]."""
+    fed: list[int]
+    logits: mx.array
+    token: Optional[int] = None
+    prompt: bool = False
+
+
+def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_tokens: int,
+          prefill_chunk: int, stats: Optional[GenerationStats] = None, eos_ids: frozenset = frozenset(),
+          progress: Optional[Callable[[int, int], None]] = None,
+          should_stop: Optional[Callable[[], bool]] = None) -> Iterator[Step]:
+    """The generation engine, one `Step` per model call: the prompt in chunks of
+    `prefill_chunk` (`progress(done, total)` after each), then up to `max_tokens` sampled
+    tokens, each fed back except the last. It ends at an id in `eos_ids` (not yielded as a
+    token; finish_reason "stop") or when `should_stop()` is true after a model call
+    ("cancel"); a consumer that stops iterating feeds nothing more. `stats` (prompt and
+    generated tokens, prefill and decode seconds, finish_reason) is kept current. A consumer
+    that times each `next()` times one model call (plus the sampling of its token)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    stats = stats if stats is not None else GenerationStats(cache=cache)
     stats.prompt_tokens = len(prompt)
+    stopped = should_stop or (lambda: False)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompt), prefill_chunk):
+        fed = prompt[i:i + prefill_chunk]
+        logits = _call(model, fed, cache)
+        done = min(i + prefill_chunk, len(prompt))
+        if progress is not None:
+            progress(done, len(prompt))
+        if done < len(prompt):
+            yield Step(fed, logits, prompt=True)
+            if stopped():
+                stats.finish_reason = "cancel"
+                return
     stats.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in range(max_tokens):
-        token = int(sampler(logits[None])[0].item())
-        stats.generated_tokens += 1
-        stats.decode_seconds = time.perf_counter() - t0  # kept current: a consumer may stop early
-        if token in eos_ids:
-            stats.finish_reason = "stop"
-            return
-        yield token
-        if stats.generated_tokens == max_tokens:
-            break
-        logits = forward(model, mx.array([[token]]), cache)[0, -1].astype(mx.float32)
-    stats.decode_seconds = time.perf_counter() - t0
     stats.finish_reason = "length"
+    is_prompt = True
+    while True:
+        token = None
+        if stopped():
+            stats.finish_reason = "cancel"
+        elif stats.generated_tokens < max_tokens:
+            token = int(sampler(logits[None])[0].item())
+            stats.generated_tokens += 1
+            if token in eos_ids:
+                token, stats.finish_reason = None, "stop"
+        stats.decode_seconds = time.perf_counter() - t0  # kept current: a consumer may stop early
+        yield Step(fed, logits, token, is_prompt)
+        if token is None or stats.generated_tokens == max_tokens:
+            break
+        fed, is_prompt = [token], False
+        logits = _call(model, fed, cache)
+    stats.decode_seconds = time.perf_counter() - t0
+
+
+def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_tokens: int,
+                  prefill_chunk: int, stats: Optional[GenerationStats] = None,
+                  eos_ids: frozenset = frozenset(), progress: Optional[Callable[[int, int], None]] = None,
+                  should_stop: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+    """The sampled token ids of `steps` (same arguments): up to `max_tokens`, EOS excluded."""
+    for step in steps(model, prompt, cache, sampler, max_tokens, prefill_chunk, stats, eos_ids,
+                      progress, should_stop):
+        if step.token is not None:
+            yield step.token
+
+
+def greedy_tokens(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
+                  progress: Optional[Callable[[int, int], None]] = None,
+                  stats: Optional[GenerationStats] = None) -> list[int]:
+    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them)."""
+    return list(generate_step(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk,
+                              stats, progress=progress))
+
+
+def prefill(model: Any, tokens: list[int], cache: Any, chunk: int,
+            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
+    """Feed `tokens` in chunks through the engine (no token sampled); the fp32 logits after
+    the last one, shape [V]."""
+    for step in steps(model, tokens, cache, make_sampler(0.0), 0, chunk, progress=progress):
+        pass
+    return step.logits
 
 
 @dataclass
@@ -141,26 +206,17 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
     stats = GenerationStats(cache=cache)
     sampler = make_sampler(sample_config.temperature, sample_config.top_p,
                            sample_config.top_k, sample_config.seed)
-    detok = tok.detokenizer()
-    stops = sample_config.stop
+    text = TextStream(tok, sample_config.stop)
     eos = frozenset() if sample_config.ignore_eos else frozenset(tok.eos_ids)
-    held = ""  # text held back while it might be the start of a stop string
     for token in generate_step(loaded.model, ids, cache, sampler, sample_config.max_tokens,
                                sample_config.prefill_chunk, stats, eos, progress):
-        held += detok.add(token)
-        if stops:
-            hit = min((held.find(s) for s in stops if s in held), default=-1)
-            if hit >= 0:
-                if held[:hit]:
-                    yield Chunk(held[:hit], token)
-                stats.finish_reason = "stop"
-                yield Chunk("", done=True, stats=stats)
-                return
-        cut = len(held) - max((len(s) - 1 for s in stops), default=0)
-        emit, held = (held[:cut], held[cut:]) if cut > 0 else ("", held)
-        if emit:
-            yield Chunk(emit, token)
-    tail = held + detok.finalize()
+        piece = text.add(token)
+        if piece:
+            yield Chunk(piece, token)
+        if text.stopped:
+            stats.finish_reason = "stop"
+            break
+    tail = text.finish()
     if tail:
         yield Chunk(tail)
     yield Chunk("", done=True, stats=stats)

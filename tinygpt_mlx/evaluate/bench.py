@@ -1,8 +1,8 @@
 """Speed and memory per cache policy and context: ours side by side with mlx-lm's caches.
 
 For each context C: prefill C deterministic pseudo-random tokens in chunks, then time
-`decode_steps` greedy steps, every step a `generate.forward` (the code `sample` runs), and
-read the bytes each cache reports (mlx-lm's caches allocate in steps of 256 tokens and report
+`decode_steps` greedy steps, every step one model call of `generate.steps` (the loop `sample`
+runs), and read the bytes each cache reports (mlx-lm's caches allocate in steps of 256 tokens and report
 that). The policies run interleaved, chunk by chunk and step by step, so a busy machine slows
 them alike; decode tokens/s is 1 / the median step time. mlx-lm's own caches run through the
 same function on the same model, as baselines:
@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
+from mlx_lm.models import cache as mc
 
-from ..cache import make_cache
+from ..cache import KVCache, make_cache
 from ..config import SampleConfig, field_default
 from ..errors import PosttrainError
-from ..generate import forward
+from ..generate import steps
+from ..sampling import make_sampler
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
 from .defaults import BENCH_REFERENCE as REFERENCE
 from .modes import parse_policy
@@ -37,11 +39,10 @@ PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
 
 
-class _MlxCaches(list):
-    """mlx-lm per-layer caches with the two methods `generate.forward` and the report use."""
-
-    def evict_middle_if_needed(self) -> int:
-        return 0
+class MlxLmCache(list):
+    """mlx-lm's own per-layer caches as one model cache (the baselines): the model gets them as
+    they are, and they evict inside their own update (`generate.forward` trims only a
+    `KVCache`); `nbytes` is what they report."""
 
     @property
     def nbytes(self) -> int:
@@ -69,15 +70,13 @@ def make_policy(spec: str, model: Any) -> Policy:
     if m is None:
         config = parse_policy(spec)
         return Policy(spec, config.label(), lambda: make_cache(model, config))
-    from mlx_lm.models import cache as mc  # noqa: PLC0415
-
     n = len(model.layers)
     if m[1]:
         size = int(m[1])
         if size <= 4:
             raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
         return Policy(spec, f"mlx-lm RotatingKVCache({size}, keep=4)",
-                      lambda: _MlxCaches(mc.RotatingKVCache(size, keep=4) for _ in range(n)))
+                      lambda: MlxLmCache(mc.RotatingKVCache(size, keep=4) for _ in range(n)))
     if m[2]:
         bits, hd = int(m[2]), _head_dim(model)
         group = 64 if hd % 64 == 0 else 32
@@ -85,51 +84,56 @@ def make_policy(spec: str, model: Any) -> Policy:
         def make() -> list:
             if hd % group:
                 raise ValueError(f"mx.quantize needs head_dim {hd} to be a multiple of 32")
-            return _MlxCaches(mc.QuantizedKVCache(group, bits) for _ in range(n))
+            return MlxLmCache(mc.QuantizedKVCache(group, bits) for _ in range(n))
         return Policy(spec, f"mlx-lm QuantizedKVCache(group_size={group}, bits={bits})", make)
-    return Policy(spec, "mlx-lm KVCache", lambda: _MlxCaches(mc.KVCache() for _ in range(n)))
+    return Policy(spec, "mlx-lm KVCache", lambda: MlxLmCache(mc.KVCache() for _ in range(n)))
 
 
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
             prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
-    All caches are filled side by side: each prefill chunk, then each decode step, runs for
-    every policy in turn (order rotating), so load from other processes on a shared machine
-    falls on all policies alike. A step is `generate.forward`, as in `generate.prefill` and
-    decoding. `tick(policy name)` is called after every timed piece of work.
+    Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
+    `next()` is one timed model call: all caches are filled side by side, each prefill chunk,
+    then each decode step, running for every policy in turn (order rotating), so load from
+    other processes on a shared machine falls on all policies alike. Prefill time is the sum
+    of the chunks (the last one includes sampling the first token); a decode step feeds one
+    token and samples the next. `tick(policy name)` is called after every timed piece of work.
     """
     caches = [p.make() for p in policies]
+    runs = [steps(model, tokens, c, make_sampler(0.0), decode_steps + 1, prefill_chunk) for c in caches]
     prefill_s = [0.0] * len(policies)
-    steps: list[list[float]] = [[] for _ in policies]
-    last: list[Any] = [None] * len(policies)
+    step_s: list[list[float]] = [[] for _ in policies]
+
+    def timed(i: int) -> float:
+        t0 = time.perf_counter()
+        next(runs[i])
+        dt = time.perf_counter() - t0
+        if tick is not None:
+            tick(policies[i].name)
+        return dt
 
     def rotated(k: int) -> list[int]:
         n = len(policies)
         return [(i + k) % n for i in range(n)]
 
-    for k, i0 in enumerate(range(0, len(tokens), prefill_chunk)):
-        piece = mx.array(tokens[i0:i0 + prefill_chunk])[None]
-        for i in rotated(k):
-            t0 = time.perf_counter()
-            last[i] = mx.argmax(forward(model, piece, caches[i])[0, -1])
-            mx.eval(last[i])
-            prefill_s[i] += time.perf_counter() - t0
-            if tick is not None:
-                tick(policies[i].name)
-    for k in range(decode_steps):
-        for i in rotated(k):
-            t0 = time.perf_counter()
-            last[i] = mx.argmax(forward(model, last[i].reshape(1, 1), caches[i])[0, -1])
-            mx.eval(last[i])
-            steps[i].append(time.perf_counter() - t0)
-            if tick is not None:
-                tick(policies[i].name)
-    # the median step: robust to the scheduler pausing us on a shared machine
-    return [{"policy": p.name, "label": p.label, "context": len(tokens),
-             "prefill_tokens_per_s": len(tokens) / prefill_s[i],
-             "decode_tokens_per_s": 1.0 / statistics.median(steps[i]),
-             "cache_bytes": int(caches[i].nbytes)} for i, p in enumerate(policies)]
+    try:
+        for k in range(-(-len(tokens) // prefill_chunk)):
+            for i in rotated(k):
+                prefill_s[i] += timed(i)
+        for k in range(decode_steps):
+            for i in rotated(k):
+                step_s[i].append(timed(i))
+        # the median step: robust to the scheduler pausing us on a shared machine
+        return [{"policy": p.name, "label": p.label, "context": len(tokens),
+                 "prefill_tokens_per_s": len(tokens) / prefill_s[i],
+                 "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
+                 "cache_bytes": int(caches[i].nbytes)} for i, p in enumerate(policies)]
+    finally:
+        for run, cache in zip(runs, caches):
+            run.close()
+            if isinstance(cache, KVCache):
+                cache.close()
 
 
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,

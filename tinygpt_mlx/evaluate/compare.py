@@ -1,6 +1,6 @@
 """Greedy prefix match: how long a cache policy reproduces the fp32 full-cache generation.
 
-For each prompt, greedy (temperature 0) decoding runs through `generate.generate_step` (the
+For each prompt, greedy (temperature 0) decoding runs through `generate.greedy_tokens` (the
 code `sample` uses) once with the baseline cache and once per policy. The metric is the number
 of tokens reproduced before the first divergence over the tokens generated. End-of-text does
 not stop the runs, so every run generates exactly `tokens` tokens and the rates compare.
@@ -13,8 +13,8 @@ from typing import Callable, Optional, Sequence
 
 from ..cache import make_cache
 from ..config import CacheConfig, SampleConfig, field_default
-from ..generate import GenerationStats, check_context, generate_step
-from ..sampling import make_sampler
+from .. import generate
+from ..generate import check_context
 from .defaults import COMPARE_TOKENS as DEFAULT_TOKENS
 from .inputs import read_text
 
@@ -53,9 +53,8 @@ def read_prompts(path) -> list[str]:
 def greedy_tokens(model, prompt_ids: list[int], config: CacheConfig, tokens: int,
                   prefill_chunk: int = PREFILL_CHUNK) -> list[int]:
     """Exactly `tokens` greedy token ids after `prompt_ids` under the policy `config`."""
-    cache = make_cache(model, config)
-    stats = GenerationStats(cache=cache)
-    return list(generate_step(model, prompt_ids, cache, make_sampler(0.0), tokens, prefill_chunk, stats))
+    with make_cache(model, config) as cache:
+        return generate.greedy_tokens(model, prompt_ids, cache, tokens, prefill_chunk)
 
 
 def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: int = DEFAULT_TOKENS,

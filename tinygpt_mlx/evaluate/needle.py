@@ -21,16 +21,15 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import mlx.core as mx
+import numpy as np
 
 from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
-from ..generate import forward
+from ..generate import GenerationStats, greedy_tokens
 from .inputs import HELDOUT_KJV
 
 POLICIES = ("full", "streaming", "retrieval")
@@ -75,36 +74,23 @@ def passed(text: str, answer: str) -> bool:
 def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
              truth: list[int], chunk: int) -> dict:
     """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers."""
-    cache = make_cache(model, config)
-    if config.retrieval:
-        cache.set_truth(truth)
-    t0 = time.perf_counter()
-    starts = list(range(0, len(ids), chunk))
-    logits = None
-    for i in starts:
-        if i == starts[-1]:
-            cache.reset_telemetry()   # keep the question's chunk and the decode steps
-        logits = forward(model, mx.array(ids[i:i + chunk])[None], cache)[0, -1]
-        mx.eval(logits)
-    prefill_s = time.perf_counter() - t0
     n_new = len(tokenizer.encode(" " + answer)) + 1
-    out: list[int] = []
-    t0 = time.perf_counter()
-    for step in range(n_new):
-        token = int(mx.argmax(logits).item())
-        out.append(token)
-        if step + 1 < n_new:
-            logits = forward(model, mx.array([[token]]), cache)[0, -1]
-            mx.eval(logits)
-    decode_s = time.perf_counter() - t0
-    text = tokenizer.decode(out)
-    cell = {"passed": passed(text, answer), "answer": answer, "output": text,
-            "prompt_tokens": len(ids), "prefill_s": round(prefill_s, 4),
-            "decode_ms_per_token": round(1000 * decode_s / max(1, n_new - 1), 3),
-            "cache_bytes": cache.nbytes_breakdown()}
-    if config.retrieval:
-        cell["telemetry"] = cache.retrieval_report()
-    cache.close()
+    stats = GenerationStats()
+    with make_cache(model, config) as cache:
+        if config.retrieval:
+            cache.set_truth(truth)
+
+        def keep_last_chunk(done: int, total: int) -> None:
+            if done < total <= done + chunk:   # the next chunk is the question's: keep it and the decode
+                cache.reset_telemetry()
+        out = greedy_tokens(model, ids, cache, n_new, chunk, keep_last_chunk, stats)
+        text = tokenizer.decode(out)
+        cell = {"passed": passed(text, answer), "answer": answer, "output": text,
+                "prompt_tokens": len(ids), "prefill_s": round(stats.prefill_seconds, 4),
+                "decode_ms_per_token": round(1000 * stats.decode_seconds / max(1, n_new - 1), 3),
+                "cache_bytes": cache.nbytes_breakdown()}
+        if config.retrieval:
+            cell["telemetry"] = cache.retrieval_report()
     return cell
 
 
@@ -151,7 +137,6 @@ def plot_grid(result: dict, path: Path) -> Path:
     import matplotlib  # noqa: PLC0415
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
 
     policies = list(result["policies"])
     contexts, depths = result["contexts"], result["depths"]

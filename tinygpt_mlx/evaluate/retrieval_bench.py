@@ -14,8 +14,9 @@ mean key (and the hybrid of both), on the same keys and queries.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -23,7 +24,8 @@ import numpy as np
 from ..cache import KVCache, make_cache
 from ..cache.cold import ColdStore
 from ..config import CacheConfig
-from ..generate import forward, prefill
+from ..generate import Step, steps
+from ..sampling import make_sampler
 
 
 def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
@@ -56,44 +58,54 @@ def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts:
 
     Every context's cache is built first (the prompt prefilled once, then copied cold pages);
     then decode steps run interleaved, one step per context in turn, so that load from other
-    processes hits every context alike and the ratios against the smallest stay meaningful."""
-    caches, tokens, prefill_s = [], [], []
-    for context in contexts:
-        cache = make_cache(model, config)
-        t0 = time.perf_counter()
-        logits = prefill(model, prompt, cache, chunk)
-        prefill_s.append(time.perf_counter() - t0)
-        if context > len(prompt):
-            grow_cold(cache, context)
-        token = mx.argmax(logits)
-        mx.eval(token)
-        forward(model, token.reshape(1, 1), cache)  # warm-up step
-        caches.append(cache)
-        tokens.append(token)
-    times: list[list[float]] = [[] for _ in contexts]
-    for _ in range(decode_steps):
-        for i, cache in enumerate(caches):
+    processes hits every context alike and the ratios against the smallest stay meaningful.
+    Each is a greedy generation (`generate.steps`): one untimed warm-up step, then the timed ones."""
+    caches, runs, prefill_s = [], [], []
+    try:
+        for context in contexts:
+            caches.append(make_cache(model, config))
+            runs.append(steps(model, prompt, caches[-1], make_sampler(0.0), decode_steps + 2, chunk))
             t0 = time.perf_counter()
-            tokens[i] = mx.argmax(forward(model, tokens[i].reshape(1, 1), cache)[0, -1])
-            mx.eval(tokens[i])
-            times[i].append(time.perf_counter() - t0)
-    rows = []
-    for i, cache in enumerate(caches):
-        parts = cache.nbytes_breakdown()
-        hot = parts.get("sink", 0) + parts.get("body", 0)
-        cold = sum(v for k, v in parts.items() if k.startswith("cold") and k != "cold_summary")
-        row = {"context": cache.current_length, "prompt_tokens": len(prompt),
-               "prefill_s": round(prefill_s[i], 2),
-               "decode_ms_per_token": round(1000 * float(np.median(times[i])), 2),
-               "decode_ms_min": round(1000 * float(np.min(times[i])), 2),
-               "hot_bytes": hot, "cold_bytes": cold, "summary_bytes": parts.get("cold_summary", 0),
-               "bytes": parts, "telemetry": cache.retrieval_report(last_steps=decode_steps)}
-        rows.append(row)
-        if progress is not None:
-            progress(row)
-    for cache in caches:
-        cache.close()
-    return rows
+            _prefill(runs[-1])
+            prefill_s.append(time.perf_counter() - t0)
+            if context > len(prompt):
+                grow_cold(caches[-1], context)
+            next(runs[-1])  # warm-up step
+        times: list[list[float]] = [[] for _ in contexts]
+        for _ in range(decode_steps):
+            for i, run in enumerate(runs):
+                t0 = time.perf_counter()
+                next(run)
+                times[i].append(time.perf_counter() - t0)
+        return [_row(cache, len(prompt), prefill_s[i], times[i], decode_steps, progress)
+                for i, cache in enumerate(caches)]
+    finally:
+        for run, cache in zip(runs, caches):
+            run.close()
+            cache.close()
+
+
+def _prefill(run: Iterator[Step]) -> None:
+    """Advance a generation to the end of its prompt (its first token sampled, not yet fed)."""
+    for step in run:
+        if step.token is not None:
+            return
+
+
+def _row(cache: KVCache, prompt_tokens: int, prefill_s: float, times: list[float], decode_steps: int,
+         progress: Optional[Callable[[dict], None]]) -> dict:
+    parts = cache.nbytes_breakdown()
+    hot = parts.get("sink", 0) + parts.get("body", 0)
+    cold = sum(v for k, v in parts.items() if k.startswith("cold") and k != "cold_summary")
+    row = {"context": cache.current_length, "prompt_tokens": prompt_tokens,
+           "prefill_s": round(prefill_s, 2),
+           "decode_ms_per_token": round(1000 * float(np.median(times)), 2),
+           "decode_ms_min": round(1000 * float(np.min(times)), 2),
+           "hot_bytes": hot, "cold_bytes": cold, "summary_bytes": parts.get("cold_summary", 0),
+           "bytes": parts, "telemetry": cache.retrieval_report(last_steps=decode_steps)}
+    if progress is not None:
+        progress(row)
+    return row
 
 
 def _store_like(store: ColdStore, config: CacheConfig) -> ColdStore:
@@ -110,11 +122,10 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     variant selects, on the same keys and the same recorded decode queries. The selection is
     the cold store's own (`ColdStore.top_pages_of`): flat scans (index_block 0) and the
     two-level index, minmax vs mean vs hybrid."""
-    import dataclasses  # noqa: PLC0415
-
     variants = variants or [(s, 0) for s in ("minmax", "mean", "hybrid")]
     cache = make_cache(model, config)
-    logits = prefill(model, tokens, cache, chunk)
+    run = steps(model, tokens, cache, make_sampler(0.0), decode_steps + 1, chunk)
+    _prefill(run)
     stores = [c.cold for c in cache.owned]
     queries: dict[int, list] = {id(s): [] for s in stores}
     for s in stores:  # record the (positioned) queries each store is asked
@@ -124,10 +135,8 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
             queries[id(_s)].append(q.copy())  # [G, rep, L, D]
             return _orig(q)
         s.select = spy
-    token = mx.argmax(logits)
-    for _ in range(decode_steps):
-        token = mx.argmax(forward(model, token.reshape(1, 1), cache)[0, -1])
-        mx.eval(token)
+    for _ in run:  # the decode steps
+        pass
     ps, tp = config.page_size, config.top_pages
     scored = [s for s in stores if s.cold_bits is None and s.n_pages > tp]
     # ground truth, once for all variants: the pages holding each query's exact top-k tokens
@@ -155,7 +164,6 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         out[name] = hits / total if total else None
         if block and not indexed:
             out[name + " (index not engaged: store too short)"] = out.pop(name)
-    for s in stores:
-        s.close()
+    cache.close()
     return {"top_k": k, "top_pages": tp, "page_size": ps, "cold_tokens": max((s.n for s in stores), default=0),
             "recall": out}

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from . import ollama as ol
 from . import openai as oa
 from . import prompt as pr
-from .app import ApiError, Server, read_json
+from .state import ApiError, Server, read_json
 from .streams import (ClientGone, GenerationFailed, collect, ndjson, render, sse,
                       truncation_headers)
 

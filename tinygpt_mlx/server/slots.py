@@ -73,28 +73,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def _distinct(cache: Any) -> list:
-    seen, out = set(), []
-    for c in cache:
-        if c is not None and id(c) not in seen:
-            seen.add(id(c))
-            out.append(c)
-    return out
-
-
-def trimmable(cache: Any) -> bool:
-    return all(hasattr(c, "is_trimmable") and c.is_trimmable() for c in _distinct(cache))
-
-
-def trim(cache: Any, n: int) -> bool:
-    """Forget the newest `n` tokens of every layer; False if some layer could not."""
-    if n <= 0:
-        return True
-    if not trimmable(cache):
-        return False
-    return all(c.trim(n) == n for c in _distinct(cache))
-
-
 class SlotPool:
     def __init__(self, model: Any, cache_config: Any, max_slots: int = _DEFAULTS.max_slots,
                  small_tokens: int = _DEFAULTS.small_request):
@@ -106,8 +84,15 @@ class SlotPool:
         self._lock = threading.Lock()
 
     def _fresh(self, slot: Slot) -> None:
+        """Give `slot` a new cache (an evicted slot's cache is closed: disk stores removed)."""
+        self._drop(slot)
         slot.cache = make_cache(self.model, self.cache_config)
-        slot.tokens = []
+
+    @staticmethod
+    def _drop(slot: Slot) -> None:
+        if slot.cache is not None:
+            slot.cache.close()
+        slot.cache, slot.tokens = None, []
 
     def _touch(self, slot: Slot) -> None:
         slot.last_used = time.monotonic()
@@ -158,7 +143,11 @@ class SlotPool:
         return Lease(victim, 0, "evict")
 
     def _rollback(self, slot: Slot, keep: int) -> bool:
-        if not trim(slot.cache, len(slot.tokens) - keep):
+        n = len(slot.tokens) - keep
+        if n > 0 and not slot.cache.is_trimmable():
+            return False
+        if n > 0 and slot.cache.trim(n) != n:   # not expected: its state is unknown now
+            self._drop(slot)
             return False
         del slot.tokens[keep:]
         return True
@@ -190,7 +179,19 @@ class SlotPool:
     def invalidate(self, slot: Slot) -> None:
         """Forget a slot whose cache state is unknown (an error in the middle of a step)."""
         with self._lock:
-            slot.cache, slot.tokens = None, []
+            self._drop(slot)
+
+    def release(self, slot: Slot) -> None:
+        """The job on `slot` is over: a scratch slot's cache is closed, a pool slot stays warm."""
+        if slot.index < 0:
+            with self._lock:
+                self._drop(slot)
+
+    def close(self) -> None:
+        """Close every slot's cache (server shutdown: disk stores removed)."""
+        with self._lock:
+            for s in self.slots:
+                self._drop(s)
 
     def describe(self) -> list[dict]:
         with self._lock:

@@ -19,27 +19,13 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..generate import forward, prefill
+from ..generate import GenerationStats, steps
 from ..sampling import make_sampler
+from ..textstream import TextStream
 from .config import ServerConfig
 from .slots import SlotPool
 
 log = logging.getLogger("posttrainllm.server")
-
-
-def _partial_stop(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest end of `text` that could begin a stop string (held back)."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:k]):
-                best = k
-                break
-    return best
-
-
-class _Cancelled(Exception):
-    """Raised between prefill chunks when the client has gone away."""
 
 
 @dataclass
@@ -156,29 +142,17 @@ class Worker:
         lease = self.pool.acquire(ids)
         slot = lease.slot
         r.slot, r.slot_action, r.reused_tokens = slot.index, lease.action, lease.reused
-        tail = ids[lease.reused:]
-        r.prefilled_tokens = len(tail)
-        t0 = time.perf_counter()
-        r.load_ns = int((t0 - t_start) * 1e9)
-
-        def progress(done: int, total: int) -> None:
-            slot.tokens = ids[:lease.reused + done]     # what the cache holds so far
-            if job.cancelled.is_set() and done < total:
-                raise _Cancelled()
-
+        r.prefilled_tokens = len(ids) - lease.reused
+        r.load_ns = int((time.perf_counter() - t_start) * 1e9)
         try:
-            try:
-                logits = prefill(self.loaded.model, tail, slot.cache, self.prefill_chunk, progress)
-            except _Cancelled:
-                r.done_reason = "cancel"
-                return r
-            t1 = time.perf_counter()
-            r.prompt_eval_ns = int((t1 - t0) * 1e9)
-            self._decode(job, slot, logits, r)
-            r.eval_ns = int((time.perf_counter() - t1) * 1e9)
+            stats = self._decode(job, slot, ids[lease.reused:], r)
         except BaseException:
             self.pool.invalidate(slot)
             raise
+        finally:
+            self.pool.release(slot)
+        r.done_reason = stats.finish_reason
+        r.prompt_eval_ns, r.eval_ns = int(stats.prefill_seconds * 1e9), int(stats.decode_seconds * 1e9)
         r.total_ns = int((time.perf_counter() - job.created) * 1e9)
         log.info("slot %d %s: prompt %d tokens (reused %d, prefilled %d), generated %d (%s)",
                  r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, r.prefilled_tokens,
@@ -197,43 +171,31 @@ class Worker:
             return job.ids
         return spliced
 
-    def _decode(self, job: Job, slot: Any, logits: mx.array, r: Result) -> None:
+    def _decode(self, job: Job, slot: Any, tail: list[int], r: Result) -> GenerationStats:
+        """Prefill `tail` into the slot and generate; the slot's tokens follow what is fed."""
         tok = self.loaded.tokenizer
-        eos = frozenset(tok.eos_ids)
         sampler = make_sampler(job.temperature, job.top_p, job.top_k, job.seed)
-        detok = tok.detokenizer()
-        stops = job.stop
-        held, out, cut_by_stop = "", [], False
-        r.done_reason = "length"
-        for i in range(job.max_tokens):
-            if job.cancelled.is_set():
-                r.done_reason = "cancel"
-                break
-            token = int(sampler(logits[None])[0].item())
-            if token in eos:
-                r.done_reason = "stop"
-                break
-            r.tokens.append(token)
-            held += detok.add(token)
-            if stops:
-                hit = min((held.find(s) for s in stops if s in held), default=-1)
-                if hit >= 0:
-                    held, cut_by_stop = held[:hit], True
-                    r.done_reason = "stop"
-                    break
-            cut = len(held) - _partial_stop(held, stops)
-            if cut > 0:
-                out.append(held[:cut])
-                job.emit("text", held[:cut])
-                held = held[cut:]
-            if i + 1 == job.max_tokens:
+        text = TextStream(tok, job.stop)
+        stats = GenerationStats(cache=slot.cache)
+        out: list[str] = []
+        for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, self.prefill_chunk,
+                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set):
+            slot.tokens.extend(step.fed)
+            if step.token is None:
+                continue
+            r.tokens.append(step.token)
+            piece = text.add(step.token)
+            if piece:
+                out.append(piece)
+                job.emit("text", piece)
+            if text.stopped:
+                stats.finish_reason = "stop"
                 break
             if job.max_context is not None and len(slot.tokens) + 1 >= job.max_context:
                 break           # prompt + reply fill the context (the last token is never fed)
-            logits = forward(self.loaded.model, mx.array([[token]]), slot.cache)[0, -1].astype(mx.float32)
-            slot.tokens.append(token)
-        tail = held if cut_by_stop else held + detok.finalize()
-        if tail:
-            out.append(tail)
-            job.emit("text", tail)
+        piece = text.finish()
+        if piece:
+            out.append(piece)
+            job.emit("text", piece)
         r.text = "".join(out)
+        return stats
