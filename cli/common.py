@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tinygpt_mlx.config import KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.config import DEFAULT_ROPE_MODE, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.errors import PosttrainError
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -57,7 +57,7 @@ Window = Annotated[Optional[int], typer.Option(
     show_default=False)]
 RopeMode = Annotated[Optional[str], typer.Option(
     "--streaming-llm-rope", help="StreamingLLM positions: shifted (cache slots, the paper) or absolute "
-    f"(original positions, like mlx-lm's RotatingKVCache). Default {field_default(_C, 'rope_mode')}.",
+    f"(original positions, like mlx-lm's RotatingKVCache). Default {DEFAULT_ROPE_MODE}.",
     show_default=False)]
 HotBudget = Annotated[Optional[int], typer.Option(
     "--kiv-hot-budget", help="Retrieval: exact hot window; older tokens go to a cold store and are fetched back.",
@@ -98,11 +98,8 @@ PrefillChunk = Annotated[Optional[int], typer.Option(
 def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=None, group_size=None,
                  residual=None, sink=None, window=None, rope_mode=None, hot_budget=None,
                  retrieve_tokens=None, page_size=None, top_pages=None, **extra) -> CacheConfig:
-    """One CacheConfig from command-line values; a bad value or combination is a BadParameter
-    naming the flag."""
-    if rope_mode is not None and window is None and hot_budget is None:
-        raise typer.BadParameter("needs --streaming-llm-window or --kiv-hot-budget",
-                                 param_hint="'--streaming-llm-rope'")
+    """One CacheConfig from command-line values; a bad value or combination (every rule is
+    `CacheConfig`'s) is a BadParameter naming the flag."""
     try:
         return CacheConfig.from_flags(
             kv_quantize=kv_quantize, kv_quantize_keys=kv_quantize_keys, kv_quantize_values=kv_quantize_values,
@@ -159,16 +156,13 @@ CONFIG_FLAGS: dict[str, str] = {
 
 
 def config_error(e: ValueError) -> typer.BadParameter:
-    """A config's ValueError as a usage error naming the flag: `Invalid value for '--tokens':
-    must be an integer >= 0, got -1`. A `ConfigError` carries its field; a plain ValueError
-    (ServerConfig's) is read as "<field> <problem>" when it starts with a known field."""
+    """A config's error as a usage error naming the flag: `Invalid value for '--tokens':
+    must be an integer >= 0, got -1`. A `ConfigError` carries its field (Cache-, Sample- and
+    ServerConfig raise one); the translation is all the CLI does."""
     field = getattr(e, "field", None)
     if field in CONFIG_FLAGS:
         return typer.BadParameter(e.describe(lambda f: CONFIG_FLAGS.get(f, f)),
                                   param_hint=f"'{CONFIG_FLAGS[field]}'")
-    head, _, problem = str(e).partition(" ")
-    if field is None and head in CONFIG_FLAGS and problem:
-        return typer.BadParameter(problem, param_hint=f"'{CONFIG_FLAGS[head]}'")
     return typer.BadParameter(str(e))
 
 

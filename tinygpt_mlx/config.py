@@ -1,21 +1,32 @@
-"""Frozen configuration dataclasses: the one place where defaults live.
+"""Frozen configuration dataclasses: the one place where defaults and rules live.
 
 `ModelConfig` describes the native TinyGPT, `CacheConfig` the KV-cache policy (precision x
 eviction x retrieval, composed in one object) and `SampleConfig` the decoding settings. Each
-validates itself in `__post_init__` and raises `ConfigError` (a `ValueError`) that carries the
-bad field's name, so that a front end can name its own spelling of it (the CLI names the flag).
+validates itself in `__post_init__` -- every rule that depends only on its fields, cross-field
+ones included -- and raises `ConfigError` (a `ValueError`) that carries the bad field's name,
+so that a front end only names its own spelling of it (the CLI names the flag).
+
+A `CacheConfig` is built from fields, from CLI/HTTP style names (`CacheConfig.from_flags`) or
+from a policy spec string such as "int4+sink4/window252:absolute" (`CacheConfig.from_spec`, the
+one spec parser: compare, perplexity, bench and needle use it); the last two share the
+precision table `precision_fields`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 STORAGE_DTYPES = ("fp32", "fp16", "bf16")
 QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
+#: KIVI group sizes: the ones MLX's quantised kernels accept (`quant.py`).
+GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 ROPE_MODES = ("shifted", "absolute")
+#: The RoPE mode of a StreamingLLM or retrieval policy that names none.
+DEFAULT_ROPE_MODE = "shifted"
 SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "slots")
@@ -41,6 +52,17 @@ class ConfigError(ValueError):
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ConfigError(name, f"must be an integer >= {minimum}, got {value!r}")
+
+
+def precision_fields(choice: str, keyword: str = "kv_quantize") -> dict[str, Any]:
+    """The precision table: a `--kv-quantize` value -> the `CacheConfig` fields it sets
+    ("int4" -> key_bits=value_bits=4, "bf16" -> storage="bf16"). A bad value is a ConfigError
+    on `keyword`."""
+    if choice in QUANT_BITS:
+        return {"key_bits": QUANT_BITS[choice], "value_bits": QUANT_BITS[choice]}
+    if choice in STORAGE_DTYPES:
+        return {"storage": choice}
+    raise ConfigError(keyword, f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
 
 
 @dataclass(frozen=True)
@@ -112,7 +134,9 @@ class CacheConfig:
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
-    rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"
+    rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
+                 window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled
+                 in by `__post_init__`); None otherwise
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
     retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
                  the cold store (tinygpt_mlx/cache/retrieval.py, docs/retrieval.md)
@@ -132,7 +156,7 @@ class CacheConfig:
     shadow_store: str = "disk"
     sink: int = 0
     window: Optional[int] = None
-    rope_mode: str = "shifted"
+    rope_mode: Optional[str] = None
     hot_budget: Optional[int] = None
     retrieve_tokens: int = 64
     page_size: int = 8
@@ -152,6 +176,9 @@ class CacheConfig:
             if bits is not None and bits not in QUANT_BITS.values():
                 raise ConfigError(name, f"must be 8, 4 or 2, got {bits!r}")
         _positive("group_size", self.group_size)
+        if self.group_size not in GROUP_SIZES:
+            raise ConfigError("group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))} (the KIVI group "
+                              f"sizes MLX's quantised kernels take), got {self.group_size}")
         _positive("residual", self.residual, 0)
         if self.quantised and self.residual % self.group_size:
             raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "
@@ -170,13 +197,23 @@ class CacheConfig:
         elif self.sink and self.hot_budget is None:
             raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
                               ("window", "hot_budget"))
-        if self.rope_mode not in ROPE_MODES:
+        if self.rope_mode is not None and self.rope_mode not in ROPE_MODES:
             raise ConfigError("rope_mode", f"must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
         if self.hot_budget is not None:
             _positive("hot_budget", self.hot_budget)
             if self.window is not None:
                 raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
                                   "eviction are alternatives", ("window",))
+        if self.window is None and self.hot_budget is None:
+            if self.rope_mode is not None:
+                raise ConfigError("rope_mode", "needs {window} (a StreamingLLM window) or {hot_budget} "
+                                  "(retrieval): positions only move under eviction", ("window", "hot_budget"))
+        elif self.rope_mode is None:
+            object.__setattr__(self, "rope_mode", DEFAULT_ROPE_MODE)   # frozen: set once, here
+        if self.quantised and self.retrieval and self.rope_mode == "shifted":
+            raise ConfigError("rope_mode", "must be absolute for KIVI ({kv_quantize} int*) with retrieval "
+                              "({hot_budget}): shifted retrieval positions are not supported yet (the slot gap "
+                              "moves the frozen body's slots)", ("kv_quantize", "hot_budget"))
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
         _positive("index_block", self.index_block, 0)
@@ -210,27 +247,50 @@ class CacheConfig:
     @classmethod
     def from_flags(cls, kv_quantize: Optional[str] = None, kv_quantize_keys: Optional[str] = None,
                    kv_quantize_values: Optional[str] = None, **kwargs: Any) -> "CacheConfig":
-        """Build from CLI/HTTP style names; None means "use the default" for every field."""
+        """Build from CLI/HTTP style names; None means "use the default" for every field.
+        `kv_quantize` sets both sides (`precision_fields`); `kv_quantize_keys` /
+        `kv_quantize_values` override one side (an exact dtype there means exact)."""
         kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        choice = kv_quantize or "fp32"
-        if choice not in KV_QUANTIZE_CHOICES:
-            raise ConfigError("kv_quantize", f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
-        if choice in QUANT_BITS:
-            kwargs.setdefault("key_bits", QUANT_BITS[choice])
-            kwargs.setdefault("value_bits", QUANT_BITS[choice])
-        else:
-            kwargs.setdefault("storage", choice)
+        for name, value in precision_fields(kv_quantize or "fp32").items():
+            kwargs.setdefault(name, value)
         for name, keyword, flag in (("key_bits", "kv_quantize_keys", kv_quantize_keys),
                                     ("value_bits", "kv_quantize_values", kv_quantize_values)):
-            if flag is None:
-                continue
-            if flag in QUANT_BITS:
-                kwargs[name] = QUANT_BITS[flag]
-            elif flag in STORAGE_DTYPES:
-                kwargs[name] = None
-            else:
-                raise ConfigError(keyword, f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {flag!r}")
+            if flag is not None:
+                kwargs[name] = precision_fields(flag, keyword).get("key_bits")
         return cls(**kwargs)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "CacheConfig":
+        """The one policy spec parser (`--modes`, `--policies`, `--baseline`, needle's grid):
+        `+`-joined parts, each optional, case-insensitive, mapped onto `from_flags`:
+
+            fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
+            k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
+            g64, r128                                  KIVI group size G, residual R
+            top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
+            sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
+            hot256[:absolute|:shifted]                 retrieval hot budget
+
+        e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
+        and "full" are the fp32 full cache. A bad part or config is a ValueError naming the spec."""
+        flags: dict[str, Any] = {}
+        text = spec.strip().lower()
+        for part in ([] if text in ("", "full") else [p.strip() for p in text.split("+")]):
+            matched = False
+            for pattern, build in _SPEC_PARTS:
+                if m := pattern.fullmatch(part):
+                    for key, value in build(m).items():
+                        if key in flags:
+                            raise ValueError(f"policy {spec!r}: {part!r} sets {key} twice")
+                        flags[key] = value
+                    matched = True
+                    break
+            if not matched:
+                raise ValueError(f"policy {spec!r}: unknown part {part!r} ({SPEC_HELP})")
+        try:
+            return cls.from_flags(**flags)
+        except ValueError as e:
+            raise ValueError(f"policy {spec!r}: {e}") from None
 
     def describe(self) -> dict:
         """The active settings, as shown in banners and JSON reports."""
@@ -270,6 +330,31 @@ class CacheConfig:
         if self.retrieval:
             parts.append(f"retrieval hot {self.hot_budget} + top {self.retrieve_tokens} tokens")
         return " + ".join(parts)
+
+
+SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
+             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
+             "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), hotN[:absolute|:shifted] (retrieval); "
+             "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
+
+
+def _rope(m: "re.Match") -> dict[str, Any]:
+    return {"rope_mode": m["rope"]} if m["rope"] else {}
+
+
+_ROPE = r"(?::(?P<rope>absolute|shifted))?"
+_NUMBERED = {"g": "group_size", "r": "residual", "top": "exact_topk"}
+# (a spec part's pattern, the `from_flags` keywords it sets), tried in order by `from_spec`.
+_SPEC_PARTS = (
+    (re.compile("|".join(KV_QUANTIZE_CHOICES)), lambda m: {"kv_quantize": m[0]}),
+    (re.compile(r"k([248])v([248])"), lambda m: {"kv_quantize_keys": f"int{m[1]}",
+                                                  "kv_quantize_values": f"int{m[2]}"}),
+    (re.compile(r"(?:sink(\d+)/)?window(\d+)" + _ROPE),
+     lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)}),
+    (re.compile(r"hot(\d+)" + _ROPE), lambda m: {"hot_budget": int(m[1]), **_rope(m)}),
+    (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
+    (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
+)
 
 
 @dataclass(frozen=True)

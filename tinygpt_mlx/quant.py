@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .config import GROUP_SIZES  # group sizes accepted by MLX's quantised kernels
+
 __all__ = [
     "LEVELS",
     "GROUP_SIZES",
@@ -57,8 +59,6 @@ LEVELS: dict[int, tuple[int, int]] = {
     2: (0, 3),
 }
 
-#: Group sizes accepted by MLX's quantised kernels.
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 
 #: Lower bound on the scale.  All arithmetic is float32, so a step of 1e-8 is
 #: representable and (x - zero) / scale stays finite for constant groups

@@ -54,12 +54,7 @@ class KiviStore:
     """
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any):
-        if config.group_size not in quant.GROUP_SIZES:
-            raise ValueError(f"KIVI group size {config.group_size} is not supported: MLX's quantised "
-                             f"kernels take {', '.join(map(str, quant.GROUP_SIZES))}")
-        if config.retrieval and config.rope_mode == "shifted":
-            raise ValueError("KIVI with shifted retrieval positions is not supported yet "
-                             "(its slot gap moves the body's slots); use rope_mode 'absolute'")
+        # `CacheConfig` has checked the group size (MLX's set) and refused shifted retrieval.
         self.config = config
         self.storage = storage
         self.codec = codec

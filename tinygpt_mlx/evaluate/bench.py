@@ -11,7 +11,7 @@ same function on the same model, as baselines:
     mlx-rotatingN   RotatingKVCache(max_size=N, keep=4)      (compare with sink4/window<N-4>)
     mlx-q8, mlx-q4  QuantizedKVCache(group_size=64, bits)     (group 32 if head_dim % 64)
 
-Every other spec is one of ours (`modes.parse_policy`). The fp32 full cache always runs: the
+Every other spec is one of ours (`CacheConfig.from_spec`). The fp32 full cache always runs: the
 ratios are against it, measured in the same process.
 """
 
@@ -27,13 +27,12 @@ import mlx.core as mx
 from mlx_lm.models import cache as mc
 
 from ..cache import KVCache, make_cache
-from ..config import SampleConfig, field_default
+from ..config import CacheConfig, SampleConfig, field_default
 from ..errors import PosttrainError
 from ..generate import steps
 from ..sampling import make_sampler
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
 from .defaults import BENCH_REFERENCE as REFERENCE
-from .modes import parse_policy
 
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
@@ -68,7 +67,7 @@ def make_policy(spec: str, model: Any) -> Policy:
     """A named cache factory for `model`; a bad spec is a ValueError."""
     m = _MLX.fullmatch(spec.strip().lower())
     if m is None:
-        config = parse_policy(spec)
+        config = CacheConfig.from_spec(spec)
         return Policy(spec, config.label(), lambda: make_cache(model, config))
     n = len(model.layers)
     if m[1]:

@@ -38,19 +38,24 @@ POLICIES = ("full", "streaming", "retrieval")
 DEFAULT_FILLER = HELDOUT_KJV
 
 
+def policy_specs(retrieval: CacheConfig) -> dict[str, str]:
+    """The policy spec (`CacheConfig.from_spec`) of "full" and "streaming" around one retrieval
+    config: its storage, and its sink with the hot budget as the window."""
+    return {"full": retrieval.storage,
+            "streaming": f"{retrieval.storage}+sink{retrieval.sink}/window{retrieval.hot_budget}"}
+
+
 def policy_configs(retrieval: CacheConfig, names: list[str]) -> dict[str, CacheConfig]:
     """The cache configs of the grid's policies, built around one retrieval config."""
     if not retrieval.retrieval:
         raise ValueError("the needle grid needs a retrieval policy: give --kiv-hot-budget")
+    specs = policy_specs(retrieval)
     out = {}
     for name in names:
-        if name == "full":
-            out[name] = CacheConfig(storage=retrieval.storage)
-        elif name == "streaming":
-            out[name] = CacheConfig(storage=retrieval.storage, sink=retrieval.sink,
-                                    window=retrieval.hot_budget)
-        elif name == "retrieval":
+        if name == "retrieval":
             out[name] = retrieval
+        elif name in specs:
+            out[name] = CacheConfig.from_spec(specs[name])
         else:
             raise ValueError(f"unknown needle policy {name!r}; choose from {', '.join(POLICIES)}")
     return out

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..config import SampleConfig, field_default
+from ..config import ConfigError, SampleConfig, _positive, field_default
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """host/port to listen on; warm slots kept; the small-request rule's threshold (tokens)."""
+    """host/port to listen on; warm slots kept; the small-request rule's threshold (tokens).
+    A bad value is a `ConfigError` naming the field."""
 
     host: str = "127.0.0.1"
     port: int = 11434                 # ollama's port, which clients assume
@@ -19,11 +20,9 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+            _positive(name, getattr(self, name), low)
         if self.port > 65535:
-            raise ValueError(f"port must be <= 65535, got {self.port}")
+            raise ConfigError("port", f"must be <= 65535, got {self.port}")
 
     @property
     def loopback(self) -> bool:

@@ -1,0 +1,251 @@
+"""Config rules live in the dataclasses (issue #14): every rule that depends only on a
+`CacheConfig`'s fields raises `ConfigError` from `__post_init__`, whoever builds it (Python, the
+CLI, the server, a policy spec); `CacheConfig.from_spec` is the one policy spec parser and gives
+every spec the docs use the same label and settings as before it was the one; `ServerConfig`
+errors carry their field too."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from tinygpt_mlx.config import DEFAULT_ROPE_MODE, GROUP_SIZES, CacheConfig, ConfigError
+from tinygpt_mlx.evaluate import bench, modes, needle
+from tinygpt_mlx.server.config import ServerConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# ----- every cross-field rule raises from the dataclass itself ------------------------------------
+# (fields, the field at fault, a piece of the message)
+RULES = [
+    (dict(rope_mode="absolute"), "rope_mode", "needs window"),
+    (dict(rope_mode="shifted"), "rope_mode", "needs window"),
+    (dict(key_bits=4, value_bits=4, rope_mode="absolute"), "rope_mode", "needs window"),
+    (dict(window=8, rope_mode="sideways"), "rope_mode", "must be one of shifted, absolute"),
+    (dict(key_bits=4, value_bits=4, hot_budget=64), "rope_mode", "must be absolute for KIVI"),
+    (dict(key_bits=8, hot_budget=64, rope_mode="shifted"), "rope_mode", "must be absolute for KIVI"),
+    (dict(value_bits=2, hot_budget=64, sink=4), "rope_mode", "must be absolute for KIVI"),
+    (dict(key_bits=4, value_bits=4, group_size=16, residual=16), "group_size", "must be one of 32, 64, 128"),
+    (dict(key_bits=4, value_bits=4, group_size=48, residual=48), "group_size", "got 48"),
+    (dict(group_size=256, residual=256), "group_size", "must be one of 32, 64, 128"),
+    (dict(key_bits=4, value_bits=4, residual=48), "residual", "multiple of group_size"),
+    (dict(exact_topk=16), "exact_topk", "refines a KIVI cache"),
+    (dict(key_bits=4, value_bits=4, shadow_store="ram"), "shadow_store", "only applies with exact_topk"),
+    (dict(sink=4), "sink", "needs window"),
+    (dict(hot_budget=8, window=8), "hot_budget", "cannot be combined with window"),
+]
+
+
+@pytest.mark.parametrize("fields, field, message", RULES, ids=lambda x: x if isinstance(x, str) else None)
+def test_cross_field_rules_raise_from_the_dataclass(fields, field, message):
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(**fields)
+    assert e.value.field == field, e.value
+    assert message in str(e.value), e.value
+
+
+def test_absolute_rope_without_a_window_is_refused_from_python():
+    with pytest.raises(ConfigError) as e:
+        CacheConfig(rope_mode="absolute")
+    assert e.value.field == "rope_mode" and set(e.value.related) == {"window", "hot_budget"}
+
+
+# the neighbours of the rules above are accepted
+@pytest.mark.parametrize("fields", [
+    dict(window=8, rope_mode="absolute"), dict(hot_budget=8, rope_mode="absolute"),
+    dict(key_bits=4, value_bits=4, hot_budget=64, rope_mode="absolute"),
+    dict(key_bits=4, value_bits=4, window=64),          # KIVI + shifted StreamingLLM is supported
+    *(dict(key_bits=4, value_bits=4, group_size=g, residual=g) for g in GROUP_SIZES),
+    dict(sink=4, hot_budget=8),
+], ids=repr)
+def test_valid_neighbours_are_accepted(fields):
+    CacheConfig(**fields)
+
+
+def test_rope_mode_is_none_without_eviction_and_shifted_by_default_with_it():
+    assert DEFAULT_ROPE_MODE == "shifted" and CacheConfig().rope_mode is None
+    assert CacheConfig(window=8).rope_mode == "shifted" == CacheConfig(hot_budget=8).rope_mode
+    assert CacheConfig(window=8) == CacheConfig(window=8, rope_mode="shifted")
+    assert CacheConfig(window=8, rope_mode="absolute").rope_mode == "absolute"
+    # a config changed field by field is validated again
+    with pytest.raises(ConfigError, match="rope_mode needs"):
+        dataclasses.replace(CacheConfig(window=8, rope_mode="absolute"), window=None)
+
+
+def test_from_flags_uses_the_precision_table():
+    c = CacheConfig.from_flags(kv_quantize="int4", kv_quantize_values="fp16")
+    assert (c.key_bits, c.value_bits, c.storage) == (4, None, "fp32")
+    c = CacheConfig.from_flags(kv_quantize="bf16", kv_quantize_keys="int8")
+    assert (c.key_bits, c.value_bits, c.storage) == (8, None, "bf16")
+    for keyword in ("kv_quantize", "kv_quantize_keys", "kv_quantize_values"):
+        with pytest.raises(ConfigError) as e:
+            CacheConfig.from_flags(**{keyword: "int3"})
+        assert e.value.field == keyword
+
+
+# ----- the one spec parser ---------------------------------------------------------------------------
+# label() and describe() of every spec in docs/ (and the examples of the spec help and tests),
+# recorded from the code before `from_spec` was the one parser (commit 121c9e2).
+SPEC_LABELS = {
+    'fp32': ('fp32',
+        '{"storage":"fp32"}'),
+    'full': ('fp32',
+        '{"storage":"fp32"}'),
+    'fp16': ('fp16',
+        '{"storage":"fp16"}'),
+    'bf16': ('bf16',
+        '{"storage":"bf16"}'),
+    'int8': ('int8',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32}}'),
+    'int4': ('int4',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32}}'),
+    'int2': ('int2',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":32,"residual":32}}'),
+    'k8v4': ('K int8 / V int4',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":4,"group_size":32,"residual":32}}'),
+    'int2+g64+r0': ('int2',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":64,"residual":0}}'),
+    'int2+g64+r64': ('int2',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":64,"residual":64}}'),
+    'int2+top64': ('int2 (exact top-64)',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":32,"residual":32,"exact_topk":64,"shadow_store":"disk"}}'),
+    'int4+g32+r64': ('int4',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":64}}'),
+    'int4+g64+r0': ('int4',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":64,"residual":0}}'),
+    'int4+g64+r64': ('int4',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":64,"residual":64}}'),
+    'int4+r128': ('int4',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":128}}'),
+    'k8v4+r128': ('K int8 / V int4',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":4,"group_size":32,"residual":128}}'),
+    'int4+sink4/window124': ('int4 + StreamingLLM sink 4 + window 124 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":124,"rope_mode":"shifted"}}'),
+    'int4+sink4/window28': ('int4 + StreamingLLM sink 4 + window 28 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":28,"rope_mode":"shifted"}}'),
+    'int4+sink4/window64': ('int4 + StreamingLLM sink 4 + window 64 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":64,"rope_mode":"shifted"}}'),
+    'int4+top128': ('int4 (exact top-128)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":128,"shadow_store":"disk"}}'),
+    'int4+top16': ('int4 (exact top-16)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":16,"shadow_store":"disk"}}'),
+    'int4+top32': ('int4 (exact top-32)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":32,"shadow_store":"disk"}}'),
+    'int4+top64': ('int4 (exact top-64)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":64,"shadow_store":"disk"}}'),
+    'int4+top64+shadowram': ('int4 (exact top-64, ram shadow)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":64,"shadow_store":"ram"}}'),
+    'k8v4+top32': ('K int8 / V int4 (exact top-32)',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":4,"group_size":32,"residual":32,"exact_topk":32,"shadow_store":"disk"}}'),
+    'sink1/window255': ('fp32 + StreamingLLM sink 1 + window 255 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":1,"window":255,"rope_mode":"shifted"}}'),
+    'sink1/window255:absolute': ('fp32 + StreamingLLM sink 1 + window 255 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":1,"window":255,"rope_mode":"absolute"}}'),
+    'sink4/window124': ('fp32 + StreamingLLM sink 4 + window 124 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":124,"rope_mode":"shifted"}}'),
+    'sink4/window124:absolute': ('fp32 + StreamingLLM sink 4 + window 124 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":124,"rope_mode":"absolute"}}'),
+    'sink4/window252': ('fp32 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),
+    'sink4/window252:absolute': ('fp32 + StreamingLLM sink 4 + window 252 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":252,"rope_mode":"absolute"}}'),
+    'sink4/window28': ('fp32 + StreamingLLM sink 4 + window 28 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":28,"rope_mode":"shifted"}}'),
+    'sink4/window64': ('fp32 + StreamingLLM sink 4 + window 64 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":64,"rope_mode":"shifted"}}'),
+    'sink4/window64:absolute': ('fp32 + StreamingLLM sink 4 + window 64 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":64,"rope_mode":"absolute"}}'),
+    'window128': ('fp32 + StreamingLLM sink 0 + window 128 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":0,"window":128,"rope_mode":"shifted"}}'),
+    'window256': ('fp32 + StreamingLLM sink 0 + window 256 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":0,"window":256,"rope_mode":"shifted"}}'),
+    'window256:absolute': ('fp32 + StreamingLLM sink 0 + window 256 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":0,"window":256,"rope_mode":"absolute"}}'),
+    'window64': ('fp32 + StreamingLLM sink 0 + window 64 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":0,"window":64,"rope_mode":"shifted"}}'),
+    'int8+sink4/window256': ('int8 + StreamingLLM sink 4 + window 256 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":256,"rope_mode":"shifted"}}'),
+    'sink4/window256:absolute': ('fp32 + StreamingLLM sink 4 + window 256 (absolute RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":256,"rope_mode":"absolute"}}'),
+    'int4+top16+shadowdisk': ('int4 (exact top-16)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":16,"shadow_store":"disk"}}'),
+    'int4+top16+shadowram': ('int4 (exact top-16, ram shadow)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"exact_topk":16,"shadow_store":"ram"}}'),
+    'int2+top16+shadowram+sink4/window64:shifted': ('int2 (exact top-16, ram shadow) + StreamingLLM sink 4 + window 64 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":32,"residual":32,"exact_topk":16,"shadow_store":"ram"},"streaming_llm":{"sink":4,"window":64,"rope_mode":"shifted"}}'),
+    'int4+sink4/window64:absolute': ('int4 + StreamingLLM sink 4 + window 64 (absolute RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":64,"rope_mode":"absolute"}}'),
+    'hot256': ('fp32 + retrieval hot 256 + top 64 tokens',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":0,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32}}'),}
+
+
+@pytest.mark.parametrize("spec", sorted(SPEC_LABELS))
+def test_specs_keep_their_labels(spec):
+    import json
+
+    label, described = SPEC_LABELS[spec]
+    config = CacheConfig.from_spec(spec)
+    assert config.label() == label
+    assert json.dumps(config.describe(), separators=(",", ":")) == described
+
+
+def _doc_specs() -> set[str]:
+    specs = set()
+    texts = [p.read_text() for p in (*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*.sh"))]
+    for text in texts:
+        for m in re.finditer(r"--(?:modes|policies|baseline)[ =]+[\"']?([\w+/:,.-]+)", text):
+            specs.update(s for s in m[1].split(",") if s)
+    return specs
+
+
+def test_every_spec_in_the_docs_parses():
+    specs = _doc_specs()
+    assert {"int4+top64+shadowram", "sink4/window252:absolute", "k8v4"} <= specs   # the grep works
+    ours = {s for s in specs if not s.startswith("mlx") and s not in ("none", *needle.POLICIES)}
+    for spec in ours:
+        CacheConfig.from_spec(spec)
+    assert ours <= set(SPEC_LABELS), ours - set(SPEC_LABELS)
+
+
+def test_spec_parser_grammar():
+    assert modes.parse_policy == CacheConfig.from_spec   # the same function, not a second parser
+    assert CacheConfig.from_spec("FULL") == CacheConfig() == CacheConfig.from_spec("")
+    assert CacheConfig.from_spec("int4+hot64:absolute") == CacheConfig(
+        key_bits=4, value_bits=4, hot_budget=64, rope_mode="absolute")
+    assert CacheConfig.from_spec("hot64") == CacheConfig(hot_budget=64, rope_mode="shifted")
+    assert CacheConfig.from_spec("k2v8+g64+r128+top8+shadowram") == CacheConfig(
+        key_bits=2, value_bits=8, group_size=64, residual=128, exact_topk=8, shadow_store="ram")
+    for bad, words in [("int3", "unknown part 'int3'"), ("int4+int8", "'int8' sets kv_quantize twice"),
+                       ("window8:absolute+hot8:shifted", "'hot8:shifted' sets rope_mode twice"),
+                       ("int4+hot64", "rope_mode must be absolute for KIVI"),
+                       ("int4+g48+r48", "group_size must be one of"), ("sink4", "unknown part")]:
+        with pytest.raises(ValueError, match=re.escape(f"policy {bad!r}: {words}")):
+            CacheConfig.from_spec(bad)
+
+
+def test_needle_and_bench_build_on_the_parser():
+    retrieval = CacheConfig(storage="bf16", sink=4, hot_budget=64)
+    configs = needle.policy_configs(retrieval, ["full", "streaming", "retrieval"])
+    assert configs == {"full": CacheConfig.from_spec("bf16"),
+                       "streaming": CacheConfig.from_spec("bf16+sink4/window64"),
+                       "retrieval": retrieval}
+    assert configs["streaming"] == CacheConfig(storage="bf16", sink=4, window=64)
+    policy = bench.make_policy("int4+sink4/window64:absolute", model=None)   # ours: no model needed
+    assert policy.label == "int4 + StreamingLLM sink 4 + window 64 (absolute RoPE)"
+    with pytest.raises(ValueError, match="policy 'int4\\+hot64': rope_mode must be absolute"):
+        bench.make_policy("int4+hot64", model=None)
+
+
+# ----- ServerConfig ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, field", [
+    (dict(port=0), "port"), (dict(port=70000), "port"), (dict(port="80"), "port"),
+    (dict(max_slots=0), "max_slots"), (dict(small_request=-1), "small_request"),
+    (dict(prefill_chunk=0), "prefill_chunk"),
+], ids=repr)
+def test_server_config_errors_carry_the_field(fields, field):
+    with pytest.raises(ConfigError) as e:
+        ServerConfig(**fields)
+    assert e.value.field == field and str(e.value).startswith(f"{field} must")
