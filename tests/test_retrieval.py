@@ -149,7 +149,7 @@ def test_quantised_cold_store_is_close(tokenizer_json, tmp_path):
     q8, cache = run(model, covering(rope_mode="absolute", cold_bits=8))
     exact_bytes = run(model, covering(rope_mode="absolute"))[1].nbytes_breakdown()["cold"]
     assert cache.nbytes_breakdown()["cold"] < 0.4 * exact_bytes
-    assert float(mx.abs(q8 - ref).max()) < 0.05
+    assert float(mx.abs(q8 - ref).max()) < 0.018   # measured 0.0086 (6-bit codes: 0.021)
 
 
 def test_needle_cli_writes_json(native_path, tmp_path):
