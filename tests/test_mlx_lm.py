@@ -1,6 +1,7 @@
 """Our caches on mlx-lm's own model code: same tokens as mlx-lm's caches, drop-in generate."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.cache import KVCache as MlxKVCache
@@ -94,3 +95,82 @@ def test_sliding_window_layers_keep_their_own_cache():
     assert "RotatingKVCache" in kinds and "LayerCache" in kinds
     mx.eval(m(mx.array([list(range(20))]), cache=cache))
     assert cache.current_length == 20
+
+
+# ----- mlx-lm's RotatingKVCache vs our absolute window on a prompt longer than the window -----
+
+SINK, WINDOW = 4, 12          # RotatingKVCache(max_size=SINK + WINDOW, keep=SINK)
+
+
+def _masked_logits(model, ids, mask):
+    from conftest import _MaskOnly
+    return model(mx.array([ids]), cache=[_MaskOnly(mask) for _ in model.layers])[0].astype(mx.float32)
+
+
+def streaming_mask(n):
+    """StreamingLLM: query i sees the sink and its last WINDOW positions."""
+    q, k = mx.arange(n)[:, None], mx.arange(n)[None]
+    return (k <= q) & ((k < SINK) | (q - k < WINDOW))
+
+
+def rotating_mask(prefilled):
+    """What RotatingKVCache gives when the first `prefilled` tokens come in one multi-token
+    call: those queries see a plain sliding window of max_size = SINK + WINDOW positions (no
+    sink: `_update_concat` keeps the whole chunk and `make_mask` is create_causal_mask's
+    window); later 1-token steps (`_update_in_place`, trimmed to keep + the newest) see the
+    sink and the last WINDOW positions."""
+    def mask(n):
+        q, k = mx.arange(n)[:, None], mx.arange(n)[None]
+        sliding = (k <= q) & (q - k < SINK + WINDOW)
+        return mx.where(q < prefilled, sliding, streaming_mask(n))
+    return mask
+
+
+def greedy_from_scratch(model, prompt, steps, mask_of):
+    """Greedy tokens, every step one uncached forward over the whole sequence with `mask_of(n)`."""
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(mx.argmax(_masked_logits(model, seq, mask_of(len(seq)))[-1]).item()))
+    return seq[len(prompt):]
+
+
+@pytest.mark.parametrize("n_prompt", [7, 16, 17, 31])
+def test_rotating_kvcache_prefill_is_a_sliding_window_without_sink(llama, n_prompt):
+    """One multi-token prefill: our absolute window equals StreamingLLM from scratch (sink +
+    last WINDOW for every query); mlx-lm's RotatingKVCache equals a plain sliding window of
+    SINK + WINDOW. The two agree while the prompt fits in SINK + WINDOW = 16 tokens and
+    differ beyond (measured: exactly equal logits where they agree; 1.9 apart at 17, 12.7 at 31)."""
+    m = llama.model
+    prompt = np.random.RandomState(1).randint(1, 300, n_prompt).tolist()
+    ours = m(mx.array([prompt]), cache=make_cache(m, CacheConfig(sink=SINK, window=WINDOW,
+                                                                 rope_mode="absolute")))[0]
+    theirs = m(mx.array([prompt]), cache=[RotatingKVCache(max_size=SINK + WINDOW, keep=SINK)
+                                          for _ in m.layers])[0]
+    assert mx.abs(ours - _masked_logits(m, prompt, streaming_mask(n_prompt))).max().item() < 1e-5
+    assert mx.abs(theirs - _masked_logits(m, prompt, rotating_mask(n_prompt)(n_prompt))).max().item() < 1e-5
+    gap = mx.abs(ours - theirs).max().item()
+    if n_prompt <= SINK + WINDOW:
+        assert gap < 1e-5
+    else:
+        assert gap > 1.0
+
+
+@pytest.mark.parametrize("n_prompt", [7, 31])
+def test_mlx_lm_generate_with_a_window_cache(llama, n_prompt):
+    """mlx_lm's generate prefills prompt[:-1] in one call, then steps token by token. With a
+    7-token prompt both caches give the same tokens; with 31 tokens they differ: ours are
+    StreamingLLM's from scratch, mlx-lm's those of a sliding window over the first 30 tokens."""
+    from mlx_lm.generate import stream_generate
+
+    m, tok = llama.model, llama.tokenizer._wrapper
+    prompt = np.random.RandomState(2).randint(1, 300, n_prompt).tolist()
+    steps = 12
+
+    def run(cache):
+        return [r.token for r in stream_generate(m, tok, prompt, max_tokens=steps, prompt_cache=cache)]
+    ours = run(make_cache(m, CacheConfig(sink=SINK, window=WINDOW, rope_mode="absolute")))
+    theirs = run([RotatingKVCache(max_size=SINK + WINDOW, keep=SINK) for _ in m.layers])
+    assert len(ours) == len(theirs) == steps
+    assert ours == greedy_from_scratch(m, prompt, steps, streaming_mask)
+    assert theirs == greedy_from_scratch(m, prompt, steps, rotating_mask(n_prompt - 1))
+    assert (ours == theirs) is (n_prompt <= SINK + WINDOW)
