@@ -90,3 +90,28 @@ def llama_dir(tmp_path_factory, tokenizer_json) -> Path:
 def llama(llama_dir):
     from tinygpt_mlx.loading import load
     return load(llama_dir)
+
+
+class _MaskOnly:
+    """A stand-in cache for one uncached forward: stores nothing, positions from 0, and hands
+    the model the given attention mask (as mlx-lm's and our models ask a cache for it)."""
+    offset = 0
+
+    def __init__(self, mask):
+        self.mask = mask
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        return self.mask
+
+    def update_and_fetch(self, keys, values):
+        return keys, values
+
+
+def streaming_reference_logits(model, ids, sink: int, window: int) -> mx.array:
+    """StreamingLLM from scratch, no cache: one forward over all of `ids` at their true
+    positions where each query i sees the sink (positions < sink) and its last `window`
+    positions (i - window < j <= i). fp32 logits [len(ids), V]."""
+    n = len(ids)
+    q, k = mx.arange(n)[:, None], mx.arange(n)[None]
+    mask = (k <= q) & ((k < sink) | (q - k < window))
+    return model(mx.array([ids]), cache=[_MaskOnly(mask) for _ in model.layers])[0].astype(mx.float32)

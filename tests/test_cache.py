@@ -54,13 +54,16 @@ def test_greedy_64_steps_cached_equals_uncached(native):
     assert greedy(native.model, prompt, 64) == greedy_uncached(native.model, prompt, 64)
 
 
-@pytest.mark.parametrize("storage", ["fp16", "bf16"])
-def test_half_precision_storage_is_half_the_bytes(native, storage):
+# max |logit error| vs the uncached fp32 forward; measured 7.3e-4 (fp16) and 5.3e-3 (bf16):
+# about 2x each, so fp16 storage that silently rounds through bf16 fails the fp16 case
+@pytest.mark.parametrize("storage, tol", [("fp16", 1.5e-3), ("bf16", 1e-2)])
+def test_half_precision_storage_is_half_the_bytes(native, storage, tol):
     _, c32 = run_cached(native.model, CacheConfig())
     logits, c16 = run_cached(native.model, CacheConfig(storage=storage))
     assert c16.nbytes * 2 == c32.nbytes > 0
     assert logits.dtype == mx.float32  # computed in fp32 whatever the storage
-    assert mx.allclose(logits, native.model(TOKENS), atol=0.1).item()
+    err = mx.abs(logits - native.model(TOKENS)).max().item()
+    assert 0 < err < tol, err   # 0: the storage really rounds
 
 
 def test_protocol(native):

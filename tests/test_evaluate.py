@@ -9,6 +9,7 @@ import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
+from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate import bench, compare, perplexity
 from tinygpt_mlx.evaluate.compare import prefix_match
@@ -72,14 +73,73 @@ def test_cached_perplexity_equals_full_forward(native):
     assert r.perplexity == pytest.approx(math.exp(nll), rel=1e-4)
 
 
+def _captured_caches(monkeypatch):
+    """The caches perplexity() makes, kept to look at their bytes and counts afterwards."""
+    made = []
+
+    def make(model, config):
+        cache = make_cache(model, config)
+        made.append(cache)
+        return cache
+    monkeypatch.setattr(perplexity, "make_cache", make)
+    return made
+
+
 @pytest.mark.parametrize("spec", ["int4", "sink4/window16"])
-def test_policy_against_itself(wide, spec):
-    ids = _tokens(wide, 40)
+def test_policy_against_itself(wide, spec, monkeypatch):
+    # 80 tokens: past KIVI's R + G = 64 (a block is packed) and past sink + window = 20
+    ids = _tokens(wide, 80)
     config = parse_policy(spec)
+    made = _captured_caches(monkeypatch)
     r = perplexity.perplexity(wide.model, ids, config, baseline=config, prefill_tokens=8)
     assert r.kl_mean == pytest.approx(0.0, abs=1e-6)
     assert r.top1_agreement == 1.0
     assert r.perplexity == pytest.approx(r.baseline_perplexity, rel=1e-6)
+    for cache in made:
+        if config.quantised:
+            assert cache.nbytes_breakdown()["body_packed"] > 0 and cache.owned[0].body.n_packed == 32
+        else:
+            assert cache.stored_count == 20 and cache.current_length == 79
+
+
+# KL(fp32 || policy) per position on `wide`, 80 tokens, measured: int8 1.95e-7, int4 3.24e-5
+@pytest.mark.parametrize("spec, kl_max", [("int8", 4e-7), ("int4", 6.5e-5)])
+def test_quantised_policy_against_fp32(wide, spec, kl_max, monkeypatch):
+    ids = _tokens(wide, 80)
+    made = _captured_caches(monkeypatch)
+    r = perplexity.perplexity(wide.model, ids, parse_policy(spec), prefill_tokens=8)
+    policy_cache, base_cache = made
+    assert policy_cache.nbytes_breakdown()["body_packed"] > 0
+    assert policy_cache.nbytes < base_cache.nbytes
+    assert 0 < r.kl_mean < kl_max, r.kl_mean   # > 0: the packed block is in the scored logits
+    assert r.perplexity != r.baseline_perplexity
+
+
+@pytest.mark.parametrize("prefill", [8, 48])
+def test_windowed_perplexity_equals_from_scratch_reference(wide, prefill):
+    """Absolute-mode StreamingLLM scored through the cache (a prefill chunk, then token by
+    token, evicting) against one uncached forward with the sink + window mask: the same NLL,
+    and KL / top-1 against the uncached full forward. Prefill 48 > sink + window: the mask
+    windows the chunk; prefill 8: eviction alone does."""
+    from conftest import streaming_reference_logits
+
+    def logp_of(logits):
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    ids = _tokens(wide, 80)
+    target = mx.array(ids[1:])[:, None]
+    win = logp_of(streaming_reference_logits(wide.model, ids, 4, 16)[:-1])
+    full = logp_of(wide.model(mx.array([ids]))[0, :-1].astype(mx.float32))
+    nll = -mx.take_along_axis(win, target, axis=-1).mean().item()
+    kl = (mx.exp(full) * (full - win)).sum(-1).mean().item()
+    top1 = (win.argmax(-1) == full.argmax(-1)).astype(mx.float32).mean().item()
+    r = perplexity.perplexity(wide.model, ids, parse_policy("sink4/window16:absolute"), prefill_tokens=prefill)
+    assert r.stored_count == 20 and kl > 0.01 and top1 < 0.9   # it evicted, and that mattered
+    assert r.perplexity == pytest.approx(math.exp(nll), rel=3e-7)   # measured rel 1.2e-7
+    assert r.baseline_perplexity == pytest.approx(math.exp(-mx.take_along_axis(full, target, axis=-1).mean().item()),
+                                                  rel=3e-7)
+    assert r.kl_mean == pytest.approx(kl, rel=6e-7)                  # measured rel 3.0e-7
+    assert r.top1_agreement == pytest.approx(top1, abs=1e-6)         # 57/79 both (fp32 mean)
 
 
 def test_compare_identical_policy_matches(native):
@@ -125,7 +185,39 @@ def test_cli_compare_json(native_path, tmp_path):
     assert d["baseline"] == "fp32" and d["tokens"] == 4 and list(d["modes"]) == ["bf16", "sink2/window4"]
     row = d["modes"]["bf16"]["prompts"][0]
     assert set(row) >= {"prompt", "prefix_match", "matched_tokens"}
-    assert 0.0 <= d["modes"]["sink2/window4"]["mean_prefix_match"] <= 1.0
+    # the numbers against an independent greedy loop: uncached fp32, and the window policy
+    # through the cache one token at a time (test_policies pins the window to a reference)
+    from tinygpt_mlx.loading import load
+    loaded = load(native_path)
+    rates = []
+    for i, prompt in enumerate(["In the beginning", "The quick brown fox"]):
+        ids = loaded.tokenizer.encode(prompt)
+        ref = _greedy_uncached(loaded.model, ids, 4)
+        assert d["baseline_texts"][i] == loaded.tokenizer.decode(ref)
+        got = _greedy_cached(loaded.model, ids, parse_policy("sink2/window4"), 4)
+        matched, rate = prefix_match(ref, got)
+        row = d["modes"]["sink2/window4"]["prompts"][i]
+        assert (row["matched_tokens"], row["prefix_match"]) == (matched, rate)
+        rates.append(rate)
+    assert d["modes"]["sink2/window4"]["mean_prefix_match"] == pytest.approx(sum(rates) / 2)
+    assert rates != [1.0, 1.0]   # the window changed something: the numbers are not trivially 1
+
+
+def _greedy_uncached(model, ids, n):
+    seq = list(ids)
+    for _ in range(n):
+        seq.append(int(mx.argmax(model(mx.array([seq]))[0, -1]).item()))
+    return seq[len(ids):]
+
+
+def _greedy_cached(model, ids, config, n):
+    from tinygpt_mlx.generate import forward
+    cache = make_cache(model, config)
+    logits, out = forward(model, mx.array([ids]), cache)[0, -1], []
+    for _ in range(n):
+        out.append(int(mx.argmax(logits).item()))
+        logits = forward(model, mx.array([out[-1:]]), cache)[0, -1]
+    return out
 
 
 def test_cli_compare_bad_mode(native_path):
@@ -135,25 +227,41 @@ def test_cli_compare_bad_mode(native_path):
     assert len(errors) == 1 and "int3" in errors[0]
 
 
-def test_cli_perplexity_json(native_path, wide_path, tmp_path):
+def test_cli_perplexity_json(native_path, wide_path, wide, tmp_path):
+    # 80 tokens: KIVI packs a block (R + G = 64; the first chunk is 64, then token by token)
     text, out = tmp_path / "t.txt", tmp_path / "p.json"
     text.write_text(TEXT * 4)
-    r = _run("perplexity", wide_path, "--text", text, "--max-tokens", 30, "--kv-quantize", "int8",
+    ids = wide.tokenizer.encode(TEXT * 4)[:80]
+    r = _run("perplexity", wide_path, "--text", text, "--max-tokens", 80, "--kv-quantize", "int8",
              "--json", out)
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
-    assert d["tokens"] == 29 and d["perplexity"] > 1 and 0 <= d["top1_agreement"] <= 1
-    assert {"baseline_perplexity", "kl_mean"} <= set(d)
+    # the library's numbers for the same text and policy (prefill 64, the CLI default) ...
+    lib = perplexity.perplexity(wide.model, ids, parse_policy("int8"), prefill_tokens=64)
+    assert d["tokens"] == lib.tokens == 79
+    for key in ("perplexity", "baseline_perplexity", "kl_mean", "top1_agreement"):
+        assert d[key] == pytest.approx(getattr(lib, key), rel=1e-6, abs=1e-12), key
+    # ... whose baseline is the uncached model, and int8 moved the logits a little
+    logits = wide.model(mx.array([ids]))[0, :-1].astype(mx.float32)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logp, mx.array(ids[1:])[:, None], axis=-1).mean().item()
+    assert d["baseline_perplexity"] == pytest.approx(math.exp(nll), rel=1e-5)
+    assert 0 < d["kl_mean"] < 4e-7 and d["top1_agreement"] == 1.0   # measured KL 1.8e-7
+    assert d["cache_bytes"] < d["stored_count"] * 2 * 2 * 2 * 32 * 4   # < fp32 (layers, K/V, heads, dim)
     r = _run("perplexity", native_path, "--text", text, "--max-tokens", 30, "--baseline", "none",
              "--streaming-llm-sink", 2, "--streaming-llm-window", 8, "--json", out)
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert d["kl_mean"] is None and d["stored_count"] == 10
-    r = _run("perplexity", wide_path, "--text", text, "--max-tokens", 30, "--modes", "fp32,int4", "--json", out)
+    r = _run("perplexity", wide_path, "--text", text, "--max-tokens", 80, "--modes", "fp32,int4", "--json", out)
     assert r.exit_code == 0, r.output
     d = json.loads(out.read_text())
     assert list(d["modes"]) == ["fp32", "int4"] and d["modes"]["fp32"]["kl_mean"] == pytest.approx(0, abs=1e-9)
     assert d["modes"]["int4"]["baseline_perplexity"] == d["baseline_perplexity"]
+    # int4 really quantised: fewer bytes than fp32 for the same tokens, and KL > 0
+    assert d["modes"]["int4"]["cache_bytes"] < d["modes"]["fp32"]["cache_bytes"]
+    assert d["modes"]["int4"]["stored_count"] == d["modes"]["fp32"]["stored_count"] == 79
+    assert d["modes"]["int4"]["kl_mean"] > 1e-6
 
 
 def test_cli_bench_json_and_plot(wide_path, tmp_path):

@@ -136,7 +136,8 @@ def test_int8_logits_close_to_fp32(native32):
     model, toks = native32.model, tokens(200, seed=2)
     ref = run(model, make_cache(model, CacheConfig()), toks, prefill=100)
     q = run(model, make_cache(model, CacheConfig.from_flags("int8")), toks, prefill=100)
-    assert mx.abs(ref - q).max().item() < 0.05
+    # measured 0.0149; 1.5x so a one-bit-coarser quantiser (7-bit codes: 0.0257) fails
+    assert mx.abs(ref - q).max().item() < 0.022
     assert (ref.argmax(-1) == q.argmax(-1)).all().item()
 
 
@@ -216,8 +217,8 @@ def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
                 outs.append(run(model, cache, toks, prefill=80))
             assert cache.owned[0].body.n_packed > 0
         assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
-        # the fixture's widened random weights are sensitive: int4 keys move logits by ~4
-        assert mx.abs(outs[0] - baseline).max().item() < 0.5
+        # the fixture's widened random weights are sensitive: int8 keys move logits by 0.245
+        assert mx.abs(outs[0] - baseline).max().item() < 0.5   # measured 0.245; 7-bit codes: 0.55
         # the exact top-k refinement covering every token gives back the exact cache
         refined = run(model, make_cache(model, CacheConfig(key_bits=4, exact_topk=10_000)), toks, prefill=80)
         assert mx.abs(refined - baseline).max().item() < 1e-4
@@ -351,7 +352,8 @@ def test_exact_topk_in_shifted_streaming_mode_removes_the_quantisation(native32)
     assert mx.abs(out[4, 10_000] - out[8, 10_000]).max().item() < 1e-4
     # and the refined result is the exact one: within int8's own error of plain int8 (exact
     # scores taken with an unrotated query miss this bound by far)
-    assert mx.abs(out[4, 10_000] - out[8, 0]).max().item() < 0.1
+    # measured 0.0137 (int4 vs int8 unrefined: 0.168); 1.5x so 7-bit int8 codes (0.0270) fail
+    assert mx.abs(out[4, 10_000] - out[8, 0]).max().item() < 0.02
 
 
 def test_exact_topk_matches_a_dense_reference():

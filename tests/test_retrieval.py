@@ -149,7 +149,7 @@ def test_quantised_cold_store_is_close(tokenizer_json, tmp_path):
     q8, cache = run(model, covering(rope_mode="absolute", cold_bits=8))
     exact_bytes = run(model, covering(rope_mode="absolute"))[1].nbytes_breakdown()["cold"]
     assert cache.nbytes_breakdown()["cold"] < 0.4 * exact_bytes
-    assert float(mx.abs(q8 - ref).max()) < 0.05
+    assert float(mx.abs(q8 - ref).max()) < 0.018   # measured 0.0086 (6-bit codes: 0.021)
 
 
 def test_needle_cli_writes_json(native_path, tmp_path):
@@ -164,9 +164,15 @@ def test_needle_cli_writes_json(native_path, tmp_path):
     data = json.loads(out.read_text())
     assert {(c["policy"], c["context"]) for c in data["cells"]} == {
         (p, n) for p in ("full", "streaming", "retrieval") for n in (80, 160)}
+    from tinygpt_mlx.evaluate.needle import passed
     for cell in data["cells"]:
         assert {"policy", "context", "depth", "seed", "passed"} <= set(cell)
-        assert isinstance(cell["passed"], bool)
+        # the verdict is the scorer's on the decoded output (tests/test_needle.py pins the scorer)
+        assert cell["passed"] is passed(cell["output"], cell["answer"]), cell
+        assert len(cell["answer"]) == 5 and cell["answer"].isdigit()
+    for policy, s in data["summary"].items():
+        mine = [c["passed"] for c in data["cells"] if c["policy"] == policy]
+        assert (s["cells"], s["passed"]) == (len(mine), sum(mine))
     assert "retrievals" in [c for c in data["cells"] if c["policy"] == "retrieval"][-1]["telemetry"]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -220,7 +221,7 @@ def test_clean_text():
     assert corpus.clean_text("a\r\nb  \n\n\n\nc\x07\td") == "a\nb\n\nc d\n"
 
 
-def test_passkey_accuracy_runs_on_mlx_model():
+def test_passkey_accuracy_runs_on_mlx_model(monkeypatch):
     from tinygpt_mlx.evaluate.passkey import passkey_accuracy
     from tinygpt_mlx.model import Model
     from tinygpt_mlx.train.tokenizer import train_tokenizer
@@ -234,9 +235,29 @@ def test_passkey_accuracy_runs_on_mlx_model():
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
                       n_kv_heads=2, d_ff=64, context_length=128)
     res = passkey_accuracy(Model(cfg), Tok, FILLER, 128, trials=3, seed=0)
-    assert res["trials"] == 3 and 0.0 <= res["accuracy"] <= 1.0
-    assert [r[0] for r in res["results"]] == [0.0, 0.5, 1.0]
+    from tinygpt_mlx.evaluate.needle import passed
+    assert res["trials"] == 3 and [r[0] for r in res["results"]] == [0.0, 0.5, 1.0]
     assert all(len(r[1]) == 5 for r in res["results"])
+    assert res["accuracy"] == sum(passed(out, ans) for _, ans, out in res["results"]) / 3
+
+    # oracles in place of greedy decoding, reading the needle back out of the prompt: the score
+    # is 1 for the right digits and 0 for a wrong last digit, whatever the tiny model above did
+    import re
+
+    from tinygpt_mlx.evaluate import passkey
+    assert None not in [tok.token_to_id(c) for c in "0123456789."]   # one token per digit
+
+    def oracle(wrong_last: bool):
+        def greedy(model, ids, cache, n, chunk):
+            answer = re.search(r"The pass key is (\d+)\.", Tok.decode(ids)).group(1)
+            if wrong_last:
+                answer = answer[:-1] + str((int(answer[-1]) + 1) % 10)
+            return [tok.token_to_id(d) for d in answer + "."][:n]
+        return greedy
+    for wrong, expected in ((False, 1.0), (True, 0.0)):
+        monkeypatch.setattr(passkey, "greedy_tokens", oracle(wrong))
+        res = passkey_accuracy(Model(cfg), Tok, FILLER, 128, trials=3, seed=0)
+        assert res["accuracy"] == expected, res["results"]
 
 
 def test_shipped_model_loads_and_matches_docs():
@@ -257,3 +278,43 @@ def test_shipped_model_loads_and_matches_docs():
     n = model.num_parameters()
     assert f"{n:,}" in docs and f"{extra['tokens_trained']:,}" in docs
     assert "| layers | 4 decoder blocks" in docs and "d_model 256" in docs and "d_ff 768" in docs
+
+
+def test_default_training_step_runs_under_bf16_autocast(tmp_path, monkeypatch):
+    """TrainArgs' default precision is bf16 autocast: the training forward's matmuls run in
+    bfloat16 (logits come out bf16) while the weights stay fp32; against an fp32 step from the
+    same seed and batch the logits differ by bf16 rounding, not more."""
+    torch = pytest.importorskip("torch")
+    from tinygpt_mlx.train import TrainArgs, loop, run
+    from tinygpt_mlx.train.torch_model import build_model
+
+    assert TrainArgs(data="x", out="y").precision == "bf16"
+    seen: dict = {}
+
+    def recording_build_model(cfg):
+        model = build_model(cfg)
+
+        def hook(module, inputs, output):
+            if module.training:                       # the training step, not evaluation
+                seen.setdefault(run_name, []).append(output.detach())
+        model.register_forward_hook(hook)
+        return model
+    monkeypatch.setattr(loop, "build_model", recording_build_model)
+
+    params = {}
+    for run_name, kw in (("default", {}), ("fp32", {"precision": "fp32"})):
+        args = _args(tmp_path / run_name, steps=1, eval_every=1, ckpt_every=1, **kw)
+        if not kw:
+            args = dataclasses.replace(args, precision=TrainArgs.precision)   # the default
+        extra = run(args, console=_quiet_console())
+        params[run_name] = torch.load(tmp_path / run_name / "work" / "checkpoint.pt", weights_only=False)["model"]
+        assert extra["precision"] == args.precision
+    (bf16_logits,), (fp32_logits,) = seen["default"], seen["fp32"]
+    assert bf16_logits.dtype == torch.bfloat16 and fp32_logits.dtype == torch.float32
+    assert all(p.dtype == torch.float32 for p in params["default"].values())      # fp32 weights
+    err = (bf16_logits.float() - fp32_logits).abs().max().item()
+    scale = fp32_logits.abs().max().item()
+    print(f"measured bf16 vs fp32 logits: max err {err:.3g} of max |logit| {scale:.3g}")
+    assert 0 < err < 0.006             # measured 0.00296 (max |logit| 0.81): bf16 rounding
+    # and so the step itself: the weights after it differ from the fp32 step's
+    assert any(not torch.equal(params["default"][k], params["fp32"][k]) for k in params["fp32"])

@@ -1,0 +1,133 @@
+"""The needle scorer behind the docs' pass counts (evaluate/needle.py): the verdict `passed`
+on hand-made outputs, the ground-truth `needle_positions`, a cell's verdict end to end from
+scripted greedy tokens (`run_cell`), and the grid's summary counts.
+
+Mutations these tests were checked to catch (one at a time, then reverted): `passed` without
+`strip()`, without the extra-digit check, with `in` instead of `startswith`; `needle_positions`
+without the -1/+1 margin or searching the last occurrence; `run_cell` decoding one token
+fewer; the summary counting cells instead of passes.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate import needle
+from tinygpt_mlx.evaluate.needle import needle_positions, passed
+
+ANSWER = "48213"
+
+
+@pytest.mark.parametrize("text, verdict", [
+    ("48213", True),                      # the answer, nothing else
+    (" 48213", True),                     # after the prompt's "is" the answer comes with a space
+    ("\n48213", True),                    # ... or on a new line
+    (" \n 48213.", True),                 # any leading whitespace; punctuation after it
+    (" 48213. Remember it", True),        # the model going on after the answer
+    (" 48213\n", True),
+    (" 48214", False),                    # wrong last digit
+    (" 58213", False),                    # wrong first digit
+    (" 482130", False),                   # an extra digit: a longer number is not the answer
+    (" 4821", False),                     # a digit short
+    (" 4821 3", False),                   # split by a space
+    ("", False),                          # nothing
+    (" ", False),
+    (" The pass key is 48213", False),    # the answer later in the text does not count
+    (" 148213", False),                   # a digit in front
+    (" 48,213", False),
+])
+def test_passed_on_hand_made_outputs(text, verdict):
+    assert passed(text, ANSWER) is verdict
+
+
+def test_passed_other_answers():
+    assert passed(" 7", "7") and not passed(" 70", "7") and passed(" 7 apples", "7")
+    assert passed(" 100", "100") and not passed(" 1000", "100")
+
+
+def test_needle_positions_char_level():
+    """With one token per character the value's tokens are exact: the margin is one each side."""
+    encode = list                                     # one token per character
+    prompt = "abc 48213 xyz 48213"
+    assert needle_positions(encode, prompt, ANSWER) == list(range(3, 10))   # chars 4..8, +-1
+    assert needle_positions(encode, ANSWER + " tail", ANSWER) == list(range(0, 6))  # no -1 at 0
+    assert needle_positions(encode, prompt, "999") == []
+
+
+def test_needle_positions_cover_the_value_in_real_tokens(native):
+    """With the BPE tokenizer: the span covers every token that holds a digit of the value and
+    at most one token more on each side."""
+    tok = native.tokenizer
+    prompt = ("The quick brown fox jumps over the lazy dog. The pass key is 48213. Remember it. "
+              "The quick brown fox. What is the pass key? The pass key is")
+    ids = tok.encode(prompt)
+    pos = needle_positions(tok.encode, prompt, ANSWER)
+    assert pos == list(range(pos[0], pos[-1] + 1)) and pos[-1] < len(ids)
+    # the tokens strictly inside the margin decode to text that contains the value ...
+    assert ANSWER in tok.decode(ids[pos[0]:pos[-1] + 1])
+    # ... and dropping the margin on both sides loses at most the value's edges, never more
+    inner = tok.decode(ids[pos[0] + 1:pos[-1]])
+    assert inner.strip(" .") and set(inner.strip(" .")) <= set(ANSWER + ". ")
+    # the first occurrence (the needle), not the question's later text
+    assert pos[0] < len(tok.encode(prompt[:prompt.find("Remember")]))
+
+
+class Scripted:
+    """Stands in for `generate.forward`: each call's logits put all mass on the next scripted
+    token, so `run_cell` decodes exactly the given tokens."""
+
+    def __init__(self, tokens: list[int], vocab: int):
+        self.tokens, self.vocab, self.calls = list(tokens), vocab, 0
+
+    def __call__(self, model, x, cache):
+        L = x.shape[1]
+        self.calls += 1
+        t = self.tokens.pop(0) if self.tokens else 0
+        row = mx.where(mx.arange(self.vocab) == t, 10.0, -10.0)
+        return mx.broadcast_to(row, (1, L, self.vocab))
+
+
+@pytest.mark.parametrize("output, verdict", [
+    (" 48213. Remember it.", True),
+    ("\n48213\n", True),
+    (" 48214. Remember it.", False),
+    (" 482135 Remember it.", False),   # the extra digit lies inside the decoded tokens
+    (" The pass key is 48213.", False),
+])
+def test_run_cell_verdict_from_scripted_greedy_tokens(native, monkeypatch, output, verdict):
+    tok = native.tokenizer
+    vocab = native.model.config.vocab_size
+    script = tok.encode(output)
+    fake = Scripted(script, vocab)    # one prefill chunk: its logits give the first answer token
+    monkeypatch.setattr(needle, "forward", fake)
+    ids = tok.encode("What is the pass key? The pass key is")
+    cell = needle.run_cell(native.model, tok, CacheConfig(), ids, ANSWER, [], chunk=len(ids))
+    n_new = len(tok.encode(" " + ANSWER)) + 1      # the answer's tokens and one more
+    assert fake.calls == 1 + (n_new - 1)           # one prefill chunk, then n_new - 1 decode steps
+    assert cell["output"] == tok.decode(script[:n_new])
+    assert cell["passed"] is verdict, cell["output"]
+
+
+def test_grid_summary_counts_passes(native, monkeypatch):
+    """needle_grid's summary: cells and passes per policy, as the docs' 75/75 are read."""
+    calls = []
+
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk):
+        calls.append((config, answer, truth))
+        ok = not config.retrieval and config.window is None       # only "full" passes
+        return {"passed": ok, "answer": answer, "output": answer if ok else "0"}
+
+    monkeypatch.setattr(needle, "run_cell", fake_run_cell)
+    retrieval = CacheConfig(hot_budget=24, page_size=8, top_pages=2, retrieve_tokens=8)
+    filler = "The quick brown fox jumps over the lazy dog. " * 100
+    r = needle.needle_grid(native, retrieval, [60, 120], [0.25, 0.75], 3,
+                           ["full", "streaming", "retrieval"], filler)
+    assert len(calls) == 2 * 2 * 3 * 3
+    assert r["summary"] == {"full": {"cells": 12, "passed": 12, "pass_rate": 1.0},
+                            "streaming": {"cells": 12, "passed": 0, "pass_rate": 0.0},
+                            "retrieval": {"cells": 12, "passed": 0, "pass_rate": 0.0}}
+    # the ground truth handed to the retrieval cells locates the answer in the prompt
+    for config, answer, truth in calls:
+        assert truth and len(answer) == 5 and answer.isdigit()
