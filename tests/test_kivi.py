@@ -455,7 +455,7 @@ def test_exact_topk_refuses_a_model_without_installable_attention(native32, monk
     from tinygpt_mlx import attention
 
     monkeypatch.setattr(attention, "routes", lambda model: False)
-    with pytest.raises(ValueError, match="kv-exact-topk"):
+    with pytest.raises(ValueError, match="not routed"):
         make_cache(native32.model, CacheConfig(key_bits=4, exact_topk=8))
 
 

@@ -141,27 +141,26 @@ def test_sliding_window_layers_keep_their_own_cache():
     from tinygpt_mlx import attention
 
     m = _gemma()
-    cache = make_cache(m, CacheConfig())
-    kinds = [type(c).__name__ for c in cache]
-    assert "RotatingKVCache" in kinds and "LayerCache" in kinds
     theirs = _gemma_logits(m, m.make_cache())       # mlx-lm's own caches
     with attention.install(m):
+        cache = make_cache(m, CacheConfig())
+        kinds = [type(c).__name__ for c in cache]
+        assert "RotatingKVCache" in kinds and "LayerCache" in kinds
         ours = _gemma_logits(m, cache)
     assert cache.current_length == 30
     assert mx.abs(ours - theirs).max().item() < 1e-5    # measured 0.0
 
 
-@pytest.mark.xfail(strict=True, reason="make_cache hands an mlx-lm model whose attention is not "
-                   "routed (built directly, not through loading.load) our LayerCache for plain "
-                   "fp32, whose update_and_fetch returns only the new keys: mlx-lm's own SDPA then "
-                   "attends to the current chunk only, silently (Gemma: logits 5.3 off). make_cache "
-                   "refuses unrouted models only for retrieval / exact top-k")
 def test_unrouted_model_gets_correct_logits_or_an_error():
+    """Found by the audit: an mlx-lm model built directly (not through loading.load) used to get
+    our LayerCache with its attention not routed, and attended to the current chunk only
+    (Gemma: logits 5.3 off). make_cache now refuses it, for every policy."""
     m = _gemma()
     theirs = _gemma_logits(m, m.make_cache())
     try:
         ours = _gemma_logits(m, make_cache(m, CacheConfig()))
-    except ValueError:
+    except ValueError as e:
+        assert "not routed" in str(e)
         return
     assert mx.abs(ours - theirs).max().item() < 1e-5
 

@@ -43,6 +43,7 @@ from conftest import build_llama_dir, build_native
 import mlx_lm.models.base  # noqa: E402,F401
 import mlx_lm.models.cache  # noqa: E402,F401
 import mlx_lm.models.llama  # noqa: E402,F401
+from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 N = 160                      # tokens per run
 PREFILL = (48, 48, 32)       # prompt chunks; the remaining 32 tokens are decoded one by one
@@ -487,9 +488,10 @@ def test_install_uninstall_leaves_mlx_lm_modules_exactly_as_they_were(models, mo
     assert _same_namespaces(_PRISTINE, _mlx_lm_modules()) == []
     assert original is not attention.scaled_dot_product_attention and not attention.routes(model)
     x = mx.array([TOKS[:40]])
-    baseline = model(x, cache=make_cache(model, CacheConfig()))
-    with pytest.raises(ValueError, match="not routed"):
-        make_cache(model, POLICIES[f"hot{HOT}:shifted-fixed"])   # never installs by itself
+    baseline = model(x, cache=make_prompt_cache(model))          # mlx-lm's own caches
+    for cfg in (CacheConfig(), POLICIES[f"hot{HOT}:shifted-fixed"]):
+        with pytest.raises(ValueError, match="not routed"):
+            make_cache(model, cfg)                                 # never installs by itself
     before = _mlx_lm_modules()
     routing = attention.install(model)
     assert attention.routes(model)
@@ -507,7 +509,7 @@ def test_install_uninstall_leaves_mlx_lm_modules_exactly_as_they_were(models, mo
     assert _same_namespaces(_PRISTINE, _mlx_lm_modules()) == []
     assert llama_module.scaled_dot_product_attention is original
     # and the model computes exactly what it did before
-    assert mx.array_equal(model(x, cache=make_cache(model, CacheConfig())), baseline).item()
+    assert mx.array_equal(model(x, cache=make_prompt_cache(model)), baseline).item()
     routing.close()   # a second close is a no-op
     assert llama_module.scaled_dot_product_attention is original
 

@@ -68,6 +68,13 @@ class Tokenizer:
         return cls(native=HFTokenizer.from_str(text))
 
     @property
+    def splices_exactly(self) -> bool:
+        """Whether decoding is exact and encoding adds no special tokens, so that a text may be
+        encoded piecewise at any point where a decoded token sequence ends (the server extends a
+        warm slot this way): true for the native byte-level BPE, not assumed for mlx-lm's."""
+        return self._native is not None
+
+    @property
     def kind(self) -> str:
         return "byte-level BPE (tokenizers)" if self._native is not None else type(self._wrapper._tokenizer).__name__
 

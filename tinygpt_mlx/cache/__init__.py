@@ -52,18 +52,17 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
     layers that share one (YOCO) share ours, and layers with another cache type (the
     sliding-window layers of Gemma 2/3 and similar) keep the model's.
 
-    Policies that read the query (retrieval, exact top-k) need the model's attention routed
-    through `tinygpt_mlx.attention` (`loading.load` does it; `attention.install(model)` by
-    hand): without it they are refused here. Plain KIVI without routing falls back to the
-    dense reference path (every packed block dequantised per step).
+    Our layer caches attend over their own stores, so the model's attention must be routed
+    through `tinygpt_mlx.attention` (the native model always is; `loading.load` routes an
+    mlx-lm model, `attention.install(model)` does it by hand): a model that is not is refused
+    here, whatever the policy, rather than silently attending to the new tokens only.
     """
     config = config or CacheConfig()
-    if (config.retrieval or config.exact_topk) and not attention.routes(model):
-        what = "--kv-exact-topk" if config.exact_topk else "retrieval (--kiv-hot-budget)"
-        raise ValueError(f"{what} needs our attention in the model's code, which is not routed for "
-                         f"{type(model).__module__}: load the model with tinygpt_mlx.loading.load "
-                         "(or call tinygpt_mlx.attention.install(model))")
     own = make_prompt_cache(model)
+    if any(type(c) is MlxLayerCache for c in own) and not attention.routes(model):
+        raise ValueError(f"posttrainllm caches need our attention in the model's code, which is not routed "
+                         f"for {type(model).__module__}: load the model with tinygpt_mlx.loading.load "
+                         "(or call tinygpt_mlx.attention.install(model))")
     out: list = []
     made: dict[int, LayerCache] = {}
     for i, (layer, c) in enumerate(zip(model.layers, own)):

@@ -160,7 +160,7 @@ class Worker:
         return r
 
     def _prompt_ids(self, job: Job) -> list[int]:
-        if job.text is None or self.loaded.kind != "tinygpt":
+        if job.text is None or not self.loaded.tokenizer.splices_exactly:
             return job.ids
         spliced = self.pool.splice(job.text, self.loaded.tokenizer)
         if spliced is None:
