@@ -101,7 +101,7 @@ def test_run_cell_verdict_from_scripted_greedy_tokens(native, monkeypatch, outpu
     vocab = native.model.config.vocab_size
     script = tok.encode(output)
     fake = Scripted(script, vocab)    # one prefill chunk: its logits give the first answer token
-    monkeypatch.setattr(needle, "forward", fake)
+    monkeypatch.setattr("tinygpt_mlx.generate.forward", fake)   # the engine's one model call
     ids = tok.encode("What is the pass key? The pass key is")
     cell = needle.run_cell(native.model, tok, CacheConfig(), ids, ANSWER, [], chunk=len(ids))
     n_new = len(tok.encode(" " + ANSWER)) + 1      # the answer's tokens and one more
