@@ -29,6 +29,10 @@ class GenerationStats:
     finish_reason: str = "length"
     cache: Optional[KVCache] = None
     notes: list[str] = field(default_factory=list)
+    #: every token yielded, and the logits the next token would be sampled from (after the last
+    #: token fed): what `--save-prompt-cache` writes (cache/persist.py); not in the report
+    tokens: list[int] = field(default_factory=list)
+    logits: Optional[mx.array] = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -99,10 +103,14 @@ def check_context(prompt_tokens: int, context_length: Optional[int], config: Cac
 def generate_step(model: Any, prompt: list[int], cache: KVCache, sampler: Callable,
                   max_tokens: int, prefill_chunk: int, stats: GenerationStats,
                   eos_ids: frozenset = frozenset(),
-                  progress: Optional[Callable[[int, int], None]] = None) -> Iterator[int]:
-    """Yield up to `max_tokens` sampled token ids; fills `stats` as it goes."""
+                  progress: Optional[Callable[[int, int], None]] = None,
+                  first_logits: Optional[mx.array] = None) -> Iterator[int]:
+    """Yield up to `max_tokens` sampled token ids; fills `stats` as it goes. With an empty
+    `prompt` and `first_logits` (a loaded prompt cache's), decoding starts from those."""
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache, prefill_chunk, progress)
+    logits = first_logits if (not prompt and first_logits is not None) else prefill(
+        model, prompt, cache, prefill_chunk, progress)
+    stats.logits = logits
     stats.prompt_tokens = len(prompt)
     stats.prefill_seconds = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -113,10 +121,12 @@ def generate_step(model: Any, prompt: list[int], cache: KVCache, sampler: Callab
         if token in eos_ids:
             stats.finish_reason = "stop"
             return
+        stats.tokens.append(token)
         yield token
         if stats.generated_tokens == max_tokens:
             break
         logits = forward(model, mx.array([[token]]), cache)[0, -1].astype(mx.float32)
+        stats.logits = logits
     stats.decode_seconds = time.perf_counter() - t0
     stats.finish_reason = "length"
 
@@ -132,11 +142,15 @@ class Chunk:
 
 def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheConfig,
                     sample_config: SampleConfig, cache: Optional[KVCache] = None,
-                    progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Chunk]:
-    """Generate text from a loaded model; the last chunk has `done=True` and the stats."""
+                    progress: Optional[Callable[[int, int], None]] = None,
+                    first_logits: Optional[mx.array] = None) -> Iterator[Chunk]:
+    """Generate text from a loaded model; the last chunk has `done=True` and the stats.
+    A `cache` that already holds tokens (a loaded prompt cache) is continued: `prompt` is what
+    follows them (may be empty with `first_logits`, the logits after its last token)."""
     tok = loaded.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    check_context(len(ids), loaded.context_length, cache_config)
+    check_context(len(ids) + (cache.current_length if cache is not None else 0), loaded.context_length,
+                  cache_config)
     cache = cache if cache is not None else make_cache(loaded.model, cache_config)
     stats = GenerationStats(cache=cache)
     sampler = make_sampler(sample_config.temperature, sample_config.top_p,
@@ -146,7 +160,7 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
     eos = frozenset() if sample_config.ignore_eos else frozenset(tok.eos_ids)
     held = ""  # text held back while it might be the start of a stop string
     for token in generate_step(loaded.model, ids, cache, sampler, sample_config.max_tokens,
-                               sample_config.prefill_chunk, stats, eos, progress):
+                               sample_config.prefill_chunk, stats, eos, progress, first_logits):
         held += detok.add(token)
         if stops:
             hit = min((held.find(s) for s in stops if s in held), default=-1)
