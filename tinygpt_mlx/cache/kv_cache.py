@@ -259,9 +259,10 @@ class LayerCache:
     def _stores(self) -> dict:
         return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
 
-    def state(self) -> tuple[dict, dict]:
-        """(arrays, metadata) of this layer: its counters and each store's state, asked store by
-        store (named "sink.", "body.", "cold." in the arrays)."""
+    def saved_state(self) -> tuple[dict, dict]:
+        """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
+        `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays). Not
+        `state`: that is mlx-lm's protocol (the stored K/V, dense)."""
         arrays: dict = {}
         meta: dict = {"seen": self.seen, "start": self.start,
                       "dtype": None if self.dtype is None else str(self.dtype).rsplit(".", 1)[-1]}

@@ -202,7 +202,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
     tensors: dict = {}
     metas = []
     for i, layer in enumerate(owned):
-        arrays, meta = layer.state()
+        arrays, meta = layer.saved_state()
         tensors.update({f"layer{i}.{k}": v for k, v in arrays.items()})
         metas.append(meta)
     if logits is not None:
