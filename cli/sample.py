@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,6 +34,10 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
 
 
 def print_report(r: dict) -> None:
+    if r.get("prompt_cache"):
+        p = r["prompt_cache"]
+        err.print(f"prompt cache: {p['cached_tokens']} cached tokens from {escape(p['path'])} "
+                  f"(loaded in {p['load_seconds']:.2f} s)")
     stored = f"stored {r['stored_count']}"
     if r["stored_count"] != r["current_length"]:
         stored += " (StreamingLLM cap)" if "streaming_llm" in r["policy"] else " (policy cap)"
@@ -138,6 +143,15 @@ def sample(
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Also write the report as JSON to this path (checked writable before the "
         "model loads).", dir_okay=False)] = None,
+    prompt_cache: Annotated[Optional[Path], typer.Option(
+        "--prompt-cache", help="Continue from a prompt-cache file (posttrainllm cache-prompt): the prompt is "
+        "what follows the cached tokens (if its tokens start with them, only the rest is fed); without a "
+        "prompt, generation continues the cached text. The file is not changed. Policy flags may be left "
+        "out (the file's policy is used); any given must match it.", exists=True, dir_okay=False)] = None,
+    save_prompt_cache: Annotated[Optional[Path], typer.Option(
+        "--save-prompt-cache", help="After generating, save the extended cache (cached + prompt + generated "
+        "tokens) to this prompt-cache file (may be the --prompt-cache file itself; replaced atomically).",
+        dir_okay=False)] = None,
 ) -> None:
     """Generate text: banner, notes and report on stderr, only the generated text on stdout.
 
@@ -146,7 +160,8 @@ def sample(
     than one prefill chunk (or 1024 tokens) shows prefill progress on stderr. Passing the model's
     trained context, or a window / retrieval span wider than it, is warned about once on stderr.
     """
-    from tinygpt_mlx.generate import check_context  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.generate import check_context  # noqa: PLC0415
     from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     if prompt is not None and prompt_file is not None:
@@ -161,9 +176,14 @@ def sample(
     except ValueError as e:
         raise c.config_error(e) from None
     c.check_writable(report_json, "--report-json")
+    c.check_writable(save_prompt_cache, "--save-prompt-cache")
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
+    saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
     with c.guarded():
         loaded = load(model)
+        if saved is not None:
+            run_from_prompt_cache(loaded, saved, text, sample_config, report_json, save_prompt_cache)
+            return
         if text is None:
             bos = loaded.tokenizer.eos_id
             if bos is None:
@@ -185,25 +205,97 @@ def sample(
         if upfront:
             warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
-        report = run(loaded, ids, cache_config, sample_config, context, passing)
+        with make_cache(loaded.model, cache_config) as cache:
+            report = run(loaded, ids, cache_config, sample_config, context, passing, cache=cache,
+                         done=saver(save_prompt_cache, loaded, ids, cache))
         print_report(report)
         if report_json is not None:
             c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")
 
 
+def read_prompt_cache(path: Path, cache_config: CacheConfig):
+    """The file's metadata, before the model loads: a file that is not a usable prompt cache, or
+    a policy flag that contradicts its policy, is a usage error naming the flag."""
+    from tinygpt_mlx.cache.persist import PromptCacheError, config_mismatch, read_prompt_cache_info  # noqa: PLC0415
+
+    try:
+        info = read_prompt_cache_info(path)
+    except PromptCacheError as e:
+        raise typer.BadParameter(str(e), param_hint="'--prompt-cache'") from None
+    field = config_mismatch(info.config, cache_config)
+    if field is not None:
+        flag = c.CONFIG_FLAGS.get(field, field)
+        raise typer.BadParameter(f"{path} was made with {field}={getattr(info.config, field)!r}, not "
+                                 f"{getattr(cache_config, field)!r}; leave {flag} out to use the file's policy "
+                                 f"({info.config.label()})", param_hint=f"'{flag}'")
+    return info
+
+
+def saver(path: Optional[Path], loaded, ids: list[int], cache):
+    """`run`'s `done`: write the extended cache (every token fed so far) to `path`, if given."""
+    if path is None:
+        return None
+
+    def done(stats) -> None:
+        from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415
+
+        fed = (list(ids) + stats.tokens)[:cache.current_length]
+        save_prompt_cache(path, cache, loaded, fed, stats.logits)
+        note(f"saved the extended cache ({len(fed)} tokens) to {path}")
+    return done
+
+
+def run_from_prompt_cache(loaded, saved, text: Optional[str], sample_config: SampleConfig,
+                          report_json: Optional[Path], save_to: Optional[Path]) -> None:
+    """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
+    checked first), feed what follows the cached tokens, generate, report."""
+    from tinygpt_mlx.cache.persist import load_prompt_cache  # noqa: PLC0415
+
+    cached = saved.tokens
+    ids: list[int] = []
+    if text is not None:
+        ids = loaded.tokenizer.encode(text)
+        if len(ids) > len(cached) and ids[:len(cached)] == cached:
+            ids = ids[len(cached):]     # the whole document given again: feed only what follows
+    cache_config = saved.config
+    context = loaded.context_length
+    t0 = time.perf_counter()
+    cache, info = load_prompt_cache(saved.path, loaded, cold_path=None)
+    load_seconds = time.perf_counter() - t0
+    with cache:
+        if not ids and info.logits is None:
+            raise ValueError(f"{saved.path} holds no logits to continue from; give --prompt")
+        banner(loaded, cache_config, sample_config, len(ids))
+        note(f"prompt cache {saved.path}: {len(cached)} cached tokens (stored {cache.stored_count}), "
+             f"loaded in {load_seconds:.2f} s; {len(ids)} new prompt tokens")
+        upfront = config_context_warning(context, cache_config)
+        if upfront:
+            warn(upfront)
+        passing = passing_context_warning(context, cache_config) if context else None
+        report = run(loaded, ids, cache_config, sample_config, context, passing, cache=cache,
+                     first_logits=info.logits, done=saver(save_to, loaded, cached + ids, cache))
+        report["prompt_cache"] = {"path": str(saved.path), "cached_tokens": len(cached),
+                                  "load_seconds": load_seconds}
+    print_report(report)
+    if report_json is not None:
+        c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")
+
+
 def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: SampleConfig,
-        context: Optional[int], passing: Optional[str]) -> dict:
-    """Stream the text to stdout; prefill progress and the context warning on stderr."""
+        context: Optional[int], passing: Optional[str], cache=None, first_logits=None, done=None) -> dict:
+    """Stream the text to stdout; prefill progress and the context warning on stderr. `cache`:
+    one to continue (a loaded prompt cache, with `first_logits` when `ids` is empty); `done`
+    is called with the stats at the end (before the cache is released)."""
     from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
     from tinygpt_mlx.generate import stream_generate  # noqa: PLC0415
 
-    cache = make_cache(loaded.model, cache_config)
+    cache = cache if cache is not None else make_cache(loaded.model, cache_config)
     long = len(ids) > sample_config.prefill_chunk or len(ids) >= PREFILL_PROGRESS_TOKENS
     wrote, report = "", None
     with contextlib.ExitStack() as prefilling:
         bar = prefilling.enter_context(c.Progress("prefill", total=len(ids), unit="tok")) if long else None
         stream = stream_generate(loaded, ids, cache_config, sample_config, cache=cache,
-                                 progress=bar.update if bar is not None else None)
+                                 progress=bar.update if bar is not None else None, first_logits=first_logits)
         for chunk in stream:
             prefilling.close()  # the first chunk comes after the prefill
             if chunk.text:
@@ -216,6 +308,8 @@ def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: Sample
                 passing = None
             if chunk.done:
                 report = chunk.stats.report()
+                if done is not None:
+                    done(chunk.stats)
     if wrote:
         c.write_stdout("\n")
     return report

@@ -7,6 +7,8 @@
     stream_text(loaded, prompt, ...)        the same, piece by piece
     make_cache(loaded.model, CacheConfig(...))
                                             a KV cache to pass as `cache=` and inspect after
+    save_prompt_cache(path, cache, loaded, tokens, logits) / load_prompt_cache(path, loaded)
+                                            prefill once, continue many times (prompt-cache files)
 
 The names above are imported on first use (PEP 562): `import tinygpt_mlx.config` (the CLI's
 option help) must not pull in MLX's model code, whose mlx-lm import costs seconds.
@@ -17,6 +19,7 @@ from typing import Any
 
 _EXPORTS = {"load": "loading", "LoadedModel": "loading", "generate_text": "api", "stream_text": "api",
             "KVCache": "cache", "make_cache": "cache",
+            "save_prompt_cache": "cache", "load_prompt_cache": "cache",
             "CacheConfig": "config", "ModelConfig": "config", "SampleConfig": "config"}
 __all__ = list(_EXPORTS)
 __version__ = "0.1.0"

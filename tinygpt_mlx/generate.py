@@ -35,6 +35,10 @@ class GenerationStats:
     finish_reason: str = "length"
     cache: Optional[KVCache] = None
     notes: list[str] = field(default_factory=list)
+    #: every token yielded, and the logits the next token would be sampled from (after the last
+    #: token fed): what `--save-prompt-cache` writes (cache/persist.py); not in the report
+    tokens: list[int] = field(default_factory=list)
+    logits: Optional[mx.array] = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -111,20 +115,24 @@ class Step:
 def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_tokens: int,
           prefill_chunk: int, stats: Optional[GenerationStats] = None, eos_ids: frozenset = frozenset(),
           progress: Optional[Callable[[int, int], None]] = None,
-          should_stop: Optional[Callable[[], bool]] = None) -> Iterator[Step]:
+          should_stop: Optional[Callable[[], bool]] = None,
+          first_logits: Optional[mx.array] = None) -> Iterator[Step]:
     """The generation engine, one `Step` per model call: the prompt in chunks of
     `prefill_chunk` (`progress(done, total)` after each), then up to `max_tokens` sampled
     tokens, each fed back except the last. It ends at an id in `eos_ids` (not yielded as a
     token; finish_reason "stop") or when `should_stop()` is true after a model call
     ("cancel"); a consumer that stops iterating feeds nothing more. `stats` (prompt and
     generated tokens, prefill and decode seconds, finish_reason) is kept current. A consumer
-    that times each `next()` times one model call (plus the sampling of its token)."""
-    if not prompt:
+    that times each `next()` times one model call (plus the sampling of its token). With an
+    empty `prompt` and `first_logits` (a loaded prompt cache's: the logits after its last
+    token), decoding starts from those without a model call."""
+    if not prompt and first_logits is None:
         raise ValueError("the prompt is empty: give at least one token")
     stats = stats if stats is not None else GenerationStats(cache=cache)
     stats.prompt_tokens = len(prompt)
     stopped = should_stop or (lambda: False)
     t0 = time.perf_counter()
+    fed, logits = [], first_logits
     for i in range(0, len(prompt), prefill_chunk):
         fed = prompt[i:i + prefill_chunk]
         logits = _call(model, fed, cache)
@@ -137,6 +145,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
                 stats.finish_reason = "cancel"
                 return
     stats.prefill_seconds = time.perf_counter() - t0
+    stats.logits = logits
     t0 = time.perf_counter()
     stats.finish_reason = "length"
     is_prompt = True
@@ -149,22 +158,25 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
             stats.generated_tokens += 1
             if token in eos_ids:
                 token, stats.finish_reason = None, "stop"
+            else:
+                stats.tokens.append(token)
         stats.decode_seconds = time.perf_counter() - t0  # kept current: a consumer may stop early
         yield Step(fed, logits, token, is_prompt)
         if token is None or stats.generated_tokens == max_tokens:
             break
         fed, is_prompt = [token], False
-        logits = _call(model, fed, cache)
+        logits = stats.logits = _call(model, fed, cache)
     stats.decode_seconds = time.perf_counter() - t0
 
 
 def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_tokens: int,
                   prefill_chunk: int, stats: Optional[GenerationStats] = None,
                   eos_ids: frozenset = frozenset(), progress: Optional[Callable[[int, int], None]] = None,
-                  should_stop: Optional[Callable[[], bool]] = None) -> Iterator[int]:
+                  should_stop: Optional[Callable[[], bool]] = None,
+                  first_logits: Optional[mx.array] = None) -> Iterator[int]:
     """The sampled token ids of `steps` (same arguments): up to `max_tokens`, EOS excluded."""
     for step in steps(model, prompt, cache, sampler, max_tokens, prefill_chunk, stats, eos_ids,
-                      progress, should_stop):
+                      progress, should_stop, first_logits):
         if step.token is not None:
             yield step.token
 
@@ -197,11 +209,15 @@ class Chunk:
 
 def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheConfig,
                     sample_config: SampleConfig, cache: Optional[KVCache] = None,
-                    progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Chunk]:
-    """Generate text from a loaded model; the last chunk has `done=True` and the stats."""
+                    progress: Optional[Callable[[int, int], None]] = None,
+                    first_logits: Optional[mx.array] = None) -> Iterator[Chunk]:
+    """Generate text from a loaded model; the last chunk has `done=True` and the stats.
+    A `cache` that already holds tokens (a loaded prompt cache) is continued: `prompt` is what
+    follows them (may be empty with `first_logits`, the logits after its last token)."""
     tok = loaded.tokenizer
     ids = tok.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    check_context(len(ids), loaded.context_length, cache_config)
+    check_context(len(ids) + (cache.current_length if cache is not None else 0), loaded.context_length,
+                  cache_config)
     cache = cache if cache is not None else make_cache(loaded.model, cache_config)
     stats = GenerationStats(cache=cache)
     sampler = make_sampler(sample_config.temperature, sample_config.top_p,
@@ -209,7 +225,8 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
     text = TextStream(tok, sample_config.stop)
     eos = frozenset() if sample_config.ignore_eos else frozenset(tok.eos_ids)
     for token in generate_step(loaded.model, ids, cache, sampler, sample_config.max_tokens,
-                               sample_config.prefill_chunk, stats, eos, progress):
+                               sample_config.prefill_chunk, stats, eos, progress,
+                               first_logits=first_logits):
         piece = text.add(token)
         if piece:
             yield Chunk(piece, token)

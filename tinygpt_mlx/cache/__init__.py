@@ -4,7 +4,7 @@ One-way flow: `CacheConfig` -> `make_cache` (this factory) -> a `LayerCache` per
 its stores `[sink, body, cold?]` -> the attention segments they contribute. Modules, leaves
 first: arrays (growing/disk arrays), positions (RoPE rules), segments (attention over
 segments), store (the interface, exact storage), kivi (packed body), cold (retrieval's cold
-store), telemetry, kv_cache (LayerCache, KVCache), report (bytes tables).
+store), telemetry, kv_cache (LayerCache, KVCache), report (bytes tables), persist (prompt-cache files).
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ from ..config import CacheConfig
 from .cold import ColdStore
 from .kivi import KiviStore
 from .kv_cache import KVCache, LayerCache
+from .persist import PromptCacheError, load_prompt_cache, save_prompt_cache
 from .positions import Positions
 from .store import DTYPES, DenseStore
 
-__all__ = ["KVCache", "LayerCache", "DenseStore", "make_cache", "find_rope"]
+__all__ = ["KVCache", "LayerCache", "DenseStore", "make_cache", "find_rope", "save_prompt_cache",
+           "load_prompt_cache", "PromptCacheError"]
 
 
 def find_rope(layer: Any) -> Optional[Callable]:

@@ -89,6 +89,33 @@ class GrowingArray:
     def nbytes(self) -> int:
         return len(self) * int(np.prod(self.shape)) * self.dtype.itemsize
 
+    # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
+    def state(self) -> tuple[np.ndarray, dict]:
+        """The live rows (a view: a disk array's rows are streamed from its file when written)
+        and the counters that `load_state` needs to continue exactly."""
+        return self.view(), {"n": len(self), "capacity": self.capacity, "growths": self.growths}
+
+    def load_state(self, entry: Any, meta: dict) -> None:
+        """Take saved rows (`entry`: a persist.Entry). RAM: read into a fresh buffer of the saved
+        capacity. Disk: the rows are copied file-to-file into this array's own file (the saved
+        file is never mapped, so continuing can never modify it) and memory-mapped again; they
+        are not read into RAM."""
+        n = int(meta["n"])
+        cap = max(int(meta["capacity"]), n, 1)
+        if tuple(entry.shape) != (n,) + self.shape:
+            raise ValueError(f"saved rows have shape {tuple(entry.shape)}, expected {(n,) + self.shape}")
+        self.start, self.growths = 0, int(meta.get("growths", 0))
+        if self.path is None:
+            self.array = np.empty((cap,) + self.shape, self.dtype)
+            self.array[:n] = entry.np()
+        else:
+            self.array = None
+            if os.path.exists(self.path):
+                os.unlink(self.path)      # an old map of it (if any) keeps its own inode
+            entry.copy_to(self.path)
+            self.array = np.memmap(self.path, dtype=self.dtype, mode="r+", shape=(cap,) + self.shape)
+        self.n = n
+
 
 _PRIVATE_DIRS: set = set()
 

@@ -133,6 +133,7 @@ class ColdStore:
 
     def _init_arrays(self, B: int, H: int, Dk: int, Dv: int) -> None:
         self.B, self.G = B, B * H
+        self.dims = (Dk, Dv)
         G = self.G
         if self.cold_bits is None:
             self.keys = GrowingArray((G, Dk), self.dtype, self._path("keys"))
@@ -337,6 +338,48 @@ class ColdStore:
                    if a is not None)
         where = "cold_disk" if self.directory is not None else "cold"
         return {where: self.keys.nbytes + self.values.nbytes, "cold_summary": summ}
+
+    # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
+    _SUMMARIES = ("positions", "smin", "smax", "smean", "bmin", "bmax", "bmean")
+
+    def _row_arrays(self) -> dict:
+        """Every GrowingArray of this store by name: cold rows (or their packed parts), the
+        positions, the page summaries and the index's block summaries."""
+        out = {}
+        for side in ("keys", "values"):
+            store = getattr(self, side)
+            if isinstance(store, _PackedRows):
+                out.update({f"{side}.{p}": getattr(store, p) for p in ("codes", "scale", "zero")})
+            elif store is not None:
+                out[side] = store
+        out.update({name: getattr(self, name) for name in self._SUMMARIES if getattr(self, name) is not None})
+        return out
+
+    def state(self) -> tuple[dict, dict]:
+        """Rows as stored (a disk store's rows streamed from its files), summaries, positions,
+        the exact keys of the unfinished page, and the counters."""
+        meta: dict = {"n": self.n, "G": self.G, "B": self.B}
+        if self.G is None:
+            return {}, meta
+        meta["dims"] = list(self.dims)
+        arrays: dict = {}
+        for name, arr in self._row_arrays().items():
+            arrays[name], meta[name] = arr.state()
+        tail = (np.concatenate(self._tail_keys, axis=0) if self._tail_keys
+                else np.zeros((0, self.G, self.dims[0]), np.float32))
+        arrays["tail_keys"] = tail
+        return arrays, meta
+
+    def load_state(self, arrays, meta: dict) -> None:
+        if meta["G"] is None:
+            return
+        G, B = int(meta["G"]), int(meta["B"])
+        self._init_arrays(B, G // B, *meta["dims"])
+        for name, arr in self._row_arrays().items():
+            arr.load_state(arrays[name], meta[name])
+        tail = arrays["tail_keys"].np()
+        self._tail_keys = [tail] if len(tail) else []
+        self.n = int(meta["n"])
 
     def close(self) -> None:
         """Drop the arrays (and the disk store's files)."""

@@ -213,6 +213,31 @@ class KiviStore:
         if self.shadow is not None:
             self.shadow.close()
 
+    # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        """Frozen blocks as stored (packed codes, scales, zeros, or the exact side), the residual,
+        the shadow, and the counters (n_packed, frozen, evicted: E of the module doc)."""
+        arrays: dict = {}
+        meta: dict = {"n_packed": self.n_packed, "frozen": self.frozen, "evicted": self.evicted}
+        for name, side in (("k", self.keys), ("v", self.values)):
+            meta[f"{name}_parts"] = 0 if side is None else len(side)
+            for i, a in enumerate(side or ()):
+                arrays[f"{name}.{i}"] = a
+        ra, meta["residual"] = self.residual.state()
+        arrays.update({f"residual.{k}": v for k, v in ra.items()})
+        if self.shadow is not None:
+            sa, meta["shadow"] = self.shadow.state()
+            arrays.update({f"shadow.{k}": v for k, v in sa.items()})
+        return arrays, meta
+
+    def load_state(self, arrays, meta: dict) -> None:
+        self.keys = tuple(arrays[f"k.{i}"].mx() for i in range(meta["k_parts"])) or None
+        self.values = tuple(arrays[f"v.{i}"].mx() for i in range(meta["v_parts"])) or None
+        self.n_packed, self.frozen, self.evicted = int(meta["n_packed"]), int(meta["frozen"]), int(meta["evicted"])
+        self.residual.load_state(arrays.scope("residual."), meta["residual"])
+        if self.shadow is not None:
+            self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
+
     # ----- bytes ----------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
@@ -394,6 +419,27 @@ class ShadowStore:
         self.arrays = [None, None]
         if self.directory is not None:
             remove_dir(self.directory)
+
+    def state(self) -> tuple[dict, dict]:
+        arrays, sides = {}, []
+        for i, arr in enumerate(self.arrays):
+            if arr is None:
+                sides.append(None)
+                continue
+            arrays["kv"[i]], m = arr.state()
+            sides.append(m)
+        return arrays, {"batch_heads": list(self.batch_heads), "sides": sides}
+
+    def load_state(self, arrays, meta: dict) -> None:
+        """Rows back into RAM, or copied into this store's private directory and mapped again."""
+        self.batch_heads = tuple(meta["batch_heads"])
+        for i, m in enumerate(meta["sides"]):
+            if m is None:
+                continue
+            entry = arrays["kv"[i]]
+            path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
+            self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
+            self.arrays[i].load_state(entry, m)
 
 
 def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:

@@ -255,6 +255,35 @@ class LayerCache:
             if store is not None:
                 store.close()
 
+    # ----- prompt-cache files (cache/persist.py) --------------------------------------------
+    def _stores(self) -> dict:
+        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
+
+    def saved_state(self) -> tuple[dict, dict]:
+        """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
+        `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays). Not
+        `state`: that is mlx-lm's protocol (the stored K/V, dense)."""
+        arrays: dict = {}
+        meta: dict = {"seen": self.seen, "start": self.start,
+                      "dtype": None if self.dtype is None else str(self.dtype).rsplit(".", 1)[-1]}
+        for name, store in self._stores().items():
+            a, meta[name] = store.state()
+            arrays.update({f"{name}.{k}": v for k, v in a.items()})
+        return arrays, meta
+
+    def load_state(self, arrays, meta: dict) -> None:
+        """Refill this freshly built layer cache (same policy) from `state`'s output."""
+        self.seen, self.start = int(meta["seen"]), int(meta["start"])
+        self.dtype = None if meta["dtype"] is None else getattr(mx, meta["dtype"])
+        stores = self._stores()
+        if set(stores) != {k for k in ("sink", "body", "cold") if k in meta}:
+            raise ValueError(f"saved stores {sorted(k for k in ('sink', 'body', 'cold') if k in meta)} "
+                             f"do not match this policy's {sorted(stores)}")
+        for name, store in stores.items():
+            store.load_state(arrays.scope(f"{name}."), meta[name])
+        if self.telemetry is not None:
+            self.telemetry.reset()
+
 
 class KVCache(list):
     """Every layer's cache for one model, configured by one `CacheConfig`.
@@ -367,6 +396,13 @@ class KVCache(list):
     def retrieval_report(self, last_steps: Optional[int] = None) -> dict:
         """Retrieval telemetry summed over layers (telemetry.summarise)."""
         return summarise([c.telemetry for c in self.owned if c.telemetry is not None], last_steps)
+
+    def save(self, path, model: Any, tokens: list[int], logits: Optional[mx.array] = None) -> Any:
+        """Write this cache to a prompt-cache file (cache/persist.py `save_prompt_cache`):
+        `model` (a LoadedModel or the module) gives the fingerprint, `tokens` the ids it holds,
+        `logits` those the next token is sampled from."""
+        from .persist import save_prompt_cache  # noqa: PLC0415 (persist imports this module)
+        return save_prompt_cache(path, self, model, tokens, logits)
 
     def close(self) -> None:
         """Release every layer's stores now (disk stores' files removed). Idempotent."""

@@ -5,6 +5,7 @@ calls its stores and hands them what they need (a `segments.Reading`: compute dt
 rules, first slot, and for retrieval the queries); no store sees the layer cache.
 
 * `Store` (every tier): `append`, `segments(reading)`, `nbytes_breakdown`, `close`, `len`.
+* `Persistent` (every store): `state()` and `load_state(arrays, meta)`, for prompt-cache files.
 * `Evictable(Store)` (sink and body, exact or KIVI-packed): also `droppable`, `drop_front`
   (returns the dropped K/V, which the cold store may receive), `truncate`, and `fetch` (every
   stored token dense, in position order: the reference path that attention is tested against).
@@ -14,7 +15,7 @@ The cold store (cold.py) is a `Store` whose `append` also takes the first token'
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import mlx.core as mx
 
@@ -36,6 +37,16 @@ class Evictable(Store, Protocol):
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]: ...
     def truncate(self, n: int) -> None: ...
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]: ...
+
+
+class Persistent(Protocol):
+    """Every store can be written to a prompt-cache file and restored (cache/persist.py):
+    `state()` -> (arrays by name, JSON-able counters); `load_state(arrays, meta)` refills a
+    freshly built store of the same policy (`arrays[name]` is a persist.Entry: `.mx()`,
+    `.np()`, `.copy_to(path)`; `arrays.scope(prefix)` a sub-store's arrays)."""
+
+    def state(self) -> tuple[dict, dict]: ...
+    def load_state(self, arrays: Any, meta: dict) -> None: ...
 
 
 class DenseStore:
@@ -113,6 +124,32 @@ class DenseStore:
     def close(self) -> None:
         self.keys = self.values = None
         self.head = self.n = 0
+
+    # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        """(arrays, metadata): the live tokens as stored (their dtype kept) and the counters."""
+        meta = {"n": self.n, "capacity": 0 if self.keys is None else int(self.keys.shape[2])}
+        if not self.n:
+            return {}, meta
+        k, v = self.fetch()
+        return {"keys": k, "values": v}, meta
+
+    def load_state(self, arrays: Any, meta: dict) -> None:
+        """Restore what `state` returned into this (fresh) store: the live tokens at the front of
+        a buffer of the saved capacity."""
+        self.close()
+        n = int(meta["n"])
+        if not n:
+            return
+        k, v = arrays["keys"].mx(), arrays["values"].mx()
+        if k.dtype != self.dtype or v.dtype != self.dtype or k.shape[2] != n or v.shape[2] != n:
+            raise ValueError(f"saved {self.label} tokens are {k.dtype} x {k.shape[2]}, expected {self.dtype} x {n}")
+        B, H, _, Dk = k.shape
+        size = max(int(meta.get("capacity", 0)), ((n + self.step - 1) // self.step) * self.step)
+        self.keys = mx.zeros((B, H, size, Dk), self.dtype)
+        self.values = mx.zeros((B, H, size, v.shape[3]), self.dtype)
+        self.keys[..., :n, :], self.values[..., :n, :] = k, v
+        self.head, self.n = 0, n
 
     @property
     def nbytes(self) -> int:

@@ -1,0 +1,437 @@
+"""Prompt-cache files: prefill once, ask many times (issue #18, docs/prompt-cache.md).
+
+`save_prompt_cache(path, cache, model, tokens, logits)` writes a `KVCache` to ONE safetensors
+file; `load_prompt_cache(path, model)` rebuilds the same cache (same policy, same stored
+tokens, positions, packed blocks, residual, sink/window, hot window, cold pages and summaries,
+shadow) so that continuing from it gives exactly what continuing in process gives.
+
+Serialisation is owned store by store, data flowing down: the layer cache asks its stores for
+`state()` -> (arrays, counters) and hands each its arrays back in `load_state` (store.py's
+`Persistent`). This module only writes and reads the file.
+
+The file (format "posttrainllm-prompt-cache", version 1) is standard safetensors, written here
+by hand so that memory-mapped rows are streamed from their files and never read into RAM:
+
+* tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
+  layer cache i, `layer{i}.{sink|body|cold}.<name>` as stored: dtypes kept (BF16 as BF16,
+  KIVI codes as U32 with their F32 scales and zeros, cold positions I64, bf16 shadow rows U16).
+* metadata (strings): `format`, `format_version`, `cache_config` (the CacheConfig as JSON),
+  `model` (JSON: fingerprint, kind, name), `tokens` (JSON ids), `token_count`,
+  `current_length`, `stored_count`, `cache_bytes`, `layers` (JSON: the layout and each layer's
+  counters), `checksum` (JSON: sha256 over the canonical header without the checksum, then
+  the data region).
+
+Disk stores (a memory-mapped cold store, KIVI's disk shadow) are written INTO the file; on load
+their byte ranges are copied file-to-file (`os.copy_file_range`: no RAM) into the new cache's
+private directory and memory-mapped there, so a run never modifies the saved file, and saving
+stays one atomic rename: the file is written under a temporary name in the same folder, flushed
+and renamed over `path` (an interrupted save leaves the old file whole).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import secrets
+import struct
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import CacheConfig
+from ..errors import ModelFormatError, PosttrainError
+from .kv_cache import KVCache, LayerCache
+
+__all__ = ["PromptCacheError", "PromptCacheInfo", "save_prompt_cache", "load_prompt_cache",
+           "read_prompt_cache_info", "model_fingerprint", "config_mismatch", "FORMAT_NAME", "FORMAT_VERSION"]
+
+FORMAT_NAME = "posttrainllm-prompt-cache"
+FORMAT_VERSION = 1
+_PLACEHOLDER = "?" * 64          # the digest's place in the header until the data is hashed
+_CHUNK = 16 << 20                # bytes written / hashed / copied at a time
+
+_NP_TAGS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
+            np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint16): "U16",
+            np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
+_TAG_NP = {v: k for k, v in _NP_TAGS.items()} | {"BF16": np.dtype(np.uint16)}
+
+
+class PromptCacheError(PosttrainError):
+    """A prompt-cache file that cannot be used here (one line, naming the file)."""
+
+
+@dataclass
+class PromptCacheInfo:
+    """What a prompt-cache file says about itself (its metadata; no arrays read)."""
+    path: Path
+    config: CacheConfig
+    model: dict                   # fingerprint, kind, name
+    tokens: list[int]
+    current_length: int
+    stored_count: int
+    cache_bytes: int
+    file_bytes: int
+    logits: Optional[mx.array] = None   # filled by load_prompt_cache
+
+    @property
+    def token_count(self) -> int:
+        return len(self.tokens)
+
+
+# ----- model identity ---------------------------------------------------------------------------
+
+_FINGERPRINTS: dict[int, str] = {}
+
+
+def model_fingerprint(model: Any) -> str:
+    """The identity of a model's weights and config: sha256 over its config (JSON) and the
+    tensor digest of its parameters (format.tensor_digest: names, dtypes, shapes, bytes). For a
+    native `.tinygpt` LoadedModel whose file carries a checksum, the file's tensors digest is
+    used (the same digest, already verified at load). Cached per model object in the process."""
+    from .. import format as tinygpt_format  # noqa: PLC0415
+
+    module = getattr(model, "model", model)
+    key = id(module)
+    if key in _FINGERPRINTS:
+        return _FINGERPRINTS[key]
+    config = getattr(module, "config", None) or getattr(module, "args", None)
+    config = (dataclasses.asdict(config) if dataclasses.is_dataclass(config)
+              else config if isinstance(config, dict) else repr(config))
+    checksum = (getattr(model, "info", None) or {}).get("checksum")
+    native = type(module).__module__ == "tinygpt_mlx.model"
+    if native and checksum:
+        tensors = checksum["tensors"]
+    else:
+        from mlx.utils import tree_flatten  # noqa: PLC0415
+        records = []
+        for name, v in tree_flatten(module.parameters()):
+            if native:
+                v, tag = v.astype(mx.float32), "F32"
+            else:
+                tag = str(v.dtype).rsplit(".", 1)[-1]
+                v = v.view(mx.uint16) if v.dtype == mx.bfloat16 else v
+            a = np.ascontiguousarray(np.asarray(v))
+            records.append((name, tag, list(a.shape), a.data))
+        tensors = tinygpt_format.tensor_digest(records)
+    h = hashlib.sha256(json.dumps({"module": type(module).__module__, "config": config}, sort_keys=True,
+                                  default=str).encode())
+    h.update(tensors.encode())
+    fp = h.hexdigest()
+    _FINGERPRINTS[key] = fp
+    weakref.finalize(module, _FINGERPRINTS.pop, key, None)
+    return fp
+
+
+def _model_identity(model: Any) -> dict:
+    kind = getattr(model, "kind", None) or type(getattr(model, "model", model)).__module__
+    name = getattr(model, "name", None) or type(getattr(model, "model", model)).__name__
+    return {"fingerprint": model_fingerprint(model), "kind": kind, "name": name}
+
+
+# ----- writing ----------------------------------------------------------------------------------
+
+def _as_numpy(a: Any) -> tuple[np.ndarray, str]:
+    """An array as (contiguous numpy, safetensors dtype tag); bf16 travels as its bit patterns."""
+    if isinstance(a, mx.array):
+        if a.dtype == mx.bfloat16:
+            return np.ascontiguousarray(np.asarray(a.view(mx.uint16))), "BF16"
+        a = np.asarray(a)
+    a = np.ascontiguousarray(a)          # a contiguous slice of a memmap stays a view of it
+    if a.dtype not in _NP_TAGS:
+        raise TypeError(f"cannot store a {a.dtype} array in a prompt-cache file")
+    return a, _NP_TAGS[a.dtype]
+
+
+def _chunks(a: np.ndarray):
+    """The bytes of `a` in pieces of about _CHUNK (rows of a memory-mapped array are read from
+    its file piece by piece, never all at once)."""
+    flat = a.reshape(-1) if a.size else a.reshape(0)
+    step = max(1, _CHUNK // max(a.itemsize, 1))
+    for lo in range(0, flat.size, step):
+        yield memoryview(flat[lo:lo + step]).cast("B")
+
+
+def _canonical(header: dict) -> bytes:
+    """The header as hashed: tensors and metadata, without the checksum, in a fixed spelling."""
+    h = dict(header)
+    h["__metadata__"] = {k: v for k, v in h.get("__metadata__", {}).items() if k != "checksum"}
+    return json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _write(path: Path, tensors: dict, metadata: dict) -> None:
+    """Write a safetensors file at `path` (already a temporary name) with a checksum."""
+    header: dict = {"__metadata__": dict(metadata)}
+    arrays, offset = [], 0
+    for name, a in tensors.items():
+        a, tag = _as_numpy(a)
+        header[name] = {"dtype": tag, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        arrays.append(a)
+        offset += a.nbytes
+    digest = hashlib.sha256(_canonical(header))
+    header["__metadata__"]["checksum"] = json.dumps({"algorithm": "sha256", "digest": _PLACEHOLDER})
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    at = raw.index(_PLACEHOLDER.encode())
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for a in arrays:
+            for piece in _chunks(a):
+                digest.update(piece)
+                f.write(piece)
+        f.seek(8 + at)
+        f.write(digest.hexdigest().encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens: list[int],
+                      logits: Optional[mx.array] = None) -> Path:
+    """Write `cache` (holding `tokens`, fed to `model`) to `path`, atomically (module doc).
+
+    `logits`: the fp32 logits after the last token (what the next token is sampled from), so
+    that a run may continue without new prompt tokens."""
+    path = Path(path)
+    layout, owned = _layout(cache)
+    tensors: dict = {}
+    metas = []
+    for i, layer in enumerate(owned):
+        arrays, meta = layer.saved_state()
+        tensors.update({f"layer{i}.{k}": v for k, v in arrays.items()})
+        metas.append(meta)
+    if logits is not None:
+        tensors["logits"] = logits.astype(mx.float32).reshape(-1)
+    mx.eval([v for v in tensors.values() if isinstance(v, mx.array)])
+    metadata = {
+        "format": FORMAT_NAME,
+        "format_version": str(FORMAT_VERSION),
+        "cache_config": json.dumps(dataclasses.asdict(cache.config)),
+        "model": json.dumps(_model_identity(model)),
+        "tokens": json.dumps([int(t) for t in tokens]),
+        "token_count": str(len(tokens)),
+        "current_length": str(cache.current_length),
+        "stored_count": str(cache.stored_count),
+        "cache_bytes": str(cache.nbytes),
+        "layers": json.dumps({"layout": layout, "owned": metas}),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    try:
+        _write(tmp, tensors, metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _layout(cache: KVCache) -> tuple[list[int], list[LayerCache]]:
+    """For each layer, the index of its (distinct) layer cache; model-owned caches refused."""
+    owned = cache.owned
+    index = {id(c): i for i, c in enumerate(owned)}
+    layout = []
+    for c in cache:
+        if id(c) not in index:
+            raise PromptCacheError(f"layer cache {type(c).__name__} is the model's own (e.g. a sliding-window "
+                                   "layer): prompt-cache files hold only posttrainllm's layer caches")
+        layout.append(index[id(c)])
+    return layout, owned
+
+
+# ----- reading ----------------------------------------------------------------------------------
+
+@dataclass
+class Entry:
+    """One tensor of the file, read on demand."""
+    file: Path
+    tag: str
+    shape: tuple
+    start: int        # absolute byte offsets in the file
+    end: int
+
+    def np(self) -> np.ndarray:
+        """Read into RAM (BF16 as uint16 bit patterns)."""
+        dtype = _TAG_NP[self.tag]
+        count = (self.end - self.start) // dtype.itemsize
+        return np.fromfile(self.file, dtype=dtype, count=count, offset=self.start).reshape(self.shape)
+
+    def mx(self) -> mx.array:
+        a = mx.array(self.np())
+        return a.view(mx.bfloat16) if self.tag == "BF16" else a
+
+    def copy_to(self, dest: str) -> None:
+        """Copy the bytes into a new file `dest`, kernel to kernel where possible (not via RAM)."""
+        with open(self.file, "rb") as src, open(dest, "wb") as out:
+            left, off = self.end - self.start, self.start
+            while left > 0:
+                try:
+                    n = os.copy_file_range(src.fileno(), out.fileno(), min(left, 1 << 30), off)
+                except (AttributeError, OSError):
+                    src.seek(off)
+                    n = out.write(src.read(min(left, _CHUNK)))
+                if n <= 0:
+                    raise PromptCacheError(f"{self.file}: file is truncated")
+                left -= n
+                off += n
+
+
+class Arrays:
+    """A store's view of the file's tensors: `arrays[name]` is an `Entry`, `scope(prefix)` a
+    sub-store's view."""
+
+    def __init__(self, entries: dict, path: Path, prefix: str = ""):
+        self.entries, self.path, self.prefix = entries, path, prefix
+
+    def __getitem__(self, name: str) -> Entry:
+        try:
+            return self.entries[self.prefix + name]
+        except KeyError:
+            raise PromptCacheError(f"{self.path}: corrupt prompt cache (no tensor {self.prefix + name!r})") from None
+
+    def __contains__(self, name: str) -> bool:
+        return self.prefix + name in self.entries
+
+    def scope(self, prefix: str) -> "Arrays":
+        return Arrays(self.entries, self.path, self.prefix + prefix)
+
+
+def _open(path: Path) -> tuple[dict, dict, int, int]:
+    """(tensor entries, metadata, data start, file size) of a prompt-cache file, checked for
+    being one (format name, version) and not truncated; no data read."""
+    from .. import format as tinygpt_format  # noqa: PLC0415
+
+    if not path.exists():
+        raise PromptCacheError(f"{path}: no such prompt-cache file")
+    if path.is_dir():
+        raise PromptCacheError(f"{path}: is a directory, not a prompt-cache file")
+    try:
+        header, meta, data_start = tinygpt_format._read_header(path)
+    except ModelFormatError as e:
+        raise PromptCacheError(f"{e} (not a usable prompt-cache file)") from None
+    if meta.get("format") != FORMAT_NAME:
+        raise PromptCacheError(f"{path}: not a prompt-cache file (format {meta.get('format')!r}); make one "
+                               "with 'posttrainllm cache-prompt'")
+    version = meta.get("format_version", "")
+    if not version.isdigit():
+        raise PromptCacheError(f"{path}: corrupt prompt cache (format version {version!r})")
+    if int(version) > FORMAT_VERSION:
+        raise PromptCacheError(f"{path}: prompt-cache format version {version} is newer than this build reads "
+                               f"({FORMAT_VERSION}); upgrade posttrainllm or re-create the cache")
+    if int(version) != FORMAT_VERSION:
+        raise PromptCacheError(f"{path}: unsupported prompt-cache format version {version}")
+    return header, meta, data_start, path.stat().st_size
+
+
+def _json(path: Path, meta: dict, key: str) -> Any:
+    try:
+        return json.loads(meta[key])
+    except (KeyError, TypeError, json.JSONDecodeError):
+        raise PromptCacheError(f"{path}: corrupt prompt cache (metadata {key!r})") from None
+
+
+def read_prompt_cache_info(path: Union[str, Path]) -> PromptCacheInfo:
+    """The metadata of a prompt-cache file (format and version checked; arrays not read)."""
+    path = Path(path)
+    _, meta, _, size = _open(path)
+    try:
+        config = CacheConfig(**_json(path, meta, "cache_config"))
+    except (TypeError, ValueError) as e:
+        raise PromptCacheError(f"{path}: corrupt prompt cache (cache config: {e})") from None
+    tokens = _json(path, meta, "tokens")
+    try:
+        return PromptCacheInfo(path, config, _json(path, meta, "model"), [int(t) for t in tokens],
+                               int(meta["current_length"]), int(meta["stored_count"]),
+                               int(meta["cache_bytes"]), size)
+    except (KeyError, TypeError, ValueError):
+        raise PromptCacheError(f"{path}: corrupt prompt cache (counters)") from None
+
+
+def _verify(path: Path, header: dict, meta: dict, data_start: int, size: int) -> None:
+    """Recompute the checksum over the canonical header and the data region."""
+    stored = _json(path, meta, "checksum")
+    if not isinstance(stored, dict) or stored.get("algorithm") != "sha256":
+        raise PromptCacheError(f"{path}: corrupt prompt cache (checksum field)")
+    digest = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
+    end = data_start + max((int(h["data_offsets"][1]) for h in header.values()), default=0)
+    with open(path, "rb") as f:
+        f.seek(data_start)
+        left = end - data_start
+        while left > 0:
+            piece = f.read(min(left, _CHUNK))
+            if not piece:
+                break
+            digest.update(piece)
+            left -= len(piece)
+    if digest.hexdigest() != stored.get("digest"):
+        raise PromptCacheError(f"{path}: checksum mismatch: the prompt cache is corrupted; re-create it with "
+                               "'posttrainllm cache-prompt'")
+
+
+def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
+    """The first policy field that `given` sets (differs from the default) to another value than
+    the file's policy, or None. `cold_path` (where disk stores live) is not policy."""
+    default = CacheConfig()
+    for f in dataclasses.fields(CacheConfig):
+        if f.name == "cold_path":
+            continue
+        value = getattr(given, f.name)
+        if value != getattr(default, f.name) and value != getattr(saved, f.name):
+            return f.name
+    return None
+
+
+def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[str] = None,
+                      config: Optional[CacheConfig] = None) -> tuple[KVCache, PromptCacheInfo]:
+    """Rebuild the cache saved at `path` for `model` (a LoadedModel, or the module with our
+    attention routed). Checked before anything is built: format and version, the model's
+    fingerprint, the checksum, and (if `config` is given) that every field it sets matches the
+    file's policy. `cold_path`: where the new cache's disk stores go (default: a temp dir).
+    Returns (cache, info); `info.logits` holds the saved logits (or None)."""
+    from . import make_cache  # noqa: PLC0415
+
+    path = Path(path)
+    header, meta, data_start, size = _open(path)
+    info = read_prompt_cache_info(path)
+    if config is not None:
+        field = config_mismatch(info.config, config)
+        if field is not None:
+            raise PromptCacheError(f"{path}: the prompt cache was made with {field}={getattr(info.config, field)!r}, "
+                                   f"not {getattr(config, field)!r}; leave the policy flags out to use the file's")
+    mine = model_fingerprint(model)
+    if info.model.get("fingerprint") != mine:
+        raise PromptCacheError(f"{path}: the prompt cache was made with another model ({info.model.get('name')}, "
+                               f"fingerprint {str(info.model.get('fingerprint'))[:12]}…), not this one "
+                               f"({getattr(model, 'name', type(model).__name__)}, {mine[:12]}…)")
+    _verify(path, header, meta, data_start, size)
+    layers = _json(path, meta, "layers")
+    entries = {}
+    for name, h in header.items():
+        lo, hi = (int(x) for x in h["data_offsets"])
+        entries[name] = Entry(path, h["dtype"], tuple(h["shape"]), data_start + lo, data_start + hi)
+    cfg = dataclasses.replace(info.config, cold_path=cold_path)
+    cache = make_cache(getattr(model, "model", model), cfg)
+    try:
+        layout, owned = _layout(cache)
+        if layout != layers.get("layout") or len(owned) != len(layers.get("owned", [])):
+            raise PromptCacheError(f"{path}: the prompt cache's layers ({layers.get('layout')}) do not match the "
+                                   f"model's ({layout})")
+        arrays = Arrays(entries, path)
+        for i, (layer, m) in enumerate(zip(owned, layers["owned"])):
+            layer.load_state(arrays.scope(f"layer{i}."), m)
+        info.logits = arrays["logits"].mx() if "logits" in arrays else None
+    except (KeyError, TypeError, ValueError) as e:
+        cache.close()
+        raise PromptCacheError(f"{path}: corrupt prompt cache ({e})") from None
+    except BaseException:
+        cache.close()
+        raise
+    if cache.current_length != info.current_length or cache.stored_count != info.stored_count:
+        cache.close()
+        raise PromptCacheError(f"{path}: corrupt prompt cache (restored {cache.current_length}/"
+                               f"{cache.stored_count} tokens, the file says {info.current_length}/{info.stored_count})")
+    return cache, info
