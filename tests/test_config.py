@@ -168,6 +168,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","streaming_llm":{"sink":0,"window":64,"rope_mode":"shifted"}}'),
     'int8+sink4/window256': ('int8 + StreamingLLM sink 4 + window 256 (shifted RoPE)',
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":256,"rope_mode":"shifted"}}'),
+    'int4+sink4/window256': ('int4 + StreamingLLM sink 4 + window 256 (shifted RoPE)',   # docs/prompt-cache.md
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":256,"rope_mode":"shifted"}}'),
     'sink4/window256:absolute': ('fp32 + StreamingLLM sink 4 + window 256 (absolute RoPE)',
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":256,"rope_mode":"absolute"}}'),
     'int4+top16+shadowdisk': ('int4 (exact top-16)',

@@ -131,7 +131,7 @@ def test_save_load_continue_equals_in_process(loaded_models, tmp_path, model_nam
     cache, logits = _prefilled(loaded, cfg)
     before = _report(cache)
     path = tmp_path / "doc.ptc"
-    cache.save(path, loaded, DOC, logits)
+    save_prompt_cache(path, cache, loaded, DOC, logits)
     assert _report(cache) == before              # saving changes nothing
     cache.close()
     digest = _sha(path)
@@ -261,12 +261,12 @@ def test_not_a_prompt_cache(loaded_models, tmp_path):
 # ----- interrupted saves ------------------------------------------------------------------------
 
 def test_error_mid_write_leaves_the_old_file(loaded_models, saved, monkeypatch):
-    from tinygpt_mlx.cache import persist
+    from tinygpt_mlx.cache import cachefile
 
     loaded = loaded_models["native"]
     digest = _sha(saved)
     cache, logits = _prefilled(loaded, POLICIES["fp32"])
-    calls, plain = [], persist._chunks
+    calls, plain = [], cachefile.chunks
 
     def broken(a):
         for piece in plain(a):
@@ -275,7 +275,7 @@ def test_error_mid_write_leaves_the_old_file(loaded_models, saved, monkeypatch):
                 raise KeyboardInterrupt
             yield piece
 
-    monkeypatch.setattr(persist, "_chunks", broken)
+    monkeypatch.setattr(cachefile, "chunks", broken)
     with pytest.raises(KeyboardInterrupt):
         save_prompt_cache(saved, cache, loaded, DOC, logits)
     assert _sha(saved) == digest
@@ -287,20 +287,20 @@ KILLED_SAVE = textwrap.dedent("""
     import sys, time
     sys.path[:0] = [{root!r}, {tests!r}]
     from tinygpt_mlx.loading import load
-    from tinygpt_mlx.cache import make_cache, persist
+    from tinygpt_mlx.cache import cachefile, make_cache, persist
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.generate import prefill
     loaded = load({model!r})
     cache = make_cache(loaded.model, CacheConfig())
     logits = prefill(loaded.model, list(range(1, 200)), cache, 64)
-    plain = persist._chunks
+    plain = cachefile.chunks
     def slow(a):
         for piece in plain(a):
             print("writing", flush=True)
             time.sleep(0.2)
             yield piece
-    persist._CHUNK = 4096
-    persist._chunks = slow
+    cachefile.CHUNK = 4096
+    cachefile.chunks = slow
     persist.save_prompt_cache({path!r}, cache, loaded, list(range(1, 200)), logits)
     print("finished", flush=True)
 """)

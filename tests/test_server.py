@@ -36,8 +36,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(loaded, cache_config=None, **kw):
-    app = create_app(loaded, cache_config or CacheConfig(), prefill_chunk=64, **kw)
+def _serve(loaded, cache_config=None, prefill_chunk=64, **kw):
+    """A live server on a free loopback port: (uvicorn server, its thread, base URL)."""
+    app = create_app(loaded, cache_config or CacheConfig(), prefill_chunk=prefill_chunk, **kw)
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)

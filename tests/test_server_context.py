@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +20,6 @@ httpx = pytest.importorskip("httpx")
 
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.server import prompt as pr  # noqa: E402
-from tinygpt_mlx.server.app import create_app  # noqa: E402
 
 SHIPPED = Path(__file__).resolve().parent.parent / "models" / "tinygpt-base.tinygpt"
 LOGGER = "posttrainllm.server"
@@ -135,20 +132,10 @@ def shipped():
 
 @pytest.fixture(scope="module")
 def live(shipped):
-    import socket
+    from test_server import _serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    app = create_app(shipped, CacheConfig(), max_slots=2, prefill_chunk=256)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
+    srv, thread, url = _serve(shipped, max_slots=2, prefill_chunk=256)
+    yield url
     srv.should_exit = True
     thread.join(timeout=10)
 

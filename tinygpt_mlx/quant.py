@@ -170,12 +170,19 @@ def dequantise(
     return out.astype(dtype) if out.dtype != dtype else out
 
 
+def _check_kv(x: mx.array, name: str, bits: int, group: int, axis: int, what: str) -> None:
+    """A K or V tensor [..., T, D] whose `axis` is grouped: shape, bits and group checked."""
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have shape [..., T, D], got {tuple(x.shape)}")
+    _check_bits(bits)
+    _check_group(group)
+    _check_axis(x.shape[axis], group, what)
+
+
 # --------------------------------------------------------------------------- keys
 
 
-def quantise_k(
-    keys: mx.array, bits: int, group: int
-) -> tuple[mx.array, mx.array, mx.array]:
+def quantise_k(keys: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
     """KIVI key quantisation: per channel, groups of ``group`` tokens.
 
     Args:
@@ -190,22 +197,12 @@ def quantise_k(
         ``group``-token blocks, quantising blocks separately and concatenating
         along the last axis equals quantising the whole.
     """
-    if keys.ndim < 2:
-        raise ValueError(f"keys must have shape [..., T, D], got {tuple(keys.shape)}")
-    _check_bits(bits)
-    _check_group(group)
-    _check_axis(keys.shape[-2], group, "key token (T)")
+    _check_kv(keys, "keys", bits, group, -2, "key token (T)")
     return quantise_affine(mx.swapaxes(keys, -1, -2), bits, group)
 
 
-def dequantise_k(
-    packed: mx.array,
-    scale: mx.array,
-    zero: mx.array,
-    bits: int,
-    group: int,
-    dtype: mx.Dtype = mx.float32,
-) -> mx.array:
+def dequantise_k(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, group: int,
+                 dtype: mx.Dtype = mx.float32) -> mx.array:
     """Inverse of :func:`quantise_k`: returns keys ``[..., T, D]``."""
     return mx.swapaxes(dequantise(packed, scale, zero, bits, group, dtype), -1, -2)
 
@@ -213,9 +210,7 @@ def dequantise_k(
 # ------------------------------------------------------------------------- values
 
 
-def quantise_v(
-    values: mx.array, bits: int, group: int
-) -> tuple[mx.array, mx.array, mx.array]:
+def quantise_v(values: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
     """KIVI value quantisation: per token, groups of ``group`` channels.
 
     Args:
@@ -227,24 +222,12 @@ def quantise_v(
         ``quantised_matmul(p, packed, scale, zero, bits=bits, group=group,
         transpose=False)`` == ``p @ V``.
     """
-    if values.ndim < 2:
-        raise ValueError(
-            f"values must have shape [..., T, D], got {tuple(values.shape)}"
-        )
-    _check_bits(bits)
-    _check_group(group)
-    _check_axis(values.shape[-1], group, "value channel (D)")
+    _check_kv(values, "values", bits, group, -1, "value channel (D)")
     return quantise_affine(values, bits, group)
 
 
-def dequantise_v(
-    packed: mx.array,
-    scale: mx.array,
-    zero: mx.array,
-    bits: int,
-    group: int,
-    dtype: mx.Dtype = mx.float32,
-) -> mx.array:
+def dequantise_v(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, group: int,
+                 dtype: mx.Dtype = mx.float32) -> mx.array:
     """Inverse of :func:`quantise_v`: returns values ``[..., T, D]``."""
     return dequantise(packed, scale, zero, bits, group, dtype)
 

@@ -397,13 +397,6 @@ class KVCache(list):
         """Retrieval telemetry summed over layers (telemetry.summarise)."""
         return summarise([c.telemetry for c in self.owned if c.telemetry is not None], last_steps)
 
-    def save(self, path, model: Any, tokens: list[int], logits: Optional[mx.array] = None) -> Any:
-        """Write this cache to a prompt-cache file (cache/persist.py `save_prompt_cache`):
-        `model` (a LoadedModel or the module) gives the fingerprint, `tokens` the ids it holds,
-        `logits` those the next token is sampled from."""
-        from .persist import save_prompt_cache  # noqa: PLC0415 (persist imports this module)
-        return save_prompt_cache(path, self, model, tokens, logits)
-
     def close(self) -> None:
         """Release every layer's stores now (disk stores' files removed). Idempotent."""
         for c in self.owned:

@@ -35,7 +35,6 @@ import hashlib
 import json
 import os
 import secrets
-import struct
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +43,13 @@ from typing import Any, Optional, Union
 import mlx.core as mx
 import numpy as np
 
+from mlx.utils import tree_flatten
+
+from .. import format as tinygpt_format
 from ..config import CacheConfig
 from ..errors import ModelFormatError, PosttrainError
+from . import cachefile
+from .factory import make_cache
 from .kv_cache import KVCache, LayerCache
 
 __all__ = ["PromptCacheError", "PromptCacheInfo", "save_prompt_cache", "load_prompt_cache",
@@ -53,13 +57,6 @@ __all__ = ["PromptCacheError", "PromptCacheInfo", "save_prompt_cache", "load_pro
 
 FORMAT_NAME = "posttrainllm-prompt-cache"
 FORMAT_VERSION = 1
-_PLACEHOLDER = "?" * 64          # the digest's place in the header until the data is hashed
-_CHUNK = 16 << 20                # bytes written / hashed / copied at a time
-
-_NP_TAGS = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(np.uint32): "U32",
-            np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint16): "U16",
-            np.dtype(np.uint8): "U8", np.dtype(np.bool_): "BOOL"}
-_TAG_NP = {v: k for k, v in _NP_TAGS.items()} | {"BF16": np.dtype(np.uint16)}
 
 
 class PromptCacheError(PosttrainError):
@@ -94,8 +91,6 @@ def model_fingerprint(model: Any) -> str:
     tensor digest of its parameters (format.tensor_digest: names, dtypes, shapes, bytes). For a
     native `.tinygpt` LoadedModel whose file carries a checksum, the file's tensors digest is
     used (the same digest, already verified at load). Cached per model object in the process."""
-    from .. import format as tinygpt_format  # noqa: PLC0415
-
     module = getattr(model, "model", model)
     key = id(module)
     if key in _FINGERPRINTS:
@@ -108,7 +103,6 @@ def model_fingerprint(model: Any) -> str:
     if native and checksum:
         tensors = checksum["tensors"]
     else:
-        from mlx.utils import tree_flatten  # noqa: PLC0415
         records = []
         for name, v in tree_flatten(module.parameters()):
             if native:
@@ -135,61 +129,6 @@ def _model_identity(model: Any) -> dict:
 
 
 # ----- writing ----------------------------------------------------------------------------------
-
-def _as_numpy(a: Any) -> tuple[np.ndarray, str]:
-    """An array as (contiguous numpy, safetensors dtype tag); bf16 travels as its bit patterns."""
-    if isinstance(a, mx.array):
-        if a.dtype == mx.bfloat16:
-            return np.ascontiguousarray(np.asarray(a.view(mx.uint16))), "BF16"
-        a = np.asarray(a)
-    a = np.ascontiguousarray(a)          # a contiguous slice of a memmap stays a view of it
-    if a.dtype not in _NP_TAGS:
-        raise TypeError(f"cannot store a {a.dtype} array in a prompt-cache file")
-    return a, _NP_TAGS[a.dtype]
-
-
-def _chunks(a: np.ndarray):
-    """The bytes of `a` in pieces of about _CHUNK (rows of a memory-mapped array are read from
-    its file piece by piece, never all at once)."""
-    flat = a.reshape(-1) if a.size else a.reshape(0)
-    step = max(1, _CHUNK // max(a.itemsize, 1))
-    for lo in range(0, flat.size, step):
-        yield memoryview(flat[lo:lo + step]).cast("B")
-
-
-def _canonical(header: dict) -> bytes:
-    """The header as hashed: tensors and metadata, without the checksum, in a fixed spelling."""
-    h = dict(header)
-    h["__metadata__"] = {k: v for k, v in h.get("__metadata__", {}).items() if k != "checksum"}
-    return json.dumps(h, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _write(path: Path, tensors: dict, metadata: dict) -> None:
-    """Write a safetensors file at `path` (already a temporary name) with a checksum."""
-    header: dict = {"__metadata__": dict(metadata)}
-    arrays, offset = [], 0
-    for name, a in tensors.items():
-        a, tag = _as_numpy(a)
-        header[name] = {"dtype": tag, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
-        arrays.append(a)
-        offset += a.nbytes
-    digest = hashlib.sha256(_canonical(header))
-    header["__metadata__"]["checksum"] = json.dumps({"algorithm": "sha256", "digest": _PLACEHOLDER})
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    at = raw.index(_PLACEHOLDER.encode())
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for a in arrays:
-            for piece in _chunks(a):
-                digest.update(piece)
-                f.write(piece)
-        f.seek(8 + at)
-        f.write(digest.hexdigest().encode())
-        f.flush()
-        os.fsync(f.fileno())
-
 
 def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens: list[int],
                       logits: Optional[mx.array] = None) -> Path:
@@ -222,7 +161,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
     }
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
-        _write(tmp, tensors, metadata)
+        cachefile.write(tmp, tensors, metadata)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -256,7 +195,7 @@ class Entry:
 
     def np(self) -> np.ndarray:
         """Read into RAM (BF16 as uint16 bit patterns)."""
-        dtype = _TAG_NP[self.tag]
+        dtype = cachefile.TAG_NP[self.tag]
         count = (self.end - self.start) // dtype.itemsize
         return np.fromfile(self.file, dtype=dtype, count=count, offset=self.start).reshape(self.shape)
 
@@ -273,7 +212,7 @@ class Entry:
                     n = os.copy_file_range(src.fileno(), out.fileno(), min(left, 1 << 30), off)
                 except (AttributeError, OSError):
                     src.seek(off)
-                    n = out.write(src.read(min(left, _CHUNK)))
+                    n = out.write(src.read(min(left, cachefile.CHUNK)))
                 if n <= 0:
                     raise PromptCacheError(f"{self.file}: file is truncated")
                 left -= n
@@ -303,8 +242,6 @@ class Arrays:
 def _open(path: Path) -> tuple[dict, dict, int, int]:
     """(tensor entries, metadata, data start, file size) of a prompt-cache file, checked for
     being one (format name, version) and not truncated; no data read."""
-    from .. import format as tinygpt_format  # noqa: PLC0415
-
     if not path.exists():
         raise PromptCacheError(f"{path}: no such prompt-cache file")
     if path.is_dir():
@@ -356,18 +293,7 @@ def _verify(path: Path, header: dict, meta: dict, data_start: int, size: int) ->
     stored = _json(path, meta, "checksum")
     if not isinstance(stored, dict) or stored.get("algorithm") != "sha256":
         raise PromptCacheError(f"{path}: corrupt prompt cache (checksum field)")
-    digest = hashlib.sha256(_canonical({**header, "__metadata__": meta}))
-    end = data_start + max((int(h["data_offsets"][1]) for h in header.values()), default=0)
-    with open(path, "rb") as f:
-        f.seek(data_start)
-        left = end - data_start
-        while left > 0:
-            piece = f.read(min(left, _CHUNK))
-            if not piece:
-                break
-            digest.update(piece)
-            left -= len(piece)
-    if digest.hexdigest() != stored.get("digest"):
+    if cachefile.data_digest(path, header, meta, data_start) != stored.get("digest"):
         raise PromptCacheError(f"{path}: checksum mismatch: the prompt cache is corrupted; re-create it with "
                                "'posttrainllm cache-prompt'")
 
@@ -392,7 +318,6 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
     fingerprint, the checksum, and (if `config` is given) that every field it sets matches the
     file's policy. `cold_path`: where the new cache's disk stores go (default: a temp dir).
     Returns (cache, info); `info.logits` holds the saved logits (or None)."""
-    from . import make_cache  # noqa: PLC0415
 
     path = Path(path)
     header, meta, data_start, size = _open(path)

@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 
 from ..config import CacheConfig
-from . import make_cache
+from .factory import make_cache
 
 #: The policies of the bytes table, by label.
 REPORT_POLICIES: dict[str, dict] = {

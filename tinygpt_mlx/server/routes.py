@@ -89,12 +89,14 @@ def register(app: FastAPI, srv: Server) -> None:
         srv.check_model(body)
         return ol.show(loaded, cfg.label(), pr.template_text(loaded))
 
-    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, p: pr.Fitted, chat: bool):
-        stream = _stream_flag(body, True)
+    def _submit(body: dict, p: pr.Fitted, opts: dict, stream_default: bool):
+        """Queue the job; (stream?, job, truncation record, response headers)."""
         job = srv.job(p, opts, ol.UNBOUNDED_PREDICT)
         srv.submit(job)
-        truncated = p.truncated
-        headers = truncation_headers(truncated)
+        return _stream_flag(body, stream_default), job, p.truncated, truncation_headers(p.truncated)
+
+    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, p: pr.Fitted, chat: bool):
+        stream, job, truncated, headers = _submit(body, p, opts, True)
 
         def final(r, text):
             if chat:
@@ -149,11 +151,7 @@ def register(app: FastAPI, srv: Server) -> None:
         return oa.models([name], int(srv.started))["data"][0]
 
     async def _openai_run(request: Request, body: dict, model: str, s: dict, p: pr.Fitted, chat: bool):
-        stream = _stream_flag(body, False)
-        job = srv.job(p, s, ol.UNBOUNDED_PREDICT)
-        srv.submit(job)
-        truncated = p.truncated
-        headers = truncation_headers(truncated)
+        stream, job, truncated, headers = _submit(body, p, s, False)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
         if stream:
             opts = body.get("stream_options") or {}

@@ -1,0 +1,68 @@
+"""The factory: a `CacheConfig` and a model in, a `KVCache` of per-layer caches out. It builds
+every store and hands it its position rules and the codec (cache/__init__.py's doc)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from mlx_lm.models.cache import KVCache as MlxLayerCache
+from mlx_lm.models.cache import make_prompt_cache
+
+from .. import attention
+from ..config import CacheConfig
+from .cold import ColdStore
+from .kivi import KiviStore
+from .kv_cache import KVCache, LayerCache
+from .positions import Positions
+from .store import DTYPES, DenseStore
+
+
+def find_rope(layer: Any) -> Optional[Callable]:
+    """The RoPE module of a transformer layer (native TinyGPT or an mlx-lm model), if any."""
+    for attn_name in ("attn", "self_attn", "attention"):
+        attn = getattr(layer, attn_name, None)
+        if attn is not None and callable(getattr(attn, "rope", None)):
+            return attn.rope
+    return None
+
+
+def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
+    """One layer's cache under `config`: its position rules and its stores."""
+    storage = DTYPES[config.storage]
+    positions = Positions(config, rope)
+    sink = DenseStore(storage, label="sink")
+    body = KiviStore(config, storage, positions, KVCache) if config.quantised else DenseStore(storage)
+    cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None
+    return LayerCache(config, positions, sink, body, cold)
+
+
+def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
+    """Per-layer caches for `model` under `config`, usable as `cache=` / `prompt_cache=`.
+
+    Starts from the caches the model itself makes (mlx-lm's `make_prompt_cache`; the native
+    model makes mlx-lm `KVCache`s too): each plain full-attention layer cache becomes ours,
+    layers that share one (YOCO) share ours, and layers with another cache type (the
+    sliding-window layers of Gemma 2/3 and similar) keep the model's.
+
+    Our layer caches attend over their own stores, so the model's attention must be routed
+    through `tinygpt_mlx.attention` (the native model always is; `loading.load` routes an
+    mlx-lm model, `attention.install(model)` does it by hand): a model that is not is refused
+    here, whatever the policy, rather than silently attending to the new tokens only.
+    """
+    config = config or CacheConfig()
+    own = make_prompt_cache(model)
+    if any(type(c) is MlxLayerCache for c in own) and not attention.routes(model):
+        raise ValueError(f"posttrainllm caches need our attention in the model's code, which is not routed "
+                         f"for {type(model).__module__}: load the model with tinygpt_mlx.loading.load "
+                         "(or call tinygpt_mlx.attention.install(model))")
+    out: list = []
+    made: dict[int, LayerCache] = {}
+    for i, (layer, c) in enumerate(zip(model.layers, own)):
+        if type(c) is not MlxLayerCache:
+            out.append(c)
+        elif id(c) in made:
+            out.append(made[id(c)])
+        else:
+            made[id(c)] = layer_cache(config, find_rope(layer), i)
+            out.append(made[id(c)])
+    return KVCache(out, config)
