@@ -58,7 +58,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-COMMANDS = ("sample", "info", "train", "compare", "perplexity", "bench", "cache_report", "needle", "serve")
+COMMANDS = ("sample", "info", "train", "compare", "perplexity", "bench", "cache_report", "needle", "serve", "chat")
 for _name in COMMANDS:
     importlib.import_module(f"cli.{_name}").register(app)
 
