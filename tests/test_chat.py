@@ -37,6 +37,10 @@ COUNTING = ("<|im_start|>system\nmessages: {{ messages | length }}<|im_end|>\n"
             "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
             "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MESSAGES = ["Tell me about the quick brown fox.", "And the lazy dog?", "What was the word with?"]
+# The shipped model's first answer ends at the stop string "\nUser:" (it writes "\nUser" itself):
+# the cache already holds that text, and the next turn must not add it again.
+SHIPPED_MESSAGES = ["Say amen.\nAssistant: Amen.\nUser: Say amen.\nAssistant: Amen.\nUser: Say amen.",
+                    "Tell me about the quick brown fox.", "What was the word with?"]
 
 
 def chat_tokenizer_json() -> str:
@@ -115,8 +119,9 @@ def test_three_turn_chat_feeds_only_new_tokens_and_equals_sample(which, chat_lla
     loaded = load(model)
     tok = loaded.tokenizer
     out = tmp_path / "chat.json"
+    messages = MESSAGES
     r = run("chat", model, "--temperature", "0", "--tokens", "24", "--report-json", out,
-            input="\n".join(MESSAGES) + "\n")
+            input="\n".join(messages) + "\n")
     assert r.exit_code == 0, r.output
     rep = report(out)
     turns, transcript = rep["turns"], rep["transcript_tokens"]
@@ -137,18 +142,19 @@ def test_three_turn_chat_feeds_only_new_tokens_and_equals_sample(which, chat_lla
     assert len(transcript) == last["reply_offset"] + last["generated"]
     assert len(transcript) - last["current_length"] in (0, 1)
 
-    # 2. each reply equals `sample` (greedy, no template) run on the concatenated transcript before it.
-    # The shipped model's replies re-encode to their own tokens, so the transcript goes through the
-    # command as text; the random tiny Llama's do not (its BPE would merge differently), so its
-    # transcript goes through `sample`'s own streaming function as the token ids.
+    # 2. each reply equals `sample` (greedy, no template) run on the concatenated transcript before it:
+    # through the command as text where the transcript's text re-encodes to its tokens; where it
+    # does not (the random tiny Llama's replies, which its BPE would merge differently; a reply cut
+    # at a stop string), through `sample`'s own streaming function as the token ids.
+    as_text = 0
     for t in turns:
         before = transcript[:t["reply_offset"]]
         got = tok.decode(transcript[t["reply_offset"]:t["reply_offset"] + t["generated"]])
-        if which == "shipped":
-            text = tok.decode(before)
-            assert tok.encode(text) == before                          # the text is these tokens
+        text = tok.decode(before)
+        if ch.encode_fragment(tok, text) == before:
+            as_text += 1
             (tmp_path / "p.txt").write_text(text, encoding="utf-8")
-            s = run("sample", model, "--prompt-file", tmp_path / "p.txt", "--temperature", "0",
+            s = run("sample", model, "--prompt-file", tmp_path / "p.txt", "--no-chat-template", "--temperature", "0",
                     "-n", str(t["generated"]), "--report-json", tmp_path / "s.json")
             assert s.exit_code == 0, s.output
             assert report(tmp_path / "s.json")["prompt_tokens"] == len(before)
@@ -158,10 +164,11 @@ def test_three_turn_chat_feeds_only_new_tokens_and_equals_sample(which, chat_lla
         # sample has no stop strings: its text is the reply's tokens, the chat's reply a prefix of it
         assert sampled == got + ("" if got.endswith("\n") or not got else "\n")
         assert got.startswith(t["reply"])
+    assert as_text == 3 if which == "shipped" else as_text >= 1
 
     # 3. the transcript is the template applied to the conversation (exactly, as text)
     msgs = []
-    for m, t in zip(MESSAGES, turns):
+    for m, t in zip(messages, turns):
         msgs += [{"role": "user", "content": m}]
         before = transcript[:t["reply_offset"]]
         if which == "chatml":
@@ -170,6 +177,29 @@ def test_three_turn_chat_feeds_only_new_tokens_and_equals_sample(which, chat_lla
         else:
             assert tok.decode(before) == ch.plain_text(msgs)
         msgs += [{"role": "assistant", "content": t["reply"]}]
+
+
+def test_a_reply_cut_at_the_stop_string_is_not_fed_twice(capsys):
+    from tinygpt_mlx.chat import ChatSession
+    from tinygpt_mlx.loading import load
+    loaded = load(SHIPPED)
+    tok = loaded.tokenizer
+    s = ChatSession(loaded, CacheConfig(), SampleConfig(temperature=0.0, max_tokens=24))
+    reply = "".join(s.say(SHIPPED_MESSAGES[0]))
+    conv = s.conversation
+    assert s.turns[0].finish_reason == "stop" and reply == " Amen."
+    assert conv.extra == "\nUser:" and tok.decode(conv.pending) == ":"           # "\nUser" fed, ":" not yet
+    ids, rule = conv.next_ids(SHIPPED_MESSAGES[1])
+    assert ids == conv.pending + tok.encode(" " + SHIPPED_MESSAGES[1] + "\nAssistant:")
+    second = "".join(s.say(SHIPPED_MESSAGES[1]))
+    t = s.turns[1]
+    transcript = conv.transcript_ids()
+    before = transcript[:t.reply_offset]
+    msgs = [{"role": "user", "content": SHIPPED_MESSAGES[0]}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": SHIPPED_MESSAGES[1]}]
+    assert tok.decode(before) == ch.plain_text(msgs)
+    got = tok.decode(transcript[t.reply_offset:])
+    assert got.startswith(second) and sample_ids(loaded, before, t.generated, capsys) == got + "\n"
 
 
 def test_prefix_and_fallback_rules(tmp_path):
