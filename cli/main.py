@@ -58,8 +58,8 @@ app = typer.Typer(
     add_completion=False,
 )
 
-COMMANDS = ("sample", "cache_prompt", "info", "train", "compare", "perplexity", "bench", "cache_report", "needle",
-            "serve")
+COMMANDS = ("sample", "cache_prompt", "chat", "info", "train", "compare", "perplexity", "bench", "cache_report",
+            "needle", "serve")
 for _name in COMMANDS:
     importlib.import_module(f"cli.{_name}").register(app)
 

@@ -152,15 +152,24 @@ def sample(
         "--save-prompt-cache", help="After generating, save the extended cache (cached + prompt + generated "
         "tokens) to this prompt-cache file (may be the --prompt-cache file itself; replaced atomically).",
         dir_okay=False)] = None,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", help="A system prompt: the chat template's system message where the model has a "
+        "template, else written before the prompt and a blank line.")] = None,
+    no_chat_template: Annotated[bool, typer.Option(
+        "--no-chat-template", help="Send the prompt as written, even where the model has a chat template "
+        "(mlx-lm models with one get it by default, like mlx_lm.generate).")] = False,
 ) -> None:
     """Generate text: banner, notes and report on stderr, only the generated text on stdout.
 
-    No prompt at all samples unconditionally from the start token (a note says so); an empty
+    An mlx-lm model with a chat template gets the prompt as one user message in its template
+    (tokenized as mlx_lm.generate does; --no-chat-template sends it raw); a native model gets it as
+    written. No prompt at all samples unconditionally from the start token (a note says so); an empty
     --prompt '' or --prompt-file is an error. --tokens 0 only runs the prefill. A prompt longer
     than one prefill chunk (or 1024 tokens) shows prefill progress on stderr. Passing the model's
     trained context, or a window / retrieval span wider than it, is warned about once on stderr.
     """
     from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.chat import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
     from tinygpt_mlx.generate import check_context  # noqa: PLC0415
     from tinygpt_mlx.loading import load  # noqa: PLC0415
 
@@ -191,12 +200,15 @@ def sample(
                                  "give --prompt or --prompt-file")
             ids = [bos]
         else:
-            ids = loaded.tokenizer.encode(text)
+            ids = user_prompt_ids(loaded.tokenizer, text, system, not no_chat_template)
             if not ids:
                 raise ValueError("the prompt encodes to no tokens")
         context = loaded.context_length
         check_context(len(ids), context, cache_config)
         banner(loaded, cache_config, sample_config, len(ids))
+        if text is not None and has_template(loaded.tokenizer):
+            note("the prompt was sent raw (--no-chat-template)" if no_chat_template
+                 else "the prompt is one user message in the model's chat template (--no-chat-template: raw)")
         if text is None:
             note(f"no prompt given: sampling unconditionally from the start token (id {ids[0]})")
         if sample_config.max_tokens == 0:

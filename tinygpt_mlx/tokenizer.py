@@ -95,15 +95,10 @@ class Tokenizer:
         return MlxDetokenizer(self._wrapper.detokenizer)
 
     def chat_prompt(self, messages: list[dict]) -> str:
-        """The prompt text for a chat: the model's own template, or a documented plain one."""
-        if self._wrapper is not None and getattr(self._wrapper, "chat_template", None):
-            return self._wrapper.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        lines = []
-        for m in messages:
-            role = str(m.get("role", "user")).capitalize()
-            lines.append(f"{role}: {m.get('content', '')}")
-        lines.append("Assistant:")
-        return "\n".join(lines)
+        """The prompt text for a chat: the model's own template, or the documented plain one
+        (`tinygpt_mlx.chat`, the helper `sample`, `chat` and the server share)."""
+        from .chat import render  # noqa: PLC0415
+        return render(self, messages)
 
     @property
     def eos_id(self) -> Optional[int]:

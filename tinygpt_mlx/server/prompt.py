@@ -23,14 +23,15 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from ..chat import PLAIN_STOP, has_template, plain_text, prompt_ids, render, stop_strings
+
 log = logging.getLogger("posttrainllm.server")
 
-PLAIN_TEMPLATE_STOP = "\nUser:"
+PLAIN_TEMPLATE_STOP = PLAIN_STOP
 
 
 def has_chat_template(loaded: Any) -> bool:
-    wrapper = getattr(loaded.tokenizer, "_wrapper", None)   # mlx-lm TokenizerWrapper, if any
-    return bool(wrapper is not None and getattr(wrapper, "chat_template", None))
+    return has_template(loaded.tokenizer)
 
 
 def template_text(loaded: Any) -> str:
@@ -40,29 +41,15 @@ def template_text(loaded: Any) -> str:
 
 
 def plain_chat_text(messages: list[dict]) -> str:
-    """The tokenizer's plain template ("Role: content" lines, then "Assistant:"), except that an
-    assistant turn starting with a space, newline or punctuation follows "Assistant:" directly.
-
-    That is how the model generated it (its answer began right after "Assistant:"), so the
-    history reproduces the generated text and the warm slot covers the previous answer too.
-    """
-    lines = []
-    for m in messages:
-        role, content = str(m.get("role", "user")).capitalize(), m.get("content", "")
-        sep = " " if role != "Assistant" or (content[:1].isalnum()) else ""
-        lines.append(f"{role}:{sep}{content}")
-    lines.append("Assistant:")
-    return "\n".join(lines)
+    """The plain turn format (`tinygpt_mlx.chat.plain_text`, shared with `sample` and `chat`)."""
+    return plain_text(messages)
 
 
 def chat_ids(loaded: Any, messages: list[dict]) -> tuple[list[int], tuple[str, ...], str]:
-    """Token ids and text of a chat prompt, and the stop strings the template implies."""
+    """Token ids and text of a chat prompt, and the stop strings the template implies (the one
+    helper `sample` and `chat` use: `tinygpt_mlx.chat`)."""
     tok = loaded.tokenizer
-    if has_chat_template(loaded):
-        text = tok.chat_prompt(messages)
-        return tok.encode(text), (), text
-    text = plain_chat_text(messages)
-    return tok.encode(text), (PLAIN_TEMPLATE_STOP,), text
+    return prompt_ids(tok, messages), stop_strings(tok), render(tok, messages)
 
 
 def generate_ids(loaded: Any, prompt: str, system: Optional[str], raw: bool,
@@ -75,10 +62,12 @@ def generate_ids(loaded: Any, prompt: str, system: Optional[str], raw: bool,
     """
     if not raw and has_chat_template(loaded):
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        text = loaded.tokenizer.chat_prompt(msgs)
+        text = render(loaded.tokenizer, msgs)
+        new = prompt_ids(loaded.tokenizer, msgs)
     else:
         text = f"{system}\n\n{prompt}" if system and not raw else prompt
-    ids = list(context or []) + (loaded.tokenizer.encode(text) if text else [])
+        new = loaded.tokenizer.encode(text) if text else []
+    ids = list(context or []) + new
     return ids, (None if context else text)
 
 

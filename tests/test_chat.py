@@ -1,0 +1,307 @@
+"""`posttrainllm chat` and the chat-template helper (`tinygpt_mlx.chat`), issue #19.
+
+A scripted chat through stdin on the shipped model (plain turn format) and on a tiny mlx-lm
+Llama with a ChatML template: each turn's prefill (the cache's currentLength counter) is only
+its new tokens; every reply equals `sample` (greedy) run on the concatenated transcript before
+it; the transcript is the template applied exactly as mlx-lm's tokenizer applies it. A template
+that re-renders earlier turns takes the documented fallback. Ctrl-C (SIGINT) mid-answer keeps
+the session; 200 turns under a window stay at sink + window stored tokens."""
+
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests.conftest import TEXT, build_llama_dir
+from tinygpt_mlx import chat as ch
+from tinygpt_mlx.config import CacheConfig, SampleConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "tinygpt-base.tinygpt"
+runner = CliRunner()
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Re-renders its header every turn (a message count), so the conversation so far is not a prefix
+# of the longer one: the fallback rule.
+COUNTING = ("<|im_start|>system\nmessages: {{ messages | length }}<|im_end|>\n"
+            "{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MESSAGES = ["Tell me about the quick brown fox.", "And the lazy dog?", "What was the word with?"]
+# The shipped model's first answer ends at the stop string "\nUser:" (it writes "\nUser" itself):
+# the cache already holds that text, and the next turn must not add it again.
+SHIPPED_MESSAGES = ["Say amen.\nAssistant: Amen.\nUser: Say amen.\nAssistant: Amen.\nUser: Say amen.",
+                    "Tell me about the quick brown fox.", "What was the word with?"]
+
+
+def chat_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TEXT], trainer)
+    return tok.to_str()
+
+
+def templated_llama(path: Path, template: str) -> Path:
+    build_llama_dir(path, chat_tokenizer_json(), seed=1)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": None,
+        "model_max_length": 256, "chat_template": template}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def chat_llama_dir(tmp_path_factory) -> Path:
+    return templated_llama(tmp_path_factory.mktemp("chatml") / "chat-llama", CHATML)
+
+
+def run(*args, input=None):
+    return runner.invoke(app, [str(a) for a in args], input=input)
+
+
+def report(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+# ----- the template, exactly as mlx-lm applies it ---------------------------------------------------
+def test_template_ids_are_mlx_lm_s(chat_llama_dir, tmp_path):
+    from tinygpt_mlx.loading import load
+    loaded = load(chat_llama_dir)
+    w = loaded.tokenizer._wrapper
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    ids = ch.prompt_ids(loaded.tokenizer, msgs)
+    assert ids == list(w.apply_chat_template(msgs, add_generation_prompt=True))
+    # mlx_lm.generate: the template's text, encoded without added special tokens
+    text = w.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>assistant\n"
+    assert ids == w.encode(text, add_special_tokens=False)
+    assert ids[0] == w.convert_tokens_to_ids("<|im_start|>")
+
+    # sample applies it (and --system); --no-chat-template sends the prompt raw
+    out = tmp_path / "r.json"
+    r = run("sample", chat_llama_dir, "-p", "Hello there", "--system", "Be brief.", "-n", "8",
+            "--temperature", "0", "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert report(out)["prompt_tokens"] == len(ids)
+    from tinygpt_mlx.generate import stream_generate
+    chunks = list(stream_generate(loaded, ids, CacheConfig(), SampleConfig(max_tokens=8, temperature=0.0)))
+    assert r.stdout == "".join(x.text for x in chunks) + ("\n" if "".join(x.text for x in chunks) else "")
+    r = run("sample", chat_llama_dir, "-p", "Hello there", "-n", "1", "--no-chat-template", "--report-json", out)
+    assert r.exit_code == 0, r.output
+    assert report(out)["prompt_tokens"] == len(loaded.tokenizer.encode("Hello there"))
+
+
+def sample_ids(loaded, ids, n, capsys) -> str:
+    """`posttrainllm sample`'s streaming (cli.sample.run) on token ids, greedy: its stdout."""
+    from cli.sample import run as sample_run
+    capsys.readouterr()
+    sample_run(loaded, ids, CacheConfig(), SampleConfig(max_tokens=n, temperature=0.0), None, None)
+    return capsys.readouterr().out
+
+
+# ----- a scripted three-turn chat -------------------------------------------------------------------
+@pytest.mark.parametrize("which", ["shipped", "chatml"])
+def test_three_turn_chat_feeds_only_new_tokens_and_equals_sample(which, chat_llama_dir, tmp_path, capsys):
+    from tinygpt_mlx.loading import load
+    model = SHIPPED if which == "shipped" else chat_llama_dir
+    loaded = load(model)
+    tok = loaded.tokenizer
+    out = tmp_path / "chat.json"
+    messages = MESSAGES
+    r = run("chat", model, "--temperature", "0", "--tokens", "24", "--report-json", out,
+            input="\n".join(messages) + "\n")
+    assert r.exit_code == 0, r.output
+    rep = report(out)
+    turns, transcript = rep["turns"], rep["transcript_tokens"]
+    assert len(turns) == 3 and [t["rule"] for t in turns] == ["first", "prefix", "prefix"]
+    # stdout: the replies, each on its own line end
+    assert r.stdout == "".join(t["reply"] + ("" if t["reply"].endswith("\n") else "\n") for t in turns)
+
+    # 1. each turn's prefill is its new tokens only, by the cache's own counter (currentLength)
+    for k, t in enumerate(turns):
+        assert t["prefilled"] == t["new_tokens"] > 0
+        if k:
+            assert t["new_tokens"] < t["reply_offset"] / 2       # far less than the whole history
+            # the previous reply's unfed last token + the template's text, nothing more
+            prev = turns[k - 1]
+            assert t["reply_offset"] - t["new_tokens"] == prev["current_length"]
+    # the cache holds exactly the transcript, minus the last reply's unfed token (if any)
+    last = turns[-1]
+    assert len(transcript) == last["reply_offset"] + last["generated"]
+    assert len(transcript) - last["current_length"] in (0, 1)
+
+    # 2. each reply equals `sample` (greedy, no template) run on the concatenated transcript before it:
+    # through the command as text where the transcript's text re-encodes to its tokens; where it
+    # does not (the random tiny Llama's replies, which its BPE would merge differently; a reply cut
+    # at a stop string), through `sample`'s own streaming function as the token ids.
+    as_text = 0
+    for t in turns:
+        before = transcript[:t["reply_offset"]]
+        got = tok.decode(transcript[t["reply_offset"]:t["reply_offset"] + t["generated"]])
+        text = tok.decode(before)
+        if ch.encode_fragment(tok, text) == before:
+            as_text += 1
+            (tmp_path / "p.txt").write_text(text, encoding="utf-8")
+            s = run("sample", model, "--prompt-file", tmp_path / "p.txt", "--no-chat-template", "--temperature", "0",
+                    "-n", str(t["generated"]), "--report-json", tmp_path / "s.json")
+            assert s.exit_code == 0, s.output
+            assert report(tmp_path / "s.json")["prompt_tokens"] == len(before)
+            sampled = s.stdout
+        else:
+            sampled = sample_ids(loaded, before, t["generated"], capsys)
+        # sample has no stop strings: its text is the reply's tokens, the chat's reply a prefix of it
+        assert sampled == got + ("" if got.endswith("\n") or not got else "\n")
+        assert got.startswith(t["reply"])
+    assert as_text == 3 if which == "shipped" else as_text >= 1
+
+    # 3. the transcript is the template applied to the conversation (exactly, as text)
+    msgs = []
+    for m, t in zip(messages, turns):
+        msgs += [{"role": "user", "content": m}]
+        before = transcript[:t["reply_offset"]]
+        if which == "chatml":
+            w = tok._wrapper
+            assert tok.decode(before) == w.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        else:
+            assert tok.decode(before) == ch.plain_text(msgs)
+        msgs += [{"role": "assistant", "content": t["reply"]}]
+
+
+def test_a_reply_cut_at_the_stop_string_is_not_fed_twice(capsys):
+    from tinygpt_mlx.chat import ChatSession
+    from tinygpt_mlx.loading import load
+    loaded = load(SHIPPED)
+    tok = loaded.tokenizer
+    s = ChatSession(loaded, CacheConfig(), SampleConfig(temperature=0.0, max_tokens=24))
+    reply = "".join(s.say(SHIPPED_MESSAGES[0]))
+    conv = s.conversation
+    assert s.turns[0].finish_reason == "stop" and reply == " Amen."
+    assert conv.extra == "\nUser:" and tok.decode(conv.pending) == ":"           # "\nUser" fed, ":" not yet
+    ids, rule = conv.next_ids(SHIPPED_MESSAGES[1])
+    assert ids == conv.pending + tok.encode(" " + SHIPPED_MESSAGES[1] + "\nAssistant:")
+    second = "".join(s.say(SHIPPED_MESSAGES[1]))
+    t = s.turns[1]
+    transcript = conv.transcript_ids()
+    before = transcript[:t.reply_offset]
+    msgs = [{"role": "user", "content": SHIPPED_MESSAGES[0]}, {"role": "assistant", "content": reply},
+            {"role": "user", "content": SHIPPED_MESSAGES[1]}]
+    assert tok.decode(before) == ch.plain_text(msgs)
+    got = tok.decode(transcript[t.reply_offset:])
+    assert got.startswith(second) and sample_ids(loaded, before, t.generated, capsys) == got + "\n"
+
+
+def test_prefix_and_fallback_rules(tmp_path):
+    from tinygpt_mlx.chat import ChatSession
+    from tinygpt_mlx.loading import load
+    loaded = load(templated_llama(tmp_path / "counting", COUNTING))
+    tok = loaded.tokenizer
+    s = ChatSession(loaded, CacheConfig(), SampleConfig(temperature=0.0, max_tokens=6), system="Be brief.")
+    "".join(s.say(MESSAGES[0]))
+    conv = s.conversation
+    pending = list(conv.pending)
+    ids, rule = conv.next_ids(MESSAGES[1])
+    assert rule == "alone"
+    # the documented rule: end of turn after the reply, then system + the new message rendered alone
+    alone = tok._wrapper.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": MESSAGES[1]}],
+                                             tokenize=False, add_generation_prompt=True)
+    assert ids == pending + ch.encode_fragment(tok, "<|im_end|>\n" + alone)
+    "".join(s.say(MESSAGES[1]))
+    assert s.turns[-1].prefilled == len(ids)
+    # the plain format has the prefix property whatever the reply starts with
+    for reply in (" yes", "yes", "\nyes", ""):
+        text, rule = ch.turn_text(tok, [{"role": "user", "content": "hi"}], "next", use_template=False)
+        assert rule == "prefix" and text == "\nUser: next\nAssistant:"
+
+
+# ----- Ctrl-C mid-answer keeps the session ----------------------------------------------------------
+def test_ctrl_c_stops_the_answer_not_the_session(chat_llama_dir, tmp_path):
+    out = tmp_path / "c.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    p = subprocess.Popen([sys.executable, "-m", "cli.main", "chat", str(chat_llama_dir), "--temperature", "0",
+                          "--tokens", "3000", "--streaming-llm-sink", "4", "--streaming-llm-window", "64",
+                          "--report-json", str(out)],
+                         cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        p.stdin.write(b"Tell me about the fox.\n")
+        p.stdin.flush()
+        deadline = time.time() + 60
+        got = b""
+        while len(got) < 20 and time.time() < deadline:       # the answer is streaming
+            if select.select([p.stdout], [], [], 1)[0]:
+                got += os.read(p.stdout.fileno(), 4096)
+        assert len(got) >= 20, got
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        rest, errs = p.communicate(b"/stats\nAnd the dog?\n", timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, errs.decode()
+    turns = report(out)["turns"]
+    assert len(turns) == 2, errs.decode()
+    assert turns[0]["finish_reason"] == "cancel" and 0 < turns[0]["generated"] < 3000
+    assert turns[1]["generated"] > 0 and turns[1]["prefilled"] == turns[1]["new_tokens"]
+    assert turns[1]["current_length"] > turns[0]["current_length"] + turns[1]["new_tokens"]
+    assert b"currentLength" in errs and b"interrupted" not in errs
+
+
+def test_ctrl_c_library_level_cancel_keeps_the_conversation(native):
+    """`should_stop` mid-answer: what was fed stays, and the next turn continues from it."""
+    from tinygpt_mlx.chat import ChatSession
+    s = ChatSession(native, CacheConfig(), SampleConfig(temperature=0.0, max_tokens=50, ignore_eos=True))
+    n = {"calls": 0}
+
+    def stop():
+        n["calls"] += 1
+        return n["calls"] > 5
+    "".join(s.say("The quick brown fox", should_stop=stop))
+    t = s.turns[-1]
+    assert t.finish_reason == "cancel" and t.generated == 5
+    assert s.cache.current_length == len(s.conversation.fed) == t.reply_offset + 5 and not s.conversation.pending
+    "".join(s.say("jumps"))
+    assert s.turns[-1].prefilled == s.turns[-1].new_tokens
+
+
+# ----- 200 turns in bounded memory ------------------------------------------------------------------
+def test_two_hundred_turns_stay_at_sink_plus_window(native_path, tmp_path):
+    out = tmp_path / "w.json"
+    msgs = [f"turn {i}: the quick brown fox" for i in range(200)]
+    r = run("chat", native_path, "--temperature", "0", "--tokens", "3", "--streaming-llm-sink", "4",
+            "--streaming-llm-window", "32", "--report-json", out, input="\n".join(msgs) + "\n")
+    assert r.exit_code == 0, r.output
+    turns = report(out)["turns"]
+    assert len(turns) == 200
+    assert all(t["stored_count"] <= 36 for t in turns)
+    assert all(t["stored_count"] == 36 for t in turns[5:])
+    assert len({t["cache_bytes"] for t in turns[5:]}) == 1
+    assert turns[-1]["current_length"] > 200 * 10                    # far past sink + window and the context
+    assert all(t["prefilled"] == t["new_tokens"] for t in turns)
+    assert max(t["new_tokens"] for t in turns) < 40                  # one message, never the history
+
+
+def test_stats_say_what_streaming_evicted(native_path):
+    msgs = ["the quick brown fox jumps over the lazy dog"] * 6 + ["/stats"]
+    r = run("chat", native_path, "--temperature", "0", "--tokens", "4", "--streaming-llm-sink", "4",
+            "--streaming-llm-window", "16", input="\n".join(msgs) + "\n")
+    assert r.exit_code == 0, r.output
+    assert "evicted and are gone" in r.stderr and "stored 20" in r.stderr
+
+
+def test_chat_help_loads_no_model_code():
+    from tests.test_cli_imports import HEAVY, _loaded_after
+    loaded = _loaded_after("from typer.testing import CliRunner\nfrom cli.main import app\n"
+                           "r = CliRunner().invoke(app, ['chat', '--help'])\nassert r.exit_code == 0, r.output")
+    assert not [m for m in HEAVY if m in loaded]
