@@ -64,8 +64,8 @@ class Ranks:
     Only rank 0 writes the banner, the text, the notes and the report; every rank writes its
     own error line (`ranks()`). The bounded waits are `distributed.Guard`'s."""
 
-    def __init__(self, group=None, guard=None):
-        self.group, self.guard = group, guard
+    def __init__(self, group=None, guards: Optional[contextlib.ExitStack] = None):
+        self.group, self.guard, self._guards = group, None, guards
         self.rank = group.rank() if group is not None else 0
         self.size = group.size() if group is not None else 1
 
@@ -78,9 +78,12 @@ class Ranks:
             c.write_stdout(text)
 
     def shard(self, loaded) -> None:
+        """Refuse a model the ranks cannot split (every rank finds the same, rank 0 says it),
+        shard it, then start the bounded waits (`distributed.Guard`): before that, a rank
+        that mlx.launch stops ends silently, after it with one line."""
         from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
         distributed.shard(loaded, self.group)
-        self.beat()
+        self.guard = self._guards.enter_context(distributed.Guard(self.rank))
 
     def shared_seed(self, sample_config: SampleConfig) -> SampleConfig:
         """Same seed on every rank: the given one, or rank 0's random one."""
@@ -120,8 +123,8 @@ def ranks():
     quiet = err.quiet
     err.quiet = rank != 0
     try:
-        with distributed.Guard(rank) as guard:
-            yield Ranks(group, guard)
+        with contextlib.ExitStack() as guards:
+            yield Ranks(group, guards)
     except RuntimeError as e:
         err.quiet = quiet
         if distributed.peer_lost(e):
