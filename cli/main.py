@@ -14,6 +14,7 @@ click this project pins against), and every usage error is one line on stderr:
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import typer
@@ -28,6 +29,7 @@ class OneLineErrors(TyperGroup):
     one `error:` line (the message kept verbatim) instead of a usage block and a boxed panel."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        refuse_ranks(sys.argv[1:] if args is None else list(args))
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -48,6 +50,23 @@ class OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+def refuse_ranks(args: list[str]) -> None:
+    """Under `mlx.launch` with several ranks only the commands in `distributed.COMMANDS`
+    (sample) run; any other would run N times over or bind one port N times: one line, before
+    any work (the world size is read from the launcher's environment, without MLX)."""
+    from tinygpt_mlx import distributed  # light: no MLX at import
+
+    command = next((a for a in args if not a.startswith("-")), None)
+    if command is None or command in distributed.COMMANDS or command not in COMMAND_NAMES:
+        return
+    n = distributed.launched_ranks()
+    if n > 1:
+        if os.environ.get("MLX_RANK", "0") == "0":
+            fail(f"'{command}' does not run under several ranks ({n} launched by mlx.launch); only "
+                 f"{', '.join(distributed.COMMANDS)} does: run '{command}' without mlx.launch")
+        sys.exit(2)
+
+
 app = typer.Typer(
     name="posttrainllm",
     cls=OneLineErrors,
@@ -62,6 +81,7 @@ COMMANDS = ("sample", "cache_prompt", "chat", "info", "train", "compare", "perpl
             "needle", "serve")
 for _name in COMMANDS:
     importlib.import_module(f"cli.{_name}").register(app)
+COMMAND_NAMES = frozenset(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
 
 if __name__ == "__main__":
     app()

@@ -33,6 +33,15 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
               f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}")
 
 
+def print_ranks(r: dict) -> None:
+    """Under several ranks: the world size and the cache each rank holds (1/N of the K/V)."""
+    per = ", ".join(c.fmt_bytes(b) for b in r["rank_cache_bytes"])
+    disk = sum(r["rank_cache_disk_bytes"])
+    err.print(f"ranks: {r['world_size']} (tensor parallel, KV heads split {r['world_size']} ways); cache per rank "
+              f"{per}; total {c.fmt_bytes(r['cache_bytes_total'])}"
+              f"{f' (of which {c.fmt_bytes(disk)} memory-mapped on disk)' if disk else ''}")
+
+
 def print_report(r: dict) -> None:
     if r.get("prompt_cache"):
         p = r["prompt_cache"]
@@ -50,6 +59,91 @@ def print_report(r: dict) -> None:
              if disk else "")
     err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])}{where} over {r['layers_with_kv']} layers"
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
+    if r.get("world_size", 1) > 1:
+        print_ranks(r)
+
+
+class Ranks:
+    """This process's place among the ranks of `mlx.launch` (`group` None: a single process).
+
+    Only rank 0 writes the banner, the text, the notes and the report; every rank writes its
+    own error line (`ranks()`). The bounded waits are `distributed.Guard`'s."""
+
+    def __init__(self, group=None, guards: Optional[contextlib.ExitStack] = None):
+        self.group, self.guard, self._guards = group, None, guards
+        self.rank = group.rank() if group is not None else 0
+        self.size = group.size() if group is not None else 1
+
+    def beat(self) -> None:
+        if self.guard is not None:
+            self.guard.beat()
+
+    def write_stdout(self, text: str) -> None:
+        if self.rank == 0:
+            c.write_stdout(text)
+
+    def shard(self, loaded) -> None:
+        """Refuse a model the ranks cannot split (every rank finds the same, rank 0 says it),
+        shard it, then start the bounded waits (`distributed.Guard`): before that, a rank
+        that mlx.launch stops ends silently, after it with one line."""
+        from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
+        distributed.shard(loaded, self.group)
+        self.guard = self._guards.enter_context(distributed.Guard(self.rank))
+
+    def shared_seed(self, sample_config: SampleConfig) -> SampleConfig:
+        """Same seed on every rank: the given one, or rank 0's random one."""
+        import dataclasses  # noqa: PLC0415
+        from tinygpt_mlx import distributed  # noqa: PLC0415
+        return dataclasses.replace(sample_config, seed=distributed.agree_seed(sample_config.seed, self.group))
+
+    def report(self, report: dict, text: str) -> dict:
+        """The world size and every rank's cache bytes; refuses ranks whose texts differ."""
+        from tinygpt_mlx import distributed  # noqa: PLC0415
+        per_rank = distributed.gather_ints(report["cache_bytes"], self.group)
+        disk = distributed.gather_ints(report["cache_disk_bytes"], self.group)
+        prints = distributed.gather_ints(distributed.fingerprint(list(text.encode())), self.group)
+        if len(set(prints)) > 1:
+            raise distributed.DistributedError(
+                f"rank {self.rank}: the ranks generated different text (fingerprints {prints}): their logits "
+                "disagree, so the run is not one generation", everywhere=True)
+        return {"world_size": self.size, "rank_cache_bytes": per_rank, "rank_cache_disk_bytes": disk,
+                "cache_bytes_total": sum(per_rank)}
+
+
+@contextlib.contextmanager
+def ranks():
+    """The ranks of this run (`Ranks`), joined when `mlx.launch` started the process: ranks
+    other than 0 write nothing but their own error line; a lost peer, a hung one (the
+    watchdog) or mlx.launch's SIGTERM ends the rank with one line (`distributed.Guard`)."""
+    from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
+
+    if not distributed.launched():
+        yield Ranks()
+        return
+    group = distributed.init()
+    if group is None:
+        yield Ranks()
+        return
+    rank = group.rank()
+    quiet = err.quiet
+    err.quiet = rank != 0
+    try:
+        with contextlib.ExitStack() as guards:
+            yield Ranks(group, guards)
+    except RuntimeError as e:
+        err.quiet = quiet
+        if distributed.peer_lost(e):
+            raise distributed.DistributedError(distributed.lost_message(rank, e)) from None
+        raise
+    except (ValueError, c.PosttrainError) as e:
+        err.quiet = quiet
+        if getattr(e, "everywhere", False) and rank != 0:
+            raise typer.Exit(1) from None  # rank 0 says it
+        if str(e).startswith("rank ") or getattr(e, "everywhere", False):
+            raise
+        raise distributed.DistributedError(f"rank {rank}: {e}") from None
+    finally:
+        err.quiet = quiet
 
 
 def note(message: str) -> None:
@@ -188,11 +282,17 @@ def sample(
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
-    with c.guarded():
+    with c.guarded(), ranks() as world:
         loaded = load(model)
+        if world.group is not None and (saved is not None or save_prompt_cache is not None):
+            raise ValueError("prompt-cache files (--prompt-cache, --save-prompt-cache) are one process's "
+                             "cache; they are not supported under several ranks yet")
         if saved is not None:
             run_from_prompt_cache(loaded, saved, text, sample_config, report_json, save_prompt_cache)
             return
+        if world.group is not None:
+            world.shard(loaded)
+            sample_config = world.shared_seed(sample_config)
         if text is None:
             bos = loaded.tokenizer.eos_id
             if bos is None:
@@ -218,10 +318,10 @@ def sample(
             warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
         with make_cache(loaded.model, cache_config) as cache:
-            report = run(loaded, ids, cache_config, sample_config, context, passing, cache=cache,
+            report = run(loaded, ids, cache_config, sample_config, context, passing, world, cache=cache,
                          done=saver(save_prompt_cache, loaded, ids, cache))
         print_report(report)
-        if report_json is not None:
+        if report_json is not None and world.rank == 0:
             c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")
 
 
@@ -294,25 +394,36 @@ def run_from_prompt_cache(loaded, saved, text: Optional[str], sample_config: Sam
 
 
 def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: SampleConfig,
-        context: Optional[int], passing: Optional[str], cache=None, first_logits=None, done=None) -> dict:
-    """Stream the text to stdout; prefill progress and the context warning on stderr. `cache`:
-    one to continue (a loaded prompt cache, with `first_logits` when `ids` is empty); `done`
-    is called with the stats at the end (before the cache is released)."""
+        context: Optional[int], passing: Optional[str], world: Optional["Ranks"] = None, cache=None,
+        first_logits=None, done=None) -> dict:
+    """Stream the text to stdout; prefill progress and the context warning on stderr. Under
+    several ranks (`world`), every rank runs this and only rank 0's output is shown. `cache`:
+    one to continue (a loaded prompt cache, with `first_logits` when `ids` is empty); `done` is
+    called with the stats at the end (before the cache is released)."""
     from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
     from tinygpt_mlx.generate import stream_generate  # noqa: PLC0415
 
+    world = world or Ranks()
     cache = cache if cache is not None else make_cache(loaded.model, cache_config)
     long = len(ids) > sample_config.prefill_chunk or len(ids) >= PREFILL_PROGRESS_TOKENS
-    wrote, report = "", None
+    wrote, report, text = "", None, []
     with contextlib.ExitStack() as prefilling:
         bar = prefilling.enter_context(c.Progress("prefill", total=len(ids), unit="tok")) if long else None
-        stream = stream_generate(loaded, ids, cache_config, sample_config, cache=cache,
-                                 progress=bar.update if bar is not None else None, first_logits=first_logits)
+
+        def progress(done: int, total: int) -> None:
+            world.beat()
+            if bar is not None:
+                bar.update(done, total)
+
+        stream = stream_generate(loaded, ids, cache_config, sample_config, cache=cache, progress=progress,
+                                 first_logits=first_logits)
         for chunk in stream:
+            world.beat()
             prefilling.close()  # the first chunk comes after the prefill
             if chunk.text:
-                c.write_stdout(chunk.text)
+                world.write_stdout(chunk.text)
                 wrote = chunk.text
+                text.append(chunk.text)
             if passing and cache.current_length > context:
                 if wrote and not wrote.endswith("\n") and sys.stdout.isatty() and err.is_terminal:
                     err.print()  # the warning on a line of its own, between the text
@@ -323,7 +434,9 @@ def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: Sample
                 if done is not None:
                     done(chunk.stats)
     if wrote:
-        c.write_stdout("\n")
+        world.write_stdout("\n")
+    if world.group is not None:
+        report.update(world.report(report, "".join(text)))
     return report
 
 

@@ -127,6 +127,41 @@ class Model(nn.Module):
             return self.embed.as_linear(h)
         return self.lm_head(h)
 
+    def shard(self, group: Optional[Any] = None) -> None:
+        """Tensor parallelism over `group` (mlx.distributed), built as mlx-lm's Llama `shard`:
+        q/k/v and the MLP's gate/up projections all-to-sharded (each rank computes its slice of
+        the heads / hidden units), o_proj and down_proj sharded-to-all (their outputs are
+        all-summed, so every rank holds the full residual stream and the same logits). The
+        embedding, the norms and the head stay whole on every rank.
+
+        The split is contiguous: rank r holds query heads [r*H/N, (r+1)*H/N) and KV heads
+        [r*Hkv/N, (r+1)*Hkv/N), which is exactly the GQA group of its query heads (query head
+        h reads KV head h // (H/Hkv)), so attention needs no communication and each rank's
+        cache holds 1/N of the K/V (tinygpt_mlx/distributed.py). A YOCO layer that shares its
+        owner's K/V gets the owner's local heads, which match its own local query heads.
+        `tinygpt_mlx.distributed.check_shardable` refuses a head count N does not divide."""
+        from mlx.nn.layers.distributed import shard_linear  # noqa: PLC0415 (only when sharding)
+
+        group = group or mx.distributed.init()
+        N = group.size()
+        cfg = self.config
+        for name, n in (("n_kv_heads", cfg.n_kv_heads), ("n_heads", cfg.n_heads), ("d_ff", cfg.d_ff)):
+            if n % N:
+                raise ValueError(f"cannot shard over {N} ranks: {name} {n} is not a multiple of {N}")
+        for layer in self.layers:
+            a = layer.attn
+            a.q_proj = shard_linear(a.q_proj, "all-to-sharded", group=group)
+            if a.owns_kv:
+                a.k_proj = shard_linear(a.k_proj, "all-to-sharded", group=group)
+                a.v_proj = shard_linear(a.v_proj, "all-to-sharded", group=group)
+            a.o_proj = shard_linear(a.o_proj, "sharded-to-all", group=group)
+            a.n_heads //= N
+            a.n_kv_heads //= N
+            m = layer.mlp
+            m.gate_proj = shard_linear(m.gate_proj, "all-to-sharded", group=group)
+            m.up_proj = shard_linear(m.up_proj, "all-to-sharded", group=group)
+            m.down_proj = shard_linear(m.down_proj, "sharded-to-all", group=group)
+
     def make_cache(self) -> list:
         """Plain full-precision caches, mlx-lm's own (its convention: one per layer, a shared
         layer holding its owner's); `tinygpt_mlx.make_cache` gives our policies."""

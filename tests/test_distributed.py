@@ -1,0 +1,290 @@
+"""Tensor-parallel sampling (#16): `mlx.launch -n 2 --backend ring` on 127.0.0.1.
+
+Each launch starts Python + MLX once per rank (a few seconds on two cores), so one launch
+runs every policy (tests/distributed_worker.py) and the tests read its JSON. What is shown:
+- the 2-rank greedy tokens equal the 1-rank ones, on the shipped model and on a tiny mlx-lm
+  Llama, for full, int4, StreamingLLM (shifted), retrieval (disk cold store), int4+StreamingLLM
+  and int4 with the exact top-k shadow; both ranks agree; the logits agree to 1e-3;
+- each rank's cache (RAM and disk) is exactly half of the 1-rank cache;
+- `posttrainllm sample` under mlx.launch prints one banner, the 1-rank text, one report with
+  the world size and the bytes per rank;
+- a killed rank ends the other within a bounded time with one line; a hung one too (watchdog);
+- refusals (a model without `shard`, a head count the ranks do not divide, `serve`): one line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TEXT, build_llama_dir
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED = ROOT / "models" / "tinygpt-base.tinygpt"
+WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
+POLICIES = ["full", "int4", "sink4/window64:shifted", "retrieval-disk", "int4+sink4/window64", "int4+top8"]
+PROMPT = (
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. "
+    "And God said, Let there be light: and there was light. And God saw the light, that it was good: and "
+    "God divided the light from the darkness. And God called the light Day, and the darkness he called "
+    "Night. And the evening and the morning were the first day. And God said, Let there be a firmament in "
+    "the midst of the waters, and let it divide the waters from the waters. And God made the firmament, and "
+    "divided the waters which were under the firmament from the waters which were above the firmament: and "
+    "it was so. And God called the firmament Heaven.\n")
+LAUNCH_TIMEOUT = 240   # seconds: a launch that passes it is a hang, and fails the test
+
+
+def mlx_launch() -> list[str]:
+    exe = Path(sys.executable).parent / "mlx.launch"
+    return [str(exe)] if exe.exists() else [sys.executable, "-c",
+                                           "from mlx._distributed_utils.launch import main; main()"]
+
+
+def free_port(n: int = 2) -> int:
+    """A port p with p .. p+n-1 free on 127.0.0.1 (the ring listens on one per rank)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + n >= 65535:
+            continue
+        try:
+            socks = []
+            for i in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p + i))
+            return p
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free ports")
+
+
+def env() -> dict:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(ROOT) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("MLX_RANK", None)
+    return e
+
+
+def launch_cmd(n: int, command: list[str]) -> list[str]:
+    return [*mlx_launch(), "-n", str(n), "--backend", "ring", "-p", str(free_port(n)), "--", *command]
+
+
+def launch(n: int, command: list[str], timeout: float = LAUNCH_TIMEOUT, **extra) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_cmd(n, command), capture_output=True, text=True, timeout=timeout, env=env(),
+                          cwd=ROOT, **extra)
+
+
+def run_worker(model: Path, tmp: Path, prompt: str) -> tuple[dict, dict]:
+    (tmp / "prompt.txt").write_text(prompt)
+    out = tmp / "out"
+    p = launch(2, [sys.executable, str(WORKER), str(model), str(out), str(tmp / "prompt.txt"), *POLICIES])
+    files = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
+    assert all(f.exists() for f in files), f"worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+    return tuple(json.loads(f.read_text()) for f in files)
+
+
+@pytest.fixture(scope="module")
+def shipped_runs(tmp_path_factory):
+    return run_worker(SHIPPED, tmp_path_factory.mktemp("dist-shipped"), PROMPT)
+
+
+@pytest.fixture(scope="module")
+def llama_runs(tmp_path_factory, tokenizer_json):
+    # head dim 32 (KIVI's value groups run along it), 2 KV heads: one per rank
+    d = build_llama_dir(tmp_path_factory.mktemp("dist-llama") / "llama", tokenizer_json, hidden_size=128)
+    return run_worker(d, tmp_path_factory.mktemp("dist-llama-run"), TEXT[:900])
+
+
+def check_policy(runs: tuple[dict, dict], spec: str) -> None:
+    r0, r1 = runs
+    assert r0["world_size"] == r1["world_size"] == 2
+    single, s0, s1 = r0["policies"][spec]["single"], r0["policies"][spec]["sharded"], r1["policies"][spec]["sharded"]
+    assert len(single["tokens"]) == 12
+    assert s0["tokens"] == s1["tokens"], "the ranks sampled different tokens"
+    assert s0["tokens"] == single["tokens"], (
+        f"2-rank greedy tokens differ from the 1-rank run (1-rank top-2 margin {single['margin']:.4f})")
+    # sharded matmuls change the summation order only: last-bits differences, far below the
+    # 1-rank run's top-2 margins (docs/distributed.md lists both)
+    assert r0["policies"][spec]["max_logit_diff"] < 1e-3
+    # every byte of every policy is per KV head: each rank holds exactly half
+    for key in ("cache_bytes", "disk_bytes"):
+        assert s0[key] == s1[key] and 2 * s0[key] == single[key], (key, single[key], s0[key], s1[key])
+    assert s0["stored"] == single["stored"]
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_two_ranks_equal_one_rank_shipped_model(shipped_runs, spec):
+    check_policy(shipped_runs, spec)
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_two_ranks_equal_one_rank_mlx_lm_llama(llama_runs, spec):
+    check_policy(llama_runs, spec)
+
+
+def test_policies_exercise_what_they_claim(shipped_runs):
+    """The prompt is long enough that each policy does its part: StreamingLLM evicts,
+    retrieval spills to disk, int4 freezes blocks, the top-k shadow holds data."""
+    p = shipped_runs[0]["policies"]
+    assert shipped_runs[0]["prompt_tokens"] > 150
+    assert p["sink4/window64:shifted"]["single"]["stored"] == 68
+    assert p["retrieval-disk"]["single"]["disk_bytes"] > 0
+    assert p["int4"]["single"]["cache_bytes"] < p["full"]["single"]["cache_bytes"] / 2
+    assert p["int4+top8"]["single"]["disk_bytes"] > 0
+
+
+def sample_args(*extra: str) -> list[str]:
+    return ["sample", str(SHIPPED), "--prompt", PROMPT, "--temperature", "0", "-n", "16",
+            "--kv-quantize", "int4", "--streaming-llm-sink", "4", "--streaming-llm-window", "64", *extra]
+
+
+def test_cli_sample_under_mlx_launch(tmp_path):
+    one = subprocess.run([sys.executable, "-m", "cli.main", *sample_args("--report-json", str(tmp_path / "one.json"))],
+                         capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
+    assert one.returncode == 0, one.stderr
+    two = launch(2, [sys.executable, "-m", "cli.main", *sample_args("--report-json", str(tmp_path / "two.json"))])
+    assert two.stdout == one.stdout and one.stdout.strip(), (one.stdout, two.stdout, two.stderr[-2000:])
+    assert two.stderr.count("posttrainllm ·") == 1 and two.stderr.count("report:") == 1, two.stderr
+    assert "ranks: 2 (tensor parallel" in two.stderr and "error" not in two.stderr.lower(), two.stderr
+    r1, r2 = (json.loads((tmp_path / f).read_text()) for f in ("one.json", "two.json"))
+    assert r2["world_size"] == 2 and "world_size" not in r1
+    assert r2["rank_cache_bytes"] == [r1["cache_bytes"] // 2] * 2 and r2["cache_bytes_total"] == r1["cache_bytes"]
+
+
+def _rank_pids(launcher_pid: int, n: int, deadline: float) -> dict[int, int]:
+    """rank -> pid of the processes `mlx.launch` started (its children; bash execs the rank)."""
+    while time.monotonic() < deadline:
+        found = {}
+        for pid in Path(f"/proc/{launcher_pid}/task").glob("*/children"):
+            for child in pid.read_text().split():
+                try:
+                    environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+                except OSError:
+                    continue
+                for kv in environ:
+                    if kv.startswith(b"MLX_RANK="):
+                        found[int(kv[9:])] = int(child)
+        if len(found) == n:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("mlx.launch did not start its ranks")
+
+
+def _start_long_run(extra_env: dict | None = None) -> subprocess.Popen:
+    e = env()
+    e.update(extra_env or {})
+    cmd = [sys.executable, "-m", "cli.main", "sample", str(SHIPPED), "--prompt", "And God said", "-n", "100000",
+           "--ignore-eos", "--streaming-llm-window", "64"]
+    return subprocess.Popen(launch_cmd(2, cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=e, cwd=ROOT)
+
+
+def _wait_for_text(p: subprocess.Popen) -> None:
+    """Until rank 0 has streamed some text (so the ranks are mid-generation)."""
+    deadline, seen = time.monotonic() + 120, b""
+    while time.monotonic() < deadline and len(seen) < 40:
+        ready, _, _ = select.select([p.stdout], [], [], 1.0)
+        if ready:
+            chunk = os.read(p.stdout.fileno(), 4096)
+            if not chunk:
+                break
+            seen += chunk
+    assert len(seen) >= 40, "the 2-rank run streamed no text"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_killed_rank_ends_the_other_with_one_line():
+    p = _start_long_run()
+    try:
+        pids = _rank_pids(p.pid, 2, time.monotonic() + 60)
+        _wait_for_text(p)
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        stderr = p.communicate(timeout=30)[1].decode(errors="replace")
+        took = time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+    ours = [line for line in stderr.splitlines() if line.startswith("error: rank")]
+    assert len(ours) == 1 and ours[0].startswith("error: rank 0:") and "another rank" in ours[0], stderr
+    assert took < 30
+    with pytest.raises(ProcessLookupError):
+        os.kill(pids[0], 0)
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the ranks through /proc")
+def test_hung_rank_ends_the_other_by_the_watchdog():
+    """A rank that stops answering without closing its socket (SIGSTOP): the other's
+    watchdog ends it after POSTTRAINLLM_RANK_TIMEOUT seconds with one line."""
+    p = _start_long_run({"POSTTRAINLLM_RANK_TIMEOUT": "3"})
+    pids = {}
+    try:
+        pids = _rank_pids(p.pid, 2, time.monotonic() + 60)
+        _wait_for_text(p)
+        os.kill(pids[1], signal.SIGSTOP)
+        t0 = time.monotonic()
+        deadline = t0 + 30
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pids[0], 0)
+                with open(f"/proc/{pids[0]}/stat") as f:
+                    if f.read().split(")")[1].split()[0] == "Z":
+                        break
+            except (ProcessLookupError, FileNotFoundError):
+                break
+            time.sleep(0.2)
+        took = time.monotonic() - t0
+    finally:
+        if pids.get(1):
+            os.kill(pids[1], signal.SIGKILL)  # a stopped process ignores mlx.launch's SIGTERM
+    stderr = p.communicate(timeout=30)[1].decode(errors="replace")
+    ours = [line for line in stderr.splitlines() if line.startswith("error: rank")]
+    assert took < 20, stderr
+    assert len(ours) == 1 and ours[0].startswith("error: rank 0: no progress for 3 s"), stderr
+
+
+def test_refusals_one_line(tmp_path):
+    from tinygpt_mlx import distributed
+    from tinygpt_mlx.loading import load
+
+    class NoShard:
+        model_type = "mamba"
+        layers = []
+
+    with pytest.raises(distributed.DistributedError, match="has no `shard` method"):
+        distributed.check_shardable(NoShard(), 2, "m")
+    with load(SHIPPED) as loaded:
+        distributed.check_shardable(loaded.model, 2)
+        distributed.check_shardable(loaded.model, 4)
+        with pytest.raises(distributed.DistributedError, match="4 KV heads .* 3 ranks do not divide"):
+            distributed.check_shardable(loaded.model, 3)
+    # serve (and every command but sample) under several ranks: one line, before any work
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
+    e = env()
+    e.update(MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
+    p = subprocess.run([sys.executable, "-m", "cli.main", "serve", str(SHIPPED)], capture_output=True, text=True,
+                       timeout=60, env=e, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "'serve' does not run under several ranks (2 launched by mlx.launch)" in p.stderr
+
+
+def test_three_ranks_refuse_four_kv_heads_with_one_line():
+    p = launch(3, [sys.executable, "-m", "cli.main", "sample", str(SHIPPED), "--prompt", "x", "-n", "2"], timeout=120)
+    ours = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and "4 KV heads (8 query heads), which 3 ranks do not divide" in ours[0], p.stderr
+    assert not p.stdout.strip() and "posttrainllm ·" not in p.stderr
