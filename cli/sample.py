@@ -263,7 +263,7 @@ def sample(
     trained context, or a window / retrieval span wider than it, is warned about once on stderr.
     """
     from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.chat import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
     from tinygpt_mlx.generate import check_context  # noqa: PLC0415
     from tinygpt_mlx.loading import load  # noqa: PLC0415
 

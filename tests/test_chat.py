@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from tests.conftest import TEXT, build_llama_dir
-from tinygpt_mlx import chat as ch
+from tinygpt_mlx import chat_template as ch
 from tinygpt_mlx.config import CacheConfig, SampleConfig
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -435,12 +435,12 @@ def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatc
     """A prefill chunk is refined in slices of queries under GATHER_BUDGET: same logits as in
     one piece. A bf16 cache keeps a bf16 shadow (2 bytes per element) and, refined over every
     token, gives the bf16 cache's logits."""
-    from tinygpt_mlx.cache import kivi
+    from tinygpt_mlx.cache import shadow
 
     model, toks = native32.model, tokens(220, seed=9)
     cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=8)
     whole = run(model, make_cache(model, cfg), toks, chunk=80, prefill=200)
-    monkeypatch.setattr(kivi, "GATHER_BUDGET", 1)        # one query per slice
+    monkeypatch.setattr(shadow, "GATHER_BUDGET", 1)      # one query per slice
     sliced = run(model, make_cache(model, cfg), toks, chunk=80, prefill=200)
     assert mx.abs(whole - sliced).max().item() < 1e-5
     ref = run(model, make_cache(model, CacheConfig(storage="bf16")), toks, prefill=120)

@@ -1,17 +1,5 @@
-"""Chat prompts and conversations: the one helper `sample`, `chat` and the server share.
-
-Templates. An mlx-lm model whose tokenizer has a chat template gets it, tokenized exactly as
-`mlx_lm.generate` does (`apply_chat_template(..., tokenize=False)`, then `encode(text,
-add_special_tokens=False)`: the template writes any BOS itself). Everything else (native
-`.tinygpt` models, or `--no-chat-template`) gets the plain turn format (`plain_text`):
-
-    System: ...
-    User: ...
-    Assistant: ...
-    User: ...
-    Assistant:
-
-with "\\nUser:" as a stop string, so the model does not write the user's next line.
+"""Chat conversations over one cache that lives across turns (`posttrainllm chat`); the
+templates are chat_template.py's.
 
 Turns. A `Conversation` keeps the tokens its cache has seen, so a turn feeds only what is new:
 the sampled token the engine did not feed yet (it feeds every sampled token but the last),
@@ -33,97 +21,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
-PLAIN_STOP = "\nUser:"
-# A placeholder reply: one private-use character, neither alphanumeric nor whitespace, so no
-# template strips it and the plain format joins it to "Assistant:" directly.
-PLACEHOLDER = "\ue000"
-
-
-def wrapper_of(tokenizer: Any) -> Any:
-    """mlx-lm's TokenizerWrapper behind our `Tokenizer`, or None (native)."""
-    return getattr(tokenizer, "_wrapper", None)
-
-
-def has_template(tokenizer: Any) -> bool:
-    """Whether the tokenizer brings its own chat template (mlx-lm models that ship one)."""
-    w = wrapper_of(tokenizer)
-    return bool(w is not None and (getattr(w, "has_chat_template", False) or getattr(w, "chat_template", None)))
-
-
-def plain_text(messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The plain turn format: "Role: content" lines, then "Assistant:" (with
-    `add_generation_prompt`). An assistant message starting with a space, a newline or
-    punctuation follows "Assistant:" directly: that is how the model generated it (its answer
-    began right after "Assistant:"), so the history reproduces the generated text."""
-    lines = []
-    for m in messages:
-        role, content = str(m.get("role", "user")).capitalize(), m.get("content", "")
-        sep = " " if role != "Assistant" or (content[:1].isalnum()) else ""
-        lines.append(f"{role}:{sep}{content}")
-    if add_generation_prompt:
-        lines.append("Assistant:")
-    return "\n".join(lines)
-
-
-def render(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
-           use_template: bool = True) -> str:
-    """The chat's text: the model's template (where it has one and `use_template`), else plain."""
-    if use_template and has_template(tokenizer):
-        return wrapper_of(tokenizer).apply_chat_template(messages, tokenize=False,
-                                                         add_generation_prompt=add_generation_prompt)
-    return plain_text(messages, add_generation_prompt)
-
-
-def encode_fragment(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of a piece of text inside a conversation: no BOS or other added tokens (special
-    tokens written in the text, e.g. "<|im_end|>", are still recognised)."""
-    w = wrapper_of(tokenizer)
-    if w is None:
-        return tokenizer.encode(text)
-    return list(w.encode(text, add_special_tokens=False))
-
-
-def prompt_ids(tokenizer: Any, messages: list[dict], use_template: bool = True) -> list[int]:
-    """A whole chat prompt's ids, ending in the generation prompt (as `mlx_lm.generate` makes
-    them for a templated model)."""
-    text = render(tokenizer, messages, True, use_template)
-    if use_template and has_template(tokenizer):
-        return encode_fragment(tokenizer, text)
-    return tokenizer.encode(text)
-
-
-def stop_strings(tokenizer: Any, use_template: bool = True) -> tuple[str, ...]:
-    """The stop strings a chat format implies: "\\nUser:" for the plain one, none for a template
-    (its end-of-turn token is the tokenizer's EOS)."""
-    return () if use_template and has_template(tokenizer) else (PLAIN_STOP,)
-
-
-def user_prompt_ids(tokenizer: Any, prompt: str, system: Optional[str] = None,
-                    use_template: bool = True) -> list[int]:
-    """`sample`'s prompt: the chat template around one user message (and `system`) for a
-    templated model, as `mlx_lm.generate` does; otherwise the text as written (after `system`
-    and a blank line, if given): a native model is a base language model."""
-    if use_template and has_template(tokenizer):
-        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        return prompt_ids(tokenizer, msgs)
-    return tokenizer.encode(f"{system}\n\n{prompt}" if system else prompt)
-
-
-def turn_text(tokenizer: Any, messages: list[dict], user: str, use_template: bool = True) -> tuple[str, str]:
-    """The text from the end of the last reply to the next generation prompt, and the rule used:
-    "prefix" (the template's own text: full conversation minus the conversation so far) or
-    "alone" (the template re-renders earlier turns: end of turn + the new message alone).
-    `messages` ends with the user message the last reply answered."""
-    asst = {"role": "assistant", "content": PLACEHOLDER}
-    new = {"role": "user", "content": user}
-    before = render(tokenizer, messages, True, use_template) + PLACEHOLDER
-    after = render(tokenizer, messages + [asst, new], True, use_template)
-    if after.startswith(before):
-        return after[len(before):], "prefix"
-    closed = render(tokenizer, messages + [asst], False, use_template)
-    eot = closed[closed.rindex(PLACEHOLDER) + 1:] if PLACEHOLDER in closed else ""
-    system = [m for m in messages[:1] if m.get("role") == "system"]
-    return eot + render(tokenizer, system + [new], True, use_template), "alone"
+from .cache import make_cache
+from .chat_template import encode_fragment, has_template, prompt_ids, stop_strings, turn_text
+from .errors import ContextLengthError
+from .generate import GenerationStats, steps
+from .sampling import make_sampler
+from .textstream import TextStream
 
 
 @dataclass
@@ -235,7 +138,6 @@ class ChatSession:
         return self.use_template and has_template(self.loaded.tokenizer)
 
     def reset(self) -> None:
-        from .cache import make_cache  # noqa: PLC0415 (the module stays light for the server's imports)
         if self.cache is not None:
             self.cache.close()
         self.cache = make_cache(self.loaded.model, self.cache_config)
@@ -254,7 +156,6 @@ class ChatSession:
     def _fits(self, n: int) -> int:
         """Room left in the model's context after `n` more tokens, for a full cache (None when
         the policy is bounded or the context unknown); raises when they do not fit."""
-        from .errors import ContextLengthError  # noqa: PLC0415
         ctx, cfg = self.loaded.context_length, self.cache_config
         if not ctx or cfg.streaming or cfg.retrieval:
             return None
@@ -268,10 +169,6 @@ class ChatSession:
     def say(self, user: str, should_stop: Optional[Callable[[], bool]] = None,
             progress: Optional[Callable[[int, int], None]] = None) -> Iterator[str]:
         """Feed the new message (only its new tokens), stream the reply's text."""
-        from .generate import GenerationStats, steps  # noqa: PLC0415
-        from .sampling import make_sampler  # noqa: PLC0415
-        from .textstream import TextStream  # noqa: PLC0415
-
         tok, s, cache = self.loaded.tokenizer, self.sample_config, self.cache
         ids, rule = self.conversation.next_ids(user)
         room = self._fits(len(ids))

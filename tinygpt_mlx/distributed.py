@@ -31,12 +31,15 @@ What stays whole on every rank: the embedding, the norms, the output head and th
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import threading
 import time
 from typing import Any, Callable, Optional
+
+import mlx.core as mx
 
 from .errors import PosttrainError
 
@@ -73,7 +76,6 @@ def launched_ranks() -> int:
         return int(os.environ["MLX_WORLD_SIZE"])
     path = os.environ.get("MLX_HOSTFILE")
     if path:
-        import json  # noqa: PLC0415
         try:
             with open(path) as f:
                 return max(1, len(json.load(f)))
@@ -86,8 +88,6 @@ def init() -> Optional[Any]:
     """The world group when this process is one of several ranks, else None."""
     if not launched():
         return None
-    import mlx.core as mx  # noqa: PLC0415
-
     try:
         group = mx.distributed.init(strict=True)
     except RuntimeError as e:
@@ -130,8 +130,6 @@ def check_shardable(model: Any, n: int, name: str = "the model") -> None:
 
 def shard(loaded: Any, group: Any) -> None:
     """Split `loaded.model` over `group` by KV head (checked first), weights evaluated."""
-    import mlx.core as mx  # noqa: PLC0415
-
     check_shardable(loaded.model, group.size(), loaded.name)
     try:
         loaded.model.shard(group)
@@ -143,8 +141,6 @@ def shard(loaded: Any, group: Any) -> None:
 
 def gather_ints(value: int, group: Any) -> list[int]:
     """Every rank's `value`, in rank order (an all-gather)."""
-    import mlx.core as mx  # noqa: PLC0415
-
     out = mx.distributed.all_gather(mx.array([value], dtype=mx.int64), group=group)
     return [int(v) for v in out.tolist()]
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache as MlxLayerCache
 
@@ -140,8 +141,6 @@ class Model(nn.Module):
         cache holds 1/N of the K/V (tinygpt_mlx/distributed.py). A YOCO layer that shares its
         owner's K/V gets the owner's local heads, which match its own local query heads.
         `tinygpt_mlx.distributed.check_shardable` refuses a head count N does not divide."""
-        from mlx.nn.layers.distributed import shard_linear  # noqa: PLC0415 (only when sharding)
-
         group = group or mx.distributed.init()
         N = group.size()
         cfg = self.config

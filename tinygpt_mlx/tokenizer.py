@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
+from tokenizers import Tokenizer as HFTokenizer
+
+from .chat_template import render
+
 EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>")
 
 
@@ -64,7 +68,6 @@ class Tokenizer:
 
     @classmethod
     def from_json(cls, text: str) -> "Tokenizer":
-        from tokenizers import Tokenizer as HFTokenizer  # noqa: PLC0415
         return cls(native=HFTokenizer.from_str(text))
 
     @property
@@ -97,7 +100,6 @@ class Tokenizer:
     def chat_prompt(self, messages: list[dict]) -> str:
         """The prompt text for a chat: the model's own template, or the documented plain one
         (`tinygpt_mlx.chat`, the helper `sample`, `chat` and the server share)."""
-        from .chat import render  # noqa: PLC0415
         return render(self, messages)
 
     @property

@@ -23,7 +23,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from ..chat import PLAIN_STOP, has_template, plain_text, prompt_ids, render, stop_strings
+from ..chat_template import PLAIN_STOP, has_template, plain_text, prompt_ids, render, stop_strings
 
 log = logging.getLogger("posttrainllm.server")
 
