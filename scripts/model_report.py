@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from tinygpt_mlx import corpus, make_cache
 from tinygpt_mlx.evaluate.passkey import passkey_accuracy
+from tinygpt_mlx.generate import greedy_tokens
 from tinygpt_mlx.format import load
 
 PROMPTS = ("In the beginning", "A wise man once said", "Abandon, v. t.")
@@ -49,12 +50,8 @@ def heldout_loss(model, ids: np.ndarray, ctx: int, batch: int = 8) -> tuple[floa
 
 def greedy(model, tok, prompt: str, n: int = 60) -> str:
     ids = tok.encode(prompt, add_special_tokens=False).ids
-    cache = make_cache(model)
-    logits = model(mx.array([ids]), cache)
-    out: list[int] = []
-    for _ in range(n):
-        out.append(int(mx.argmax(logits[0, -1]).item()))
-        logits = model(mx.array([out[-1:]]), cache)
+    with make_cache(model) as cache:        # the prompt in one chunk, then n greedy tokens
+        out = greedy_tokens(model, ids, cache, n, len(ids))
     return prompt + tok.decode(out)
 
 
