@@ -424,7 +424,8 @@ def test_prewarmed_slot_answers_without_prefilling_the_document(native, tmp_path
     assert again["response"] == cold2["response"]
 
 
-def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, native_path, tmp_path, tokenizer_json):
+def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, native_path, tmp_path, tokenizer_json,
+                                                                    monkeypatch):
     from typer.testing import CliRunner
 
     from cli.main import app
@@ -435,6 +436,7 @@ def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, nati
     r = CliRunner().invoke(app, ["cache-prompt", str(other), "--prompt-file", str(_doc(tmp_path)),
                                  "--out", str(tmp_path / "other.ptc")])
     assert r.exit_code == 0, r.output
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: (app.state.server.worker.stop(), app.state.server.pool.close()))
     for f, flags, named in ((tmp_path / "int4.ptc", [], "key_bits"),
                             (tmp_path / "other.ptc", [], "another model")):
         r = CliRunner().invoke(app, ["serve", str(native_path), "--prompt-cache", str(f), *flags])
