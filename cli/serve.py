@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.server.config import ServerConfig
@@ -34,6 +36,11 @@ def serve(
         "--small-request", help="Prompts shorter than this (tokens) never evict a conversation that long "
         f"(UI title/tag requests). Default {field_default(_V, 'small_request')}.", show_default=False)] = None,
     prefill_chunk: c.PrefillChunk = None,
+    prompt_cache: Annotated[Optional[list[Path]], typer.Option(
+        "--prompt-cache", help="A prompt-cache file (posttrainllm cache-prompt) to pre-warm a slot with; repeatable. "
+        "Its slot is reserved for it: a prompt starting with its document is answered without prefilling the "
+        "document. The file's policy must be the served one and its model this model.", exists=True,
+        dir_okay=False, show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
@@ -52,10 +59,13 @@ def serve(
         loaded = load(model)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
-                         small_tokens=cfg.small_request)
+                         small_tokens=cfg.small_request, prompt_caches=prompt_cache or ())
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{loaded.name}[/cyan] "
                   f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+        for d in app.state.server.pool.describe():
+            if "prompt_cache" in d:
+                err.print(f"slot {d['slot']} pre-warmed from {escape(d['prompt_cache'])}: {d['tokens']} tokens")
         err.print(f"ollama API: http://{cfg.host}:{cfg.port}/api  ·  OpenAI API: http://{cfg.host}:{cfg.port}/v1")
         if not cfg.loopback:
             err.print(f"[yellow]warning:[/yellow] listening on {cfg.host}: anyone who can reach this port can "

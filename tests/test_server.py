@@ -363,3 +363,108 @@ def test_shutdown_removes_the_disk_stores_of_the_slots(native, tmp_path):
         srv.should_exit = True
         thread.join(timeout=10)
     assert not any(tmp_path.iterdir())
+
+
+# ----- pre-warmed slots from prompt-cache files (serve --prompt-cache) ----------------------------
+DOC = ("Alice keeps the lighthouse on the northern cape. Every evening she climbs the stairs, "
+       "winds the clock and lights the lamp. ") * 2
+QUESTION = " Who keeps the lighthouse?"
+
+
+def _ptc(loaded, cfg, path, text=DOC):
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.cache.persist import save_prompt_cache
+    ids = loaded.tokenizer.encode(text)
+    with make_cache(loaded.model, cfg) as cache:
+        logits = prefill(loaded.model, ids, cache, 64)
+        save_prompt_cache(path, cache, loaded, ids, logits)
+    return ids
+
+
+def _ask(url, name, prompt):
+    return httpx.post(url + "/api/generate", json={"model": name, "prompt": prompt, "stream": False,
+                                                   "options": GREEDY}, timeout=60).json()
+
+
+def _stop(srv, thread):
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(key_bits=4, sink=4, window=64)],
+                         ids=["full", "int4keys+streaming"])
+def test_prewarmed_slot_answers_without_prefilling_the_document(native, tmp_path, cfg):
+    doc_ids = _ptc(native, cfg, tmp_path / "doc.ptc")
+    q_ids = native.tokenizer.encode(DOC + QUESTION)[len(doc_ids):]
+    srv, thread, url = _serve(native, cfg, max_slots=2, small_tokens=8, prompt_caches=[tmp_path / "doc.ptc"])
+    try:
+        slots = httpx.get(url + "/api/slots").json()["slots"]
+        assert [s["tokens"] for s in slots] == [len(doc_ids), 0] and slots[0]["prompt_cache"].endswith("doc.ptc")
+        # a small unrelated request (title) runs elsewhere; the document's slot stays reserved
+        _ask(url, native.name, "Title?")
+        warm = _ask(url, native.name, DOC + QUESTION)
+        # another question: the slot has moved on (doc + question + answer): a trimmable cache is
+        # rolled back to the shared prefix, an untrimmable one (KIVI) reloaded from the file
+        again = _ask(url, native.name, DOC + " Where is the lighthouse?")
+        recent = httpx.get(url + "/api/slots").json()["recent"]
+    finally:
+        _stop(srv, thread)
+    assert [r["action"] for r in recent] == ["new", "extend", "rollback" if cfg.key_bits is None else "reload"]
+    assert recent[1]["slot"] == recent[2]["slot"] == 0 and recent[0]["slot"] == 1
+    assert warm["prompt_eval_count"] == len(q_ids)                  # only the question was prefilled
+    assert again["prompt_eval_count"] < len(doc_ids) / 4
+    srv, thread, url = _serve(native, cfg, max_slots=2)             # a cold server: same answers
+    try:
+        cold = _ask(url, native.name, DOC + QUESTION)
+        cold2 = _ask(url, native.name, DOC + " Where is the lighthouse?")
+    finally:
+        _stop(srv, thread)
+    assert cold["prompt_eval_count"] == len(doc_ids) + len(q_ids)
+    assert warm["response"] == cold["response"] and warm["eval_count"] == cold["eval_count"] > 0
+    assert again["response"] == cold2["response"]
+
+
+def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, native_path, tmp_path, tokenizer_json,
+                                                                    monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from conftest import build_native
+
+    _ptc(native, CacheConfig(key_bits=4), tmp_path / "int4.ptc")
+    other = build_native(tmp_path / "other.tinygpt", tokenizer_json, seed=1)
+    r = CliRunner().invoke(app, ["cache-prompt", str(other), "--prompt-file", str(_doc(tmp_path)),
+                                 "--out", str(tmp_path / "other.ptc")])
+    assert r.exit_code == 0, r.output
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: (app.state.server.worker.stop(), app.state.server.pool.close()))
+    for f, flags, named in ((tmp_path / "int4.ptc", [], "key_bits"),
+                            (tmp_path / "other.ptc", [], "another model")):
+        r = CliRunner().invoke(app, ["serve", str(native_path), "--prompt-cache", str(f), *flags])
+        lines = [x for x in r.output.strip().splitlines() if x.strip()]
+        assert r.exit_code == 1 and len(lines) == 1, r.output
+        assert lines[0].startswith("error:") and f.name in lines[0] and named in lines[0], r.output
+
+
+def _doc(tmp_path):
+    p = tmp_path / "doc.txt"
+    p.write_text(DOC)
+    return p
+
+
+def test_serve_command_prewarms(native_path, native, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["cache-prompt", str(native_path), "--prompt-file", str(_doc(tmp_path)),
+                                 "--out", str(tmp_path / "doc.ptc"), "--kv-quantize-keys", "int4"])
+    assert r.exit_code == 0, r.output
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(app))
+    r = CliRunner().invoke(app, ["serve", str(native_path), "--prompt-cache", str(tmp_path / "doc.ptc"),
+                                 "--kv-quantize-keys", "int4"])
+    assert r.exit_code == 0, r.output
+    srv = calls[0].state.server
+    assert srv.pool.slots[0].tokens == native.tokenizer.encode(DOC) and srv.pool.slots[0].source is not None
+    srv.worker.stop()
+    srv.pool.close()

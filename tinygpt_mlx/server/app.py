@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -26,11 +26,15 @@ log = logging.getLogger("posttrainllm.server")
 
 
 def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
-               prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None) -> FastAPI:
-    """The app for `loaded` under `cache_config`; None means the `ServerConfig` default."""
+               prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None,
+               prompt_caches: Sequence[Any] = ()) -> FastAPI:
+    """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
+    `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
+    a prompt that starts with its document is answered without prefilling the document); a file
+    of another policy or model raises `PromptCacheError` (one line naming it) before serving."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens).items() if v is not None})
-    srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request)
+    srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches)
 
     @asynccontextmanager
     async def lifespan(app):

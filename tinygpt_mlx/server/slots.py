@@ -19,6 +19,15 @@ minus the last sampled token, which is never fed). For a new prompt the pool pic
    (a real conversation); when every evictable slot is such a conversation it runs in a
    scratch cache that is dropped afterwards (prefilling a short prompt is cheap anyway).
 
+7. **Pre-warmed slots** (`serve --prompt-cache FILE`): a slot loaded from a prompt-cache file
+   holds the file's tokens and cache and is *reserved* for that document: it is never a victim
+   of eviction (so no request, small or large, evicts it; requests about other things use the
+   other slots, or a scratch cache when every slot is reserved). A prompt that starts with the
+   slot's tokens extends it (rule 1). Once a conversation has extended it, a prompt that starts
+   with the file's tokens but not with the slot's (another question about the document) rolls a
+   slot back when that reuses more than the file holds (trimmable caches), else reloads the
+   document's slot from the file (`reload`: one file load, no prefill of the document).
+
 Policies whose cache cannot be trimmed (StreamingLLM, KIVI, retrieval) only extend; a
 request that diverges from such a slot is prefilled in a free, scratch or evicted slot, never
 in place of the conversation it diverged from.
@@ -51,10 +60,18 @@ class Slot:
     tokens: list[int] = field(default_factory=list)
     last_used: float = 0.0
     uses: int = 0
+    source: Optional["Source"] = None   # a pre-warmed slot's file: the slot is reserved for it
 
     @property
     def free(self) -> bool:
         return self.cache is None
+
+
+@dataclass(frozen=True)
+class Source:
+    """The prompt-cache file a pre-warmed slot was loaded from, and the tokens it holds."""
+    path: str
+    tokens: tuple[int, ...]
 
 
 @dataclass
@@ -62,7 +79,7 @@ class Lease:
     """What `acquire` decided: the slot, how many prompt tokens its cache already holds."""
     slot: Slot
     reused: int
-    action: str                      # "extend", "rollback", "new", "evict", "scratch", "rebuild"
+    action: str                      # "extend", "rollback", "reload", "new", "evict", "scratch", "rebuild"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -75,13 +92,26 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 class SlotPool:
     def __init__(self, model: Any, cache_config: Any, max_slots: int = _DEFAULTS.max_slots,
-                 small_tokens: int = _DEFAULTS.small_request):
+                 small_tokens: int = _DEFAULTS.small_request, loader: Any = None):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.model, self.cache_config = model, cache_config
         self.small_tokens = small_tokens
         self.slots = [Slot(i) for i in range(max_slots)]
+        self.loader = loader             # path -> (cache, tokens): reloads a pre-warmed slot
         self._lock = threading.Lock()
+
+    def prewarm(self, path: str, cache: Any, tokens: list[int]) -> Slot:
+        """Reserve a free slot for a prompt-cache file: it holds `cache` (loaded from `path`)
+        and the file's `tokens`. Raises ValueError when no free slot is left."""
+        with self._lock:
+            free = [s for s in self.slots if s.free and s.source is None]
+            if not free:
+                raise ValueError(f"{path}: no slot left for this prompt cache ({len(self.slots)} slot(s), "
+                                 "one per --prompt-cache file; raise --max-slots)")
+            slot = free[0]
+            slot.cache, slot.tokens, slot.source = cache, list(tokens), Source(str(path), tuple(tokens))
+            return slot
 
     def _fresh(self, slot: Slot) -> None:
         """Give `slot` a new cache (an evicted slot's cache is closed: disk stores removed)."""
@@ -114,12 +144,22 @@ class SlotPool:
             if n > best_n:
                 best, best_n = s, n
         keep = min(best_n, limit)
-        if best is not None and keep >= MIN_REUSE:
-            if keep == len(best.tokens):
-                return Lease(best, keep, "extend")
+        if best is not None and keep >= MIN_REUSE and keep == len(best.tokens):
+            return Lease(best, keep, "extend")
+        # a prompt that starts with a pre-warmed document whose slot has moved on: roll a slot back
+        # if that reuses more than the file holds, else reload the document's slot from its file
+        src = max((s for s in self.slots if s.source is not None and self.loader is not None
+                   and len(s.source.tokens) <= limit and tuple(prompt[:len(s.source.tokens)]) == s.source.tokens),
+                  key=lambda s: len(s.source.tokens), default=None)
+        if best is not None and keep >= MIN_REUSE and (src is None or keep > len(src.source.tokens)):
             if keep >= ROLLBACK_KEEP * len(best.tokens) and self._rollback(best, keep):
                 return Lease(best, keep, "rollback")
-        free = [s for s in self.slots if s.free]
+        if src is not None:
+            self._drop(src)
+            src.cache, tokens = self.loader(src.source.path)
+            src.tokens = list(tokens)
+            return Lease(src, len(src.tokens), "reload")
+        free = [s for s in self.slots if s.free and s.source is None]
         if free:
             self._fresh(free[0])
             return Lease(free[0], 0, "new")
@@ -128,9 +168,10 @@ class SlotPool:
         if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt) \
                 and self._rollback(best, keep):
             return Lease(best, keep, "rollback")
-        victims = sorted(self.slots, key=lambda s: s.last_used)
-        if len(self.slots) > 1:
-            longest = max(self.slots, key=lambda s: len(s.tokens))
+        open_ = [s for s in self.slots if s.source is None]       # pre-warmed slots are reserved
+        victims = sorted(open_, key=lambda s: s.last_used)
+        if len(open_) > 1:
+            longest = max(open_, key=lambda s: len(s.tokens))
             victims = [s for s in victims if s is not longest]
         if len(prompt) < self.small_tokens:
             victims = [s for s in victims if len(s.tokens) < self.small_tokens]
@@ -164,14 +205,14 @@ class SlotPool:
         """
         with self._lock:
             best: Optional[tuple[int, list[int]]] = None
-            for s in self.slots:
-                if s.free or not s.tokens:
-                    continue
-                done = tokenizer.decode(s.tokens)
+            held = [s.tokens for s in self.slots if not s.free and s.tokens]
+            held += [list(s.source.tokens) for s in self.slots if s.source is not None]
+            for tokens in held:
+                done = tokenizer.decode(tokens)
                 if "\ufffd" in done or not text.startswith(done):
                     continue
                 if best is None or len(done) > best[0]:
-                    best = (len(done), s.tokens)
+                    best = (len(done), tokens)
             if best is None:
                 return None
             return list(best[1]) + (tokenizer.encode(text[best[0]:]) if text[best[0]:] else [])
@@ -198,6 +239,8 @@ class SlotPool:
             out = []
             for s in self.slots:
                 d = {"slot": s.index, "tokens": len(s.tokens), "uses": s.uses}
+                if s.source is not None:
+                    d["prompt_cache"] = s.source.path
                 if s.cache is not None:
                     d.update(stored=s.cache.stored_count, cache_bytes=s.cache.nbytes)
                 out.append(d)

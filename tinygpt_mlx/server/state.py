@@ -4,15 +4,18 @@ request parsing. Imported by `app` (which builds the FastAPI app) and `routes`."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from fastapi import Request
 
 from . import prompt as pr
 from ..cache import make_cache
+from ..cache.persist import PromptCacheError, load_prompt_cache, read_prompt_cache_info
 from ..generate import prefill
 from .slots import SlotPool
 from .worker import Job, Worker
@@ -45,17 +48,54 @@ def probe(loaded: Any, cache_config: Any) -> None:
         prefill(loaded.model, [token], cache, 1)
 
 
+def policy_difference(saved: Any, served: Any) -> Optional[str]:
+    """The first cache-policy field in which a prompt-cache file's policy differs from the
+    served one (`cold_path`, where disk stores live, is not policy), or None."""
+    for f in dataclasses.fields(saved):
+        if f.name != "cold_path" and getattr(saved, f.name) != getattr(served, f.name):
+            return f.name
+    return None
+
+
+def load_for_server(path: Any, loaded: Any, cache_config: Any) -> tuple[Any, list[int]]:
+    """A prompt-cache file's cache and tokens for a pre-warmed slot: the file's policy must be
+    the served one, its model the served model (fingerprint), its checksum right; otherwise a
+    one-line `PromptCacheError` naming the file."""
+    path = Path(path)
+    info = read_prompt_cache_info(path)
+    field = policy_difference(info.config, cache_config)
+    if field is not None:
+        raise PromptCacheError(f"{path}: the prompt cache was made with cache policy {info.config.label()} "
+                               f"({field}={getattr(info.config, field)!r}), but the server runs "
+                               f"{cache_config.label()} ({field}={getattr(cache_config, field)!r}); serve with "
+                               "the file's policy flags or re-create the file")
+    cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path)
+    return cache, info.tokens
+
+
 class Server:
     """State shared by the routes: the model, its names, the pool and the worker."""
 
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
-                 small_tokens: int):
+                 small_tokens: int, prompt_caches: Sequence[Any] = ()):
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
         self.names = (loaded.name, f"{loaded.name}:latest")
-        self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens)
+        self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens,
+                             loader=lambda path: load_for_server(path, loaded, cache_config))
+        if len(prompt_caches) > max_slots:
+            raise PromptCacheError(f"{prompt_caches[max_slots]}: {len(prompt_caches)} prompt caches but {max_slots} "
+                                   "slot(s); each file takes one slot (raise --max-slots)")
         self.worker = Worker(loaded, self.pool, prefill_chunk)
+        try:
+            for path in prompt_caches:          # pre-warmed slots: every file checked before serving
+                cache, tokens = self.worker.call(lambda p=path: load_for_server(p, loaded, cache_config))
+                self.pool.prewarm(str(path), cache, tokens)
+        except BaseException:
+            self.worker.stop()
+            self.pool.close()
+            raise
         self.started = time.time()
 
     def check_model(self, body: dict) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -91,6 +92,13 @@ class Worker:
     def submit(self, job: Job) -> None:
         self.queue.put(job)
 
+    def call(self, fn: Any) -> Any:
+        """Run `fn()` on the worker thread (its MLX stream) and return its result or raise its
+        error: what the worker's jobs will use (pre-warmed slot caches) is made there."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.queue.put((fn, done))
+        return done.result()
+
     @property
     def pending(self) -> int:
         return self.queue.qsize()
@@ -101,7 +109,7 @@ class Worker:
             self.current.cancel()
         with self.queue.mutex:
             for job in self.queue.queue:
-                if job is not None:
+                if isinstance(job, Job):
                     job.cancel()
         self.queue.put(None)
         self._thread.join(timeout=10)
@@ -117,6 +125,13 @@ class Worker:
             job = self.queue.get()
             if job is None:
                 return
+            if isinstance(job, tuple):            # call(): a function for this thread
+                fn, done = job
+                try:
+                    done.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 — handed to the caller
+                    done.set_exception(e)
+                continue
             self.busy, self.current = True, job
             try:
                 if job.cancelled.is_set():
