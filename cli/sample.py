@@ -87,8 +87,10 @@ class Ranks:
         shard it, then start the bounded waits (`distributed.Guard`): before that, a rank
         that mlx.launch stops ends silently, after it with one line."""
         from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
+        from tinygpt_mlx.cache.arrays import remove_private_dirs  # noqa: PLC0415
         distributed.shard(loaded, self.group)
-        self.guard = self._guards.enter_context(distributed.Guard(self.rank))
+        # a rank that ends at once (a lost or hung peer, SIGTERM) still removes its disk stores
+        self.guard = self._guards.enter_context(distributed.Guard(self.rank, cleanup=remove_private_dirs))
 
     def shared_seed(self, sample_config: SampleConfig) -> SampleConfig:
         """Same seed on every rank: the given one, or rank 0's random one."""

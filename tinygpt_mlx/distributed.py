@@ -186,8 +186,10 @@ class Guard:
     """
 
     def __init__(self, rank: int, timeout: Optional[float] = None,
-                 write: Callable[[str], None] = lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush())):
+                 write: Callable[[str], None] = lambda s: (sys.stderr.write(s + "\n"), sys.stderr.flush()),
+                 cleanup: Callable[[], Any] = lambda: None):
         self.rank = rank
+        self.cleanup = cleanup      # run before os._exit, which skips finalizers (disk stores)
         self.timeout = timeout if timeout is not None else float(os.environ.get(RANK_TIMEOUT_ENV,
                                                                                  DEFAULT_RANK_TIMEOUT))
         self.write = write
@@ -204,6 +206,7 @@ class Guard:
     def _end(self, message: str, code: int) -> None:
         if self._said.acquire(blocking=False):
             self.write(f"error: {message}")
+            self.cleanup()
             os._exit(code)
 
     def _watch(self) -> None:
@@ -237,7 +240,12 @@ class Guard:
             threading.Thread(target=self._signals, daemon=True, name="rank-signals").start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc is not None and peer_lost(exc):
+            # Say it here, while the SIGTERM handler is still installed: mlx.launch's SIGTERM
+            # (sent when the dead peer's exit is noticed) would otherwise end this rank silently
+            # in the moment between restoring the default handler and printing the line.
+            self._end(lost_message(self.rank, exc), 1)
         self._done.set()
         if self._pipe is not None:
             signal.set_wakeup_fd(self._old_fd if self._old_fd is not None else -1)
