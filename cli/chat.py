@@ -12,7 +12,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 from rich.markup import escape
 
-from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.config import CacheConfig, SampleConfig
 
 from . import common as c
 from .common import err
@@ -160,15 +160,10 @@ def chat(
         "has a chat template.")] = False,
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", "-n", help=f"Most tokens per answer. Default {DEFAULT_CHAT_TOKENS}.", show_default=False)] = None,
-    temperature: Annotated[Optional[float], typer.Option(
-        help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
-        show_default=False)] = None,
-    top_p: Annotated[Optional[float], typer.Option(
-        "--top-p", help=f"Nucleus sampling mass. Default {field_default(_S, 'top_p')}.", show_default=False)] = None,
-    top_k: Annotated[Optional[int], typer.Option(
-        "--top-k", help=f"Keep only the k most likely tokens (0 = off). Default {field_default(_S, 'top_k')}.",
-        show_default=False)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")] = None,
+    temperature: c.Temperature = None,
+    top_p: c.TopP = None,
+    top_k: c.TopK = None,
+    seed: c.Seed = None,
     prefill_chunk: c.PrefillChunk = None,
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Write every turn's numbers (tokens fed, cache counters, speed) as JSON to this "

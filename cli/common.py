@@ -90,6 +90,15 @@ KivPositions = Annotated[Optional[str], typer.Option(
 KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
+Temperature = Annotated[Optional[float], typer.Option(
+    "--temperature", help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
+    show_default=False)]
+TopP = Annotated[Optional[float], typer.Option(
+    "--top-p", help=f"Nucleus sampling mass. Default {field_default(_S, 'top_p')}.", show_default=False)]
+TopK = Annotated[Optional[int], typer.Option(
+    "--top-k", help=f"Keep only the k most likely tokens (0 = off). Default {field_default(_S, 'top_k')}.",
+    show_default=False)]
+Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for reproducible sampling.")]
 PrefillChunk = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per forward pass. Default {field_default(_S, 'prefill_chunk')}.",
     show_default=False)]

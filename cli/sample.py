@@ -224,15 +224,10 @@ def sample(
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", "-n", help="Tokens to generate; 0 = prefill only (no text; the report times the prefill). "
         f"Default {field_default(_S, 'max_tokens')}.", show_default=False)] = None,
-    temperature: Annotated[Optional[float], typer.Option(
-        help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
-        show_default=False)] = None,
-    top_p: Annotated[Optional[float], typer.Option(
-        "--top-p", help=f"Nucleus sampling mass. Default {field_default(_S, 'top_p')}.", show_default=False)] = None,
-    top_k: Annotated[Optional[int], typer.Option(
-        "--top-k", help=f"Keep only the k most likely tokens (0 = off). Default {field_default(_S, 'top_k')}.",
-        show_default=False)] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Random seed for reproducible sampling.")] = None,
+    temperature: c.Temperature = None,
+    top_p: c.TopP = None,
+    top_k: c.TopK = None,
+    seed: c.Seed = None,
     prefill_chunk: c.PrefillChunk = None,
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Keep generating past the end-of-text token (for long runs).")] = False,

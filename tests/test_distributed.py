@@ -202,15 +202,13 @@ def _wait_for_text(p: subprocess.Popen) -> None:
     assert len(seen) >= 40, "the 2-rank run streamed no text"
 
 
-def _our_lines(stderr: bytes) -> list[str]:
-    return [line for line in stderr.decode(errors="replace").splitlines() if line.startswith("error: rank")]
-
-
-def test_killed_rank_ends_the_other_with_one_line(tmp_path):
-    ranks = _start_long_run(tmp_path)
+def _stop_rank_1(tmp_path, sig: int, extra_env: dict | None = None) -> tuple[list[str], bytes, int, float]:
+    """Start the two ranks, send rank 1 `sig` mid-generation, and read what rank 0 says:
+    (its `error: rank` lines, its stderr, its exit code, seconds until it ended)."""
+    ranks = _start_long_run(tmp_path, extra_env)
     try:
         _wait_for_text(ranks[0])
-        ranks[1].send_signal(signal.SIGKILL)
+        ranks[1].send_signal(sig)
         t0 = time.monotonic()
         _, stderr = ranks[0].communicate(timeout=30)
         took = time.monotonic() - t0
@@ -218,29 +216,23 @@ def test_killed_rank_ends_the_other_with_one_line(tmp_path):
         for p in ranks:
             if p.poll() is None:
                 p.kill()
-    ours = _our_lines(stderr)
+    ours = [line for line in stderr.decode(errors="replace").splitlines() if line.startswith("error: rank")]
+    return ours, stderr, ranks[0].returncode, took
+
+
+def test_killed_rank_ends_the_other_with_one_line(tmp_path):
+    ours, stderr, code, took = _stop_rank_1(tmp_path, signal.SIGKILL)
     assert len(ours) == 1 and ours[0].startswith("error: rank 0:") and "another rank" in ours[0], stderr
-    assert ranks[0].returncode == 1 and took < 30
+    assert code == 1 and took < 30
 
 
 def test_hung_rank_ends_the_other_by_the_watchdog(tmp_path):
     """A rank that stops answering without closing its socket (SIGSTOP): the other's
     watchdog ends it after POSTTRAINLLM_RANK_TIMEOUT seconds with one line."""
-    ranks = _start_long_run(tmp_path, {"POSTTRAINLLM_RANK_TIMEOUT": "3"})
-    try:
-        _wait_for_text(ranks[0])
-        ranks[1].send_signal(signal.SIGSTOP)
-        t0 = time.monotonic()
-        _, stderr = ranks[0].communicate(timeout=30)
-        took = time.monotonic() - t0
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-    ours = _our_lines(stderr)
+    ours, stderr, code, took = _stop_rank_1(tmp_path, signal.SIGSTOP, {"POSTTRAINLLM_RANK_TIMEOUT": "3"})
     assert took < 20, stderr
     assert len(ours) == 1 and ours[0].startswith("error: rank 0: no progress for 3 s"), stderr
-    assert ranks[0].returncode == 124
+    assert code == 124
 
 
 def test_refusals_one_line(tmp_path):
