@@ -33,3 +33,13 @@ def test_the_package_exports_its_names_lazily():
     loaded = _loaded_after("import tinygpt_mlx\nf = tinygpt_mlx.make_cache\n"
                            "assert f is sys.modules['tinygpt_mlx.cache'].make_cache")
     assert "tinygpt_mlx.cache" in loaded
+
+
+def test_info_and_sample_run_without_the_training_extra():
+    """The base install has no torch (only `[train]` brings it): with torch unimportable,
+    `info` and a short `sample` on the shipped model still run."""
+    for args in (["info"], ["sample", "-n", "2", "-p", "hi", "--seed", "0"]):
+        code = ("import sys\nsys.modules['torch'] = None\nsys.argv = ['posttrainllm', *%r]\n"
+                "from cli.main import app\napp()" % (args,))
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
