@@ -79,7 +79,7 @@ def read_messages(interactive: bool) -> Iterator[str]:
             return
 
 
-def turn_line(t, conversation_tokens: int) -> str:
+def turn_line(t) -> str:
     """The one dim line after each answer."""
     why = {"stop": "end of turn", "length": "token limit", "cancel": "stopped"}.get(t.finish_reason, t.finish_reason)
     return (f"[dim]turn {t.index}: +{t.prefilled} tokens prefilled, {t.generated} generated ({why}), "
@@ -241,7 +241,7 @@ def answer(session, message: str) -> bool:
         c.write_stdout("\n")
     elif not wrote:
         c.write_stdout("\n")
-    err.print(turn_line(session.turns[-1], len(session.conversation.transcript_ids())))
+    err.print(turn_line(session.turns[-1]))
     return True
 
 

@@ -121,14 +121,9 @@ def save(path: Union[str, Path], model: Model, tokenizer_json: str, extra: dict 
     return path
 
 
-def read_header(path: Path) -> tuple[dict, dict]:
-    """Parse the safetensors header by hand so that a bad file gives a precise error."""
-    header, metadata, _ = _read_header(path)
-    return header, metadata
-
-
-def _read_header(path: Path) -> tuple[dict, dict, int]:
-    """(tensor entries, metadata, offset of the data region)."""
+def read_header(path: Path) -> tuple[dict, dict, int]:
+    """Parse a safetensors header by hand so that a bad file gives a precise error: (tensor
+    entries, metadata, offset of the data region). Prompt-cache files are read with it too."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -212,7 +207,7 @@ def load_file(path: Union[str, Path]) -> NativeFile:
         raise ModelFormatError(f"{path}: no such model file")
     if path.is_dir():
         raise ModelFormatError(f"{path}: is a directory, not a .tinygpt file")
-    header, meta, data_start = _read_header(path)
+    header, meta, data_start = read_header(path)
     if meta.get("format") != FORMAT_NAME:
         raise ModelFormatError(f"{path}: not a .tinygpt file (format {meta.get('format')!r})")
     if meta.get("format_version") != str(FORMAT_VERSION):

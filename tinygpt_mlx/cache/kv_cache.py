@@ -135,18 +135,20 @@ class LayerCache:
         self.seen += L
         return keys, values
 
+    def _body_slot(self) -> int:
+        return self.positions.body_slot(len(self.sink_store), self._cold_tokens())
+
     def _readings(self) -> tuple[Reading, Reading]:
-        body_slot = self.positions.body_slot(len(self.sink_store), self._cold_tokens())
-        return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, body_slot))
+        return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, self._body_slot()))
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
         the reference path (packed blocks dequantised; attention tests compare against it)."""
         parts = []
-        for store, reading in zip((self.sink_store, self.body), self._readings()):
+        for store, slot in ((self.sink_store, 0), (self.body, self._body_slot())):
             if len(store):
                 k, v = store.fetch(self.dtype)
-                parts.append((self.positions.place(k, reading.first_slot), v))
+                parts.append((self.positions.place(k, slot), v))
         if not parts:
             z = mx.zeros((0,), self.dtype or mx.float32)
             return z, z

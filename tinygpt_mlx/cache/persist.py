@@ -247,7 +247,7 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
     if path.is_dir():
         raise PromptCacheError(f"{path}: is a directory, not a prompt-cache file")
     try:
-        header, meta, data_start = tinygpt_format._read_header(path)
+        header, meta, data_start = tinygpt_format.read_header(path)
     except ModelFormatError as e:
         raise PromptCacheError(f"{e} (not a usable prompt-cache file)") from None
     if meta.get("format") != FORMAT_NAME:
