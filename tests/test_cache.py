@@ -106,8 +106,11 @@ def test_eviction_keeps_first_sink_and_last_window(native, mode, chunks):
     k, v = layer.fetch()
     assert mx.allclose(v, v_ref[:, :, keep], atol=1e-5).item()
     expected = k_ref[:, :, keep]
-    if mode == "shifted":  # the same keys, re-rotated from their positions to slots 0..S-1
-        expected = rotate_each(layer.positions.rope, expected, [s - p for s, p in enumerate(keep)])
+    if mode == "shifted":  # the same keys, re-rotated from their positions to slots 0..S-1,
+        # in the frame the query is rotated in (a ring's: slot 0 at offset - stored; ring.py)
+        slot0 = layer.offset - layer.stored_count
+        assert slot0 == n - sink - window and layer.offset == n   # the query at its own position
+        expected = rotate_each(layer.positions.rope, expected, [slot0 + s - p for s, p in enumerate(keep)])
     assert mx.allclose(k, expected, atol=1e-4).item()
 
 

@@ -154,14 +154,21 @@ def test_default_prompts_ship():
 
 
 def test_bench_rows(wide, native):
-    r = bench.bench(wide.model, ["int4", "mlx", "mlx-rotating12", "mlx-q4"], [16, 96], decode_steps=2)
+    policies = ["int4", "mlx", "mlx-rotating12", "mlx-q4", "sink4/window8:absolute", "sink4/window8"]
+    r = bench.bench(wide.model, policies, [16, 96], decode_steps=2)
     assert {(row["policy"], row["context"]) for row in r["rows"]} == {
-        (p, c) for p in ("fp32", "int4", "mlx", "mlx-rotating12", "mlx-q4") for c in (16, 96)}
+        (p, c) for p in ["fp32"] + policies for c in (16, 96)}
     assert not r["skipped"]
     at96 = {row["policy"]: row for row in r["rows"] if row["context"] == 96}
     assert at96["mlx-q4"]["cache_bytes"] < at96["mlx"]["cache_bytes"]  # both allocate 256-token steps
     assert at96["int4"]["cache_bytes_vs_fp32"] < 1  # beyond the exact residual of 32 tokens
     assert at96["fp32"]["decode_tokens_per_s_vs_fp32"] == 1.0 and at96["fp32"]["cache_bytes"] > 0
+    # what one decode step runs: our full cache and mlx-lm's the same graph; our absolute ring
+    # the same as RotatingKVCache; the shifted ring a few more per layer (test_ring.py)
+    kernels = {p: row["decode_kernels"] for p, row in at96.items()}
+    assert kernels["fp32"] == kernels["mlx"] and kernels["sink4/window8:absolute"] == kernels["mlx-rotating12"]
+    assert 0 < kernels["sink4/window8"] - kernels["sink4/window8:absolute"] <= 8 * len(wide.model.layers)
+    assert sum(at96["int4"]["decode_ops_by_primitive"].values()) == at96["int4"]["decode_ops"] > kernels["int4"]
     # head_dim 16 cannot be quantised (KIVI value groups, mx.quantize): skipped, not fatal
     r = bench.bench(native.model, ["int4", "mlx-q4"], [16], decode_steps=1)
     assert set(r["skipped"]) == {"int4", "mlx-q4"} and len(r["rows"]) == 1

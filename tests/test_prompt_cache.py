@@ -39,7 +39,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from conftest import TEXT, build_native
 from tinygpt_mlx.cache import make_cache
-from tinygpt_mlx.cache.persist import PromptCacheError, load_prompt_cache, save_prompt_cache
+from tinygpt_mlx.cache.persist import FORMAT_VERSION, PromptCacheError, load_prompt_cache, save_prompt_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.modes import parse_policy
 from tinygpt_mlx.generate import forward, prefill
@@ -240,8 +240,13 @@ def _edit_metadata(path: Path, **changes) -> None:
 
 
 def test_newer_format_version_is_refused(loaded_models, saved):
-    _edit_metadata(saved, format_version="2")
+    _edit_metadata(saved, format_version=str(FORMAT_VERSION + 1))
     assert "newer" in _error(lambda: load_prompt_cache(saved, loaded_models["native"]))
+
+
+def test_older_format_version_says_to_recreate(loaded_models, saved):
+    _edit_metadata(saved, format_version=str(FORMAT_VERSION - 1))
+    assert "older posttrainllm" in _error(lambda: load_prompt_cache(saved, loaded_models["native"]))
 
 
 def test_edited_metadata_fails_the_checksum(loaded_models, saved):

@@ -14,6 +14,7 @@ from .cold import ColdStore
 from .kivi import KiviStore
 from .kv_cache import KVCache, LayerCache
 from .positions import Positions
+from .ring import RingStore
 from .store import DTYPES, DenseStore
 
 
@@ -26,9 +27,16 @@ def find_rope(layer: Any) -> Optional[Callable]:
     return None
 
 
-def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
-    """One layer's cache under `config`: its position rules and its stores."""
+def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0,
+                ring: bool = True) -> LayerCache:
+    """One layer's cache under `config`: its position rules and its stores. An exact
+    StreamingLLM cache is a ring (ring.py); `ring=False` builds the simple path it replaced
+    (sink and window as two position-ordered stores, shifted keys re-rotated on every read),
+    which tests compare it against."""
     storage = DTYPES[config.storage]
+    if ring and config.streaming and not config.quantised and not config.retrieval:
+        positions = Positions(config, rope, frame=True)
+        return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
     positions = Positions(config, rope)
     sink = DenseStore(storage, label="sink")
     body = KiviStore(config, storage, positions, KVCache) if config.quantised else DenseStore(storage)
@@ -36,7 +44,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
     return LayerCache(config, positions, sink, body, cold)
 
 
-def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
+def make_cache(model: Any, config: Optional[CacheConfig] = None, ring: bool = True) -> KVCache:
     """Per-layer caches for `model` under `config`, usable as `cache=` / `prompt_cache=`.
 
     Starts from the caches the model itself makes (mlx-lm's `make_prompt_cache`; the native
@@ -48,6 +56,7 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
     through `tinygpt_mlx.attention` (the native model always is; `loading.load` routes an
     mlx-lm model, `attention.install(model)` does it by hand): a model that is not is refused
     here, whatever the policy, rather than silently attending to the new tokens only.
+    `ring`: see `layer_cache`.
     """
     config = config or CacheConfig()
     own = make_prompt_cache(model)
@@ -63,6 +72,6 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None) -> KVCache:
         elif id(c) in made:
             out.append(made[id(c)])
         else:
-            made[id(c)] = layer_cache(config, find_rope(layer), i)
+            made[id(c)] = layer_cache(config, find_rope(layer), i, ring)
             out.append(made[id(c)])
     return KVCache(out, config)

@@ -36,11 +36,11 @@ class LayerCache:
     absolute mode, its cache slot in shifted mode. Neither ever decreases.
     """
 
-    def __init__(self, config: CacheConfig, positions: Positions, sink: DenseStore, body: Evictable,
+    def __init__(self, config: CacheConfig, positions: Positions, sink: Optional[DenseStore], body: Evictable,
                  cold: Optional[Any] = None):
         self.config = config
         self.positions = positions
-        self.sink_store = sink
+        self.sink_store = sink   # None: the body holds the sink too (a StreamingLLM ring, ring.py)
         self.body = body
         self.cold = cold
         self.telemetry = RetrievalTelemetry() if cold is not None else None
@@ -49,6 +49,15 @@ class LayerCache:
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
 
     # ----- policy ---------------------------------------------------------------------------
+    @property
+    def n_sink(self) -> int:
+        """Sink tokens held."""
+        return len(self.sink_store) if self.sink_store is not None else self.body.n_sink
+
+    def _window_len(self) -> int:
+        """Tokens held after the sink (the window, or KIVI's body, or the hot window)."""
+        return len(self.body) if self.sink_store is not None else self.body.n
+
     @property
     def needs_query(self) -> bool:
         """Whether attention must run inside the cache (packed keys, retrieval)."""
@@ -70,9 +79,10 @@ class LayerCache:
 
     def _pending_drop(self, pending: int) -> int:
         limit = self._recent_limit(pending)
-        if limit is None or len(self.body) <= limit:
+        held = self._window_len()
+        if limit is None or held <= limit:
             return 0
-        return self.body.droppable(len(self.body) - limit)
+        return self.body.droppable(held - limit)
 
     def evict_middle_if_needed(self, pending: int = 0) -> int:
         """StreamingLLM eviction: drop body tokens [sink, len - window) of this layer.
@@ -101,8 +111,14 @@ class LayerCache:
     # ----- mlx-lm protocol ------------------------------------------------------------------
     @property
     def offset(self) -> int:
+        if self.positions.frame:    # a re-base due is done by the next update (`rebase_due`)
+            return self.seen - self.positions.base - self.positions.rebase_due(self.seen)
         return self.positions.query_offset(self.seen, self.stored_count - self._pending_drop(1),
                                            self._cold_tokens(1))
+
+    def offset_now(self) -> int:
+        """Frame mode, inside an update: the frame position the model gave the new tokens."""
+        return self.seen - self.positions.base
 
     @property
     def current_length(self) -> int:
@@ -110,7 +126,7 @@ class LayerCache:
 
     @property
     def stored_count(self) -> int:
-        return len(self.sink_store) + len(self.body)
+        return len(self.body) + (len(self.sink_store) if self.sink_store is not None else 0)
 
     #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
     reads_own_segments = True
@@ -120,30 +136,56 @@ class LayerCache:
         attention reads the stored tokens itself (`attend`), and `fetch()` assembles them
         dense for the reference path."""
         L = keys.shape[2]
+        body = self.body
+        if (L == 1 and self.sink_store is None and body.ring and body.n_sink == self.config.sink
+                and not self.positions.rebase_due(self.seen)):
+            # the hot path: a decode step on a ring evicts its oldest window token if it must
+            # and writes the new one in its place
+            if body.n >= self.config.window:
+                body.drop_front(1)
+                self.start += 1
+            body.append(keys, values)
+            self.seen += 1
+            return keys, values
+        by = self.positions.rebase_due(self.seen)
+        if by:      # `offset` gave these keys the new base already
+            self.body.rebase(by)
+            self.positions.base += by
         self.evict_middle_if_needed(pending=L)
         if self.dtype is None:
             self.dtype = keys.dtype
-        stored = keys
-        if self.positions.shifted:
-            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
-        n_sink = max(0, min(L, self.config.sink - len(self.sink_store)))
-        if n_sink:
-            self.sink_store.append(stored[..., :n_sink, :], values[..., :n_sink, :])
-            if len(self.body) == 0:
-                self.start = self.seen + n_sink
-        self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
+        n_sink = max(0, min(L, self.config.sink - self.n_sink))
+        if n_sink and self._window_len() == 0:
+            self.start = self.seen + n_sink
+        if self.sink_store is None:     # a ring: it places the sink itself
+            self.body.append(keys, values, self.offset_now())
+        else:
+            stored = keys
+            if self.positions.shifted:
+                stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
+            if n_sink:
+                self.sink_store.append(stored[..., :n_sink, :], values[..., :n_sink, :])
+            self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
         self.seen += L
         return keys, values
 
     def _body_slot(self) -> int:
-        return self.positions.body_slot(len(self.sink_store), self._cold_tokens())
+        return self.positions.body_slot(self.n_sink, self._cold_tokens())
 
     def _readings(self) -> tuple[Reading, Reading]:
         return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, self._body_slot()))
 
+    def _ring_reading(self) -> Reading:
+        return Reading(self.dtype, self.positions, self.positions.frame_slot0(self.seen, self.stored_count))
+
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
         the reference path (packed blocks dequantised; attention tests compare against it)."""
+        if self.sink_store is None:
+            if not len(self.body):
+                z = mx.zeros((0,), self.dtype or mx.float32)
+                return z, z
+            return self.body.attention_kv(self._ring_reading(), ordered=True)
         parts = []
         for store, slot in ((self.sink_store, 0), (self.body, self._body_slot())):
             if len(store):
@@ -159,7 +201,7 @@ class LayerCache:
     def key_positions(self, pending: int = 0) -> mx.array:
         """Absolute positions of the stored tokens (after the next update of `pending`)."""
         drop = self._pending_drop(pending) if pending else 0
-        sink = mx.arange(len(self.sink_store))
+        sink = mx.arange(self.n_sink)
         body = mx.arange(self.start + drop, self.seen + pending)
         return mx.concatenate([sink, body])
 
@@ -168,7 +210,7 @@ class LayerCache:
         if not self.config.streaming:
             return False
         drop = self._pending_drop(N)
-        first_body = self.start + drop if len(self.body) > drop else max(self.seen, self.config.sink)
+        first_body = self.start + drop if self._window_len() > drop else max(self.seen, self.config.sink)
         return (self.seen + N - 1) - first_body >= self.config.window
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -178,6 +220,8 @@ class LayerCache:
         [N, stored] array over absolute positions: causal, and for StreamingLLM limited to the
         sink plus the last `window` positions of each query.
         """
+        if N == 1 and window_size is None and self.sink_store is None:
+            return None     # a ring: one query sees every stored token
         if not self._window_limits(N) and window_size is None:
             if N == 1:
                 return None
@@ -194,6 +238,8 @@ class LayerCache:
 
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
+        if self.sink_store is None:
+            return self.body.segments(self._ring_reading())
         sink, body = self._readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
@@ -201,6 +247,9 @@ class LayerCache:
         """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores: the
         fused dense kernel over `fetch()`. Packed or retrieved data: retrieved cold tokens (if
         any), the sink and the body, one softmax over every segment's scores (segments.attend)."""
+        if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
+            keys, values = self.body.attention_kv(self._ring_reading(), ordered=mask is not None)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not self.needs_query:
             keys, values = self.fetch()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -245,7 +294,7 @@ class LayerCache:
         return sum(self.nbytes_breakdown().values())
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        out = dict(self.sink_store.nbytes_breakdown())
+        out = dict(self.sink_store.nbytes_breakdown()) if self.sink_store is not None else {}
         out.update(self.body.nbytes_breakdown())
         if self.cold is not None:
             out.update(self.cold.nbytes_breakdown())
@@ -259,14 +308,15 @@ class LayerCache:
 
     # ----- prompt-cache files (cache/persist.py) --------------------------------------------
     def _stores(self) -> dict:
-        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
+        stores = {"sink": self.sink_store, "body": self.body, "cold": self.cold}
+        return {k: v for k, v in stores.items() if v is not None}
 
     def saved_state(self) -> tuple[dict, dict]:
         """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
         `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays). Not
         `state`: that is mlx-lm's protocol (the stored K/V, dense)."""
         arrays: dict = {}
-        meta: dict = {"seen": self.seen, "start": self.start,
+        meta: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base,
                       "dtype": None if self.dtype is None else str(self.dtype).rsplit(".", 1)[-1]}
         for name, store in self._stores().items():
             a, meta[name] = store.state()
@@ -276,6 +326,7 @@ class LayerCache:
     def load_state(self, arrays, meta: dict) -> None:
         """Refill this freshly built layer cache (same policy) from `state`'s output."""
         self.seen, self.start = int(meta["seen"]), int(meta["start"])
+        self.positions.base = int(meta.get("base", 0))
         self.dtype = None if meta["dtype"] is None else getattr(mx, meta["dtype"])
         stores = self._stores()
         if set(stores) != {k for k in ("sink", "body", "cold") if k in meta}:
@@ -301,6 +352,7 @@ class KVCache(list):
     def __init__(self, layers: list, config: CacheConfig):
         super().__init__(layers)
         self.config = config
+        self._owned = [c for c in self._distinct() if isinstance(c, LayerCache)]
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod
@@ -329,7 +381,7 @@ class KVCache(list):
     @property
     def owned(self) -> list[LayerCache]:
         """The distinct caches of ours (shared layers counted once)."""
-        return [c for c in self._distinct() if isinstance(c, LayerCache)]
+        return self._owned
 
     def _distinct(self) -> list:
         seen, out = set(), []
@@ -344,6 +396,10 @@ class KVCache(list):
         return len(self._distinct())
 
     # ----- counts and bytes -----------------------------------------------------------------
+    def offset_now(self) -> int:
+        """Frame mode, inside an update: the frame position the model gave the new tokens."""
+        return self.seen - self.positions.base
+
     @property
     def current_length(self) -> int:
         return max((c.current_length for c in self.owned), default=0)

@@ -9,7 +9,7 @@ Serialisation is owned store by store, data flowing down: the layer cache asks i
 `state()` -> (arrays, counters) and hands each its arrays back in `load_state` (store.py's
 `Persistent`). This module only writes and reads the file.
 
-The file (format "posttrainllm-prompt-cache", version 1) is standard safetensors, written here
+The file (format "posttrainllm-prompt-cache", version 2) is standard safetensors, written here
 by hand so that memory-mapped rows are streamed from their files and never read into RAM:
 
 * tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
@@ -56,7 +56,9 @@ __all__ = ["PromptCacheError", "PromptCacheInfo", "save_prompt_cache", "load_pro
            "read_prompt_cache_info", "model_fingerprint", "config_mismatch", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "posttrainllm-prompt-cache"
-FORMAT_VERSION = 1
+#: 2: exact StreamingLLM caches are rings (sink and window one store, keys as the model rotated
+#: them, `base` per layer); version-1 files held them as two position-ordered stores
+FORMAT_VERSION = 2
 
 
 class PromptCacheError(PosttrainError):
@@ -260,7 +262,8 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
         raise PromptCacheError(f"{path}: prompt-cache format version {version} is newer than this build reads "
                                f"({FORMAT_VERSION}); upgrade posttrainllm or re-create the cache")
     if int(version) != FORMAT_VERSION:
-        raise PromptCacheError(f"{path}: unsupported prompt-cache format version {version}")
+        raise PromptCacheError(f"{path}: prompt-cache format version {version} was written by an older "
+                               f"posttrainllm (this build reads {FORMAT_VERSION}); re-create it with cache-prompt")
     return header, meta, data_start, path.stat().st_size
 
 

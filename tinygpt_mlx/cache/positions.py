@@ -31,11 +31,21 @@ from ..config import CacheConfig
 class Positions:
     """The position rules of one layer cache (module doc)."""
 
-    def __init__(self, config: CacheConfig, rope: Optional[Callable]):
+    #: frame mode re-bases positions by this many once the query gets this far from the base
+    REBASE_EVERY = 65536
+
+    def __init__(self, config: CacheConfig, rope: Optional[Callable], frame: bool = False):
         self.shifted = (config.streaming or config.retrieval) and config.rope_mode == "shifted"
         if self.shifted and rope is None:
             raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
         self.rope = rope
+        #: shifted mode over a ring (ring.py): the window's keys are stored as the model rotated
+        #: them, at their position minus `base`; the query sits at its position minus `base`,
+        #: and only the sink is placed at slots (`first_slot` of its reading: the frame
+        #: position of sink slot 0). Slot distances are unchanged (module doc of ring.py).
+        self.frame = self.shifted and frame
+        self.base = 0
+        self.rebase_every = self.REBASE_EVERY
         self.sink = config.sink
         self.fixed = config.retrieved_position == "fixed"
         self.retrieve_tokens = config.retrieve_tokens
@@ -56,8 +66,26 @@ class Positions:
 
     def query_offset(self, seen: int, stored_next: int, cold_tokens: int) -> int:
         """The RoPE position of the next token: its position (absolute), or its slot (shifted)
-        given the tokens stored and cold once the next append has evicted what it must."""
+        given the tokens stored and cold once the next append has evicted what it must, or its
+        position minus the base (frame)."""
+        if self.frame:
+            return seen - self.base
         return stored_next + self.gap(cold_tokens) if self.shifted else seen
+
+    def frame_slot0(self, seen: int, stored: int) -> int:
+        """Frame mode: the frame position of slot 0, once `stored` tokens are held of `seen`.
+        The newest token sits at slot stored - 1 and at frame position seen - 1 - base."""
+        return seen - self.base - stored
+
+    def rebase_due(self, seen: int) -> int:
+        """Frame mode: by how much the next update re-bases (0: not yet). Decided between steps
+        from `seen` alone, so the query offset read before the update (by every layer, or once
+        for all layers by the native model) already counts it, and the stored keys are turned
+        back only when the update comes: never between an update and its attention."""
+        ahead = seen - self.base
+        if self.frame and ahead >= self.rebase_every:
+            return ahead // self.rebase_every * self.rebase_every
+        return 0
 
     def retrieved_slot(self, n_sink: int, cold_tokens: int) -> int:
         """Shifted retrieval: the slot of the newest retrieved key (all of them with `fixed`),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 import statistics
+from collections import Counter
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -27,12 +28,14 @@ import mlx.core as mx
 from mlx_lm.models import cache as mc
 
 from ..cache import KVCache, make_cache
+from ..cache.ring import SINK_STEPS
 from ..config import CacheConfig, SampleConfig, field_default
 from ..errors import PosttrainError
-from ..generate import steps
+from ..generate import forward, steps
 from ..sampling import make_sampler
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
 from .defaults import BENCH_REFERENCE as REFERENCE
+from .opcount import graph_ops, summary
 
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
@@ -123,11 +126,14 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         for k in range(decode_steps):
             for i in rotated(k):
                 step_s[i].append(timed(i))
+        bytes_ = [int(c.nbytes) for c in caches]
+        ops = [step_ops(model, c) for c in caches]
         # the median step: robust to the scheduler pausing us on a shared machine
         return [{"policy": p.name, "label": p.label, "context": len(tokens),
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
-                 "cache_bytes": int(caches[i].nbytes)} for i, p in enumerate(policies)]
+                 "cache_bytes": bytes_[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
+                 "decode_ops_by_primitive": ops[i]["by_primitive"]} for i, p in enumerate(policies)]
     finally:
         for run, cache in zip(runs, caches):
             run.close()
@@ -135,19 +141,33 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 cache.close()
 
 
+def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
+    """What a decode step on `cache` runs, on average over `n` more steps (opcount.summary of
+    each graph; work done every few steps, like the shifted ring's sink rotation, is spread):
+    the same model for every policy, so differences between policies are what their caches add."""
+    total: Counter = Counter()
+    for _ in range(n):
+        logits = forward(model, mx.array([[1]]), cache)
+        total += graph_ops(logits)
+        mx.eval(logits)
+    out = summary(total)
+    return {k: (v / n if k != "by_primitive" else {p: c / n for p, c in v.items()}) for k, v in out.items()}
+
+
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
-          progress: Optional[Callable[[int, int, str], None]] = None) -> dict:
-    """Rows for every (context, policy), with ratios against fp32; policies whose cache this
-    build or model cannot make (e.g. KIVI on a too-small head dim) are listed under `skipped`.
-    `progress(done, total, description)` follows the timed work."""
+          progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE) -> dict:
+    """Rows for every (context, policy), with ratios against `reference` (which always runs;
+    fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
+    too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
+    the timed work."""
     if not contexts or min(contexts) < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
     if decode_steps < 1:
         raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-    specs = list(dict.fromkeys([REFERENCE, *specs]))
+    specs = list(dict.fromkeys([reference, *specs]))
     policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
     vocab = model(mx.array([[0]])).shape[-1]
     skipped: dict[str, str] = {}
@@ -170,12 +190,13 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
         rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick)
-    add_ratios(rows)
-    return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "rows": rows, "skipped": skipped}
+    add_ratios(rows, reference)
+    return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
+            "skipped": skipped}
 
 
 def add_ratios(rows: list[dict], reference: str = REFERENCE) -> None:
-    """Each row gets `<metric>_vs_fp32`: its value over the reference row at the same context."""
+    """Each row gets `<metric>_vs_<reference>`: its value over the reference row at the same context."""
     ref = {r["context"]: r for r in rows if r["policy"] == reference}
     for r in rows:
         base = ref.get(r["context"])

@@ -1,0 +1,111 @@
+"""The StreamingLLM ring (cache/ring.py) against the simple path it replaced (`ring=False`: sink
+and window as two position-ordered stores, shifted keys re-rotated to their slots on every read),
+re-basing, and what one decode step runs."""
+
+import mlx.core as mx
+import pytest
+
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.cache.ring import RingStore
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate.bench import step_ops
+from tinygpt_mlx.generate import forward
+
+TOKENS = [(i * 37 + 11) % 300 for i in range(260)]
+SINK, WINDOW = 4, 16
+# prefill chunks (the rest one token at a time); a chunk after decoding (a chat's next turn)
+# sends a ring back to position order and the next step makes it a ring again
+PATTERNS = {"chunks": [(17, 13)], "one-chunk": [(40,)], "tokens": [(1,)], "turns": [(7,), (30, 25), (50, 19)]}
+# max |logit| difference ring vs simple path on these runs: measured 1.1e-5 .. 2.7e-5
+TOL = 6e-5
+
+
+def run(model, config, pattern, ring=True, rebase_every=None, tokens=TOKENS):
+    """Logits [T, V] at every position: each group of `pattern` is prefill chunks at the token
+    index it starts from (evenly spread), single tokens in between and after."""
+    cache = make_cache(model, config, ring=ring)
+    if rebase_every is not None:
+        for c in cache.owned:
+            c.positions.rebase_every = rebase_every
+    starts = {len(tokens) * g // (len(pattern) + 1): chunks for g, chunks in enumerate(pattern)}
+    outs, i = [], 0
+    while i < len(tokens):
+        for n in starts.pop(i, (1,)):
+            outs.append(forward(model, mx.array([tokens[i:i + n]]), cache)[0])
+            i += n
+    return mx.concatenate(outs, axis=0), cache
+
+
+@pytest.mark.parametrize("pattern", list(PATTERNS))
+@pytest.mark.parametrize("mode", ["shifted", "absolute"])
+def test_ring_equals_the_simple_path(native, mode, pattern):
+    config = CacheConfig(sink=SINK, window=WINDOW, rope_mode=mode)
+    ring, cache = run(native.model, config, PATTERNS[pattern])
+    simple, ref = run(native.model, config, PATTERNS[pattern], ring=False)
+    assert isinstance(cache.owned[0].body, RingStore) and not isinstance(ref.owned[0].body, RingStore)
+    assert mx.abs(ring - simple).max().item() < TOL
+    assert mx.argmax(ring, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()
+    assert (cache.stored_count, cache.current_length, cache.owned[0].key_positions().tolist()) == \
+        (ref.stored_count, ref.current_length, ref.owned[0].key_positions().tolist())
+    assert cache.owned[0].body.ring     # the last steps were decode steps: in place
+
+
+def test_window_without_sink_and_sink_only_prefix(native):
+    for config in (CacheConfig(sink=0, window=WINDOW), CacheConfig(sink=SINK, window=WINDOW, rope_mode="absolute")):
+        ring, _ = run(native.model, config, [(2,)], tokens=TOKENS[:80])
+        simple, _ = run(native.model, config, [(2,)], ring=False, tokens=TOKENS[:80])
+        assert mx.abs(ring - simple).max().item() < TOL
+
+
+@pytest.mark.parametrize("pattern", ["chunks", "turns"])
+def test_rebase_is_exact(native, pattern):
+    """Re-basing every 23 tokens over 260 (11 re-bases, inside decode and around chunks) gives
+    the simple path's logits, and the query's RoPE position stays below the interval."""
+    config = CacheConfig(sink=SINK, window=WINDOW)
+    rebased, cache = run(native.model, config, PATTERNS[pattern], rebase_every=23)
+    simple, _ = run(native.model, config, PATTERNS[pattern], ring=False)
+    layer = cache.owned[0]
+    assert layer.positions.base >= 23 * 10 and layer.positions.base % 23 == 0
+    assert 0 <= layer.offset < 23
+    assert mx.abs(rebased - simple).max().item() < TOL
+    assert mx.argmax(rebased, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()
+
+
+def test_rebase_keeps_angles_exact_far_out(native):
+    """2^24 tokens in, fp32 RoPE angles are off by up to a radian: a ring re-bases before its
+    first step there, so it gives the logits of the same cache near position 0 (RoPE sees only
+    distances), and without re-basing it does not."""
+    config = CacheConfig(sink=SINK, window=WINDOW)
+
+    def logits(seen, rebase_every=None):
+        cache = make_cache(native.model, config)
+        for c in cache.owned:       # as if `seen` tokens had gone by (nothing of them stored)
+            c.seen = c.start = seen
+            if rebase_every is not None:
+                c.positions.rebase_every = rebase_every
+        return mx.stack([forward(native.model, mx.array([[t]]), cache)[0, -1] for t in TOKENS[:60]])
+
+    near = logits(40)
+    assert mx.abs(logits(2 ** 24 + 40) - near).max().item() < TOL
+    assert mx.abs(logits(2 ** 24 + 40, rebase_every=2 ** 40) - near).max().item() > 100 * TOL
+
+
+def _decode_step_ops(model, config, ring=True, context=64):
+    cache = make_cache(model, config, ring=ring)
+    forward(model, mx.array([TOKENS[:context]]), cache)
+    for t in TOKENS[context:context + 3]:
+        mx.eval(forward(model, mx.array([[t]]), cache))
+    return step_ops(model, cache)["ops"]      # the mean over SINK_STEPS steps
+
+
+def test_shifted_ring_does_not_rerotate_the_window(native):
+    """A shifted decode step on the ring runs a few more ops than the absolute ring (one write of
+    the sink's rotation, and its rotation for the next SINK_STEPS steps now and then), where the
+    simple path re-rotates every stored key on every step (dozens of ops per layer on this
+    backend, where RoPE is unfused)."""
+    layers = len(native.model.layers)
+    absolute = _decode_step_ops(native.model, CacheConfig(sink=SINK, window=WINDOW, rope_mode="absolute"))
+    shifted = _decode_step_ops(native.model, CacheConfig(sink=SINK, window=WINDOW))
+    simple = _decode_step_ops(native.model, CacheConfig(sink=SINK, window=WINDOW), ring=False)
+    print(f"ops per decode step: absolute {absolute}, shifted {shifted}, simple path {simple}")
+    assert shifted - absolute <= 8 * layers < 2 * 8 * layers < simple - shifted

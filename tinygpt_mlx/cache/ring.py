@@ -1,0 +1,264 @@
+"""StreamingLLM's exact cache as a ring: the sink and the window in one preallocated buffer.
+
+The buffer is [B, H, S + W, D]: the sink's S slots, then W window slots used circularly. A
+decode step writes its token in place over the oldest window token (as mlx-lm's
+`RotatingKVCache._update_in_place` does) and attention reads the whole buffer in storage order:
+for one query the order of the keys does not matter, so nothing is gathered, concatenated or
+copied per step. A prefill chunk (several queries, a causal and windowed mask over positions)
+lays the tokens out in position order instead ("linear": sink, window, new tokens), exactly as
+the mask's columns expect; the next single-token step turns that back into a ring.
+
+Positions (positions.py, `Positions.frame`): window keys are stored as the model rotated them,
+at their position minus the layer's `base`, and the query sits at its own position minus `base`.
+Within the window slot distances equal position distances, so in shifted mode only the sink
+must move: its keys are kept before RoPE and rotated, S rows per step, to the slots just before
+the window (`first_slot` of the reading is where sink slot 0 sits in that frame). Nothing in the
+window is ever re-rotated, except once per `Positions.rebase_every` tokens, when `rebase` turns
+the stored keys back by B and the base grows by B, so fp32 angles never lose precision.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .positions import Positions
+from .segments import DenseSegment, Reading
+
+
+#: shifted mode: the sink is rotated for this many consecutive steps at once (one RoPE call per
+#: SINK_STEPS decode steps; each step then only writes its precomputed rows into the buffer)
+SINK_STEPS = 8
+
+_NOTHING = (mx.zeros((0,)), mx.zeros((0,)))
+
+
+class RingStore:
+    """The sink and the window of an exact StreamingLLM cache (module doc). An `Evictable`
+    store that also holds the sink (`owns_sink`): the layer cache hands it every token."""
+
+    owns_sink = True
+
+    def __init__(self, dtype: mx.Dtype, sink: int, window: int, positions: Positions):
+        self.dtype, self.sink, self.window, self.positions = dtype, sink, window, positions
+        self.keys: Optional[mx.array] = None      # ring: [B, H, S + W, D]; linear: [B, H, T, D]
+        self.values: Optional[mx.array] = None
+        self.sink_keys: Optional[mx.array] = None  # shifted mode: the sink's keys before RoPE
+        self.ring = False
+        self.n_sink = 0   # sink tokens held (the body is empty until the sink is full)
+        self.n = 0        # window (body) tokens held
+        self.head = 0     # linear: body tokens dropped from the front of keys[..., n_sink:]
+        self.ptr = 0      # ring: the window slot the next token is written to
+        self._sink_block: Optional[mx.array] = None   # [B, H, SINK_STEPS * S, D]: the sink placed
+        self._block_at = 0                          # at first_slot _block_at + t
+        self._sink_in_buffer: Optional[int] = None  # ring: the first_slot the buffer's sink has
+
+    def __len__(self) -> int:
+        return self.n_sink + self.n
+
+    # ----- storage --------------------------------------------------------------------------
+    def append(self, keys: mx.array, values: mx.array, first: Optional[int] = None) -> None:
+        """Store [B, H, L, D] new tokens (keys as the model rotated them, the first one at
+        frame position `first`; default: the tokens so far): the first S ever fill the sink,
+        the rest the window, in place when L == 1. The layer cache has evicted first
+        (`drop_front`), so the window has room."""
+        L = keys.shape[2]
+        if L == 0:
+            return
+        s = min(L, self.sink - self.n_sink)
+        if s and self.positions.frame:
+            first = len(self) - self.positions.base if first is None else first
+            raw = self.positions.unrotate(keys[..., :s, :], first)
+            raw = raw.astype(self.dtype)
+            self.sink_keys = raw if self.sink_keys is None else mx.concatenate([self.sink_keys, raw], axis=2)
+            self._rotate_sink(self._block_at)   # made with the sink, so bytes never depend on reads
+        if L == 1 and s == 0:
+            self._to_ring(keys)
+            self.keys[..., self.sink + self.ptr: self.sink + self.ptr + 1, :] = keys.astype(self.dtype)
+            self.values[..., self.sink + self.ptr: self.sink + self.ptr + 1, :] = values.astype(self.dtype)
+            self.ptr = (self.ptr + 1) % self.window
+            self.n += 1
+            return
+        k, v = self._ordered()
+        new_k, new_v = keys.astype(self.dtype), values.astype(self.dtype)
+        self.keys = new_k if k is None else mx.concatenate([k, new_k], axis=2)
+        self.values = new_v if v is None else mx.concatenate([v, new_v], axis=2)
+        self.ring, self.head = False, 0
+        self.n_sink += s
+        self.n += L - s
+
+    def _to_ring(self, like: mx.array) -> None:
+        """Lay the tokens out as a ring (sink slots, then the window from slot 0) if they are not."""
+        if self.n >= self.window:
+            raise ValueError(f"the window is full ({self.n} of {self.window}): evict before appending")
+        if self.ring:
+            return
+        k, v = self._ordered()
+        B, H, _, Dk = like.shape
+        pad = self.sink + self.window - len(self)
+        zk = mx.zeros((B, H, pad, Dk), self.dtype)
+        zv = mx.zeros((B, H, pad, self.values.shape[3]), self.dtype)
+        self.keys, self.values = mx.concatenate([k, zk], axis=2), mx.concatenate([v, zv], axis=2)
+        self.ring, self.ptr, self.head = True, self.n, 0
+        self._sink_in_buffer = None
+
+    def _ordered(self) -> tuple[Optional[mx.array], Optional[mx.array]]:
+        """Every held token in position order (sink keys as stored in the buffer)."""
+        if self.keys is None or len(self) == 0:
+            return None, None
+        S = self.n_sink
+        if self.ring:
+            lo = (self.ptr - self.n) % self.window
+            if lo + self.n <= self.window:
+                idx = [(S + lo, S + lo + self.n)]
+            else:
+                idx = [(S + lo, S + self.window), (S, S + self.ptr)]
+        else:
+            idx = [(S + self.head, S + self.head + self.n)]
+        spans = ([(0, S)] if S else []) + [(a, b) for a, b in idx if b > a]
+        if not spans:
+            return None, None
+        if all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            lo, hi = spans[0][0], spans[-1][1]
+            return self.keys[..., lo:hi, :], self.values[..., lo:hi, :]
+        return (mx.concatenate([self.keys[..., a:b, :] for a, b in spans], axis=2),
+                mx.concatenate([self.values[..., a:b, :] for a, b in spans], axis=2))
+
+    def droppable(self, n: int) -> int:
+        return min(n, self.n)
+
+    def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
+        """Forget the oldest `n` window tokens (a ring slot is overwritten by the next token).
+        Returns nothing: an exact StreamingLLM window has no cold tier to hand them to."""
+        n = min(n, self.n)
+        if not self.ring:
+            self.head += n
+        self.n -= n
+        return _NOTHING
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first `n` tokens (the sink first)."""
+        k, v = self._ordered()
+        keep = min(n, len(self))
+        if k is not None:
+            self.keys, self.values = k[..., :keep, :], v[..., :keep, :]
+        self.n_sink = min(self.n_sink, keep)
+        self.n = keep - self.n_sink
+        if self.sink_keys is not None:
+            self.sink_keys = self.sink_keys[..., :self.n_sink, :]
+        self.ring, self.head = False, 0
+
+    def rebase(self, by: int) -> None:
+        """Turn every stored window key back by `by` positions (the base grows by `by`)."""
+        if self.keys is None:
+            return
+        S = self.n_sink
+        self.keys[..., S:, :] = self.positions.rotate_to(self.keys[..., S:, :].astype(mx.float32), -by).astype(self.dtype)
+
+    # ----- reading --------------------------------------------------------------------------
+    def _placed_sink(self, reading: Reading) -> Optional[mx.array]:
+        """Shifted mode: the sink's keys rotated to their slots in the query's frame (sink slot 0
+        at `reading.first_slot`), from a block computed for SINK_STEPS consecutive slots."""
+        if not self.positions.frame or not self.n_sink:
+            return None
+        at = reading.first_slot
+        if not 0 <= at - self._block_at < SINK_STEPS:
+            self._rotate_sink(at)
+        t, S = at - self._block_at, self.n_sink
+        return self._sink_block[..., t * S:(t + 1) * S, :]     # a view: no gather
+
+    def _rotate_sink(self, at: int) -> None:
+        """The sink's keys rotated for sink slot 0 at `at`, `at + 1`, ... (SINK_STEPS of them)."""
+        B, H, S, D = self.sink_keys.shape
+        flat = mx.broadcast_to(self.sink_keys.astype(mx.float32).reshape(1, B * H, S, D), (SINK_STEPS, B * H, S, D))
+        offsets = mx.repeat(at + mx.arange(SINK_STEPS), B * H)
+        block = self.positions.rope(flat.reshape(SINK_STEPS * B * H, S, D), offset=offsets)
+        block = block.reshape(SINK_STEPS, B, H, S, D).transpose(1, 2, 0, 3, 4).reshape(B, H, SINK_STEPS * S, D)
+        self._sink_block, self._block_at = block.astype(self.dtype), at   # step t: rows [t*S, (t+1)*S)
+
+    def attention_kv(self, reading: Reading, ordered: bool) -> tuple[mx.array, mx.array]:
+        """Keys and values for one attention call: the buffer as it lies (ring order, for a
+        single query with no mask), or in position order (`ordered`: what a mask's columns
+        index)."""
+        placed = self._placed_sink(reading)
+        if ordered or not self.ring:
+            k, v = self._ordered()
+            if placed is not None:
+                k = mx.concatenate([placed, k[..., self.n_sink:, :]], axis=2)
+        elif self.n < self.window and (self.ptr - self.n) % self.window:
+            return self.attention_kv(reading, ordered=True)   # a partly evicted ring (not between steps)
+        else:
+            if placed is not None and self._sink_in_buffer != reading.first_slot:
+                self.keys[..., :self.n_sink, :] = placed
+                self._sink_in_buffer = reading.first_slot
+            k, v = self.keys, self.values
+            if self.n < self.window:      # not wrapped yet: the window is slots [0, n)
+                k, v = k[..., :len(self), :], v[..., :len(self), :]
+        if reading.dtype is not None and reading.dtype != self.dtype:
+            k, v = k.astype(reading.dtype), v.astype(reading.dtype)
+        return k, v
+
+    def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
+        """Every stored token in position order, as stored (sink keys before RoPE in shifted
+        mode are not placed here: `attention_kv(..., ordered=True)` places them)."""
+        k, v = self._ordered()
+        if k is None:
+            z = mx.zeros((0,), dtype or self.dtype)
+            return z, z
+        if dtype is not None and dtype != self.dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
+        return k, v
+
+    def segments(self, reading: Reading) -> list:
+        if not len(self):
+            return []
+        return [DenseSegment(*self.attention_kv(reading, ordered=True))]
+
+    # ----- bytes, closing, files ----------------------------------------------------------------
+    def _per_token(self) -> int:
+        B, H, _, Dk = self.keys.shape
+        return B * H * (Dk + self.values.shape[3]) * self.keys.itemsize
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        """The sink (in shifted mode with its pre-RoPE keys and their rotations for the next
+        steps) and the window's stored tokens."""
+        if self.keys is None:
+            return {"sink": 0, "body": 0}
+        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block) if a is not None)   # as made with the sink
+        return {"sink": self.n_sink * self._per_token() + extra, "body": self.n * self._per_token()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_breakdown().values())
+
+    def close(self) -> None:
+        self.keys = self.values = self.sink_keys = self._sink_block = None
+        self._sink_in_buffer = None
+        self.ring = False
+        self.n_sink = self.n = self.head = self.ptr = 0
+
+    def state(self) -> tuple[dict, dict]:
+        """(arrays, metadata): the tokens in position order as stored, the sink's pre-RoPE keys,
+        and the counters."""
+        meta = {"n_sink": self.n_sink, "n": self.n}
+        if not len(self):
+            return {}, meta
+        k, v = self._ordered()
+        arrays = {"keys": k, "values": v}
+        if self.sink_keys is not None:
+            arrays["sink_keys"] = self.sink_keys
+        return arrays, meta
+
+    def load_state(self, arrays: Any, meta: dict) -> None:
+        self.close()
+        n_sink, n = int(meta["n_sink"]), int(meta["n"])
+        if not n_sink + n:
+            return
+        k, v = arrays["keys"].mx(), arrays["values"].mx()
+        if k.dtype != self.dtype or k.shape[2] != n_sink + n or v.shape[2] != n_sink + n:
+            raise ValueError(f"saved window tokens are {k.dtype} x {k.shape[2]}, expected {self.dtype} x {n_sink + n}")
+        if self.positions.frame and n_sink:
+            self.sink_keys = arrays["sink_keys"].mx()
+            self._rotate_sink(0)
+        self.keys, self.values, self.n_sink, self.n = k, v, n_sink, n
