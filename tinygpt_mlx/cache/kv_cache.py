@@ -92,6 +92,8 @@ class LayerCache:
         mask); after a step (`pending == 0`) keep `window`. Retrieval hands what it drops to
         the cold store. Returns the tokens dropped.
         """
+        if not pending and self.sink_store is None and self.body.ring:
+            return 0        # a ring holds at most the window between steps
         n = self._pending_drop(pending)
         if n:
             k, v = self.body.drop_front(n)
@@ -144,7 +146,7 @@ class LayerCache:
             if body.n >= self.config.window:
                 body.drop_front(1)
                 self.start += 1
-            body.append(keys, values)
+            body.write_one(keys, values)
             self.seen += 1
             return keys, values
         by = self.positions.rebase_due(self.seen)
@@ -175,8 +177,8 @@ class LayerCache:
     def _readings(self) -> tuple[Reading, Reading]:
         return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, self._body_slot()))
 
-    def _ring_reading(self) -> Reading:
-        return Reading(self.dtype, self.positions, self.positions.frame_slot0(self.seen, self.stored_count))
+    def _ring_slot0(self) -> int:
+        return self.positions.frame_slot0(self.seen, self.stored_count)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
@@ -185,7 +187,7 @@ class LayerCache:
             if not len(self.body):
                 z = mx.zeros((0,), self.dtype or mx.float32)
                 return z, z
-            return self.body.attention_kv(self._ring_reading(), ordered=True)
+            return self.body.attention_kv(self._ring_slot0(), True, self.dtype)
         parts = []
         for store, slot in ((self.sink_store, 0), (self.body, self._body_slot())):
             if len(store):
@@ -239,7 +241,7 @@ class LayerCache:
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
         if self.sink_store is None:
-            return self.body.segments(self._ring_reading())
+            return self.body.segments(Reading(self.dtype, self.positions, self._ring_slot0()))
         sink, body = self._readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
@@ -248,7 +250,8 @@ class LayerCache:
         fused dense kernel over `fetch()`. Packed or retrieved data: retrieved cold tokens (if
         any), the sink and the body, one softmax over every segment's scores (segments.attend)."""
         if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
-            keys, values = self.body.attention_kv(self._ring_reading(), ordered=mask is not None)
+            slot0 = self.positions.frame_slot0(self.seen, self.body.n_sink + self.body.n) if self.positions.frame else 0
+            keys, values = self.body.attention_kv(slot0, mask is not None, self.dtype)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not self.needs_query:
             keys, values = self.fetch()
@@ -428,7 +431,7 @@ class KVCache(list):
     # ----- whole-cache operations -----------------------------------------------------------
     def evict_middle_if_needed(self) -> int:
         """Trim every layer to its policy after a step; returns tokens dropped per layer."""
-        return max((c.evict_middle_if_needed() for c in self.owned), default=0)
+        return max((c.evict_middle_if_needed() for c in self._owned), default=0)
 
     def is_trimmable(self) -> bool:
         """Whether `trim` can roll tokens back (plain full caches, ours or the model's own)."""

@@ -75,10 +75,7 @@ class RingStore:
             self._rotate_sink(self._block_at)   # made with the sink, so bytes never depend on reads
         if L == 1 and s == 0:
             self._to_ring(keys)
-            self.keys[..., self.sink + self.ptr: self.sink + self.ptr + 1, :] = keys.astype(self.dtype)
-            self.values[..., self.sink + self.ptr: self.sink + self.ptr + 1, :] = values.astype(self.dtype)
-            self.ptr = (self.ptr + 1) % self.window
-            self.n += 1
+            self.write_one(keys, values)
             return
         k, v = self._ordered()
         new_k, new_v = keys.astype(self.dtype), values.astype(self.dtype)
@@ -87,6 +84,14 @@ class RingStore:
         self.ring, self.head = False, 0
         self.n_sink += s
         self.n += L - s
+
+    def write_one(self, keys: mx.array, values: mx.array) -> None:
+        """A decode step's token into the ring (which has room), over the oldest window slot."""
+        i = self.sink + self.ptr
+        self.keys[..., i:i + 1, :] = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
+        self.values[..., i:i + 1, :] = values if values.dtype == self.dtype else values.astype(self.dtype)
+        self.ptr = (self.ptr + 1) % self.window
+        self.n += 1
 
     def _to_ring(self, like: mx.array) -> None:
         """Lay the tokens out as a ring (sink slots, then the window from slot 0) if they are not."""
@@ -98,8 +103,11 @@ class RingStore:
         B, H, _, Dk = like.shape
         pad = self.sink + self.window - len(self)
         zk = mx.zeros((B, H, pad, Dk), self.dtype)
-        zv = mx.zeros((B, H, pad, self.values.shape[3]), self.dtype)
-        self.keys, self.values = mx.concatenate([k, zk], axis=2), mx.concatenate([v, zv], axis=2)
+        zv = mx.zeros((B, H, pad, (v if v is not None else like).shape[3]), self.dtype)
+        if k is None:
+            self.keys, self.values = zk, zv
+        else:
+            self.keys, self.values = mx.concatenate([k, zk], axis=2), mx.concatenate([v, zv], axis=2)
         self.ring, self.ptr, self.head = True, self.n, 0
         self._sink_in_buffer = None
 
@@ -157,12 +165,11 @@ class RingStore:
         self.keys[..., S:, :] = self.positions.rotate_to(self.keys[..., S:, :].astype(mx.float32), -by).astype(self.dtype)
 
     # ----- reading --------------------------------------------------------------------------
-    def _placed_sink(self, reading: Reading) -> Optional[mx.array]:
+    def _placed_sink(self, at: int) -> Optional[mx.array]:
         """Shifted mode: the sink's keys rotated to their slots in the query's frame (sink slot 0
-        at `reading.first_slot`), from a block computed for SINK_STEPS consecutive slots."""
+        at frame position `at`), from a block computed for SINK_STEPS consecutive slots."""
         if not self.positions.frame or not self.n_sink:
             return None
-        at = reading.first_slot
         if not 0 <= at - self._block_at < SINK_STEPS:
             self._rotate_sink(at)
         t, S = at - self._block_at, self.n_sink
@@ -177,26 +184,25 @@ class RingStore:
         block = block.reshape(SINK_STEPS, B, H, S, D).transpose(1, 2, 0, 3, 4).reshape(B, H, SINK_STEPS * S, D)
         self._sink_block, self._block_at = block.astype(self.dtype), at   # step t: rows [t*S, (t+1)*S)
 
-    def attention_kv(self, reading: Reading, ordered: bool) -> tuple[mx.array, mx.array]:
-        """Keys and values for one attention call: the buffer as it lies (ring order, for a
-        single query with no mask), or in position order (`ordered`: what a mask's columns
-        index)."""
-        placed = self._placed_sink(reading)
-        if ordered or not self.ring:
-            k, v = self._ordered()
-            if placed is not None:
-                k = mx.concatenate([placed, k[..., self.n_sink:, :]], axis=2)
-        elif self.n < self.window and (self.ptr - self.n) % self.window:
-            return self.attention_kv(reading, ordered=True)   # a partly evicted ring (not between steps)
-        else:
-            if placed is not None and self._sink_in_buffer != reading.first_slot:
-                self.keys[..., :self.n_sink, :] = placed
-                self._sink_in_buffer = reading.first_slot
+    def attention_kv(self, first_slot: int, ordered: bool, dtype: Optional[mx.Dtype] = None
+                     ) -> tuple[mx.array, mx.array]:
+        """Keys and values for one attention call, sink slot 0 at frame position `first_slot`
+        (shifted mode): the buffer as it lies (ring order, for a single query with no mask), or
+        in position order (`ordered`: what a mask's columns index)."""
+        if self.ring and not ordered and (self.n == self.window or self.ptr == self.n):
+            if self.positions.frame and self.n_sink and self._sink_in_buffer != first_slot:
+                self.keys[..., :self.n_sink, :] = self._placed_sink(first_slot)
+                self._sink_in_buffer = first_slot
             k, v = self.keys, self.values
             if self.n < self.window:      # not wrapped yet: the window is slots [0, n)
                 k, v = k[..., :len(self), :], v[..., :len(self), :]
-        if reading.dtype is not None and reading.dtype != self.dtype:
-            k, v = k.astype(reading.dtype), v.astype(reading.dtype)
+        else:                             # position order (or a ring evicted between steps)
+            k, v = self._ordered()
+            placed = self._placed_sink(first_slot)
+            if placed is not None:
+                k = mx.concatenate([placed, k[..., self.n_sink:, :]], axis=2)
+        if dtype is not None and dtype != self.dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
         return k, v
 
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
@@ -213,7 +219,7 @@ class RingStore:
     def segments(self, reading: Reading) -> list:
         if not len(self):
             return []
-        return [DenseSegment(*self.attention_kv(reading, ordered=True))]
+        return [DenseSegment(*self.attention_kv(reading.first_slot, True, reading.dtype))]
 
     # ----- bytes, closing, files ----------------------------------------------------------------
     def _per_token(self) -> int:
