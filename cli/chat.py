@@ -115,11 +115,9 @@ def stats_lines(session) -> list[str]:
 def save(session, path: str) -> str:
     from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415 (see cli/main.py)
 
+    logits = session.flush()     # the last answer's final token goes into the cache first
     conv = session.conversation
-    if conv.pending:
-        raise ValueError("the last answer's final token is not in the cache yet; send a message first "
-                         "(or /save after an answer that ended at its end-of-turn token)")
-    save_prompt_cache(path, session.cache, session.loaded, conv.fed)
+    save_prompt_cache(path, session.cache, session.loaded, conv.fed, logits)
     return f"saved {len(conv.fed)} tokens to {path}"
 
 

@@ -275,6 +275,33 @@ def test_ctrl_c_library_level_cancel_keeps_the_conversation(native):
     assert s.turns[-1].prefilled == s.turns[-1].new_tokens
 
 
+@pytest.mark.parametrize("policy", ["full", "window"])
+def test_save_feeds_the_last_token_and_the_file_continues_like_the_session(native, tmp_path, policy):
+    """/save after an answer cut at --tokens (its last sampled token not fed yet): that token is
+    fed first, the file holds the whole transcript, and a run continued from the file answers
+    the next message exactly as the session does."""
+    from cli.chat import save
+    from tinygpt_mlx.cache.persist import load_prompt_cache
+    from tinygpt_mlx.chat import ChatSession
+    from tinygpt_mlx.generate import steps
+    from tinygpt_mlx.sampling import make_sampler
+    config = CacheConfig() if policy == "full" else CacheConfig(sink=4, window=16)
+    s = ChatSession(native, config, SampleConfig(temperature=0.0, max_tokens=6, ignore_eos=True))
+    "".join(s.say("The quick brown fox"))
+    assert len(s.conversation.pending) == 1                 # the 6th token: sampled, not fed
+    path = tmp_path / "chat.ptc"
+    assert save(s, str(path)) == f"saved {len(s.conversation.fed)} tokens to {path}"
+    assert not s.conversation.pending and s.cache.current_length == len(s.conversation.fed)
+    restored, info = load_prompt_cache(path, native)
+    assert info.tokens == s.conversation.fed and restored.current_length == s.cache.current_length
+    before = len(s.conversation.fed)
+    ids, _ = s.conversation.next_ids("jumps over")
+    "".join(s.say("jumps over"))
+    want = s.conversation.transcript_ids()[before + len(ids):]
+    got = [st.token for st in steps(native.model, ids, restored, make_sampler(0.0), 6, 512) if st.token is not None]
+    assert got == want and len(got) == 6
+
+
 # ----- 200 turns in bounded memory ------------------------------------------------------------------
 def test_two_hundred_turns_stay_at_sink_plus_window(native_path, tmp_path):
     out = tmp_path / "w.json"

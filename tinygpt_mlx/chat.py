@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 from .cache import make_cache
 from .chat_template import encode_fragment, has_template, prompt_ids, stop_strings, turn_text
 from .errors import ContextLengthError
-from .generate import GenerationStats, steps
+from .generate import GenerationStats, prefill, steps
 from .sampling import make_sampler
 from .textstream import TextStream
 
@@ -131,6 +131,7 @@ class ChatSession:
         self.system, self.use_template = system, use_template
         self.cache = None
         self.turns: list[Turn] = []
+        self.logits = None      # the fp32 logits after the last token fed (None before any)
         self.reset()
 
     @property
@@ -143,6 +144,19 @@ class ChatSession:
         self.cache = make_cache(self.loaded.model, self.cache_config)
         self.conversation = Conversation(self.loaded.tokenizer, self.use_template, self.system)
         self.turns = []
+        self.logits = None
+
+    def flush(self) -> Any:
+        """Feed what the conversation means the cache to hold but was not fed yet (the last
+        answer's final sampled token; the rest of a cancelled prefill), so that the cache holds
+        the whole transcript; returns the logits after its last token. The next message then
+        feeds only its own tokens."""
+        conv = self.conversation
+        if conv.pending:
+            self.logits = prefill(self.loaded.model, conv.pending, self.cache, self.sample_config.prefill_chunk)
+            conv.fed += conv.pending
+            conv.pending = []
+        return self.logits
 
     def close(self) -> None:
         if self.cache is not None:
@@ -209,6 +223,8 @@ class ChatSession:
                 shown.append(tail)
                 yield tail
         finally:
+            if fed and stats.logits is not None:
+                self.logits = stats.logits
             self.conversation.add_reply(ids, generated, fed, "".join(shown))
             turn.generated, turn.finish_reason, turn.reply = len(generated), stats.finish_reason, "".join(shown)
             turn.current_length, turn.stored_count = cache.current_length, cache.stored_count
