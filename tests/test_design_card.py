@@ -63,8 +63,8 @@ def test_a_wrong_codec_changes_the_cache(model32, monkeypatch):
     ref = prefill(model32, TOKENS, make_cache(model32, CacheConfig(key_bits=4, value_bits=4)), 48)
     real = KVCache.quantise_affine
 
-    def broken(x, bits, group):
-        packed, scale, zero = real(x, bits, group)
+    def broken(x, bits, group, *params):
+        packed, scale, zero = real(x, bits, group, *params)
         return packed, scale * 0, zero
     monkeypatch.setattr(KVCache, "quantise_affine", staticmethod(broken))
     out = prefill(model32, TOKENS, make_cache(model32, CacheConfig(key_bits=4, value_bits=4)), 48)

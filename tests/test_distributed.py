@@ -120,7 +120,9 @@ def check_policy(runs: tuple[dict, dict], spec: str) -> None:
         f"2-rank greedy tokens differ from the 1-rank run (1-rank top-2 margin {single['margin']:.4f})")
     # sharded matmuls change the summation order only: last-bits differences, far below the
     # 1-rank run's top-2 margins (docs/distributed.md lists both)
-    assert r0["policies"][spec]["max_logit_diff"] < 1e-3
+    # (exact top-k picks discrete tokens: where two packed scores nearly tie, the other summation
+    # order can swap which one is refined; measured 2.4e-3 on the tiny Llama with fp16 scales)
+    assert r0["policies"][spec]["max_logit_diff"] < (5e-3 if "top" in spec else 1e-3)
     # every byte of every policy is per KV head: each rank holds exactly half
     for key in ("cache_bytes", "disk_bytes"):
         assert s0[key] == s1[key] and 2 * s0[key] == single[key], (key, single[key], s0[key], s1[key])

@@ -154,13 +154,33 @@ def test_exact_byte_counts(native32):
         def side(bits):
             if bits is None:
                 return P * H * D * 4
-            return P * H * D * bits // 8 + 2 * 4 * P * H * D // G   # codes + fp32 scale, zero
+            return P * H * D * bits // 8 + 2 * 2 * P * H * D // G   # codes + fp16 scale, zero
         expected = {"sink": 0, "body_packed": n_layers * (side(kb) + side(vb)),
                     "residual": n_layers * r * H * D * 2 * 4}
         assert cache.nbytes_breakdown() == expected
         assert cache.nbytes == sum(expected.values())
         held = sum(a.nbytes for layer in cache.owned for s in (layer.body.keys, layer.body.values) for a in s)
         assert held == expected["body_packed"]
+
+
+@pytest.mark.parametrize("spec, bound", [("int4", 0.33), ("int8", 0.58)])
+def test_bytes_per_token_against_bf16_at_4k(spec, bound):
+    """Right after a block freezes at 4K tokens (the exact residual at its least, R = 32), an
+    int4 body holds at most 0.33x the bytes of bf16 per stored token (codes 0.25x, fp16 scale
+    and zero 0.0625x, the fp32 residual the rest: 0.326x) and int8 0.58x (0.574x; the codes
+    alone are 0.5x). With fp32 scales and zeros they were 0.388x and 0.650x."""
+    store = kivi_store(CacheConfig.from_flags(spec))
+    k, v = mx.random.normal((1, 2, 4096, 32)), mx.random.normal((1, 2, 4096, 32))
+    for i in range(0, 4064, 508):
+        store.append(k[..., i:i + 508, :], v[..., i:i + 508, :])
+    i = 4064
+    while len(store.residual) != R or i == 4064:
+        store.append(k[..., i:i + 1, :], v[..., i:i + 1, :])
+        i += 1
+    bf16_per_token = 2 * 32 * 2 * 2          # heads x (K + V) x head dim x 2 bytes
+    ratio = store.nbytes / (len(store) * bf16_per_token)
+    assert len(store) == i and store.n_packed == i - R and ratio <= bound
+    assert all(a.dtype == mx.float16 for side in (store.keys, store.values) for a in side[1:])
 
 
 def test_composes_with_streaming_llm(native32):

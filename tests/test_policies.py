@@ -320,8 +320,10 @@ LONG_WINDOW_TOL = {"native": 1e-5,   # fp32 shifted 2.9e-6, absolute 0
                    "llama": 4e-5}    # fp32 shifted 1.9e-5, absolute 0
 # int4 + a long window vs int4 (or shifted vs absolute): measured absolute 0 (the same codes),
 # shifted native 2.9e-6, llama 2.5e-5 (keys un-rotated and re-rotated at freeze: no code flips)
+# measured: 0 / 0 (absolute), 1.3e-5 / 2.2e-5 (shifted: keys rotated once in fp32 before they
+# freeze; 2.4e-6 on native before fp16 scales and the dense prefill, kivi.py / kv_cache.py)
 INT4_LONG_WINDOW_TOL = {("native", "absolute"): 1e-5, ("llama", "absolute"): 1e-5,
-                        ("native", "shifted"): 1e-5, ("llama", "shifted"): 5e-5}
+                        ("native", "shifted"): 3e-5, ("llama", "shifted"): 5e-5}
 
 
 @pytest.mark.parametrize("model_name", MODELS)

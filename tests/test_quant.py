@@ -320,6 +320,23 @@ def test_byte_counts():
     assert packed_nbytes((1, 2, 64, 64), 8, 32) == p8.nbytes + s8.nbytes + z8.nbytes
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_float16_parameters_stay_within_half_a_step(bits):
+    """fp16 scale and zero: codes are computed against the rounded parameters, so every element
+    is still reconstructed within half its step, plus fp16's rounding of a zero of this size."""
+    x = mx.random.normal((4, 256), key=mx.random.key(bits)) * 3 + 1
+    p, s, z = quantise_affine(x, bits, 32, mx.float16)
+    assert s.dtype == z.dtype == mx.float16 and s.nbytes == x.size // 32 * 2
+    back = dequantise(p, s, z, bits, 32)
+    step = mx.repeat(s.astype(mx.float32), 32, axis=-1)
+    zero = mx.abs(mx.repeat(z.astype(mx.float32), 32, axis=-1))
+    assert (mx.abs(back - x) <= step / 2 + zero * 2 ** -11 + 1e-6).all().item()
+    # and the same quantiser with fp32 parameters is no further from x than half its step
+    p32, s32, z32 = quantise_affine(x, bits, 32)
+    err16, err32 = mx.abs(back - x).max().item(), mx.abs(dequantise(p32, s32, z32, bits, 32) - x).max().item()
+    assert err16 < err32 * 1.05 + 1e-3
+
+
 # ------------------------------------------------------------------- errors
 
 

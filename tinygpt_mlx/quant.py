@@ -92,8 +92,14 @@ def _check_axis(n: int, group: int, what: str) -> None:
         )
 
 
+#: the largest finite float16: parameters stored in float16 are clamped to it
+_FP16_MAX = 65504.0
+#: float16's smallest normal number: the least scale a float16 parameter keeps exactly enough
+_FP16_TINY = 2.0 ** -14
+
+
 def quantise_affine(
-    x: mx.array, bits: int, group: int
+    x: mx.array, bits: int, group: int, param_dtype: mx.Dtype = mx.float32
 ) -> tuple[mx.array, mx.array, mx.array]:
     """Quantise ``x`` in groups of ``group`` consecutive elements of its last axis.
 
@@ -101,6 +107,10 @@ def quantise_affine(
         x: Array of shape ``[..., N]`` (any float dtype; upcast to float32).
         bits: Code width, one of ``LEVELS`` (8, 4, 2).
         group: Group size, one of ``GROUP_SIZES`` (32, 64, 128); must divide N.
+        param_dtype: dtype of the returned scale and zero: float32, or float16 (half the
+            bytes; the parameters are rounded to float16 first and the codes computed
+            against the rounded ones, so the reconstruction error stays within half a step
+            plus float16's rounding of the zero, 2^-11 of its magnitude).
 
     Returns:
         ``(packed, scale, zero)`` where ``packed`` is uint32 of shape
@@ -125,6 +135,11 @@ def quantise_affine(
     lo = mx.min(xg, axis=-1, keepdims=True)
     hi = mx.max(xg, axis=-1, keepdims=True)
     scale = mx.maximum((hi - lo) / float(q_max - q_min), SCALE_EPS)
+    if param_dtype == mx.float16:
+        lo = mx.clip(lo, -_FP16_MAX, _FP16_MAX).astype(mx.float16).astype(mx.float32)
+        scale = mx.clip(scale, _FP16_TINY, _FP16_MAX).astype(mx.float16).astype(mx.float32)
+    elif param_dtype != mx.float32:
+        raise ValueError(f"param_dtype must be float32 or float16, got {param_dtype}")
     q = mx.clip(mx.round((xg - lo) / scale), q_min, q_max)
     codes = q.astype(mx.uint32).reshape(*lead, n)
 
@@ -133,7 +148,7 @@ def quantise_affine(
     shifts = mx.arange(per_word, dtype=mx.uint32) * bits
     # Bit fields are disjoint, so the sum is a bitwise OR.
     packed = mx.sum(words << shifts, axis=-1).astype(mx.uint32)
-    return packed, scale.squeeze(-1), lo.squeeze(-1)
+    return packed, scale.squeeze(-1).astype(param_dtype), lo.squeeze(-1).astype(param_dtype)
 
 
 def unpack_codes(packed: mx.array, bits: int) -> mx.array:
@@ -166,6 +181,8 @@ def dequantise(
     """
     _check_bits(bits)
     _check_group(group)
+    if scale.dtype != mx.float32:       # float16 parameters: the arithmetic stays float32
+        scale, zero = scale.astype(mx.float32), zero.astype(mx.float32)
     out = mx.dequantize(packed, scale, zero, group_size=group, bits=bits)
     return out.astype(dtype) if out.dtype != dtype else out
 

@@ -245,15 +245,28 @@ class LayerCache:
         sink, body = self._readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
+    #: a chunk of at least this many queries over a KIVI body attends over it dequantised
+    DENSE_PREFILL = 16
+
+    def _dense_prefill(self, L: int) -> bool:
+        """Whether a chunk of `L` queries over packed blocks runs the fused dense kernel over
+        the body dequantised once (`fetch()`): a prefill chunk's attention costs L times the
+        body, its dequantisation once, so the dense kernel (BLAS here, MLX's on Metal) wins
+        where many queries share the keys; decode steps score the packed codes directly. Not
+        with exact top-k (it refines the packed scores) nor retrieval (no dense reference)."""
+        return (L >= self.DENSE_PREFILL and self.cold is None and self.config.quantised
+                and getattr(self.body, "shadow", None) is None)
+
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores: the
-        fused dense kernel over `fetch()`. Packed or retrieved data: retrieved cold tokens (if
-        any), the sink and the body, one softmax over every segment's scores (segments.attend)."""
+        """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores (and a
+        KIVI prefill chunk, `_dense_prefill`): the fused dense kernel over `fetch()`. Packed or
+        retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
+        every segment's scores (segments.attend)."""
         if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
             slot0 = self.positions.frame_slot0(self.seen, self.body.n_sink + self.body.n) if self.positions.frame else 0
             keys, values = self.body.attention_kv(slot0, mask is not None, self.dtype)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        if not self.needs_query:
+        if not self.needs_query or self._dense_prefill(queries.shape[2]):
             keys, values = self.fetch()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         retrieved: list = []
@@ -359,13 +372,14 @@ class KVCache(list):
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod
-    def quantise_affine(x: mx.array, bits: int, group: int) -> tuple[mx.array, mx.array, mx.array]:
+    def quantise_affine(x: mx.array, bits: int, group: int, param_dtype: mx.Dtype = mx.float32
+                        ) -> tuple[mx.array, mx.array, mx.array]:
         """Asymmetric affine quantisation of groups of `group` consecutive elements of x's last
         axis: zero = min(g), scale = max(eps, (max(g) - min(g)) / (2^bits - 1)),
         q = clip(round((x - zero) / scale), 0, 2^bits - 1), packed 32 // bits codes per uint32.
         KIVI keys go in as K^T (groups of G tokens per channel), values as V (groups of G
         channels per token). Returns (packed, scale, zero)."""
-        return quant.quantise_affine(x, bits, group)
+        return quant.quantise_affine(x, bits, group, param_dtype)
 
     @staticmethod
     def dequantise_k(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, group: int,

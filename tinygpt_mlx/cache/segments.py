@@ -36,10 +36,12 @@ class DenseSegment:
         self.n_heads = keys.shape[1]
 
     def scores(self, q: mx.array) -> mx.array:
-        return q @ mx.expand_dims(self.keys, 2).swapaxes(-1, -2)
+        B, H, rep, L, D = q.shape     # a KV head's query group as rows: no broadcast copy
+        return (q.reshape(B, H, rep * L, D) @ self.keys.swapaxes(-1, -2)).reshape(B, H, rep, L, -1)
 
     def output(self, p: mx.array) -> mx.array:
-        return p @ mx.expand_dims(self.values, 2)
+        B, H, rep, L, T = p.shape
+        return (p.reshape(B, H, rep * L, T) @ self.values).reshape(B, H, rep, L, -1)
 
 
 class RetrievedSegment:
