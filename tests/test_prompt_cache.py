@@ -328,6 +328,15 @@ def test_killed_mid_write_leaves_the_old_file_loadable(loaded_models, saved):
     assert _sha(saved) == digest
     cache, info = load_prompt_cache(saved, loaded)
     assert info.tokens == DOC
+    # the killed save left its temporary file; the next save to that path removes it (its
+    # process is gone) and keeps a live process's
+    left = list(saved.parent.glob(f".{saved.name}.{proc.pid}-*.tmp"))
+    assert len(left) == 1
+    live = saved.parent / f".{saved.name}.{os.getpid()}-feedbeef.tmp"
+    live.write_bytes(b"a save in progress")
+    save_prompt_cache(saved, cache, loaded, DOC, info.logits)
+    assert not left[0].exists() and live.exists()
+    live.unlink()
     cache.close()
 
 

@@ -37,6 +37,7 @@ import os
 import secrets
 import weakref
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 from typing import Any, Optional, Union
 
@@ -132,6 +133,33 @@ def _model_identity(model: Any) -> dict:
 
 # ----- writing ----------------------------------------------------------------------------------
 
+def remove_stale_temps(path: Path) -> list[Path]:
+    """Remove the temporary files that saves to `path` left when their process was killed
+    mid-write (`.NAME.<pid>-<hex>.tmp` whose pid no longer runs); a save in progress in a live
+    process keeps its own. Returns what was removed."""
+    removed = []
+    for tmp in path.parent.glob(f".{glob_escape(path.name)}.*-*.tmp"):
+        pid = tmp.name[len(path.name) + 2:].split("-", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            tmp.unlink()
+            removed.append(tmp)
+        except OSError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens: list[int],
                       logits: Optional[mx.array] = None) -> Path:
     """Write `cache` (holding `tokens`, fed to `model`) to `path`, atomically (module doc).
@@ -161,6 +189,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
         "cache_bytes": str(cache.nbytes),
         "layers": json.dumps({"layout": layout, "owned": metas}),
     }
+    remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
     try:
         cachefile.write(tmp, tensors, metadata)
