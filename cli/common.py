@@ -221,6 +221,20 @@ def fail(message: str) -> None:
     err.print(f"[red]error:[/red] {escape(message)}")
 
 
+def check_writable_dir(path: Optional[Path], flag: str) -> None:
+    """Refuse a folder we will write into, before any work: it must be a writable folder, or
+    creatable in a writable one. Raises BadParameter naming `flag` and the path."""
+    if path is None:
+        return
+    if path.exists() and not path.is_dir():
+        raise typer.BadParameter(f"{path} is not a folder", param_hint=f"'{flag}'")
+    probe = path if path.is_dir() else path.parent if str(path.parent) else Path(".")
+    if not probe.is_dir():
+        raise typer.BadParameter(f"folder {probe} does not exist", param_hint=f"'{flag}'")
+    if not os.access(probe, os.W_OK):
+        raise typer.BadParameter(f"{probe} is not writable", param_hint=f"'{flag}'")
+
+
 def check_writable(path: Optional[Path], flag: str) -> None:
     """Refuse an output path before any work: its folder must exist and be writable, and the
     path itself must not be a folder. Raises BadParameter naming `flag` and the path."""

@@ -41,9 +41,15 @@ def serve(
         "Its slot is reserved for it: a prompt starting with its document is answered without prefilling the "
         "document. The file's policy must be the served one and its model this model.", exists=True,
         dir_okay=False, show_default=False)] = None,
+    slot_dir: Annotated[Optional[Path], typer.Option(
+        "--slot-dir", help="Keep the warm slots across restarts: at shutdown every slot's conversation is saved "
+        "here (slot-N.ptc, prompt-cache files), and at start the saved ones are loaded back, so a conversation "
+        "continues without its prefill. Files of another policy or model are skipped with a warning.",
+        show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
+    c.check_writable_dir(slot_dir, "--slot-dir")
     try:
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
@@ -59,13 +65,15 @@ def serve(
         loaded = load(model)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
-                         small_tokens=cfg.small_request, prompt_caches=prompt_cache or ())
+                         small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir)
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{loaded.name}[/cyan] "
                   f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
         for d in app.state.server.pool.describe():
             if "prompt_cache" in d:
                 err.print(f"slot {d['slot']} pre-warmed from {escape(d['prompt_cache'])}: {d['tokens']} tokens")
+        for path in app.state.server.restored:
+            err.print(f"restored a conversation from {escape(path)}")
         err.print(f"ollama API: http://{cfg.host}:{cfg.port}/api  ·  OpenAI API: http://{cfg.host}:{cfg.port}/v1")
         if not cfg.loopback:
             err.print(f"[yellow]warning:[/yellow] listening on {cfg.host}: anyone who can reach this port can "

@@ -424,6 +424,73 @@ def test_prewarmed_slot_answers_without_prefilling_the_document(native, tmp_path
     assert again["response"] == cold2["response"]
 
 
+@pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(key_bits=4, sink=4, window=64)],
+                         ids=["full", "int4keys+streaming"])
+def test_slot_dir_keeps_a_conversation_across_a_restart(native, tmp_path, cfg):
+    """serve --slot-dir: a conversation continues after a restart without its prefill, exactly
+    as on a server that never restarted (same prefilled count, same answer)."""
+    slots = tmp_path / "slots"
+    srv, thread, url = _serve(native, cfg, max_slots=2, slot_dir=slots)
+    try:
+        first = _ask(url, native.name, DOC)
+    finally:
+        _stop(srv, thread)
+    assert [f.name for f in slots.glob("slot-*.ptc")] == ["slot-0.ptc"]
+    follow_up = DOC + first["response"] + QUESTION
+    srv, thread, url = _serve(native, cfg, max_slots=2, slot_dir=slots)
+    try:
+        assert [s["tokens"] for s in httpx.get(url + "/api/slots").json()["slots"]][0] > 0
+        after = _ask(url, native.name, follow_up)
+        recent = httpx.get(url + "/api/slots").json()["recent"]
+    finally:
+        _stop(srv, thread)
+    srv, thread, url = _serve(native, cfg, max_slots=2)             # never restarted
+    try:
+        _ask(url, native.name, DOC)
+        ref = _ask(url, native.name, follow_up)
+    finally:
+        _stop(srv, thread)
+    assert recent[-1]["action"] == "extend" and recent[-1]["slot"] == 0
+    assert after["prompt_eval_count"] == ref["prompt_eval_count"] < len(native.tokenizer.encode(DOC)) / 4
+    assert after["response"] == ref["response"] and after["eval_count"] == ref["eval_count"] > 0
+    # the second run saved the extended conversation over the first one's file
+    from tinygpt_mlx.cache.persist import read_prompt_cache_info
+    assert read_prompt_cache_info(slots / "slot-0.ptc").token_count > len(native.tokenizer.encode(follow_up)) - 2
+
+
+def test_slot_dir_file_of_another_policy_is_skipped(native, tmp_path):
+    slots = tmp_path / "slots"
+    slots.mkdir()
+    _ptc(native, CacheConfig(key_bits=4), slots / "slot-0.ptc")
+    srv, thread, url = _serve(native, CacheConfig(), max_slots=2, slot_dir=slots)
+    try:
+        assert [s["tokens"] for s in httpx.get(url + "/api/slots").json()["slots"]] == [0, 0]
+        _ask(url, native.name, "Hello")
+    finally:
+        _stop(srv, thread)
+    assert [f.name for f in slots.glob("slot-*.ptc")] == ["slot-0.ptc"]   # this run's conversation
+
+
+def test_serve_command_slot_dir(native_path, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(app))
+    r = CliRunner().invoke(app, ["serve", str(native_path), "--slot-dir", str(tmp_path / "new")])
+    assert r.exit_code == 0, r.output
+    srv = calls[0].state.server
+    assert srv.slot_dir == tmp_path / "new" and srv.restored == []
+    srv.worker.stop()
+    srv.pool.close()
+    a_file = tmp_path / "f.txt"
+    a_file.write_text("x")
+    for bad, why in ((a_file, "not a folder"), (tmp_path / "no" / "such", "does not exist")):
+        r = CliRunner().invoke(app, ["serve", str(native_path), "--slot-dir", str(bad)])
+        lines = [x for x in r.output.strip().splitlines() if x.strip()]
+        assert r.exit_code != 0 and len(lines) == 1 and "--slot-dir" in lines[0] and why in lines[0], r.output
+
+
 def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, native_path, tmp_path, tokenizer_json,
                                                                     monkeypatch):
     from typer.testing import CliRunner

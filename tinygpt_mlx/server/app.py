@@ -27,20 +27,26 @@ log = logging.getLogger("posttrainllm.server")
 
 def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
                prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None,
-               prompt_caches: Sequence[Any] = ()) -> FastAPI:
+               prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None) -> FastAPI:
     """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
     `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
     a prompt that starts with its document is answered without prefilling the document); a file
-    of another policy or model raises `PromptCacheError` (one line naming it) before serving."""
+    of another policy or model raises `PromptCacheError` (one line naming it) before serving.
+    `slot_dir`: the conversations of the last run saved there are restored into slots now, and
+    this run's are saved there at shutdown (`Server.save_slots`)."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens).items() if v is not None})
-    srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches)
+    srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches,
+                 slot_dir)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
         srv.worker.stop()
-        srv.pool.close()        # every slot's cache: disk cold stores / KIVI shadows removed
+        try:
+            srv.save_slots()
+        finally:
+            srv.pool.close()    # every slot's cache: disk cold stores / KIVI shadows removed
 
     app = FastAPI(title="posttrainllm", lifespan=lifespan)
     app.state.server = srv

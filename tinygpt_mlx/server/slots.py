@@ -113,6 +113,24 @@ class SlotPool:
             slot.cache, slot.tokens, slot.source = cache, list(tokens), Source(str(path), tuple(tokens))
             return slot
 
+    def restore(self, cache: Any, tokens: list[int]) -> Optional[Slot]:
+        """Put a saved conversation (`serve --slot-dir`) in a free slot, as if it had just been
+        served there (an ordinary slot: evictable, extendable). None when no slot is free."""
+        with self._lock:
+            free = [s for s in self.slots if s.free and s.source is None]
+            if not free:
+                return None
+            slot = free[0]
+            slot.cache, slot.tokens = cache, list(tokens)
+            self._touch(slot)
+            return slot
+
+    def conversations(self) -> list[Slot]:
+        """The slots holding a conversation of their own (not pre-warmed documents, not empty):
+        what `serve --slot-dir` saves at shutdown."""
+        with self._lock:
+            return [s for s in self.slots if s.cache is not None and s.tokens and s.source is None]
+
     def _fresh(self, slot: Slot) -> None:
         """Give `slot` a new cache (an evicted slot's cache is closed: disk stores removed)."""
         self._drop(slot)

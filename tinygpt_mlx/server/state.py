@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -15,10 +16,12 @@ from fastapi import Request
 
 from . import prompt as pr
 from ..cache import make_cache
-from ..cache.persist import PromptCacheError, load_prompt_cache, read_prompt_cache_info
+from ..cache.persist import PromptCacheError, load_prompt_cache, read_prompt_cache_info, save_prompt_cache
 from ..generate import prefill
 from .slots import SlotPool
 from .worker import Job, Worker
+
+log = logging.getLogger("posttrainllm.server")
 
 
 class ApiError(Exception):
@@ -77,7 +80,7 @@ class Server:
     """State shared by the routes: the model, its names, the pool and the worker."""
 
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
-                 small_tokens: int, prompt_caches: Sequence[Any] = ()):
+                 small_tokens: int, prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None):
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
@@ -92,11 +95,55 @@ class Server:
             for path in prompt_caches:          # pre-warmed slots: every file checked before serving
                 cache, tokens = self.worker.call(lambda p=path: load_for_server(p, loaded, cache_config))
                 self.pool.prewarm(str(path), cache, tokens)
+            self.slot_dir = None if slot_dir is None else Path(slot_dir)
+            self.restored = self._restore_slots() if self.slot_dir is not None else []
         except BaseException:
             self.worker.stop()
             self.pool.close()
             raise
         self.started = time.time()
+
+    SLOT_FILE = "slot-{}.ptc"
+
+    def _restore_slots(self) -> list[str]:
+        """Load the conversations a previous run saved in `slot_dir` (`slot-N.ptc`) into free
+        slots; a file this server cannot use (another policy or model, a corrupt file) is
+        skipped with a warning in the log, never fatal: it is a cache. Returns what was restored."""
+        if not self.slot_dir.is_dir():
+            return []
+        done = []
+        for path in sorted(self.slot_dir.glob(self.SLOT_FILE.format("*"))):
+            try:
+                cache, tokens = self.worker.call(lambda p=path: load_for_server(p, self.loaded, self.cache_config))
+            except PromptCacheError as e:
+                log.warning("slot file skipped: %s", e)
+                continue
+            if self.pool.restore(cache, tokens) is None:
+                cache.close()
+                log.warning("slot file skipped: %s: no free slot left", path)
+                continue
+            done.append(str(path))
+        return done
+
+    def save_slots(self) -> list[str]:
+        """Save every slot's conversation to `slot_dir` (at shutdown, with the worker stopped),
+        each file written atomically; files of slots that are now empty are removed."""
+        if self.slot_dir is None:
+            return []
+        self.slot_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        for slot in self.pool.conversations():
+            path = self.slot_dir / self.SLOT_FILE.format(slot.index)
+            try:
+                save_prompt_cache(path, slot.cache, self.loaded, slot.tokens)
+                written.append(str(path))
+            except (OSError, ValueError) as e:
+                log.warning("slot %d not saved: %s", slot.index, e)
+        for old in self.slot_dir.glob(self.SLOT_FILE.format("*")):
+            if str(old) not in written:
+                old.unlink(missing_ok=True)
+        log.info("saved %d slot(s) to %s", len(written), self.slot_dir)
+        return written
 
     def check_model(self, body: dict) -> str:
         name = body.get("model")
