@@ -1,0 +1,71 @@
+"""Does a late question in a chat reach an early turn through retrieval? A ChatSession (the code
+`posttrainllm chat` runs) with retrieval: turn 1 states a pass key, then filler turns push it
+into the cold store, then a question. The retrieval telemetry, told where the pass key's tokens
+are (`KVCache.set_truth`), reports how often the question's retrievals fetched them back
+(`token_any`: some of its tokens, per layer, KV head and step; `token_recall`: the share of
+them), for the pass-key question and for an unrelated question (the control), and what the
+model answered. For docs/chat.md:
+
+    python scripts/chat_retrieval_reach.py [--model M] [--rounds 8] [--hot 64] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tinygpt_mlx.chat import ChatSession  # noqa: E402
+from tinygpt_mlx.config import CacheConfig, SampleConfig  # noqa: E402
+from tinygpt_mlx.loading import load  # noqa: E402
+
+FACT, KEY = "The pass key is 48213. Remember it.", " 48213"
+FILLER = ["Tell me about the weather in the valley today.", "And the king went up to the city with all his men.",
+          "What do the fishermen bring home in the evening?", "The wind came down from the hills and the river rose.",
+          "Who keeps the gate of the old town at night?"]
+QUESTIONS = {"pass key": "What is the pass key? The pass key is", "control": "Where does the river go in the spring?"}
+
+
+def run(loaded, config: CacheConfig, rounds: int, question: str) -> dict:
+    s = ChatSession(loaded, config, SampleConfig(temperature=0.0, max_tokens=4, ignore_eos=True))
+    "".join(s.say(FACT))
+    ids, key = s.conversation.transcript_ids(), loaded.tokenizer.encode(KEY)
+    at = next(i for i in range(len(ids)) if ids[i:i + len(key)] == key)
+    for text in FILLER * rounds:
+        "".join(s.say(text))
+    s.flush()
+    s.cache.set_truth(list(range(at, at + len(key))))
+    s.cache.reset_telemetry()
+    reply = "".join(s.say(question))
+    out = {"current_length": s.cache.current_length, "key_positions": [at, at + len(key)], "reply": reply,
+           **s.cache.retrieval_report()}
+    s.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--rounds", type=int, default=8, help="times the 5 filler turns are said")
+    ap.add_argument("--hot", type=int, default=64, help="--kiv-hot-budget")
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    loaded = load(a.model)
+    config = CacheConfig(sink=4, hot_budget=a.hot, rope_mode="absolute")
+    rows = {name: run(loaded, config, a.rounds, q) for name, q in QUESTIONS.items()}
+    for name, r in rows.items():
+        print(f"{name:9s} currentLength {r['current_length']}, cold {r['cold_tokens']}: pass-key tokens fetched in "
+              f"{r.get('token_any', 0):.3f} of layer-head steps (recall {r.get('token_recall', 0):.3f}); "
+              f"answer {r['reply']!r}")
+    if a.json is not None:
+        tmp = a.json.with_name(a.json.name + ".tmp")
+        tmp.write_text(json.dumps({"config": config.label(), "rounds": a.rounds, "rows": rows}, indent=1))
+        os.replace(tmp, a.json)
+
+
+if __name__ == "__main__":
+    main()
