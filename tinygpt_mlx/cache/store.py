@@ -66,6 +66,9 @@ class DenseStore:
         self.values: Optional[mx.array] = None
         self.head = 0
         self.n = 0
+        self.version = 0     # changes with every mutation: what `_placed` caches is keyed by it
+        self._placed_for: Optional[tuple] = None
+        self._placed_keys: Optional[mx.array] = None
 
     def __len__(self) -> int:
         return self.n
@@ -86,6 +89,7 @@ class DenseStore:
         self.keys[..., end : end + L, :] = keys.astype(self.dtype)
         self.values[..., end : end + L, :] = values.astype(self.dtype)
         self.n += L
+        self.version += 1
 
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Remove the oldest `n` tokens; returns them (the cold store may keep them)."""
@@ -94,6 +98,7 @@ class DenseStore:
         dropped = (self.keys[..., h : h + n, :], self.values[..., h : h + n, :])
         self.head += n
         self.n -= n
+        self.version += 1
         return dropped
 
     def droppable(self, n: int) -> int:
@@ -103,6 +108,7 @@ class DenseStore:
     def truncate(self, n: int) -> None:
         """Keep only the first `n` tokens (roll back a generation)."""
         self.n = min(self.n, n)
+        self.version += 1
 
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
         h, e = self.head, self.head + self.n
@@ -116,14 +122,26 @@ class DenseStore:
         if not self.n:
             return []
         k, v = self.fetch(reading.dtype)
-        return [DenseSegment(reading.positions.place(k, reading.first_slot), v)]
+        return [DenseSegment(self.placed(k, reading), v)]
+
+    def placed(self, keys: mx.array, reading: Reading) -> mx.array:
+        """`keys` (this store's, fetched) placed at their slots from `reading.first_slot`; the
+        rotation is kept until the store or the slot changes, so a store that does not change
+        between steps (a sink, whose slots are fixed) is rotated once, not every step."""
+        if not reading.positions.shifted:
+            return keys
+        key = (reading.first_slot, self.version, reading.dtype)
+        if self._placed_for != key:
+            self._placed_keys, self._placed_for = reading.positions.place(keys, reading.first_slot), key
+        return self._placed_keys
 
     def nbytes_breakdown(self) -> dict[str, int]:
         return {self.label: self.nbytes}
 
     def close(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._placed_keys = None
         self.head = self.n = 0
+        self.version += 1
 
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
     def state(self) -> tuple[dict, dict]:
@@ -150,6 +168,7 @@ class DenseStore:
         self.values = mx.zeros((B, H, size, v.shape[3]), self.dtype)
         self.keys[..., :n, :], self.values[..., :n, :] = k, v
         self.head, self.n = 0, n
+        self.version += 1
 
     @property
     def nbytes(self) -> int:
