@@ -151,6 +151,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":124,"rope_mode":"shifted"}}'),
     'sink4/window124:absolute': ('fp32 + StreamingLLM sink 4 + window 124 (absolute RoPE)',
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":124,"rope_mode":"absolute"}}'),
+    'sink4/window256': ('fp32 + StreamingLLM sink 4 + window 256 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":256,"rope_mode":"shifted"}}'),
     'sink4/window252': ('fp32 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),
     'sink4/window252:absolute': ('fp32 + StreamingLLM sink 4 + window 252 (absolute RoPE)',
