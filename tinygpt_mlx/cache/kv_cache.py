@@ -118,10 +118,6 @@ class LayerCache:
         return self.positions.query_offset(self.seen, self.stored_count - self._pending_drop(1),
                                            self._cold_tokens(1))
 
-    def offset_now(self) -> int:
-        """Frame mode, inside an update: the frame position the model gave the new tokens."""
-        return self.seen - self.positions.base
-
     @property
     def current_length(self) -> int:
         return self.seen
@@ -159,8 +155,8 @@ class LayerCache:
         n_sink = max(0, min(L, self.config.sink - self.n_sink))
         if n_sink and self._window_len() == 0:
             self.start = self.seen + n_sink
-        if self.sink_store is None:     # a ring: it places the sink itself
-            self.body.append(keys, values, self.offset_now())
+        if self.sink_store is None:     # a ring: it places the sink itself (the keys' frame position)
+            self.body.append(keys, values, self.seen - self.positions.base)
         else:
             stored = keys
             if self.positions.shifted:
@@ -413,10 +409,6 @@ class KVCache(list):
         return len(self._distinct())
 
     # ----- counts and bytes -----------------------------------------------------------------
-    def offset_now(self) -> int:
-        """Frame mode, inside an update: the frame position the model gave the new tokens."""
-        return self.seen - self.positions.base
-
     @property
     def current_length(self) -> int:
         return max((c.current_length for c in self.owned), default=0)

@@ -58,17 +58,15 @@ class RingStore:
         return self.n_sink + self.n
 
     # ----- storage --------------------------------------------------------------------------
-    def append(self, keys: mx.array, values: mx.array, first: Optional[int] = None) -> None:
+    def append(self, keys: mx.array, values: mx.array, first: int) -> None:
         """Store [B, H, L, D] new tokens (keys as the model rotated them, the first one at
-        frame position `first`; default: the tokens so far): the first S ever fill the sink,
-        the rest the window, in place when L == 1. The layer cache has evicted first
-        (`drop_front`), so the window has room."""
+        frame position `first`): the first S ever fill the sink, the rest the window, in place
+        when L == 1. The layer cache has evicted first (`drop_front`), so the window has room."""
         L = keys.shape[2]
         if L == 0:
             return
         s = min(L, self.sink - self.n_sink)
         if s and self.positions.frame:
-            first = len(self) - self.positions.base if first is None else first
             raw = self.positions.unrotate(keys[..., :s, :], first)
             raw = raw.astype(self.dtype)
             self.sink_keys = raw if self.sink_keys is None else mx.concatenate([self.sink_keys, raw], axis=2)
