@@ -174,6 +174,7 @@ class LayerCache:
         return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, self._body_slot()))
 
     def _ring_slot0(self) -> int:
+        """A ring's sink slot 0 in the query's frame (read only in shifted mode)."""
         return self.positions.frame_slot0(self.seen, self.stored_count)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
@@ -259,8 +260,7 @@ class LayerCache:
         retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
         every segment's scores (segments.attend)."""
         if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
-            slot0 = self.positions.frame_slot0(self.seen, self.body.n_sink + self.body.n) if self.positions.frame else 0
-            keys, values = self.body.attention_kv(slot0, mask is not None, self.dtype)
+            keys, values = self.body.attention_kv(self._ring_slot0(), mask is not None, self.dtype)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not self.needs_query or self._dense_prefill(queries.shape[2]):
             keys, values = self.fetch()

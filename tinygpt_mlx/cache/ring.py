@@ -35,10 +35,10 @@ _NOTHING = (mx.zeros((0,)), mx.zeros((0,)))
 
 
 class RingStore:
-    """The sink and the window of an exact StreamingLLM cache (module doc). An `Evictable`
-    store that also holds the sink (`owns_sink`): the layer cache hands it every token."""
-
-    owns_sink = True
+    """The sink and the window of an exact StreamingLLM cache (module doc), holding the sink
+    too (its layer cache has no sink store and hands it every token). Of `Evictable` it has `append`,
+    `droppable` and `drop_front`; no `truncate` (a StreamingLLM cache is not trimmable) and no
+    `fetch`: `attention_kv(..., ordered=True)` is its dense reference, sink placed."""
 
     def __init__(self, dtype: mx.Dtype, sink: int, window: int, positions: Positions):
         self.dtype, self.sink, self.window, self.positions = dtype, sink, window, positions
@@ -143,18 +143,6 @@ class RingStore:
         self.n -= n
         return _NOTHING
 
-    def truncate(self, n: int) -> None:
-        """Keep only the first `n` tokens (the sink first)."""
-        k, v = self._ordered()
-        keep = min(n, len(self))
-        if k is not None:
-            self.keys, self.values = k[..., :keep, :], v[..., :keep, :]
-        self.n_sink = min(self.n_sink, keep)
-        self.n = keep - self.n_sink
-        if self.sink_keys is not None:
-            self.sink_keys = self.sink_keys[..., :self.n_sink, :]
-        self.ring, self.head = False, 0
-
     def rebase(self, by: int) -> None:
         """Turn every stored window key back by `by` positions (the base grows by `by`)."""
         if self.keys is None:
@@ -199,17 +187,6 @@ class RingStore:
             placed = self._placed_sink(first_slot)
             if placed is not None:
                 k = mx.concatenate([placed, k[..., self.n_sink:, :]], axis=2)
-        if dtype is not None and dtype != self.dtype:
-            k, v = k.astype(dtype), v.astype(dtype)
-        return k, v
-
-    def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
-        """Every stored token in position order, as stored (sink keys before RoPE in shifted
-        mode are not placed here: `attention_kv(..., ordered=True)` places them)."""
-        k, v = self._ordered()
-        if k is None:
-            z = mx.zeros((0,), dtype or self.dtype)
-            return z, z
         if dtype is not None and dtype != self.dtype:
             k, v = k.astype(dtype), v.astype(dtype)
         return k, v
