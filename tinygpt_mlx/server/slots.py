@@ -105,11 +105,10 @@ class SlotPool:
         """Reserve a free slot for a prompt-cache file: it holds `cache` (loaded from `path`)
         and the file's `tokens`. Raises ValueError when no free slot is left."""
         with self._lock:
-            free = [s for s in self.slots if s.free and s.source is None]
-            if not free:
+            slot = self._free_slot()
+            if slot is None:
                 raise ValueError(f"{path}: no slot left for this prompt cache ({len(self.slots)} slot(s), "
                                  "one per --prompt-cache file; raise --max-slots)")
-            slot = free[0]
             slot.cache, slot.tokens, slot.source = cache, list(tokens), Source(str(path), tuple(tokens))
             return slot
 
@@ -117,10 +116,9 @@ class SlotPool:
         """Put a saved conversation (`serve --slot-dir`) in a free slot, as if it had just been
         served there (an ordinary slot: evictable, extendable). None when no slot is free."""
         with self._lock:
-            free = [s for s in self.slots if s.free and s.source is None]
-            if not free:
+            slot = self._free_slot()
+            if slot is None:
                 return None
-            slot = free[0]
             slot.cache, slot.tokens = cache, list(tokens)
             self._touch(slot)
             return slot
@@ -130,6 +128,10 @@ class SlotPool:
         what `serve --slot-dir` saves at shutdown."""
         with self._lock:
             return [s for s in self.slots if s.cache is not None and s.tokens and s.source is None]
+
+    def _free_slot(self) -> Optional[Slot]:
+        """The first slot holding nothing and reserved for no prompt-cache file."""
+        return next((s for s in self.slots if s.free and s.source is None), None)
 
     def _fresh(self, slot: Slot) -> None:
         """Give `slot` a new cache (an evicted slot's cache is closed: disk stores removed)."""
@@ -177,10 +179,10 @@ class SlotPool:
             src.cache, tokens = self.loader(src.source.path)
             src.tokens = list(tokens)
             return Lease(src, len(src.tokens), "reload")
-        free = [s for s in self.slots if s.free and s.source is None]
-        if free:
-            self._fresh(free[0])
-            return Lease(free[0], 0, "new")
+        free = self._free_slot()
+        if free is not None:
+            self._fresh(free)
+            return Lease(free, 0, "new")
         # no free slot: a request that is mostly this slot's conversation (regenerate after a long
         # answer) rolls it back rather than evicting another conversation
         if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt) \
