@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -24,29 +22,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-import uvicorn  # noqa: E402
 
 from tinygpt_mlx.cache import make_cache  # noqa: E402
 from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: E402
 from tinygpt_mlx.evaluate.modes import parse_policy  # noqa: E402
 from tinygpt_mlx.generate import prefill  # noqa: E402
 from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server.app import create_app  # noqa: E402
+from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
 
 QUESTION = "\n\nQuestion: what is this text about?\nAnswer:"
 
 
 def serve(loaded, cfg, chunk, files):
-    app = create_app(loaded, cfg, prefill_chunk=chunk, max_slots=2, prompt_caches=files)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    t = threading.Thread(target=srv.run, daemon=True)
-    t.start()
-    while not srv.started:
-        time.sleep(0.05)
-    return srv, t, f"http://127.0.0.1:{port}"
+    return serve_in_thread(create_app(loaded, cfg, prefill_chunk=chunk, max_slots=2, prompt_caches=files))
 
 
 def ask(url, name, prompt, n):

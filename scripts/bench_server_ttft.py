@@ -22,23 +22,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import httpx
-import uvicorn
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server.app import create_app  # noqa: E402
+from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
 
 
 def build_model(kind: str, context: int) -> Path:
@@ -55,15 +52,7 @@ def build_model(kind: str, context: int) -> Path:
 
 def serve(loaded, cache_config, prefill_chunk):
     app = create_app(loaded, cache_config, max_slots=2, prefill_chunk=prefill_chunk)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    return app, server, thread, f"http://127.0.0.1:{port}"
+    return (app, *serve_in_thread(app))
 
 
 def chat(url: str, model: str, messages: list, num_predict: int) -> dict:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-import socket
-import threading
 import time
 
 import pytest
@@ -22,7 +20,7 @@ httpx = pytest.importorskip("httpx")
 
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.generate import prefill  # noqa: E402
-from tinygpt_mlx.server.app import create_app  # noqa: E402
+from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
 from tinygpt_mlx.server.prompt import plain_chat_text  # noqa: E402
 from tinygpt_mlx.server.slots import SlotPool  # noqa: E402
 
@@ -30,24 +28,9 @@ GREEDY = {"temperature": 0, "num_predict": 8}
 LONG = "The quick brown fox jumps over the lazy dog. In the beginning was the word. " * 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve(loaded, cache_config=None, prefill_chunk=64, **kw):
     """A live server on a free loopback port: (uvicorn server, its thread, base URL)."""
-    app = create_app(loaded, cache_config or CacheConfig(), prefill_chunk=prefill_chunk, **kw)
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    return srv, thread, f"http://127.0.0.1:{port}"
+    return serve_in_thread(create_app(loaded, cache_config or CacheConfig(), prefill_chunk=prefill_chunk, **kw))
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,13 @@ its job: a queued job is skipped, a running one stops at the next token.
 from __future__ import annotations
 
 import logging
+import socket
+import threading
+import time
 from contextlib import asynccontextmanager
 from typing import Any, Optional, Sequence
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
@@ -68,3 +72,21 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
 
     routes.register(app, srv)
     return app
+
+
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 20.0) -> tuple[Any, threading.Thread, str]:
+    """Run `app` with uvicorn on a free port of `host` in a daemon thread (tests and benchmarks
+    that talk to a live server): (the uvicorn server, its thread, the base URL), once it has
+    started. Stop it with `server.should_exit = True` and `thread.join()`."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError(f"the server on {host}:{port} did not start within {timeout:g} s")
+        time.sleep(0.05)
+    return server, thread, f"http://{host}:{port}"
