@@ -80,12 +80,18 @@ def bench(
     with c.guarded():
         ctx = _ints(contexts, "--contexts")
         specs = [s.strip() for s in policies.split(",") if s.strip()]
+        for flag, names in (("--reference", [reference]), ("--policies", specs)):
+            for s in names:   # every spec checked before the model loads
+                try:
+                    b.parse_spec(s)
+                except ValueError as e:
+                    raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
         if plot_path is not None:
             inputs.require_plotting()
         loaded = load(model)
         err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"contexts {ctx}")
-        for s in dict.fromkeys([reference, *specs]):  # a bad spec fails before the model runs
+        for s in dict.fromkeys([reference, *specs]):
             err.print(f"  {s}: [green]{b.make_policy(s, loaded.model).label}[/green]")
         with c.Progress("bench (warm-up, then timed prefill chunks and decode steps)", unit="steps") as bar:
             def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell

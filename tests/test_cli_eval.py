@@ -57,6 +57,14 @@ def no_load(monkeypatch):
     return spy
 
 
+@pytest.mark.parametrize("flag, value, named", [("--reference", "bogus", "'bogus'"),
+                                                ("--policies", "fp32,int9", "'int9'"),
+                                                ("--policies", "mlx-rotating3", "rotating size")])
+def test_bench_bad_spec_is_one_line_before_the_model_loads(no_load, flag, value, named):
+    line = one_line_error(run("bench", flag, value, "--contexts", 16), f"'{flag}'", named)
+    assert line.startswith("error:") and no_load.calls == 0
+
+
 # --- defaults that work with no data fetched -------------------------------------------------
 
 def test_shipped_heldout_text_is_packaged_utf8_kjv():

@@ -66,17 +66,25 @@ def _head_dim(model: Any) -> int:
     return getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
 
 
-def make_policy(spec: str, model: Any) -> Policy:
-    """A named cache factory for `model`; a bad spec is a ValueError."""
+def parse_spec(spec: str) -> Any:
+    """A bench spec checked without a model: one of ours (its `CacheConfig`) or an mlx-lm
+    baseline (the regex match); a bad spec is a ValueError naming it."""
     m = _MLX.fullmatch(spec.strip().lower())
     if m is None:
-        config = CacheConfig.from_spec(spec)
-        return Policy(spec, config.label(), lambda: make_cache(model, config))
+        return CacheConfig.from_spec(spec)
+    if m[1] and int(m[1]) <= 4:
+        raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
+    return m
+
+
+def make_policy(spec: str, model: Any) -> Policy:
+    """A named cache factory for `model`; a bad spec is a ValueError."""
+    m = parse_spec(spec)
+    if isinstance(m, CacheConfig):
+        return Policy(spec, m.label(), lambda: make_cache(model, m))
     n = len(model.layers)
     if m[1]:
         size = int(m[1])
-        if size <= 4:
-            raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
         return Policy(spec, f"mlx-lm RotatingKVCache({size}, keep=4)",
                       lambda: MlxLmCache(mc.RotatingKVCache(size, keep=4) for _ in range(n)))
     if m[2]:
