@@ -86,7 +86,12 @@ KivColdBits = Annotated[Optional[int], typer.Option(
     show_default=False)]
 KivPositions = Annotated[Optional[str], typer.Option(
     "--kiv-positions", help=f"Retrieval: RoPE slot of retrieved tokens, fixed (one slot before the hot window, "
-    f"InfLLM) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
+    f"InfLLM), page (token j of every fetched page at the j-th of --kiv-page-size slots: spans keep their inner "
+    f"distances) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
+KivUnit = Annotated[Optional[str], typer.Option(
+    "--kiv-unit", help=f"Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens "
+    f"(tokens) or its --kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). "
+    f"Default {field_default(_C, 'retrieve_unit')}.", show_default=False)]
 KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
@@ -140,6 +145,7 @@ CACHE_OPTIONS = {
     "kiv_cold_path": (KivColdPath, "cold_path"),
     "kiv_cold_bits": (KivColdBits, "cold_bits"),
     "kiv_positions": (KivPositions, "retrieved_position"),
+    "kiv_unit": (KivUnit, "retrieve_unit"),
     "kiv_index_block": (KivIndexBlock, "index_block"),
 }
 

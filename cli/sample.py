@@ -179,7 +179,8 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
 
     Shifted RoPE puts keys at cache slots, so the largest query-key distance is the span the
     policy attends to: sink + window for StreamingLLM; sink + the retrieved tokens' slots
-    (1 with --kiv-positions fixed, --kiv-top-p with slots) + hot budget for retrieval.
+    (1 with --kiv-positions fixed, --kiv-page-size with page, --kiv-top-p with slots) + hot
+    budget for retrieval.
     """
     if not context or cfg.rope_mode != "shifted":
         return None
@@ -188,7 +189,7 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
                 f"the model's trained context ({context}), so attention reaches untrained positions; keep "
                 f"--streaming-llm-sink + --streaming-llm-window <= {context}")
     if cfg.retrieval:
-        slots = 1 if cfg.retrieved_position == "fixed" else cfg.retrieve_tokens
+        slots = cfg.retrieved_slots
         span = cfg.sink + slots + cfg.hot_budget
         if span > context:
             return (f"retrieval spans sink {cfg.sink} + {slots} retrieved slot(s) + hot budget {cfg.hot_budget} "

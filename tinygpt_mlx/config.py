@@ -29,7 +29,8 @@ ROPE_MODES = ("shifted", "absolute")
 DEFAULT_ROPE_MODE = "shifted"
 SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
-RETRIEVED_POSITIONS = ("fixed", "slots")
+RETRIEVED_POSITIONS = ("fixed", "page", "slots")
+RETRIEVE_UNITS = ("tokens", "spans")
 
 
 class ConfigError(ValueError):
@@ -141,8 +142,11 @@ class CacheConfig:
     retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
                  the cold store (tinygpt_mlx/cache/retrieval.py, docs/retrieval.md)
     retrieved_position  shifted retrieval: where retrieved tokens sit, "fixed" (all at one
-                 slot just before the hot window, InfLLM) or "slots" (in order, in
-                 `retrieve_tokens` slots before the hot window)
+                 slot just before the hot window, InfLLM), "page" (token j of every page at
+                 the j-th of `page_size` slots before the hot window: a span keeps its inner
+                 distances) or "slots" (in order, in `retrieve_tokens` slots before the hot window)
+    retrieve_unit  retrieval: what a query fetches, its `retrieve_tokens` best "tokens" or the
+                 `retrieve_tokens // page_size` best pages whole ("spans", InfLLM's blocks)
     index_block  retrieval: pages per block of the two-level page index (block summaries
                  bound their pages'; 0 = always scan every page summary)
     """
@@ -167,6 +171,7 @@ class CacheConfig:
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
     index_block: int = 32
+    retrieve_unit: str = "tokens"
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
@@ -224,6 +229,11 @@ class CacheConfig:
         if self.retrieved_position not in RETRIEVED_POSITIONS:
             raise ConfigError("retrieved_position", f"must be one of {', '.join(RETRIEVED_POSITIONS)}, "
                               f"got {self.retrieved_position!r}")
+        if self.retrieve_unit not in RETRIEVE_UNITS:
+            raise ConfigError("retrieve_unit", f"must be one of {', '.join(RETRIEVE_UNITS)}, got {self.retrieve_unit!r}")
+        if self.retrieve_unit == "spans" and self.retrieved_position == "slots":
+            raise ConfigError("retrieve_unit", "spans need {retrieved_position} fixed or page (slots numbers "
+                              "single tokens)", ("retrieved_position",))
         if self.cold_bits is not None and self.cold_bits not in (8, 4):
             raise ConfigError("cold_bits", f"must be 8 or 4, got {self.cold_bits!r}")
 
@@ -238,6 +248,13 @@ class CacheConfig:
     @property
     def retrieval(self) -> bool:
         return self.hot_budget is not None
+
+    @property
+    def retrieved_slots(self) -> int:
+        """Shifted retrieval: the most cache slots retrieved tokens take between the sink and
+        the hot window (positions.py): 1 (`fixed`), `page_size` (`page`), `retrieve_tokens`
+        (`slots`)."""
+        return {"fixed": 1, "page": self.page_size}.get(self.retrieved_position, self.retrieve_tokens)
 
     @property
     def capacity(self) -> Optional[int]:
@@ -269,7 +286,9 @@ class CacheConfig:
             g64, r128                                  KIVI group size G, residual R
             top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
             sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
-            hot256[:absolute|:shifted]                 retrieval hot budget
+            [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
+            colddisk                                   retrieval's cold store on disk
+            spans, page                                retrieval fetches whole pages; page RoPE slots
 
         e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
         and "full" are the fp32 full cache. A bad part or config is a ValueError naming the spec."""
@@ -310,7 +329,7 @@ class CacheConfig:
                                 "summary": self.summary, "cold_store": self.cold_store,
                                 "cold_bits": self.cold_bits, "rope_mode": self.rope_mode,
                                 "retrieved_position": self.retrieved_position,
-                                "index_block": self.index_block})
+                                "index_block": self.index_block, "retrieve_unit": self.retrieve_unit})
         return d
 
     def label(self) -> str:
@@ -328,13 +347,16 @@ class CacheConfig:
         if self.streaming:
             parts.append(f"StreamingLLM sink {self.sink} + window {self.window} ({self.rope_mode} RoPE)")
         if self.retrieval:
-            parts.append(f"retrieval hot {self.hot_budget} + top {self.retrieve_tokens} tokens")
+            fetched = (f"top {self.retrieve_tokens} tokens" if self.retrieve_unit == "tokens" else
+                       f"top {max(1, self.retrieve_tokens // self.page_size)} pages")
+            parts.append(f"retrieval hot {self.hot_budget} + {fetched}")
         return " + ".join(parts)
 
 
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
-             "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), hotN[:absolute|:shifted] (retrieval); "
+             "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
+             "colddisk (retrieval's cold store on disk), spans (retrieval fetches pages), page (retrieved RoPE slots by page); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 
@@ -351,7 +373,11 @@ _SPEC_PARTS = (
                                                   "kv_quantize_values": f"int{m[2]}"}),
     (re.compile(r"(?:sink(\d+)/)?window(\d+)" + _ROPE),
      lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)}),
-    (re.compile(r"hot(\d+)" + _ROPE), lambda m: {"hot_budget": int(m[1]), **_rope(m)}),
+    (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
+     lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
+    (re.compile(r"colddisk"), lambda m: {"cold_store": "disk"}),
+    (re.compile(r"spans"), lambda m: {"retrieve_unit": "spans"}),
+    (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
     (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
 )

@@ -49,8 +49,8 @@ import numpy as np
 from ..config import CacheConfig
 from ..quant import GROUP_SIZES
 from .arrays import GrowingArray, private_dir, remove_dir, remove_with
-from .segments import Reading, RetrievedSegment
-from .telemetry import Selection
+from .segments import PoolSegment, Reading, RetrievedSegment
+from .telemetry import Selection, StageTimes
 
 __all__ = ["ColdStore"]
 
@@ -95,6 +95,7 @@ class ColdStore:
         self.config = config
         self.codec = codec           # KVCache: the packing of `cold_bits` rounds through it
         self.layer_index = layer_index
+        self.stages = StageTimes()   # per-stage seconds of retrieval (off unless `enabled`)
         self.page_size = config.page_size
         self.top_pages = config.top_pages
         self.retrieve_tokens = config.retrieve_tokens
@@ -301,10 +302,79 @@ class ColdStore:
             idx = np.take_along_axis(idx, pick, axis=-1)
         return np.sort(idx, axis=-1), pages, m
 
+    def pool(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pages a forward pass fetches: for query rows [G, rep, R, D] (the pass's last query,
+        and for a chunk the mean of its queries, positioned as the keys will be), the union of
+        each row's `top_pages` pages (`top_pages_of`), plus the unfinished page. Returns page
+        ids [G, K] in position order, padded with -1 (rows may differ in how many distinct pages
+        they have), and the last query's own pages [G, k] (telemetry)."""
+        P = self.n_pages
+        if P > self.top_pages:
+            lists = self.top_pages_of(rows)                                   # [G, R, k]
+            rows_u = [np.unique(lists[g]) for g in range(self.G)]
+            K = max(len(u) for u in rows_u)
+            pool = np.full((self.G, K), -1, dtype=np.int64)
+            for g, u in enumerate(rows_u):
+                pool[g, :len(u)] = u
+            last = lists[:, 0]
+        else:
+            pool = np.broadcast_to(np.arange(P, dtype=np.int64), (self.G, P))
+            last = pool
+        if self.n > P * self.page_size:
+            pool = np.concatenate([pool, np.full((self.G, 1), P, dtype=np.int64)], axis=1)
+        return pool, last
+
     def retrieve(self, reading: Reading) -> tuple[list, Selection]:
         """Attention segments of the cold tokens retrieved for `reading.queries` [B, Hq, L, D]
-        (post-RoPE), and the `Selection` that describes them (telemetry). In shifted mode the
-        retrieved keys are placed at `reading.first_slot` (module doc)."""
+        (post-RoPE), and the `Selection` that describes them (telemetry).
+
+        One pool per forward pass (`pool`: a coarse pass for the last query and the chunk's
+        mean query, never one per query), gathered once; every query then picks its own
+        `retrieve_tokens` tokens (or pages: `retrieve_unit` "spans") from the pool by their
+        exact scores, inside attention (`PoolSegment`: the fine pass's scores are the attention
+        scores). A decode step's pool is its query's pages: the same tokens as the per-query
+        search. The `slots` rule numbers each query's own tokens, so it keeps the per-query
+        search (`select`, the reference)."""
+        if reading.positions.shifted and reading.positions.rule == "slots":
+            return self._retrieve_per_query(reading)
+        queries, pos = reading.queries, reading.positions
+        B, Hq, L, D = queries.shape
+        hkv = self.G // B
+        rep = Hq // hkv
+        ps = self.page_size
+        slot = reading.first_slot if pos.shifted else 0
+        with self.stages.timed("coarse"):
+            q = queries.astype(mx.float32)
+            if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
+                q = pos.rotate_to(q, -slot)
+            rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
+            pool, last = self.pool(np.asarray(rows).reshape(self.G, rep, -1, D))
+        with self.stages.timed("gather"):
+            K = pool.shape[1]
+            idx = (np.maximum(pool, 0)[..., None] * ps + np.arange(ps)).reshape(self.G, K * ps)
+            valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
+            idx = np.where(valid, idx, 0)
+            k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, K * ps, -1))
+            v = mx.array(self._gather(self.values, idx).reshape(B, hkv, K * ps, -1))
+            if pos.shifted:   # fixed: every key at `slot`; page: token j of a page at slot + j
+                k = (pos.rotate_to(k, slot) if pos.fixed else
+                     pos.place(k.reshape(B * hkv * K, ps, -1), slot).reshape(k.shape))
+            self.stages.sync(k, v)
+        units = self.retrieve_tokens if self.config.retrieve_unit == "tokens" else max(1, self.retrieve_tokens // ps)
+        segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units,
+                              ps if self.config.retrieve_unit == "spans" else 1)
+        picked = segment.last_picked
+        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
+                              page_size=ps, tokens_scored=int(valid.sum(axis=1).max()), indexed=self._uses_index(),
+                              pages=last, positions=self.positions.view(),
+                              tokens_retrieved=min(units * segment.unit, K * ps),
+                              fetched=lambda: [row[i[ok[i]]] for row, ok, i in
+                                               zip(idx, valid, np.asarray(picked()).reshape(self.G, -1))])
+        return [segment], selection
+
+    def _retrieve_per_query(self, reading: Reading) -> tuple[list, Selection]:
+        """Every query its own coarse and fine pass (`select`), its tokens gathered per query
+        [B, Hkv, L, T, D] and placed at consecutive slots ending at `reading.first_slot`."""
         queries, pos = reading.queries, reading.positions
         B, Hq, L, D = queries.shape
         hkv = self.G // B
@@ -312,7 +382,6 @@ class ColdStore:
         q = queries.astype(mx.float32)
         slot = reading.first_slot if pos.shifted else 0
         if slot:
-            # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
             q = pos.rotate_to(q, -slot)
         qn = np.asarray(q).reshape(self.G, rep, L, D)
         idx, pages, m = self.select(qn)
@@ -320,10 +389,12 @@ class ColdStore:
         k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, L, T, -1))
         v = mx.array(self._gather(self.values, idx).reshape(B, hkv, L, T, -1))
         if pos.shifted:
-            k = pos.rotate_to(k, slot) if pos.fixed else pos.place(k, slot - T + 1)
+            k = pos.place(k, slot - T + 1)
+        last = idx[:, -1]
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
                               page_size=self.page_size, tokens_scored=m, indexed=self._uses_index(),
-                              idx=idx[:, -1], pages=pages[:, -1], positions=self.positions.view())
+                              pages=pages[:, -1], positions=self.positions.view(), tokens_retrieved=T,
+                              fetched=lambda: list(last))
         return [RetrievedSegment(k, v)], selection
 
     def segments(self, reading: Reading) -> list:

@@ -265,13 +265,19 @@ class LayerCache:
         if not self.needs_query or self._dense_prefill(queries.shape[2]):
             keys, values = self.fetch()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        retrieved: list = []
-        if self.cold is not None and len(self.cold):
-            reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
-                              queries, scale)
-            retrieved, selection = self.cold.retrieve(reading)
-            self.telemetry.record(selection)
-        return attend(retrieved + self.segments(), len(retrieved), queries, scale, mask)
+        if self.cold is None or not len(self.cold):
+            return attend(self.segments(), 0, queries, scale, mask)
+        stages = self.cold.stages
+        with stages.timed("model"):     # (bench's stage split: the model up to this query)
+            stages.sync(queries)
+        reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
+                          queries, scale)
+        retrieved, selection = self.cold.retrieve(reading)
+        with stages.timed("attend"):
+            out = attend(retrieved + self.segments(), len(retrieved), queries, scale, mask)
+            stages.sync(out)
+        self.telemetry.record(selection)   # after attention: what the last query picked is known there
+        return out
 
     @property
     def state(self):

@@ -11,9 +11,11 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
 
   so query-key distances never exceed what the cache holds, whatever the context length.
   Retrieved cold keys sit at one slot just before the hot window (`fixed`, as InfLLM gives
-  every memory unit one distance: R' = 1 once anything is cold) or at consecutive slots in
-  their order (`slots`: R' = min(cold tokens, retrieve_tokens), so that when everything cold
-  is retrieved it sits right after the sink and every relative distance is the full cache's).
+  every memory unit one distance: R' = 1 once anything is cold), at the slot of their place
+  in their page (`page`: token j of any page at the j-th of R' = min(cold tokens, page_size)
+  slots, so a fetched span keeps its inner distances) or at consecutive slots in their order
+  (`slots`: R' = min(cold tokens, retrieve_tokens), so that when everything cold is retrieved
+  it sits right after the sink and every relative distance is the full cache's).
   The body's keys are stored pre-RoPE and rotated when read, so R' may grow step by step.
 
 Stores never decide a position: the layer cache hands them this object, and they ask it.
@@ -47,10 +49,10 @@ class Positions:
         self.base = 0
         self.rebase_every = self.REBASE_EVERY
         self.sink = config.sink
-        self.fixed = config.retrieved_position == "fixed"
-        self.retrieve_tokens = config.retrieve_tokens
+        self.rule = config.retrieved_position
+        self.fixed = self.rule == "fixed"
         #: the most slots retrieved tokens ever take (shifted mode)
-        self.reserved = (1 if self.fixed else config.retrieve_tokens) if config.retrieval else 0
+        self.reserved = config.retrieved_slots if config.retrieval else 0
 
     # ----- slots ----------------------------------------------------------------------------
     def gap(self, cold_tokens: int) -> int:
@@ -58,7 +60,7 @@ class Positions:
         many tokens are cold: none while nothing is, then R' (module doc)."""
         if not self.shifted or cold_tokens <= 0:
             return 0
-        return 1 if self.fixed else min(cold_tokens, self.retrieve_tokens)
+        return min(cold_tokens, self.reserved)
 
     def body_slot(self, n_sink: int, cold_tokens: int) -> int:
         """The slot of the body's first token."""
@@ -88,9 +90,10 @@ class Positions:
         return 0
 
     def retrieved_slot(self, n_sink: int, cold_tokens: int) -> int:
-        """Shifted retrieval: the slot of the newest retrieved key (all of them with `fixed`),
-        the last slot before the body."""
-        return n_sink if self.fixed else n_sink + self.gap(cold_tokens) - 1
+        """Shifted retrieval: the slot of every retrieved key (`fixed`), of the first token of
+        every page (`page`), or of the newest retrieved key, the last slot before the body
+        (`slots`)."""
+        return n_sink + (self.gap(cold_tokens) - 1 if self.rule == "slots" else 0)
 
     def kivi_slot(self, frozen: int) -> int:
         """Shifted KIVI: the virtual slot u = sink + frozen at which a frozen key is rotated

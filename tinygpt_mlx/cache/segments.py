@@ -60,6 +60,51 @@ class RetrievedSegment:
         return (mx.expand_dims(p, -2) @ mx.expand_dims(self.values, 2)).squeeze(-2)
 
 
+class PoolSegment:
+    """A retrieval pool [B, Hkv, U, D] shared by a pass's queries, each of which attends only to
+    what it picks from it: its `units` best tokens (`unit` 1), or its `units` best pages of
+    `unit` tokens ranked by the best token in them (spans), by the exact attention score (max
+    over the KV head's query group, as the per-query search ranks tokens). Tokens not `valid`
+    (padding) never count. The fine pass is attention's own q.k over the pool; the softmax and
+    the values then cover only the picked tokens [B, Hkv, rep, L, T] (an exp per pool token
+    would cost more than the model's own attention on a CPU)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, valid: mx.array, units: int, unit: int = 1):
+        self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
+        self.n_heads = keys.shape[1]
+        self.valid, self.units, self.unit = valid, units, unit
+        self.picked: Optional[mx.array] = None      # [B, Hkv, L, T] pool indices, once scored
+
+    def scores(self, q: mx.array) -> mx.array:
+        B, H, rep, L, D = q.shape
+        U = self.keys.shape[2]
+        s = (q.reshape(B, H, rep * L, D) @ self.keys.swapaxes(-1, -2)).reshape(B, H, rep, L, U)
+        pick = mx.where(self.valid[:, :, None], s.max(axis=2), -mx.inf)              # [B, H, L, U]
+        if self.unit > 1:
+            pages = pick.reshape(B, H, L, U // self.unit, self.unit).max(axis=-1)
+            k = min(self.units, pages.shape[-1])
+            top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]
+            idx = (top[..., None] * self.unit + mx.arange(self.unit)).reshape(B, H, L, k * self.unit)
+        else:
+            k = min(self.units, U)
+            idx = mx.argpartition(-pick, k - 1, axis=-1)[..., :k] if k < U else mx.broadcast_to(mx.arange(U), (B, H, L, U))
+        self.picked = idx
+        ok = mx.take_along_axis(mx.broadcast_to(self.valid[:, :, None], (B, H, L, U)), idx, axis=-1)
+        sel = mx.take_along_axis(s, mx.broadcast_to(idx[:, :, None], (B, H, rep) + idx.shape[2:]), axis=-1)
+        return mx.where(ok[:, :, None], sel, -mx.inf)
+
+    def output(self, p: mx.array) -> mx.array:
+        """p [B, Hkv, rep, L, T] over the picked tokens -> [B, Hkv, rep, L, D]."""
+        B, H, L, T = self.picked.shape
+        v = mx.take_along_axis(self.values[:, :, None], self.picked.reshape(B, H, 1, L * T, 1), axis=3)
+        out = p.transpose(0, 1, 3, 2, 4) @ v.reshape(B, H, L, T, -1)                    # [B, H, L, rep, D]
+        return out.transpose(0, 1, 3, 2, 4)
+
+    def last_picked(self) -> mx.array:
+        """The pool indices the pass's last query picked [B, Hkv, T] (after `scores`)."""
+        return self.picked[:, :, -1]
+
+
 def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, mask: Any) -> mx.array:
     """One softmax over the scores of every segment; the output sums segment outputs.
 

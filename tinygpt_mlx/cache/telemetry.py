@@ -9,15 +9,19 @@ the records of every layer (`summarise`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional
+import contextlib
+import time
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+import mlx.core as mx
 import numpy as np
 
 
 @dataclass
 class Selection:
-    """One retrieval of one layer: for the last query of the pass, the cold indices fetched
-    [G, T] and the pages scored [G, k] (G = batch x KV heads)."""
+    """One retrieval of one layer: for the last query of the pass, the pages it ranked best
+    [G, k] and (asked only where a needle is known: it waits for attention) the cold indices it
+    fetched, one array per row of G = batch x KV heads."""
 
     layer: int
     queries: int
@@ -26,9 +30,33 @@ class Selection:
     page_size: int
     tokens_scored: int
     indexed: bool
-    idx: np.ndarray
     pages: np.ndarray
     positions: np.ndarray      # absolute position of every cold token, in cold order
+    tokens_retrieved: int
+    fetched: Callable[[], list]
+
+
+class StageTimes:
+    """Seconds per stage of retrieval, summed over calls, when `enabled` (bench turns it on):
+    each stage ends by evaluating what it built (`sync`), so the time is its own and not the
+    lazily evaluated graph's. Off, `timed` costs nothing and syncs nothing."""
+
+    def __init__(self):
+        self.enabled = False
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def timed(self, stage: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        t0 = time.perf_counter()
+        yield
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+    def sync(self, *arrays: Any) -> None:
+        if self.enabled:
+            mx.eval(*arrays)
 
 
 class RetrievalTelemetry:
@@ -52,7 +80,7 @@ class RetrievalTelemetry:
     def record(self, s: Selection) -> None:
         rec = dict(step=len(self.records), layer=s.layer, queries=s.queries, cold_tokens=s.cold_tokens,
                    cold_pages=s.cold_pages, pages_selected=int(s.pages.shape[1]),
-                   tokens_scored=int(s.tokens_scored), tokens_retrieved=int(s.idx.shape[1]),
+                   tokens_scored=int(s.tokens_scored), tokens_retrieved=int(s.tokens_retrieved),
                    indexed=s.indexed)
         if self._truth is not None:
             pos, n = s.positions, s.cold_tokens
@@ -64,7 +92,7 @@ class RetrievalTelemetry:
                 in_tail = cold_idx >= s.cold_pages * ps
                 page_hit = np.array([[t or (c // ps) in set(pg.tolist()) for c, t in zip(cold_idx, in_tail)]
                                      for pg in s.pages])
-                tok_hit = np.array([np.isin(cold_idx, row) for row in s.idx])
+                tok_hit = np.array([np.isin(cold_idx, row) for row in s.fetched()])
                 rec.update(needle_tokens=int(cold_idx.size), page_recall=float(page_hit.mean()),
                            token_recall=float(tok_hit.mean()), token_any=float(tok_hit.any(axis=1).mean()))
         self.records.append(rec)
