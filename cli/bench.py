@@ -50,6 +50,17 @@ def print_table(result: dict) -> None:
                       f"{r['decode_kernels']:.1f}",
                       f"{c.fmt_bytes(r['cache_bytes'])}{_ratio(r[f'cache_bytes_vs_{ref}'])}")
     Console(highlight=False, width=112).print(table)
+    staged = [r for r in result["rows"] if "prefill_stage_ms_per_token" in r]
+    if staged:
+        split = Table(title="retrieval stages, ms per token (--stages: each stage ends in a sync)")
+        for col in ("policy", "context", "pass", "model", "coarse", "gather", "attend", "other"):
+            split.add_column(col, justify="left" if col == "policy" else "right")
+        for r in sorted(staged, key=lambda r: r["context"]):
+            for kind in ("prefill", "decode"):
+                ms = r[f"{kind}_stage_ms_per_token"]
+                split.add_row(r["policy"], str(r["context"]), kind,
+                              *(f"{ms.get(k, 0.0):.3f}" for k in ("model", "coarse", "gather", "attend", "other")))
+        Console(highlight=False, width=112).print(split)
 
 
 def bench(
@@ -70,6 +81,10 @@ def bench(
         "--json", help="Write the rows as JSON to this path.", dir_okay=False)] = None,
     plot_path: Annotated[Optional[Path], typer.Option(
         "--plot", help="Write a PNG: decode ms/token and cache MiB against context.", dir_okay=False)] = None,
+    stages: Annotated[bool, typer.Option(
+        "--stages", help="Retrieval policies also time their stages (model up to the query, coarse pass, "
+        "gather from the cold store, attention) and print ms per token of each; every stage then ends "
+        "in a sync, which those rows' tokens/s include.")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see cli/main.py)
@@ -97,7 +112,7 @@ def bench(
             def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell
                 bar.update(done, total, f"bench · {what}" if bar.live else None)
             result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
-                             progress=advance, reference=reference)
+                             progress=advance, reference=reference, stages=stages)
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)

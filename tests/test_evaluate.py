@@ -271,6 +271,22 @@ def test_cli_perplexity_json(native_path, wide_path, wide, tmp_path):
     assert d["modes"]["int4"]["kl_mean"] > 1e-6
 
 
+def test_bench_stage_split_of_retrieval(wide, native):
+    """--stages: a retrieval row says where its prefill and decode time went (every stage ran,
+    and the parts add up to the measured time); other rows and runs without it have no split."""
+    r = bench.bench(wide.model, ["sink2/hot16"], [96], decode_steps=2, prefill_chunk=16, stages=True)
+    row = {x["policy"]: x for x in r["rows"]}
+    assert "prefill_stage_ms_per_token" not in row["fp32"]
+    for kind, per_s in (("prefill", "prefill_tokens_per_s"), ("decode", None)):
+        ms = row["sink2/hot16"][f"{kind}_stage_ms_per_token"]
+        assert set(ms) == {"model", "coarse", "gather", "attend", "other"}
+        assert all(ms[k] > 0 for k in ("coarse", "gather", "attend"))
+        if per_s:
+            assert sum(ms.values()) == pytest.approx(1e3 / row["sink2/hot16"][per_s], rel=1e-6)
+    plain = bench.bench(wide.model, ["sink2/hot16"], [96], decode_steps=2, prefill_chunk=16)
+    assert all("prefill_stage_ms_per_token" not in x for x in plain["rows"])
+
+
 def test_cli_bench_json_and_plot(wide_path, tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     r = _run("bench", wide_path, "--contexts", "16,32", "--policies", "int8,sink2/window8,mlx",

@@ -32,13 +32,76 @@ def covering(**kw):
     return CacheConfig(hot_budget=40, page_size=16, top_pages=64, retrieve_tokens=512, **kw)
 
 
-@pytest.mark.parametrize("kw", [dict(rope_mode="absolute"), dict(retrieved_position="slots")],
-                         ids=["absolute", "shifted-slots"])
+@pytest.mark.parametrize("kw", [dict(rope_mode="absolute"), dict(retrieved_position="slots"),
+                                dict(rope_mode="absolute", retrieve_unit="spans")],
+                         ids=["absolute", "shifted-slots", "absolute-spans"])
 def test_retrieving_everything_equals_full_cache(native, kw):
     ref, _ = run(native.model, CacheConfig())
     out, cache = run(native.model, covering(**kw))
     assert len(cache[0].cold) > 0 and cache[0].stored_count == 40
     assert float(mx.abs(out - ref).max()) < 1e-4
+
+
+def _pool_case(seed, n=301, L=1, G=2, rep=2, D=16, **kw):
+    """A store of `n` random keys over G KV heads (the last page unfinished, a strong key planted
+    in it for head 0), queries [1, G * rep, L, D], and the reading that retrieves for them."""
+    from tinygpt_mlx.cache.positions import Positions
+    from tinygpt_mlx.cache.segments import Reading
+    rng = np.random.RandomState(seed)
+    cfg = CacheConfig(**{**dict(hot_budget=8, rope_mode="absolute", page_size=8, top_pages=4, retrieve_tokens=8), **kw})
+    store = ColdStore(cfg, KVCache)
+    keys = rng.randn(1, G, n, D).astype(np.float32)
+    q = rng.randn(1, G * rep, L, D).astype(np.float32)
+    keys[0, 0, n - 2] = 3 * q[0, 0, -1]
+    store.append(mx.array(keys), mx.array(rng.randn(1, G, n, D).astype(np.float32)), 0)
+    return store, q, Reading(mx.float32, Positions(cfg, None), 0, mx.array(q), 1.0)
+
+
+def _picked(store, reading):
+    """Cold indices each KV head's last query attends to through the pool path."""
+    from tinygpt_mlx.cache.segments import attend
+    segments, selection = store.retrieve(reading)
+    mx.eval(attend(segments, 1, reading.queries, 1.0, None))
+    return [np.sort(row) for row in selection.fetched()]
+
+
+def _exact(store, q, idx, g, rep=2):
+    """Exact scores (max over the KV head's query group) of the last query against cold `idx`."""
+    k = store.keys.view()[idx, g]
+    return np.sort((q[0, g * rep:(g + 1) * rep, -1] @ k.T).max(axis=0))[::-1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pool_decode_fetches_what_the_per_query_search_fetches(seed):
+    """A decode step's pool is its query's pages plus the unfinished page: it attends to exactly
+    the tokens the per-query search (`select`, the old path) picks, the planted tail key among them."""
+    store, q, reading = _pool_case(seed)
+    ref = store.select(q.reshape(2, 2, 1, -1))[0][:, -1]
+    got = _picked(store, reading)
+    for g in range(2):
+        assert got[g].tolist() == sorted(ref[g].tolist())
+    assert 299 in got[0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
+    """A chunk's pool holds its last query's own pages, so that query's picks score at least as
+    high, rank by rank, as what the per-query search gives it."""
+    store, q, reading = _pool_case(seed, L=6)
+    ref = store.select(q.reshape(1, 2, 2, 6, -1).transpose(1, 2, 0, 3, 4).reshape(2, 2, 6, -1))[0][:, -1]
+    got = _picked(store, reading)
+    for g in range(2):
+        mine, theirs = _exact(store, q, got[g], g), _exact(store, q, ref[g], g)
+        assert len(mine) == len(theirs) == 8
+        assert np.all(mine >= theirs - 1e-5)
+
+
+def test_spans_fetch_whole_pages():
+    store, q, reading = _pool_case(0, retrieve_unit="spans", retrieve_tokens=16)
+    for row in _picked(store, reading):
+        pages = np.unique(row // 8)
+        assert len(pages) == 2
+        assert sorted(row.tolist()) == [i for p in pages for i in range(8 * p, min(8 * p + 8, 301))]
 
 
 def test_retrieving_everything_equals_full_cache_mlx_lm(llama):
@@ -117,6 +180,19 @@ def test_growing_array_disk_grows_in_place(tmp_path):
     assert a.capacity == 32 and a.growths == 3 and isinstance(a.array, np.memmap)
     assert (tmp_path / "g.bin").stat().st_size == 32 * 3 * 4
     assert a.view()[:, 0].tolist() == list(range(20))
+
+
+def test_disk_store_equals_ram_store_over_a_long_prefill(native, tmp_path):
+    """Thousands of tokens through the disk store (pages, the index and spans in play) give
+    the RAM store's logits exactly."""
+    tokens = [int(x) for x in np.random.RandomState(1).randint(1, 300, size=3000)]
+    kw = dict(hot_budget=32, sink=4, page_size=8, top_pages=4, index_block=4, retrieve_unit="spans")
+    ram, cache = run(native.model, CacheConfig(**kw), tokens, chunk=128, steps=2)
+    assert cache[0].cold._uses_index()
+    disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw), tokens,
+                      chunk=128, steps=2)
+    assert cache.nbytes_breakdown()["cold_disk"] > 0
+    assert mx.array_equal(ram, disk)
 
 
 def test_disk_store_equals_ram_store(native, tmp_path):

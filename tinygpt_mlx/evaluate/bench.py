@@ -99,8 +99,28 @@ def make_policy(spec: str, model: Any) -> Policy:
     return Policy(spec, "mlx-lm KVCache", lambda: MlxLmCache(mc.KVCache() for _ in range(n)))
 
 
+def _cold_stores(cache: Any) -> list:
+    return [layer.cold for layer in cache.owned if layer.cold is not None] if isinstance(cache, KVCache) else []
+
+
+def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
+    """A retrieval cache's stage times since the last call, in ms per token, and `other` (the
+    rest of `seconds`: the model outside attention's wait, sampling); None for other caches."""
+    stores = _cold_stores(cache)
+    if not stores or not stores[0].stages.enabled:
+        return None
+    out: dict = {}
+    for store in stores:
+        for stage, t in store.stages.seconds.items():
+            out[stage] = out.get(stage, 0.0) + t
+        store.stages.seconds.clear()
+    out["other"] = seconds - sum(out.values())
+    return {k: 1e3 * v / tokens for k, v in out.items()}
+
+
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
-            prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None) -> list[dict]:
+            prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None,
+            stages: bool = False) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
     Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
@@ -111,6 +131,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
     """
     caches = [p.make() for p in policies]
+    for cache in caches:    # retrieval's stage times (each stage then ends in a sync)
+        for store in _cold_stores(cache):
+            store.stages.enabled = stages
     runs = [steps(model, tokens, c, make_sampler(0.0), decode_steps + 1, prefill_chunk) for c in caches]
     prefill_s = [0.0] * len(policies)
     step_s: list[list[float]] = [[] for _ in policies]
@@ -131,9 +154,11 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         for k in range(-(-len(tokens) // prefill_chunk)):
             for i in rotated(k):
                 prefill_s[i] += timed(i)
+        prefill_stages = [stage_split(c, t, len(tokens)) for c, t in zip(caches, prefill_s)]
         for k in range(decode_steps):
             for i in rotated(k):
                 step_s[i].append(timed(i))
+        decode_stages = [stage_split(c, sum(t), len(t)) for c, t in zip(caches, step_s)]
         bytes_ = [int(c.nbytes) for c in caches]
         ops = [step_ops(model, c) for c in caches]
         # the median step: robust to the scheduler pausing us on a shared machine
@@ -141,7 +166,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
                  "cache_bytes": bytes_[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
-                 "decode_ops_by_primitive": ops[i]["by_primitive"]} for i, p in enumerate(policies)]
+                 "decode_ops_by_primitive": ops[i]["by_primitive"],
+                 **({"prefill_stage_ms_per_token": prefill_stages[i], "decode_stage_ms_per_token": decode_stages[i]}
+                    if prefill_stages[i] else {})} for i, p in enumerate(policies)]
     finally:
         for run, cache in zip(runs, caches):
             run.close()
@@ -164,7 +191,8 @@ def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
 
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
-          progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE) -> dict:
+          progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE,
+          stages: bool = False) -> dict:
     """Rows for every (context, policy), with ratios against `reference` (which always runs;
     fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
     too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
@@ -197,10 +225,10 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick)
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
-            "skipped": skipped}
+            "skipped": skipped, "stages": stages}
 
 
 def add_ratios(rows: list[dict], reference: str = REFERENCE) -> None:
