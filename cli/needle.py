@@ -26,6 +26,33 @@ def _list(text: str, name: str, kind=int) -> list:
     return values
 
 
+class PrefillReport:
+    """A line on stderr every `every` seconds of a long prefill: tokens done, tokens/s, ETA,
+    resident memory (the process's own and mapped files') and the cold store's bytes on disk."""
+
+    def __init__(self, every: float = 30.0):
+        self.every = every
+        self.first = self.prev = 0     # tokens done at the cell's first report, at the last call
+        self.start = self.last = 0.0
+
+    def __call__(self, done: int, total: int, cache) -> None:
+        import time  # noqa: PLC0415
+
+        from tinygpt_mlx.generate import rss_bytes  # noqa: PLC0415
+        now = time.monotonic()
+        if done <= self.prev or not self.start:     # a new cell: rates count from its first chunk
+            self.first, self.start, self.last = done, now, now
+        self.prev = done
+        if now - self.last < self.every or done >= total or done == self.first:
+            return
+        self.last = now
+        rate = (done - self.first) / max(now - self.start, 1e-9)
+        rss = rss_bytes()
+        err.print(f"    prefill {done:,}/{total:,} tokens · {rate:,.0f} tok/s · ETA {(total - done) / rate / 60:.1f} min · "
+                  f"RSS {c.fmt_bytes(rss['anon'])} (+{c.fmt_bytes(rss['file'])} mapped) · "
+                  f"cold on disk {c.fmt_bytes(getattr(cache, 'disk_nbytes', 0))}")
+
+
 def print_table(result: dict) -> None:
     policies = list(result["policies"])
     table = Table(title=f"needle grid: passed / seeds ({result['seeds']} seeds, greedy answer match)")
@@ -116,9 +143,14 @@ def needle(
                       f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
                       f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")
 
+        def partial(result: dict) -> None:   # a long grid is saved cell by cell
+            if json_path is not None:
+                c.write_atomic(json_path, json.dumps(result, indent=1))
+
         with c.Progress("needle grid", total=n_cells, unit="cells") as bar:
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
-                                    chunk=prefill_chunk, digits=digits, progress=progress)
+                                    chunk=prefill_chunk, digits=digits, progress=progress,
+                                    on_chunk=PrefillReport(), partial=partial)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -250,6 +250,27 @@ def test_needle_cli_writes_json(native_path, tmp_path):
         mine = [c["passed"] for c in data["cells"] if c["policy"] == policy]
         assert (s["cells"], s["passed"]) == (len(mine), sum(mine))
     assert "retrievals" in [c for c in data["cells"] if c["policy"] == "retrieval"][-1]["telemetry"]
+    assert all(c["rss_anon_peak_bytes"] > 0 for c in data["cells"])
+
+
+def test_needle_prefill_report_lines(capsys):
+    """Long prefills report tokens, rate, ETA, memory and disk bytes; a new cell starts a new rate."""
+    import time
+
+    from cli.needle import PrefillReport
+
+    class Cache:
+        disk_nbytes = 3 * 2**20
+    report = PrefillReport(every=0.0)
+    for done in (128, 256, 384):                  # the first chunk only starts the clock
+        time.sleep(0.01)
+        report(done, 1024, Cache())
+    report(1024, 1024, Cache())                   # the end of a prefill says nothing
+    report(128, 512, Cache())                     # a new cell
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if "prefill" in ln]
+    assert len(lines) == 2
+    assert "256/1,024 tokens" in lines[0] and "384/1,024 tokens" in lines[1]
+    assert "cold on disk 3.00 MiB" in lines[1] and "ETA" in lines[1] and "RSS" in lines[1]
 
 
 def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():

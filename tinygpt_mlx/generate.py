@@ -76,6 +76,18 @@ def peak_rss_bytes() -> int:
     return rss if sys.platform == "darwin" else rss * 1024
 
 
+def rss_bytes() -> dict[str, int]:
+    """Resident memory now: "anon" (the process's own pages) and "file" (pages of mapped files,
+    e.g. a disk cold store, which the OS can drop and re-read), from /proc on Linux; elsewhere
+    the peak, all counted as "anon"."""
+    try:
+        with open("/proc/self/status") as f:
+            kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f) if k in ("RssAnon", "RssFile")}
+        return {"anon": kib["RssAnon"] * 1024, "file": kib["RssFile"] * 1024}
+    except (OSError, KeyError, ValueError):
+        return {"anon": peak_rss_bytes(), "file": 0}
+
+
 def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     """One model call on [1, L] tokens; a `KVCache` is trimmed to its policy afterwards (mlx-lm's
     own per-layer caches, which the bench compares against, evict inside their own update)."""

@@ -29,7 +29,7 @@ import numpy as np
 from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
-from ..generate import GenerationStats, greedy_tokens
+from ..generate import GenerationStats, greedy_tokens, rss_bytes
 from .inputs import HELDOUT_KJV
 
 POLICIES = ("full", "streaming", "retrieval")
@@ -77,23 +77,31 @@ def passed(text: str, answer: str) -> bool:
 
 
 def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
-             truth: list[int], chunk: int) -> dict:
-    """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers."""
+             truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None) -> dict:
+    """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers.
+    `on_chunk(done, total, cache)` follows the prefill (long documents' progress)."""
     n_new = len(tokenizer.encode(" " + answer)) + 1
     stats = GenerationStats()
     with make_cache(model, config) as cache:
         if config.retrieval:
             cache.set_truth(truth)
 
+        peak = {"anon": 0, "file": 0}
+
         def keep_last_chunk(done: int, total: int) -> None:
             if done < total <= done + chunk:   # the next chunk is the question's: keep it and the decode
                 cache.reset_telemetry()
+            if done % (64 * chunk) == 0 or done == total:   # sampled: /proc costs a read
+                peak.update({k: max(peak[k], v) for k, v in rss_bytes().items()})
+            if on_chunk is not None:
+                on_chunk(done, total, cache)
         out = greedy_tokens(model, ids, cache, n_new, chunk, keep_last_chunk, stats)
         text = tokenizer.decode(out)
         cell = {"passed": passed(text, answer), "answer": answer, "output": text,
                 "prompt_tokens": len(ids), "prefill_s": round(stats.prefill_seconds, 4),
                 "decode_ms_per_token": round(1000 * stats.decode_seconds / max(1, n_new - 1), 3),
-                "cache_bytes": cache.nbytes_breakdown()}
+                "cache_bytes": cache.nbytes_breakdown(),
+                "rss_anon_peak_bytes": peak["anon"], "rss_file_peak_bytes": peak["file"]}
         if config.retrieval:
             cell["telemetry"] = cache.retrieval_report()
     return cell
@@ -102,8 +110,12 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
 def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
                 seeds: int, policies: list[str], filler_text: str, chunk: int = 128,
                 digits: int = 5, template: Optional[int] = PASSKEY_TEMPLATE,
-                progress: Optional[Callable[[dict], None]] = None) -> dict:
-    """Run the grid; returns {"policies", "cells", "summary", ...} (JSON-ready)."""
+                progress: Optional[Callable[[dict], None]] = None,
+                on_chunk: Optional[Callable[[int, int, Any], None]] = None,
+                partial: Optional[Callable[[dict], None]] = None) -> dict:
+    """Run the grid; returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
+    after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
+    after each cell (to save a long grid as it goes)."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -120,12 +132,20 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 for name, cfg in configs.items():
                     if name == "full" and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
-                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk)
+                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk)
                     cell = {"policy": name, "context": context, "depth": depth, "seed": seed,
                             "passed": bool(r.pop("passed")), **r}
                     cells.append(cell)
                     if progress is not None:
                         progress(cell)
+                    if partial is not None:
+                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk)
+
+
+def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
+            seeds: int, chunk: int) -> dict:
+    ctx_len = loaded.context_length
     summary = {}
     for name in configs:
         mine = [c for c in cells if c["policy"] == name]
