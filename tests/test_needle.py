@@ -114,7 +114,7 @@ def test_grid_summary_counts_passes(native, monkeypatch):
     """needle_grid's summary: cells and passes per policy, as the docs' 75/75 are read."""
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None):
         calls.append((config, answer, truth))
         ok = not config.retrieval and config.window is None       # only "full" passes
         return {"passed": ok, "answer": answer, "output": answer if ok else "0"}

@@ -18,14 +18,21 @@ fixed (../shared/REFERENCES.md):
   (1/page_size of the keys).
 * The partial last page has no summary yet: its tokens are always scored exactly, so a token
   is retrievable from the step it leaves the hot window.
-* Retrieval runs for every forward pass, prefill chunks included (the chunk's queries pick
-  the tokens together: GQA groups and chunk queries are aggregated by the max score, which
-  keeps a token that any query of the group wants).
+* Retrieval runs for every forward pass, prefill chunks included, as one pool per pass
+  (`pool`): the coarse pass ranks pages for the pass's last query and (a chunk) the mean of
+  its queries, the union of their pages (and the unfinished page) is gathered once, and every
+  query then picks its own `retrieve_tokens` tokens, or its best pages whole ("spans"), from
+  the pool by exact score inside attention (`segments.PoolSegment`). A decode step's pool is
+  its query's own pages, so it fetches exactly what a per-query search would; a chunk's last
+  query (the question, in a needle prompt) keeps its own pages too. The per-query search
+  (`select`) stays as the reference and serves the `slots` rule, which numbers each query's
+  own tokens.
 * Positions (the `rope_mode` of the policy, "shifted" by default): keys are stored before
   RoPE; the hot window sits at cache slots right after the sink and the retrieval slots, so
   query-key distances never exceed sink + retrieve slots + hot_budget + prefill chunk,
   whatever the context length. `retrieved_position="fixed"` (InfLLM) rotates every
-  retrieved key to ONE slot just before the hot window; "slots" gives them consecutive slots
+  retrieved key to ONE slot just before the hot window; "page" puts token j of every page at
+  the j-th of `page_size` slots there (a span keeps its inner distances); "slots" gives them consecutive slots
   in their original order, min(cold tokens, retrieve_tokens) of them, so when everything is
   retrieved the distances equal the full cache's (positions.py decides every slot). With rope_mode "absolute"
   keys keep their original rotation and queries their true position (the naive baseline,
