@@ -78,6 +78,8 @@ BAD_FLAGS = [
     ("sample", ["--kiv-cold-bits", "2"], "--kiv-cold-bits", "cold_bits"),
     ("sample", ["--kiv-positions", "middle"], "--kiv-positions", "retrieved_position"),
     ("sample", ["--kiv-index-block", "-1"], "--kiv-index-block", "index_block"),
+    ("sample", ["--kiv-unit", "words"], "--kiv-unit", "retrieve_unit"),
+    ("sample", ["--kiv-unit", "spans", "--kiv-positions", "slots"], "--kiv-unit", "retrieve_unit"),
     ("sample", ["--tokens", "-1"], "--tokens", "max_tokens"),
     ("sample", ["--temperature", "-1"], "--temperature", "temperature"),
     ("sample", ["--top-p", "0"], "--top-p", "top_p"),
