@@ -96,6 +96,40 @@ def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
         assert np.all(mine >= theirs - 1e-5)
 
 
+@pytest.mark.parametrize("unit", ["tokens", "spans"])
+def test_decode_host_pick_equals_the_pool_segment_pick(unit):
+    """A decode step picks on the host (`_pick`) what `PoolSegment` picks on device for a chunk,
+    from the same pool: the two implementations of one rule agree."""
+    from tinygpt_mlx.cache.segments import PoolSegment
+    for seed in range(5):
+        store, q, _ = _pool_case(seed, retrieve_unit=unit, retrieve_tokens=16)
+        pool, _ = store.pool(q.reshape(2, 2, 1, -1))
+        idx = (np.maximum(pool, 0)[..., None] * 8 + np.arange(8)).reshape(2, -1)
+        valid = np.repeat(pool >= 0, 8, axis=1) & (idx < store.n)
+        idx = np.where(valid, idx, 0)
+        units, u = (2, 8) if unit == "spans" else (16, 1)
+        host, ok = store._pick(q[0].reshape(2, 2, -1), idx, valid, units, u)
+        keys = mx.array(store.keys.view()[idx, np.arange(2)[:, None]][None])
+        seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u)
+        mx.eval(seg.scores(mx.array(q.reshape(1, 2, 2, 1, -1))))
+        dev = np.asarray(seg.last_picked())[0]
+        for g in range(2):
+            assert sorted(host[g][ok[g]].tolist()) == sorted(idx[g][dev[g]][valid[g][dev[g]]].tolist())
+
+
+def test_page_rule_places_token_j_of_a_page_at_slot_plus_j(native):
+    cfg = CacheConfig(hot_budget=8, retrieved_position="page", page_size=8)
+    pos = make_cache(native.model, cfg)[0].positions      # the model's RoPE
+    store = ColdStore(cfg, KVCache)
+    k = mx.array(np.random.RandomState(0).randn(1, 2, 5, 16).astype(np.float32))
+    idx = np.array([[3, 8, 9, 21, 30], [0, 7, 15, 16, 40]])
+    got = store._place(k, idx, 6, pos)
+    for g in range(2):
+        for t in range(5):
+            want = pos.rotate_to(k[:, g:g + 1, t:t + 1], 6 + int(idx[g, t]) % 8)
+            assert float(mx.abs(got[:, g:g + 1, t:t + 1] - want).max()) < 1e-6
+
+
 def test_spans_fetch_whole_pages():
     store, q, reading = _pool_case(0, retrieve_unit="spans", retrieve_tokens=16)
     for row in _picked(store, reading):

@@ -289,6 +289,7 @@ class CacheConfig:
             [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
             colddisk                                   retrieval's cold store on disk
             spans, page                                retrieval fetches whole pages; page RoPE slots
+            block8                                     retrieval: pages per block of the page index
 
         e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
         and "full" are the fp32 full cache. A bad part or config is a ValueError naming the spec."""
@@ -356,7 +357,7 @@ class CacheConfig:
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk (retrieval's cold store on disk), spans (retrieval fetches pages), page (retrieved RoPE slots by page); "
+             "colddisk (retrieval's cold store on disk), spans (retrieval fetches pages), page (retrieved RoPE slots by page), blockN (retrieval's page index block); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 
@@ -377,6 +378,7 @@ _SPEC_PARTS = (
      lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
     (re.compile(r"colddisk"), lambda m: {"cold_store": "disk"}),
     (re.compile(r"spans"), lambda m: {"retrieve_unit": "spans"}),
+    (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
     (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
     (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),

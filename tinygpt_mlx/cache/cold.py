@@ -355,29 +355,61 @@ class ColdStore:
             if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
                 q = pos.rotate_to(q, -slot)
             rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
-            pool, last = self.pool(np.asarray(rows).reshape(self.G, rep, -1, D))
+            rows = np.asarray(rows).reshape(self.G, rep, -1, D)
+            pool, last = self.pool(rows)
+        spans = self.config.retrieve_unit == "spans"
+        units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
         with self.stages.timed("gather"):
             K = pool.shape[1]
             idx = (np.maximum(pool, 0)[..., None] * ps + np.arange(ps)).reshape(self.G, K * ps)
             valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
             idx = np.where(valid, idx, 0)
-            k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, K * ps, -1))
-            v = mx.array(self._gather(self.values, idx).reshape(B, hkv, K * ps, -1))
-            if pos.shifted:   # fixed: every key at `slot`; page: token j of a page at slot + j
-                k = (pos.rotate_to(k, slot) if pos.fixed else
-                     pos.place(k.reshape(B * hkv * K, ps, -1), slot).reshape(k.shape))
+            scored = int(valid.sum(axis=1).max())
+            if L == 1:    # decode: the fine pass on the host, then only the picked rows move
+                idx, valid = self._pick(rows[:, :, 0], idx, valid, units, ps if spans else 1)
+                units, unit = idx.shape[1], 1
+            else:
+                unit = ps if spans else 1
+            k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, idx.shape[1], -1))
+            v = mx.array(self._gather(self.values, idx).reshape(B, hkv, idx.shape[1], -1))
+            k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
-        units = self.retrieve_tokens if self.config.retrieve_unit == "tokens" else max(1, self.retrieve_tokens // ps)
-        segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units,
-                              ps if self.config.retrieve_unit == "spans" else 1)
+        segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units, unit)
         picked = segment.last_picked
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
-                              page_size=ps, tokens_scored=int(valid.sum(axis=1).max()), indexed=self._uses_index(),
+                              page_size=ps, tokens_scored=scored, indexed=self._uses_index(),
                               pages=last, positions=self.positions.view(),
-                              tokens_retrieved=min(units * segment.unit, K * ps),
+                              tokens_retrieved=min(units * unit, idx.shape[1]),
                               fetched=lambda: [row[i[ok[i]]] for row, ok, i in
                                                zip(idx, valid, np.asarray(picked()).reshape(self.G, -1))])
         return [segment], selection
+
+    def _pick(self, q: np.ndarray, idx: np.ndarray, valid: np.ndarray, units: int, unit: int
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """A decode step's fine pass on the host (`PoolSegment`'s rule: the `units` best tokens,
+        or pages of `unit` tokens, by the exact score, max over the query group): query [G, rep, D]
+        against the pool `idx` [G, U]; the picked cold indices and their validity, in pool order."""
+        exact = np.matmul(q, self._gather(self.keys, idx).transpose(0, 2, 1)).max(axis=1)   # [G, U]
+        exact = np.where(valid, exact, -np.inf)
+        if unit > 1:
+            exact = exact.reshape(self.G, -1, unit).max(axis=-1)
+        k = min(units, exact.shape[1])
+        pick = np.sort(np.argpartition(-exact, k - 1, axis=-1)[:, :k], axis=-1)
+        ok = np.isfinite(np.take_along_axis(exact, pick, axis=-1))
+        if unit > 1:
+            pick = (pick[..., None] * unit + np.arange(unit)).reshape(self.G, -1)
+            ok = np.repeat(ok, unit, axis=1)
+        return np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
+
+    def _place(self, k: mx.array, idx: np.ndarray, slot: int, pos: Any) -> mx.array:
+        """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
+        every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute)."""
+        if not pos.shifted:
+            return k
+        if pos.fixed:
+            return pos.rotate_to(k, slot)
+        at = mx.array((slot + idx % self.page_size).reshape(-1).astype(np.int32))
+        return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
 
     def _retrieve_per_query(self, reading: Reading) -> tuple[list, Selection]:
         """Every query its own coarse and fine pass (`select`), its tokens gathered per query
