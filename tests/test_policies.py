@@ -57,7 +57,8 @@ BIG = 10_000                 # a window / top-k / retrieval budget that covers e
 
 
 def _retrieval(**kw) -> CacheConfig:
-    return dataclasses.replace(parse_policy(f"hot{HOT}"), retrieve_tokens=32, **kw)
+    # retrieve_unit None: the default for the position rule given (tokens with slots)
+    return dataclasses.replace(parse_policy(f"hot{HOT}"), retrieve_tokens=32, retrieve_unit=None, **kw)
 
 
 #: name -> policy; spec strings are parsed as the CLI's --modes/--policies parse them.

@@ -55,7 +55,8 @@ S, W, HOT = 4, 64, 64
 
 
 def _hot(**kw) -> CacheConfig:
-    return dataclasses.replace(parse_policy(f"hot{HOT}"), retrieve_tokens=32, **kw)
+    # retrieve_unit None: the default for the position rule given (tokens with slots)
+    return dataclasses.replace(parse_policy(f"hot{HOT}"), retrieve_tokens=32, retrieve_unit=None, **kw)
 
 
 POLICIES = {

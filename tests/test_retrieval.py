@@ -48,7 +48,8 @@ def _pool_case(seed, n=301, L=1, G=2, rep=2, D=16, **kw):
     from tinygpt_mlx.cache.positions import Positions
     from tinygpt_mlx.cache.segments import Reading
     rng = np.random.RandomState(seed)
-    cfg = CacheConfig(**{**dict(hot_budget=8, rope_mode="absolute", page_size=8, top_pages=4, retrieve_tokens=8), **kw})
+    cfg = CacheConfig(**{**dict(hot_budget=8, rope_mode="absolute", page_size=8, top_pages=4, retrieve_tokens=8,
+                                retrieve_unit="tokens"), **kw})
     store = ColdStore(cfg, KVCache)
     keys = rng.randn(1, G, n, D).astype(np.float32)
     q = rng.randn(1, G * rep, L, D).astype(np.float32)
@@ -240,7 +241,7 @@ def test_disk_store_equals_ram_store(native, tmp_path):
 
 
 def test_positions_stay_bounded_and_prefill_chunks_retrieve(native):
-    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=12)
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=12, retrieve_unit="tokens")
     tokens = TOKENS * 3   # 450 tokens, longer than the tiny model's context of 256
     _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2)
     c = cache[0]

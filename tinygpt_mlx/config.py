@@ -146,7 +146,8 @@ class CacheConfig:
                  the j-th of `page_size` slots before the hot window: a span keeps its inner
                  distances) or "slots" (in order, in `retrieve_tokens` slots before the hot window)
     retrieve_unit  retrieval: what a query fetches, its `retrieve_tokens` best "tokens" or the
-                 `retrieve_tokens // page_size` best pages whole ("spans", InfLLM's blocks)
+                 `retrieve_tokens // page_size` best pages whole ("spans", InfLLM's blocks);
+                 None means "spans", or "tokens" with the `slots` rule (filled in by `__post_init__`)
     index_block  retrieval: pages per block of the two-level page index (block summaries
                  bound their pages'; 0 = always scan every page summary)
     """
@@ -170,8 +171,8 @@ class CacheConfig:
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
-    index_block: int = 32
-    retrieve_unit: str = "tokens"
+    index_block: int = 8
+    retrieve_unit: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
@@ -229,6 +230,8 @@ class CacheConfig:
         if self.retrieved_position not in RETRIEVED_POSITIONS:
             raise ConfigError("retrieved_position", f"must be one of {', '.join(RETRIEVED_POSITIONS)}, "
                               f"got {self.retrieved_position!r}")
+        if self.retrieve_unit is None:   # frozen: set once, here
+            object.__setattr__(self, "retrieve_unit", "tokens" if self.retrieved_position == "slots" else "spans")
         if self.retrieve_unit not in RETRIEVE_UNITS:
             raise ConfigError("retrieve_unit", f"must be one of {', '.join(RETRIEVE_UNITS)}, got {self.retrieve_unit!r}")
         if self.retrieve_unit == "spans" and self.retrieved_position == "slots":
@@ -288,7 +291,7 @@ class CacheConfig:
             sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
             [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
             colddisk                                   retrieval's cold store on disk
-            spans, page                                retrieval fetches whole pages; page RoPE slots
+            spans | tokens, page                       what retrieval fetches; page RoPE slots
             block8                                     retrieval: pages per block of the page index
 
         e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
@@ -357,7 +360,7 @@ class CacheConfig:
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk (retrieval's cold store on disk), spans (retrieval fetches pages), page (retrieved RoPE slots by page), blockN (retrieval's page index block); "
+             "colddisk (retrieval's cold store on disk), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 
@@ -377,7 +380,7 @@ _SPEC_PARTS = (
     (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
      lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
     (re.compile(r"colddisk"), lambda m: {"cold_store": "disk"}),
-    (re.compile(r"spans"), lambda m: {"retrieve_unit": "spans"}),
+    (re.compile(r"spans|tokens"), lambda m: {"retrieve_unit": m[0]}),
     (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
     (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
