@@ -35,6 +35,8 @@ def main() -> None:
                     help="pages per block of the two-level index (0 = flat scan)")
     ap.add_argument("--recall-variants", default="minmax:0,mean:0,hybrid:0",
                     help="summary:index_block pairs compared on the same keys and queries")
+    ap.add_argument("--unit", choices=("tokens", "spans"), default=None,
+                    help="what a query fetches (default: the policy default, spans)")
     ap.add_argument("--cold-store", default="ram")
     ap.add_argument("--storage", default="fp32")
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
@@ -49,7 +51,7 @@ def main() -> None:
     loaded = load(a.model)
     cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
                       page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
-                      summary=a.summary, index_block=a.index_block)
+                      summary=a.summary, index_block=a.index_block, retrieve_unit=a.unit)
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)
     out = {"model": loaded.name, "policy": cfg.describe()}
