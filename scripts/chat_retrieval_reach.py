@@ -52,10 +52,12 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--rounds", type=int, default=8, help="times the 5 filler turns are said")
     ap.add_argument("--hot", type=int, default=64, help="--kiv-hot-budget")
+    ap.add_argument("--unit", choices=("tokens", "spans"), default=None,
+                    help="--kiv-unit (default: the policy default, spans)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     loaded = load(a.model)
-    config = CacheConfig(sink=4, hot_budget=a.hot, rope_mode="absolute")
+    config = CacheConfig(sink=4, hot_budget=a.hot, rope_mode="absolute", retrieve_unit=a.unit)
     rows = {name: run(loaded, config, a.rounds, q) for name, q in QUESTIONS.items()}
     for name, r in rows.items():
         print(f"{name:9s} currentLength {r['current_length']}, cold {r['cold_tokens']}: pass-key tokens fetched in "
