@@ -198,6 +198,22 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
     return None
 
 
+def prefill_context_warning(context: Optional[int], cfg: CacheConfig, chunk: int, prompt_tokens: int
+                            ) -> Optional[str]:
+    """Up front: a shifted policy whose prefill chunks reach past the trained context. Before a
+    chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens, so once the prompt has
+    evicted, the chunk's queries sit at positions up to that + the chunk."""
+    if not context or cfg.rope_mode != "shifted" or prompt_tokens <= context:
+        return None
+    span = cfg.window if cfg.streaming else cfg.retrieved_slots + cfg.hot_budget
+    held = cfg.sink + span - 1
+    reach = held + min(chunk, prompt_tokens)
+    if reach <= context or held >= context:   # fits, or the policy alone is too wide (said already)
+        return None
+    return (f"prefill chunk {chunk}: with {held} tokens kept before each chunk, prefill reaches {reach} positions, "
+            f"past the model's trained context ({context}); --prefill-chunk {context - held} or less keeps them inside")
+
+
 def passing_context_warning(context: int, cfg: CacheConfig) -> Optional[str]:
     """What to say when the tokens seen pass the trained context: only where positions keep
     growing (the full cache, or absolute RoPE positions under a window or retrieval)."""
@@ -311,9 +327,10 @@ def sample(
             note(f"no prompt given: sampling unconditionally from the start token (id {ids[0]})")
         if sample_config.max_tokens == 0:
             note("--tokens 0: prefill only, no text is generated; the report times the prefill")
-        upfront = config_context_warning(context, cache_config)
-        if upfront:
-            warn(upfront)
+        for upfront in (config_context_warning(context, cache_config),
+                        prefill_context_warning(context, cache_config, sample_config.prefill_chunk, len(ids))):
+            if upfront:
+                warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
         with make_cache(loaded.model, cache_config) as cache:
             report = run(loaded, ids, cache_config, sample_config, context, passing, world, cache=cache,

@@ -253,6 +253,19 @@ def test_span_wider_than_the_context_is_warned_up_front(native_path, args, warne
         assert named in r.stderr and f"trained context ({CONTEXT})" in r.stderr
 
 
+@pytest.mark.parametrize("chunk, warned", [(64, True), (CONTEXT - 4 - 200 + 2, True), (CONTEXT - 4 - 200 + 1, False)])
+def test_prefill_chunks_past_the_context_are_warned_up_front(native_path, chunk, warned):
+    """A long prompt through a shifted window: each chunk sees sink + window - 1 older tokens, so
+    a chunk wider than what is left of the trained context puts queries past it."""
+    prompt = "the word of the keeper and the number " * 40          # > CONTEXT tokens
+    r = run("sample", native_path, "-p", prompt, "-n", 1, "--streaming-llm-sink", 4,
+            "--streaming-llm-window", 200, "--prefill-chunk", chunk)
+    assert r.exit_code == 0, r.output
+    assert count_warnings(r) == (1 if warned else 0), r.stderr
+    if warned:
+        assert f"--prefill-chunk {CONTEXT - 4 - 200 + 1} or less" in r.stderr
+
+
 def test_window_run_past_the_context_warns_only_with_absolute_positions(native_path):
     base = ("sample", native_path, "-p", "The", "-n", 300, "--ignore-eos", "--seed", 0,
             "--streaming-llm-sink", 4, "--streaming-llm-window", 32)
