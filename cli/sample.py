@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 import time
@@ -94,7 +95,6 @@ class Ranks:
 
     def shared_seed(self, sample_config: SampleConfig) -> SampleConfig:
         """Same seed on every rank: the given one, or rank 0's random one."""
-        import dataclasses  # noqa: PLC0415
         from tinygpt_mlx import distributed  # noqa: PLC0415
         return dataclasses.replace(sample_config, seed=distributed.agree_seed(sample_config.seed, self.group))
 
@@ -198,20 +198,28 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
     return None
 
 
-def prefill_context_warning(context: Optional[int], cfg: CacheConfig, chunk: int, prompt_tokens: int
-                            ) -> Optional[str]:
-    """Up front: a shifted policy whose prefill chunks reach past the trained context. Before a
-    chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens, so once the prompt has
-    evicted, the chunk's queries sit at positions up to that + the chunk."""
+def prefill_fit(context: Optional[int], cfg: CacheConfig, prompt_tokens: int) -> Optional[int]:
+    """The widest prefill chunk whose queries stay inside the trained context under a shifted
+    window or retrieval, on a prompt long enough to evict (None: no limit applies). Before a
+    chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens, so the chunk's queries
+    sit at positions up to that + the chunk. None too where the policy alone is too wide (the
+    up-front warning says so)."""
     if not context or cfg.rope_mode != "shifted" or prompt_tokens <= context:
         return None
-    span = cfg.window if cfg.streaming else cfg.retrieved_slots + cfg.hot_budget
-    held = cfg.sink + span - 1
-    reach = held + min(chunk, prompt_tokens)
-    if reach <= context or held >= context:   # fits, or the policy alone is too wide (said already)
+    held = cfg.sink + (cfg.window if cfg.streaming else cfg.retrieved_slots + cfg.hot_budget) - 1
+    return context - held if held < context else None
+
+
+def prefill_context_warning(context: Optional[int], cfg: CacheConfig, chunk: int, prompt_tokens: int
+                            ) -> Optional[str]:
+    """Up front: a `--prefill-chunk` wider than `prefill_fit`."""
+    fit = prefill_fit(context, cfg, prompt_tokens)
+    if fit is None or min(chunk, prompt_tokens) <= fit:
         return None
-    return (f"prefill chunk {chunk}: with {held} tokens kept before each chunk, prefill reaches {reach} positions, "
-            f"past the model's trained context ({context}); --prefill-chunk {context - held} or less keeps them inside")
+    held = context - fit
+    return (f"prefill chunk {chunk}: with {held} tokens kept before each chunk, prefill reaches "
+            f"{held + min(chunk, prompt_tokens)} positions, past the model's trained context ({context}); "
+            f"--prefill-chunk {fit} or less keeps them inside")
 
 
 def passing_context_warning(context: int, cfg: CacheConfig) -> Optional[str]:
@@ -319,7 +327,14 @@ def sample(
                 raise ValueError("the prompt encodes to no tokens")
         context = loaded.context_length
         check_context(len(ids), context, cache_config)
+        fit = prefill_fit(context, cache_config, len(ids))
+        narrowed = prefill_chunk is None and fit is not None and fit < sample_config.prefill_chunk
+        if narrowed:   # the default chunk, narrowed so that prefill stays inside the trained context
+            sample_config = dataclasses.replace(sample_config, prefill_chunk=fit)
         banner(loaded, cache_config, sample_config, len(ids))
+        if narrowed:
+            note(f"prefill chunk {fit}: the widest whose queries stay inside the model's trained context "
+                 f"({context}) with this policy (--prefill-chunk sets it)")
         if text is not None and has_template(loaded.tokenizer):
             note("the prompt was sent raw (--no-chat-template)" if no_chat_template
                  else "the prompt is one user message in the model's chat template (--no-chat-template: raw)")

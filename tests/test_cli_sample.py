@@ -266,6 +266,18 @@ def test_prefill_chunks_past_the_context_are_warned_up_front(native_path, chunk,
         assert f"--prefill-chunk {CONTEXT - 4 - 200 + 1} or less" in r.stderr
 
 
+def test_default_prefill_chunk_narrows_to_fit_the_context(native_path):
+    """Without --prefill-chunk, a long prompt through a shifted window prefills in the widest
+    chunks that stay inside the trained context, and says so; a short prompt keeps the default."""
+    prompt = "the word of the keeper and the number " * 40
+    r = run("sample", native_path, "-p", prompt, "-n", 1, "--streaming-llm-sink", 4, "--streaming-llm-window", 200)
+    assert r.exit_code == 0 and count_warnings(r) == 0, r.stderr
+    fit = CONTEXT - 4 - 200 + 1
+    assert f"prefill chunk {fit}: the widest" in r.stderr and f"prefill chunk {fit}\n" in r.stderr
+    short = run("sample", native_path, "-p", "The", "-n", 1, "--streaming-llm-sink", 4, "--streaming-llm-window", 200)
+    assert "prefill chunk 512" in short.stderr and "the widest" not in short.stderr
+
+
 def test_window_run_past_the_context_warns_only_with_absolute_positions(native_path):
     base = ("sample", native_path, "-p", "The", "-n", 300, "--ignore-eos", "--seed", 0,
             "--streaming-llm-sink", 4, "--streaming-llm-window", 32)
