@@ -109,8 +109,10 @@ def test_decode_host_pick_equals_the_pool_segment_pick(unit):
         valid = np.repeat(pool >= 0, 8, axis=1) & (idx < store.n)
         idx = np.where(valid, idx, 0)
         units, u = (2, 8) if unit == "spans" else (16, 1)
-        host, ok = store._pick(q[0].reshape(2, 2, -1), idx, valid, units, u)
-        keys = mx.array(store.keys.view()[idx, np.arange(2)[:, None]][None])
+        pool_keys = store.keys.view()[idx, np.arange(2)[:, None]]
+        pick, ok = store._pick(q[0].reshape(2, 2, -1), pool_keys, valid, units, u)
+        host, ok = np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
+        keys = mx.array(pool_keys[None])
         seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u)
         mx.eval(seg.scores(mx.array(q.reshape(1, 2, 2, 1, -1))))
         dev = np.asarray(seg.last_picked())[0]

@@ -365,12 +365,15 @@ class ColdStore:
             valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
             idx = np.where(valid, idx, 0)
             scored = int(valid.sum(axis=1).max())
+            keys = self._gather(self.keys, idx)                                   # [G, U, D]
             if L == 1:    # decode: the fine pass on the host, then only the picked rows move
-                idx, valid = self._pick(rows[:, :, 0], idx, valid, units, ps if spans else 1)
+                pick, ok = self._pick(rows[:, :, 0], keys, valid, units, ps if spans else 1)
+                idx, keys = np.take_along_axis(idx, pick, axis=-1), np.take_along_axis(keys, pick[..., None], axis=1)
+                valid = ok & np.take_along_axis(valid, pick, axis=-1)
                 units, unit = idx.shape[1], 1
             else:
                 unit = ps if spans else 1
-            k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, idx.shape[1], -1))
+            k = mx.array(keys.reshape(B, hkv, idx.shape[1], -1))
             v = mx.array(self._gather(self.values, idx).reshape(B, hkv, idx.shape[1], -1))
             k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
@@ -384,12 +387,13 @@ class ColdStore:
                                                zip(idx, valid, np.asarray(picked()).reshape(self.G, -1))])
         return [segment], selection
 
-    def _pick(self, q: np.ndarray, idx: np.ndarray, valid: np.ndarray, units: int, unit: int
+    def _pick(self, q: np.ndarray, keys: np.ndarray, valid: np.ndarray, units: int, unit: int
               ) -> tuple[np.ndarray, np.ndarray]:
         """A decode step's fine pass on the host (`PoolSegment`'s rule: the `units` best tokens,
         or pages of `unit` tokens, by the exact score, max over the query group): query [G, rep, D]
-        against the pool `idx` [G, U]; the picked cold indices and their validity, in pool order."""
-        exact = np.matmul(q, self._gather(self.keys, idx).transpose(0, 2, 1)).max(axis=1)   # [G, U]
+        against the pool's keys [G, U, D]; the picked pool positions [G, T], in pool order, and
+        whether each was scored (not padding)."""
+        exact = np.matmul(q, keys.transpose(0, 2, 1)).max(axis=1)                          # [G, U]
         exact = np.where(valid, exact, -np.inf)
         if unit > 1:
             exact = exact.reshape(self.G, -1, unit).max(axis=-1)
@@ -399,7 +403,7 @@ class ColdStore:
         if unit > 1:
             pick = (pick[..., None] * unit + np.arange(unit)).reshape(self.G, -1)
             ok = np.repeat(ok, unit, axis=1)
-        return np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
+        return pick, ok
 
     def _place(self, k: mx.array, idx: np.ndarray, slot: int, pos: Any) -> mx.array:
         """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
