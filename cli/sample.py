@@ -184,18 +184,16 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
     """
     if not context or cfg.rope_mode != "shifted":
         return None
-    if cfg.streaming and cfg.sink + cfg.window > context:
-        return (f"StreamingLLM sink {cfg.sink} + window {cfg.window} = {cfg.sink + cfg.window} positions exceed "
+    span = cfg.slot_span
+    if span is None or span <= context:
+        return None
+    if cfg.streaming:
+        return (f"StreamingLLM sink {cfg.sink} + window {cfg.window} = {span} positions exceed "
                 f"the model's trained context ({context}), so attention reaches untrained positions; keep "
                 f"--streaming-llm-sink + --streaming-llm-window <= {context}")
-    if cfg.retrieval:
-        slots = cfg.retrieved_slots
-        span = cfg.sink + slots + cfg.hot_budget
-        if span > context:
-            return (f"retrieval spans sink {cfg.sink} + {slots} retrieved slot(s) + hot budget {cfg.hot_budget} "
-                    f"= {span} positions, past the model's trained context ({context}); keep that sum "
-                    f"<= {context} (lower --kiv-hot-budget)")
-    return None
+    return (f"retrieval spans sink {cfg.sink} + {cfg.retrieved_slots} retrieved slot(s) + hot budget "
+            f"{cfg.hot_budget} = {span} positions, past the model's trained context ({context}); keep that sum "
+            f"<= {context} (lower --kiv-hot-budget)")
 
 
 def prefill_fit(context: Optional[int], cfg: CacheConfig, prompt_tokens: int) -> Optional[int]:
@@ -206,7 +204,7 @@ def prefill_fit(context: Optional[int], cfg: CacheConfig, prompt_tokens: int) ->
     up-front warning says so)."""
     if not context or cfg.rope_mode != "shifted" or prompt_tokens <= context:
         return None
-    held = cfg.sink + (cfg.window if cfg.streaming else cfg.retrieved_slots + cfg.hot_budget) - 1
+    held = cfg.slot_span - 1
     return context - held if held < context else None
 
 

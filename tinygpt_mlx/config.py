@@ -260,6 +260,16 @@ class CacheConfig:
         return {"fixed": 1, "page": self.page_size}.get(self.retrieved_position, self.retrieve_tokens)
 
     @property
+    def slot_span(self) -> Optional[int]:
+        """Shifted positions the stored tokens occupy at most between steps: sink + window
+        (StreamingLLM), sink + retrieved slots + hot budget (retrieval); None without eviction."""
+        if self.streaming:
+            return self.sink + self.window
+        if self.retrieval:
+            return self.sink + self.retrieved_slots + self.hot_budget
+        return None
+
+    @property
     def capacity(self) -> Optional[int]:
         """Stored tokens the StreamingLLM policy allows per layer (None = unbounded)."""
         return None if self.window is None else self.sink + self.window
