@@ -12,11 +12,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import mlx.core as mx
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from _timing import ms_per_call  # noqa: E402 (this folder)
 from tinygpt_mlx.quant import (  # noqa: E402
     dequantise_k,
     dequantise_v,
@@ -24,15 +24,6 @@ from tinygpt_mlx.quant import (  # noqa: E402
     quantise_v,
     quantised_matmul,
 )
-
-
-def _time(fn, reps: int) -> float:
-    for _ in range(3):
-        mx.eval(fn())
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mx.eval(fn())
-    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def main() -> None:
@@ -72,7 +63,7 @@ def main() -> None:
             return p @ v
 
         reps = max(5, min(200, 200_000 // T))
-        ta, tb, tc = _time(qattn, reps), _time(deq_attn, reps), _time(dense, reps)
+        ta, tb, tc = (ms_per_call(f, reps, warmup=3) for f in (qattn, deq_attn, dense))
         diff = mx.abs(qattn() - deq_attn()).max().item()
         print(f"{T:>7} {ta:>11.3f} {tb:>14.3f} {tc:>13.3f} "
               f"{ta / tc:>6.2f} {tb / tc:>6.2f} {ta / tb:>6.2f} {diff:>9.1e}")

@@ -27,13 +27,7 @@ from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.generate import forward  # noqa: E402
 from tinygpt_mlx.loading import load  # noqa: E402
 
-
-def timed(f, n: int = 50) -> float:
-    mx.eval(f())
-    t = time.perf_counter()
-    for _ in range(n):
-        mx.eval(f())
-    return (time.perf_counter() - t) / n * 1e3
+from _timing import ms_per_call  # noqa: E402 (this folder)
 
 
 def main() -> None:
@@ -67,9 +61,9 @@ def main() -> None:
     s16, z16 = scale.astype(mx.float16), zero.astype(mx.float16)
     mx.eval(packed, scale, zero, s16, z16)
     print(f"q.K of one layer over {T} keys (4 KV heads x 2 queries, head dim 32):")
-    print(f"  quantized_matmul, fp16 params  {timed(lambda: mx.quantized_matmul(q, packed, s16, z16, transpose=False, group_size=32, bits=4)):.3f} ms")
-    print(f"  quantized_matmul, fp32 params  {timed(lambda: mx.quantized_matmul(q, packed, scale, zero, transpose=False, group_size=32, bits=4)):.3f} ms")
-    print(f"  dense fp32 matmul              {timed(lambda: q @ keys):.3f} ms")
+    print(f"  quantized_matmul, fp16 params  {ms_per_call(lambda: mx.quantized_matmul(q, packed, s16, z16, transpose=False, group_size=32, bits=4), 50):.3f} ms")
+    print(f"  quantized_matmul, fp32 params  {ms_per_call(lambda: mx.quantized_matmul(q, packed, scale, zero, transpose=False, group_size=32, bits=4), 50):.3f} ms")
+    print(f"  dense fp32 matmul              {ms_per_call(lambda: q @ keys, 50):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,18 @@
+"""Milliseconds per call of an MLX computation, for the measurement scripts in this folder."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import mlx.core as mx
+
+
+def ms_per_call(fn: Callable[[], mx.array], reps: int, warmup: int = 1) -> float:
+    """Mean wall milliseconds of `mx.eval(fn())` over `reps` calls, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mx.eval(fn())
+    return (time.perf_counter() - t0) / reps * 1e3
