@@ -33,8 +33,10 @@ from _timing import ms_per_call  # noqa: E402 (this folder)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=150, help="decode steps timed; the first 10 are warm-up")
     a = ap.parse_args()
+    if a.steps <= 10:
+        ap.error(f"--steps {a.steps}: the first 10 steps are warm-up, give more than 10")
     model = load(None).model
     ids = [1 + i % 4000 for i in range(a.context)]
     caches = {}
