@@ -76,7 +76,8 @@ def print_table(result: dict) -> None:
     total = ["all", ""]
     for p in policies:
         s = result["summary"][p]
-        total.append("-" if not s["cells"] else f"{s['passed']}/{s['cells']} ({s['pass_rate']:.0%})")
+        total.append("-" if not s["cells"] else f"{s['passed']}/{s['cells']} ({s['pass_rate']:.0%})"
+                     + (f" · values {s['values_right']}/{s['values']}" if s["values"] > s["cells"] else ""))
     table.add_row(*total)
     Console().print(table)
 
@@ -91,7 +92,12 @@ def needle(
     policies: Annotated[str, typer.Option(
         "--policies", help="Comma list of: full (where it fits), streaming (sink + hot budget as window), "
         "retrieval.")] = "full,streaming,retrieval",
-    digits: Annotated[int, typer.Option("--digits", help="Digits of the pass key.")] = 5,
+    digits: Annotated[int, typer.Option("--digits", help="Digits of the pass key (of the asked value).")] = 5,
+    task: Annotated[str, typer.Option(
+        "--task", help="The documents: passkey (one fact in the filler), keyed (--facts secret numbers of "
+        "different people, one asked), keyed-all (--facts of them, all asked, answered in turn; a cell "
+        "passes when all are right) or phonebook (nothing but 'First Last: NNNNN' lines, one asked).")] = "passkey",
+    facts: Annotated[int, typer.Option("--facts", help="Facts per document for --task keyed and keyed-all.")] = 4,
     filler: Annotated[Optional[Path], typer.Option(
         "--filler", help="Haystack UTF-8 text (default: the King James Bible's held-out tail shipped "
         "with the package; the docs' numbers used data/heldout.txt from scripts/fetch_corpus.sh).",
@@ -118,6 +124,11 @@ def needle(
         raise typer.BadParameter("--depths must lie in [0, 1]")
     if seeds < 1 or digits < 1 or prefill_chunk < 1:
         raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
+    from tinygpt_mlx.corpus import NAMES, TASKS  # noqa: PLC0415
+    if task not in TASKS:
+        raise typer.BadParameter(f"--task {task!r}: choose from {', '.join(TASKS)}")
+    if not 1 <= facts <= len(NAMES):
+        raise typer.BadParameter(f"--facts {facts}: must be in 1..{len(NAMES)}")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     cfg = cache_config
     c.check_writable(json_path, "--json")
@@ -129,7 +140,8 @@ def needle(
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
         loaded = load(model)
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
-                  f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk}")
+                  f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk} · task {task}"
+                  + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
 
         fits = [n for n in ctx_list if not loaded.context_length or n <= loaded.context_length]
         n_cells = len(depth_list) * seeds * sum(len(fits) if name == "full" else len(ctx_list) for name in configs)
@@ -149,7 +161,7 @@ def needle(
 
         with c.Progress("needle grid", total=n_cells, unit="cells") as bar:
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
-                                    chunk=prefill_chunk, digits=digits, progress=progress,
+                                    chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
                                     on_chunk=PrefillReport(), partial=partial)
         print_table(result)
         if json_path is not None:

@@ -38,7 +38,9 @@ def train(
     pack_fraction: float = typer.Option(0.0, "--pack-fraction", help="Share of needle rows packed with several short needle documents."),
     copy_fraction: float = typer.Option(0.0, "--copy-fraction", help="Share of rows that repeat a span of text or random tokens (dense copying signal that forms induction heads)."),
     copy_span: int = typer.Option(0, "--copy-span", help="Longest repeated span of the copy rows, in tokens (0: half the row; short spans repeat close together, which forms induction heads sooner)."),
-    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Warm start from the weights of a training checkpoint (fresh optimizer and schedule; same tokenizer: reuse its work dir's tokenizer.json)."),
+    keyed_fraction: float = typer.Option(0.0, "--keyed-fraction", help="Share of rows with 2-6 keyed facts asked for one or all of them, or a phone book of look-alike entries (KIV's limits; `needle --task`)."),
+    chat_fraction: float = typer.Option(0.0, "--chat-fraction", help="Share of rows that are plain-format conversations whose last question asks for a fact from an earlier user turn."),
+    init_from: Optional[Path] = typer.Option(None, "--init-from", help="Warm start (fresh optimizer and schedule) from a training checkpoint.pt (same tokenizer: reuse its work dir's tokenizer.json) or a .tinygpt model (its shape and tokenizer are used; fine-tuning)."),
     eval_every: int = typer.Option(100, "--eval-every"),
     ckpt_every: int = typer.Option(100, "--ckpt-every"),
     threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
@@ -58,6 +60,7 @@ def train(
             vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
             n_kv_heads=n_kv_heads, d_ff=d_ff, yoco=yoco, needle_fraction=needle_fraction, answer_weight=answer_weight,
             pack_fraction=pack_fraction, copy_fraction=copy_fraction, copy_span=copy_span,
+            keyed_fraction=keyed_fraction, chat_fraction=chat_fraction,
             init_from=str(init_from) if init_from else None,
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()

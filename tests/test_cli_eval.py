@@ -102,6 +102,26 @@ def test_needle_without_filler_runs_on_the_shipped_text(tmp_path, monkeypatch):
     assert 90 <= cell["prompt_tokens"] <= 96  # the document is cut to the asked length, +- a token
 
 
+@pytest.mark.parametrize("flags, needles", [(["--task", "phonebooks"], ["--task 'phonebooks'", "keyed-all"]),
+                                           (["--task", "keyed", "--facts", "0"], ["--facts 0", "1..22"]),
+                                           (["--task", "keyed", "--facts", "23"], ["--facts 23"])])
+def test_needle_task_errors_name_the_value(no_load, flags, needles):
+    r = run("needle", SHIPPED_MODEL, "--contexts", 96, *flags)
+    one_line_error(r, *needles)
+    assert no_load.calls == 0
+
+
+def test_needle_keyed_all_grid_scores_every_value(tmp_path):
+    out = tmp_path / "grid.json"
+    r = run("needle", SHIPPED_MODEL, "--contexts", 300, "--depths", 0.5, "--seeds", 1, "--policies", "full",
+            "--task", "keyed-all", "--facts", 3, "--json", out)
+    assert r.exit_code == 0, r.output
+    grid = json.loads(out.read_text())
+    cell = grid["cells"][0]
+    assert grid["task"] == "keyed-all" and grid["facts"] == 3 and cell["values"] == 3
+    assert cell["answer"].count("The secret number of") == 2 and 0 <= cell["values_right"] <= 3
+
+
 def test_missing_corpus_file_says_how_to_get_it(tmp_path, monkeypatch, no_load):
     monkeypatch.chdir(tmp_path)
     r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--depths", 0.5, "--seeds", 1,

@@ -10,6 +10,8 @@ fewer; the summary counting cells instead of passes.
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 
@@ -117,7 +119,8 @@ def test_grid_summary_counts_passes(native, monkeypatch):
     def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None):
         calls.append((config, answer, truth))
         ok = not config.retrieval and config.window is None       # only "full" passes
-        return {"passed": ok, "answer": answer, "output": answer if ok else "0"}
+        return {"passed": ok, "answer": answer, "output": answer if ok else "0", "values": 1,
+                "values_right": int(ok)}
 
     monkeypatch.setattr(needle, "run_cell", fake_run_cell)
     retrieval = CacheConfig(hot_budget=24, page_size=8, top_pages=2, retrieve_tokens=8)
@@ -125,9 +128,40 @@ def test_grid_summary_counts_passes(native, monkeypatch):
     r = needle.needle_grid(native, retrieval, [60, 120], [0.25, 0.75], 3,
                            ["full", "streaming", "retrieval"], filler)
     assert len(calls) == 2 * 2 * 3 * 3
-    assert r["summary"] == {"full": {"cells": 12, "passed": 12, "pass_rate": 1.0},
-                            "streaming": {"cells": 12, "passed": 0, "pass_rate": 0.0},
-                            "retrieval": {"cells": 12, "passed": 0, "pass_rate": 0.0}}
+    assert r["summary"] == {"full": {"cells": 12, "passed": 12, "pass_rate": 1.0, "values_right": 12, "values": 12},
+                            "streaming": {"cells": 12, "passed": 0, "pass_rate": 0.0, "values_right": 0, "values": 12},
+                            "retrieval": {"cells": 12, "passed": 0, "pass_rate": 0.0, "values_right": 0, "values": 12}}
     # the ground truth handed to the retrieval cells locates the answer in the prompt
     for config, answer, truth in calls:
         assert truth and len(answer) == 5 and answer.isdigit()
+
+
+def test_needle_positions_mark_every_value_of_a_keyed_all_answer():
+    """--task keyed-all: the answer states several values; the truth marks each of them."""
+    encode = list
+    prompt = "x 4821 y 7731 z. What are the numbers? A is"
+    pos = needle_positions(encode, prompt, "4821. B is 7731.")
+    assert pos == list(range(1, 7)) + list(range(8, 14))
+
+
+@pytest.mark.parametrize("task", ["keyed", "keyed-all", "phonebook"])
+def test_grid_runs_each_task_and_hands_retrieval_the_values(native, monkeypatch, task):
+    calls = []
+
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None):
+        calls.append((tokenizer.decode(ids), answer, truth))
+        return {"passed": False, "answer": answer, "output": "", "values": len(re.findall(r"\d+", answer)),
+                "values_right": 0}
+
+    monkeypatch.setattr(needle, "run_cell", fake_run_cell)
+    retrieval = CacheConfig(hot_budget=24, page_size=8, top_pages=2, retrieve_tokens=8)
+    filler = "The quick brown fox jumps over the lazy dog. " * 100
+    r = needle.needle_grid(native, retrieval, [200], [0.5], 2, ["retrieval"], filler, task=task, facts=3)
+    assert r["task"] == task and len(calls) == 2
+    for prompt, answer, truth in calls:
+        values = re.findall(r"\d+", answer)
+        assert len(values) == (3 if task == "keyed-all" else 1) and len(values[0]) == 5
+        assert all(v in prompt for v in values) and len(truth) >= 3 * len(values)
+        if task == "phonebook":
+            assert "fox" not in prompt                    # dense: no prose filler
+    assert r["summary"]["retrieval"]["values"] == 2 * (3 if task == "keyed-all" else 1)

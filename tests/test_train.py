@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import re
 
 import numpy as np
 import pytest
@@ -318,3 +319,134 @@ def test_default_training_step_runs_under_bf16_autocast(tmp_path, monkeypatch):
     assert 0 < err < 0.006             # measured 0.00296 (max |logit| 0.81): bf16 rounding
     # and so the step itself: the weights after it differ from the fp32 step's
     assert any(not torch.equal(params["default"][k], params["fp32"][k]) for k in params["fp32"])
+
+
+# ------------------------------------------------------------------ KIV's limits as documents
+# Mutations checked (one at a time, reverted): ask_all answering in document order instead of the
+# question's; the phone book letting the asked name repeat; the chat fact placed at a fixed turn;
+# values_right counting a value anywhere instead of position by position.
+
+def _fact_depth(prompt: str, fact: str) -> float:
+    return prompt.index(fact) / len(prompt)
+
+
+def test_keyed_doc_asks_one_of_several_facts():
+    for seed in range(20):
+        rng = random.Random(seed)
+        prompt, answer = corpus.make_keyed_doc(rng, FILLER, 1200, depth=0.5, template=3, facts=4)
+        facts = re.findall(r"The secret number of (\w+) is (\d+)\.", prompt)
+        assert len(facts) == 4 and len({n for n, _ in facts}) == 4   # four people, one fact each
+        asked = re.search(r"What is the secret number of (\w+)\? The secret number of \1 is$", prompt).group(1)
+        assert dict(facts)[asked] == answer and len({len(v) for _, v in facts}) == 1
+        assert 0.3 < _fact_depth(prompt, f"of {asked} is {answer}.") < 0.7
+
+
+def test_keyed_doc_ask_all_answers_in_the_questions_order():
+    for template, pattern in ((3, r"The secret number of (\w+) is (\d+)\."),
+                              (4, r"(\w+)'s lucky number is (\d+)\."), (7, r"(\w+) lives in room number (\d+)\.")):
+        rng = random.Random(template)
+        prompt, answer = corpus.make_keyed_doc(rng, FILLER, 1500, template=template, facts=3, ask_all=True)
+        body, question = prompt.rsplit("\n\n", 1)
+        facts = dict(re.findall(pattern, body))
+        asked = re.findall(r"\b(" + "|".join(corpus.NAMES) + r")\b", question.split("?")[0])
+        assert sorted(asked) == sorted(facts) and len(asked) == 3
+        said = [(asked[0], re.match(r"(\d+)\.", answer).group(1))] + re.findall(pattern, answer)
+        assert said == [(n, facts[n]) for n in asked]                  # every value, in the asked order
+        assert question.endswith(corpus.TEMPLATES[template][0].format(name=asked[0], v="").rstrip(" ."))
+    with pytest.raises(ValueError, match="no key"):
+        corpus.make_keyed_doc(random.Random(0), FILLER, 500, template=0)
+
+
+def test_phonebook_is_all_entries_and_the_asked_one_is_unique():
+    rng = random.Random(0)
+    prompt, answer = corpus.make_phonebook_doc(rng, 20000, depth=0.25)   # long: other names repeat
+    book, question = prompt.rsplit("\n\n", 1)
+    lines = book.split("\n")
+    assert all(re.fullmatch(r"[A-Z][a-z]+ [A-Z][a-z]+: \d{5}", ln) for ln in lines)
+    target = re.match(r"What is the number of (\w+ \w+)\?", question).group(1)
+    hits = [i for i, ln in enumerate(lines) if ln.startswith(target + ":")]
+    assert len(hits) == 1 and lines[hits[0]] == f"{target}: {answer}"
+    assert abs(hits[0] / len(lines) - 0.25) < 0.01
+    assert len({ln.split(":")[0] for ln in lines}) < len(lines)       # look-alikes repeat at this size
+    assert question.endswith(f"The number of {target} is")
+
+
+def test_chat_doc_asks_for_an_earlier_user_turn():
+    from tinygpt_mlx.chat_template import plain_text
+    filler = "\n".join(f"Line {i} of the filler says nothing of note." for i in range(300))
+    seen = set()
+    for seed in range(12):
+        rng = random.Random(seed)
+        prompt, answer = corpus.make_chat_doc(rng, filler, 1500, template=corpus.PASSKEY_TEMPLATE)
+        lines = prompt.split("\n")
+        assert lines[-1] == "Assistant:" and lines[-2] == "User: What is the pass key?"
+        assert all(ln.startswith(("User: ", "Assistant: ", "Assistant:")) for ln in lines)
+        roles = [ln.split(":")[0] for ln in lines[:-1]]
+        assert roles == ["User", "Assistant"] * (len(roles) // 2) + ["User"]
+        fact = next(i for i, ln in enumerate(lines) if "pass key is" in ln and "?" not in ln)
+        assert lines[fact].startswith("User: The pass key is ") and answer == "The pass key is " + \
+            re.search(r"(\d+)", lines[fact]).group(1)
+        seen.add(fact)
+        msgs = [{"role": ln.split(":")[0].lower(), "content": ln.split(": ", 1)[1]} for ln in lines[:-1]]
+        assert plain_text(msgs) == prompt
+    assert len(seen) > 3                                               # the depth varies
+
+
+def test_values_right_counts_position_by_position():
+    want = "4821. The secret number of Bob is 7731. The secret number of Zoe is 512."
+    assert corpus.values_right(" " + want, want) == 3
+    assert corpus.values_right(" 4821. The secret number of Bob is 7731. Zoe is 5120.", want) == 2
+    assert corpus.values_right(" 7731. Bob 4821. Zoe 512.", want) == 1        # swapped: only the last
+    assert corpus.values_right(" nothing", want) == 0
+
+
+def test_keyed_and_chat_rows_weigh_their_answers():
+    from tinygpt_mlx.train.data import TrainData
+
+    words = FILLER.split()
+    vocab = {w: i + 1 for i, w in enumerate(sorted(set(words + list("0123456789"))))}
+    encode = lambda s: [vocab.setdefault(w, len(vocab) + 1) for w in re.findall(r"\d|[^\s\d]+", s)]  # noqa: E731
+    td = TrainData(np.asarray(encode(FILLER) * 3, dtype=np.uint16), FILLER, encode, eot_id=0)
+    rows, w = td.batch(0, 1, 32, 256, 0.0, 5.0, keyed_fraction=0.5, chat_fraction=0.5)
+    inv = {i: t for t, i in vocab.items()}
+    answered = 0
+    for row, weights in zip(rows, w):
+        idx = np.nonzero(weights == 5.0)[0]
+        if len(idx):
+            answered += 1
+            assert np.all(np.diff(idx) == 1)                           # one contiguous answer
+            assert any(inv[t].isdigit() for t in row[idx + 1])         # it holds the value's digits
+    assert answered >= 28
+
+
+def test_fine_tune_from_a_model_file_adopts_its_shape_and_tokenizer(tmp_path):
+    """--init-from a .tinygpt: the torch model starts as the file's weights (logits equal), the
+    work dir gets its tokenizer, another tokenizer there is an error; keyed/chat rows train."""
+    torch = pytest.importorskip("torch")
+    import mlx.core as mx
+
+    from tinygpt_mlx.format import load_file
+    from tinygpt_mlx.train import run
+    from tinygpt_mlx.train.loop import adopt_model_file, init_weights
+    from tinygpt_mlx.train.torch_model import build_model
+
+    run(_args(tmp_path / "a", steps=6, d_model=48), console=_quiet_console())
+    src = tmp_path / "a" / "m.tinygpt"
+    f = load_file(src)
+    args = adopt_model_file(_args(tmp_path / "b", init_from=str(src)), tmp_path / "b" / "work")
+    assert args.d_model == 48 and (tmp_path / "b" / "work" / "tokenizer.json").read_text() == f.tokenizer_json
+    m = build_model(args.model_config())
+    init_weights(m, str(src), torch)
+    ids = [[1, 5, 9, 30, 2, 7]]
+    want = np.array(f.model(mx.array(ids)))
+    got = m(torch.tensor(ids)).detach().numpy()
+    assert np.abs(got - want).max() < 1e-4
+    extra = run(_args(tmp_path / "b", steps=3, init_from=str(src), keyed_fraction=0.3, chat_fraction=0.3,
+                      out=str(tmp_path / "b" / "ft.tinygpt")), console=_quiet_console())
+    assert extra["segments"][-1]["keyed_fraction"] == 0.3 and load_file(tmp_path / "b" / "ft.tinygpt").tokenizer_json == f.tokenizer_json
+    (tmp_path / "c" / "work").mkdir(parents=True)
+    (tmp_path / "c" / "work" / "tokenizer.json").write_text("{}")
+    with pytest.raises(ValueError, match="another tokenizer"):
+        run(_args(tmp_path / "c", init_from=str(src)), console=_quiet_console())
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        run(_args(tmp_path / "d", keyed_fraction=0.6, chat_fraction=0.5), console=_quiet_console())

@@ -171,6 +171,11 @@ def make_needle_doc(rng: random.Random, filler: str, n_chars: int, depth: Option
     budget = n_chars - len(fact) - 2 - len(tail) - sum(len(o) + 2 for o in others)
     hay = _excerpt(rng, filler, max(0, budget))
     inserts = [(depth, fact)] + [(rng.random(), o) for o in others]
+    return _insert(hay, inserts).rstrip() + tail, value
+
+
+def _insert(hay: str, inserts: list[tuple[float, str]]) -> str:
+    """`hay` with each (depth, text) inserted at a sentence boundary near depth * len(hay)."""
     # Insert from the back so earlier positions stay valid.
     for d, text in sorted(inserts, key=lambda x: -x[0]):
         pos = _boundary(hay, int(d * len(hay))) if d < 1.0 else len(hay)
@@ -178,7 +183,145 @@ def make_needle_doc(rng: random.Random, filler: str, n_chars: int, depth: Option
         sep_l = "" if not left or left.endswith((" ", "\n")) else " "
         sep_r = "" if right.startswith((" ", "\n")) or not right else " "
         hay = left + sep_l + text + sep_r + right
-    return hay.rstrip() + tail, value
+    return hay
+
+
+# ------------------------------------------------------------------ beyond one needle
+# KIV's README names two limits: "can't aggregate many scattered results" and "drops on dense
+# repetitive data (phone books)". These documents test them: several facts of one keyed
+# template, asked for one or all of them, and a haystack that is all look-alike entries.
+
+#: keyed templates (index into TEMPLATES) and how to ask for all their facts at once
+ALL_QUESTIONS = {3: "What are the secret numbers of {names}?",
+                 4: "What are the lucky numbers of {names}?",
+                 7: "In which rooms do {names} live?"}
+SURNAMES = ("Adams", "Baker", "Clark", "Davis", "Evans", "Fisher", "Green", "Hall", "Irving", "Jones",
+            "King", "Lewis", "Moore", "Nolan", "Owens", "Parker", "Quinn", "Reed", "Scott", "Turner",
+            "Upton", "Vance", "Walker", "Young", "Allen", "Brooks", "Carter", "Dixon", "Ellis", "Foster",
+            "Grant", "Hayes", "Ingram", "Jordan", "Keller", "Lane", "Mason", "Nash", "Oliver", "Price")
+TASKS = ("passkey", "keyed", "keyed-all", "phonebook")
+
+
+def _names(items: Sequence[str]) -> str:
+    return ", ".join(items[:-1]) + " and " + items[-1] if len(items) > 1 else items[0]
+
+
+def make_keyed_doc(rng: random.Random, filler: str, n_chars: int, depth: Optional[float] = None,
+                   template: int = 3, facts: int = 4, ask_all: bool = False,
+                   value: Optional[str] = None, digits: Optional[int] = None) -> tuple[str, str]:
+    """`facts` facts of one keyed template (different names, values of one length) in real
+    filler. The asked fact sits at `depth`, the others at random depths. `ask_all=False`: the
+    question asks for one name and the answer is its value. `ask_all=True`: the question asks
+    for every name (in a random order) and the answer states them one by one:
+
+        "...What are the secret numbers of Bob, Alice and Zoe? The secret number of Bob is"
+        -> " 4821. The secret number of Alice is 7731. The secret number of Zoe is 5120."
+
+    Returns (prompt, answer), the greedy continuation being " " + answer."""
+    if template not in ALL_QUESTIONS:
+        raise ValueError(f"template {template} has no key; choose from {sorted(ALL_QUESTIONS)}")
+    if not 1 <= facts <= len(NAMES):
+        raise ValueError(f"facts must be in 1..{len(NAMES)}, got {facts}")
+    depth = rng.random() if depth is None else depth
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    fact_t, question_t = TEMPLATES[template]
+    names = rng.sample(NAMES, facts)
+    value = value if value is not None else random_value(rng, digits)
+    values = [value] + [random_value(rng, len(value)) for _ in names[1:]]
+    facts_text = [fact_t.format(name=n, v=v) for n, v in zip(names, values)]
+    if ask_all:
+        order = rng.sample(range(facts), facts)
+        question = ALL_QUESTIONS[template].format(names=_names([names[i] for i in order]))
+        head = fact_t.format(name=names[order[0]], v="{v}").split("{v}")[0].rstrip()
+        question += " " + head
+        answer = " ".join([values[order[0]] + "."] + [facts_text[i] for i in order[1:]])
+    else:
+        question, answer = question_t.format(name=names[0]), value
+    tail = "\n\n" + question
+    hay = _excerpt(rng, filler, max(0, n_chars - len(tail) - sum(len(f) + 2 for f in facts_text)))
+    inserts = [(depth, facts_text[0])] + [(rng.random(), f) for f in facts_text[1:]]
+    return _insert(hay, inserts).rstrip() + tail, answer
+
+
+def make_phonebook_doc(rng: random.Random, n_chars: int, depth: Optional[float] = None,
+                       value: Optional[str] = None, digits: int = 5) -> tuple[str, str]:
+    """A phone book: nothing but look-alike "First Last: NNNNN" lines, one of them asked for
+    (at `depth`). Other names may repeat at long lengths; the asked one never does.
+    Returns (prompt, answer), the greedy continuation being " " + answer."""
+    depth = rng.random() if depth is None else depth
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    target = f"{rng.choice(NAMES)} {rng.choice(SURNAMES)}"
+    value = value if value is not None else random_value(rng, digits)
+    question = f"\n\nWhat is the number of {target}? The number of {target} is"
+    lines: list[str] = []
+    size = len(question) + len(target) + len(value) + 3
+    while size < n_chars:
+        name = f"{rng.choice(NAMES)} {rng.choice(SURNAMES)}"
+        if name == target:
+            continue
+        line = f"{name}: {random_value(rng, digits)}"
+        lines.append(line)
+        size += len(line) + 1
+    lines.insert(round(depth * len(lines)), f"{target}: {value}")
+    return "\n".join(lines) + question, value
+
+
+def make_task_doc(rng: random.Random, filler: str, n_chars: int, task: str = "passkey",
+                  depth: Optional[float] = None, value: Optional[str] = None,
+                  digits: Optional[int] = None, facts: int = 4, template: Optional[int] = None
+                  ) -> tuple[str, str]:
+    """One document of a `TASKS` kind: "passkey" (`make_needle_doc`, plain pass key unless
+    `template`), "keyed" / "keyed-all" (`make_keyed_doc`, the secret-number template unless
+    `template`) or "phonebook" (`make_phonebook_doc`, no filler)."""
+    if task == "passkey":
+        value = value if value is not None else random_value(rng, digits)
+        return make_needle_doc(rng, filler, n_chars, depth,
+                               template=PASSKEY_TEMPLATE if template is None else template, value=value)
+    if task in ("keyed", "keyed-all"):
+        return make_keyed_doc(rng, filler, n_chars, depth, template=3 if template is None else template,
+                              facts=facts, ask_all=task == "keyed-all", value=value, digits=digits)
+    if task == "phonebook":
+        return make_phonebook_doc(rng, n_chars, depth, value=value, digits=digits or 5)
+    raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+
+
+def make_chat_doc(rng: random.Random, filler: str, n_chars: int, depth: Optional[float] = None,
+                  template: Optional[int] = None, value: Optional[str] = None) -> tuple[str, str]:
+    """A conversation in the plain chat format (`chat_template.plain_text`): a user turn states
+    a fact (any of `TEMPLATES`) at `depth` of the conversation, the other turns are lines of
+    `filler`, and the last user turn asks for it. Returns (prompt ending in "Assistant:",
+    answer), e.g. answer "The pass key is 48213": the reply the model should give."""
+    from .chat_template import plain_text  # noqa: PLC0415  (pure text, no framework)
+
+    depth = rng.random() if depth is None else depth
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    t = rng.randrange(len(TEMPLATES)) if template is None else template
+    fact_t, question_t = TEMPLATES[t]
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    value = value if value is not None else random_value(rng)
+    ask, head = question_t.format(name=name, thing=thing).split("? ", 1)
+    lines = [ln.strip()[:200] for ln in _excerpt(rng, filler, max(400, 2 * n_chars)).splitlines()
+             if len(ln.strip()) > 8]
+    turns: list[str] = []
+    size = len(ask) + len(fact_t) + 40
+    while size < n_chars and lines:
+        turns.append(lines.pop(0))
+        size += len(turns[-1]) + 12
+    turns = turns[:len(turns) // 2 * 2]              # whole (user, assistant) rounds
+    at = 2 * round(depth * (len(turns) // 2))
+    turns[at:at] = [fact_t.format(v=value, name=name, thing=thing), "I will remember it."]
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(turns)]
+    messages.append({"role": "user", "content": ask + "?"})
+    return plain_text(messages), f"{head} {value}"
+
+
+def values_right(text: str, answer: str) -> int:
+    """How many of the answer's numbers the text states in order, position by position."""
+    want, got = re.findall(r"\d+", answer), re.findall(r"\d+", text)
+    return sum(1 for w, g in zip(want, got) if w == g)
 
 
 def make_needle_doc_tokens(rng: random.Random, filler: str, encode: Callable[[str], Sequence[int]],
@@ -186,12 +329,21 @@ def make_needle_doc_tokens(rng: random.Random, filler: str, encode: Callable[[st
                            chars_per_token: float = 3.5, **kwargs) -> tuple[str, str]:
     """Like `make_needle_doc` but the prompt encodes to at most `n_tokens` tokens (and close
     to it): the character budget is refined from the measured characters per token."""
+    return fit_tokens(lambda n_chars: make_needle_doc(rng, filler, n_chars, depth, **kwargs),
+                      rng, encode, n_tokens, chars_per_token)
+
+
+def fit_tokens(make: Callable[[int], tuple[str, str]], rng: random.Random,
+               encode: Callable[[str], Sequence[int]], n_tokens: int,
+               chars_per_token: float = 3.5) -> tuple[str, str]:
+    """`make(n_chars)` (drawing from `rng`) with `n_chars` refined until the prompt encodes to at
+    most `n_tokens` tokens and close to it; `rng` restarts from its state for every try."""
     state = rng.getstate()
     n_chars = max(16, int(n_tokens * chars_per_token))
     best = None
     for _ in range(6):
         rng.setstate(state)
-        prompt, answer = make_needle_doc(rng, filler, n_chars, depth, **kwargs)
+        prompt, answer = make(n_chars)
         n = len(encode(prompt))
         if n <= n_tokens:
             best = (prompt, answer)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
@@ -28,7 +29,7 @@ import numpy as np
 
 from ..cache import make_cache
 from ..config import CacheConfig
-from ..corpus import PASSKEY_TEMPLATE, make_needle_doc_tokens, random_value
+from ..corpus import fit_tokens, make_task_doc, random_value, values_right
 from ..generate import GenerationStats, greedy_tokens, rss_bytes
 from .inputs import HELDOUT_KJV
 
@@ -62,13 +63,18 @@ def policy_configs(retrieval: CacheConfig, names: list[str]) -> dict[str, CacheC
 
 
 def needle_positions(encode: Callable, prompt: str, answer: str) -> list[int]:
-    """Token positions of the needle's value in the prompt (its first occurrence), +-1 token."""
-    char = prompt.find(answer)
-    if char < 0:
-        return []
-    first = len(encode(prompt[:char]))
-    last = len(encode(prompt[:char + len(answer)]))
-    return list(range(max(0, first - 1), last + 1))
+    """Token positions of the needle's value in the prompt (its first occurrence), +-1 token;
+    an answer that states several numbers (`--task keyed-all`) marks each of them."""
+    values = [answer] if answer in prompt else re.findall(r"\d+", answer)
+    out: list[int] = []
+    for value in values:
+        char = prompt.find(value)
+        if char < 0:
+            continue
+        first = len(encode(prompt[:char]))
+        last = len(encode(prompt[:char + len(value)]))
+        out += [i for i in range(max(0, first - 1), last + 1) if i not in out]
+    return out
 
 
 def passed(text: str, answer: str) -> bool:
@@ -98,6 +104,7 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
         out = greedy_tokens(model, ids, cache, n_new, chunk, keep_last_chunk, stats)
         text = tokenizer.decode(out)
         cell = {"passed": passed(text, answer), "answer": answer, "output": text,
+                "values": len(re.findall(r"\d+", answer)), "values_right": values_right(text, answer),
                 "prompt_tokens": len(ids), "prefill_s": round(stats.prefill_seconds, 4),
                 "decode_ms_per_token": round(1000 * stats.decode_seconds / max(1, n_new - 1), 3),
                 "cache_bytes": cache.nbytes_breakdown(),
@@ -109,11 +116,12 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
 
 def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
                 seeds: int, policies: list[str], filler_text: str, chunk: int = 128,
-                digits: int = 5, template: Optional[int] = PASSKEY_TEMPLATE,
+                digits: int = 5, template: Optional[int] = None, task: str = "passkey", facts: int = 4,
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None) -> dict:
-    """Run the grid; returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
+    """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
+    returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
     after each cell (to save a long grid as it goes)."""
     configs = policy_configs(retrieval, policies)
@@ -125,8 +133,9 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
             for seed in range(seeds):
                 rng = random.Random(f"needle-{seed}-{context}-{depth}")
                 value = random_value(rng, digits)
-                prompt, answer = make_needle_doc_tokens(rng, filler_text, tok.encode, context, depth,
-                                                        template=template, value=value)
+                prompt, answer = fit_tokens(
+                    lambda n: make_task_doc(rng, filler_text, n, task, depth, value=value, facts=facts,
+                                            template=template), rng, tok.encode, context)
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
@@ -139,19 +148,22 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                     if progress is not None:
                         progress(cell)
                     if partial is not None:
-                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk)
+                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts)
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
-            seeds: int, chunk: int) -> dict:
+            seeds: int, chunk: int, task: str = "passkey", facts: int = 4) -> dict:
     ctx_len = loaded.context_length
     summary = {}
     for name in configs:
         mine = [c for c in cells if c["policy"] == name]
         summary[name] = {"cells": len(mine), "passed": sum(c["passed"] for c in mine),
-                         "pass_rate": (sum(c["passed"] for c in mine) / len(mine)) if mine else None}
+                         "pass_rate": (sum(c["passed"] for c in mine) / len(mine)) if mine else None,
+                         "values_right": sum(c["values_right"] for c in mine),
+                         "values": sum(c["values"] for c in mine)}
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
+            "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
             "contexts": contexts, "depths": depths, "seeds": seeds, "prefill_chunk": chunk,
             "policies": {n: c.describe() for n, c in configs.items()},
             "cells": cells, "summary": summary}

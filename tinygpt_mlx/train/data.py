@@ -38,13 +38,47 @@ class TrainData:
                 rng, self.filler, self.encode, n_doc, distractors=distractors)
         except ValueError:  # the context is too short for this template: plain text instead
             return self.window(rng, seq_len + 1), (0, 0)
+        return self._doc_row(rng, seq_len, prompt, answer, ".\n\n")
+
+    def _doc_row(self, rng: random.Random, seq_len: int, prompt: str, answer: str,
+                 end: str) -> tuple[list[int], tuple[int, int]]:
+        """prompt + " " + answer + end, then real text to fill the row; the answer's span."""
         p = list(self.encode(prompt))
         a = list(self.encode(" " + answer))
-        row = p + a + list(self.encode(".\n\n"))
+        row = p + a + list(self.encode(end))
         rest = seq_len + 1 - len(row)
         if rest > 0:
             row += self.window(rng, rest)
         return row[:seq_len + 1], (len(p), min(len(p) + len(a), seq_len + 1))
+
+    def keyed_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], tuple[int, int]]:
+        """One of KIV's limits as a training row (`corpus.make_task_doc`), 48 to seq_len - 64
+        tokens: 2-6 keyed facts asked for one (40%), 2-4 asked for all (25%), or a phone book
+        (35%); answers of 3-6 digits."""
+        u = rng.random()
+        task = "keyed" if u < 0.4 else "keyed-all" if u < 0.65 else "phonebook"
+        facts = rng.randint(2, 6) if task == "keyed" else rng.randint(2, 4)
+        template = rng.choice(sorted(corpus.ALL_QUESTIONS))
+        n_doc = rng.randint(min(96, seq_len // 2), max(min(96, seq_len // 2), seq_len - 64))
+        try:
+            prompt, answer = corpus.fit_tokens(
+                lambda n: corpus.make_task_doc(rng, self.filler, n, task, facts=facts, template=template,
+                                               digits=rng.randint(3, 6)),
+                rng, self.encode, n_doc)
+        except ValueError:
+            return self.window(rng, seq_len + 1), (0, 0)
+        return self._doc_row(rng, seq_len, prompt, answer, "\n\n")
+
+    def chat_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], tuple[int, int]]:
+        """A conversation in the plain chat format whose last question asks for a fact stated in
+        an earlier user turn (`corpus.make_chat_doc`); the reply is the answer."""
+        n_doc = rng.randint(min(96, seq_len // 2), max(min(96, seq_len // 2), seq_len - 32))
+        try:
+            prompt, answer = corpus.fit_tokens(
+                lambda n: corpus.make_chat_doc(rng, self.filler, n), rng, self.encode, n_doc)
+        except ValueError:
+            return self.window(rng, seq_len + 1), (0, 0)
+        return self._doc_row(rng, seq_len, prompt, answer, ".\n\n")
 
     def packed_needle_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], list]:
         """Several short needle documents (24-192 tokens) with their answers, separated by
@@ -85,13 +119,16 @@ class TrainData:
     def batch(self, seed: int, step: int, batch_size: int, seq_len: int,
               needle_fraction: float, answer_weight: float = 1.0,
               pack_fraction: float = 0.0, copy_fraction: float = 0.0,
-              vocab_size: int = 0, copy_span: int = 0) -> tuple[np.ndarray, np.ndarray]:
+              vocab_size: int = 0, copy_span: int = 0, keyed_fraction: float = 0.0,
+              chat_fraction: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(rows [B, seq_len+1], loss weights [B, seq_len] for the targets rows[:, 1:]).
 
         Targets that are needle answers weigh `answer_weight`, all others 1. Of the needle
         rows, `pack_fraction` are packed with several short needle documents. A further
         `copy_fraction` of the rows are repeated spans (`copy_row`) of 8 to `copy_span` tokens
-        (0: up to half the row)."""
+        (0: up to half the row), `keyed_fraction` are several keyed facts or a phone book
+        (`keyed_row`) and `chat_fraction` conversations that ask for an earlier turn's fact
+        (`chat_row`)."""
         rng = random.Random(seed * 1_000_003 + step)
         rows = []
         weights = np.ones((batch_size, seq_len), dtype=np.float32)
@@ -101,8 +138,14 @@ class TrainData:
                 row, n = self.copy_row(rng, seq_len, vocab_size or int(self.tokens.max()) + 1, copy_span)
                 rows.append(row)
                 weights[i, :n - 1] = 0.0
-            elif u < needle_fraction:
-                if pack_fraction and rng.random() < pack_fraction:
+            elif u < needle_fraction + keyed_fraction + chat_fraction:
+                if u >= needle_fraction + keyed_fraction:
+                    row, span = self.chat_row(rng, seq_len)
+                    spans = [span]
+                elif u >= needle_fraction:
+                    row, span = self.keyed_row(rng, seq_len)
+                    spans = [span]
+                elif pack_fraction and rng.random() < pack_fraction:
                     row, spans = self.packed_needle_row(rng, seq_len)
                 else:
                     row, span = self.needle_row(rng, seq_len)

@@ -53,7 +53,9 @@ class TrainArgs:
     pack_fraction: float = 0.0          # share of needle rows packed with several short documents
     copy_fraction: float = 0.0          # share of rows that repeat a span (induction signal)
     copy_span: int = 0                  # longest repeated span (0: half the row)
-    init_from: Optional[str] = None     # warm start: weights of a checkpoint.pt (fresh optimizer)
+    keyed_fraction: float = 0.0         # share of rows with several keyed facts or a phone book
+    chat_fraction: float = 0.0          # share of rows that are conversations asking for a fact
+    init_from: Optional[str] = None     # warm start: a checkpoint.pt or a .tinygpt (fresh optimizer)
     eval_every: int = 200
     eval_windows: int = 32
     ckpt_every: int = 200
@@ -171,11 +173,18 @@ def needle_accuracy(model, torch, needle_rows, needle_spans, batch: int = 8) -> 
 
 
 def init_weights(model, path: str, torch) -> None:
-    """Copy the weights of a training checkpoint into `model` (same shape). Parameters the
-    model lacks are dropped (a YOCO model has no K/V projections in its shared layers); a
-    parameter the checkpoint lacks or of another shape is an error."""
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    state = state.get("model", state)
+    """Copy the weights of a training checkpoint or a `.tinygpt` model into `model` (same
+    shape). Parameters the model lacks are dropped (a YOCO model has no K/V projections in its
+    shared layers); a parameter the checkpoint lacks or of another shape is an error."""
+    if is_model_file(path):
+        from mlx.utils import tree_flatten  # noqa: PLC0415
+
+        from ..format import load_file  # noqa: PLC0415
+        state = {k: torch.from_numpy(np.array(v, dtype=np.float32))
+                 for k, v in tree_flatten(load_file(path).model.parameters())}
+    else:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        state = state.get("model", state)
     own = model.state_dict()
     missing = [k for k in own if k not in state]
     wrong = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
@@ -184,6 +193,33 @@ def init_weights(model, path: str, torch) -> None:
         raise ValueError(f"--init-from {path}: does not fit this model "
                          f"(missing {missing[:3]}, other shape {wrong[:3]}, unused {extra[:3]})")
     model.load_state_dict({k: state[k] for k in own})
+
+
+def is_model_file(path: str) -> bool:
+    return str(path).endswith(".tinygpt")
+
+
+def adopt_model_file(args: "TrainArgs", work: Path) -> "TrainArgs":
+    """Fine-tuning a `.tinygpt`: its shape replaces the shape arguments and its tokenizer is
+    the work directory's (written there; a different tokenizer already there is an error,
+    since the cached token arrays were made with it)."""
+    from ..format import load_file  # noqa: PLC0415
+
+    f = load_file(args.init_from)
+    tok_path = work / "tokenizer.json"
+    if tok_path.exists() and tok_path.read_text(encoding="utf-8") != f.tokenizer_json:
+        raise ValueError(f"--init-from {args.init_from}: {tok_path} holds another tokenizer "
+                         "(use a fresh --work-dir)")
+    if not tok_path.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        tmp = tok_path.with_suffix(".tmp")
+        tmp.write_text(f.tokenizer_json, encoding="utf-8")
+        os.replace(tmp, tok_path)
+    cfg = f.model.config
+    return dataclasses.replace(args, d_model=cfg.d_model, n_layers=cfg.n_layers, n_heads=cfg.n_heads,
+                               n_kv_heads=cfg.n_kv_heads, d_ff=cfg.d_ff, yoco=cfg.yoco,
+                               rope_theta=cfg.rope_theta, seq_len=cfg.context_length,
+                               vocab_size=cfg.vocab_size)
 
 
 def _save_checkpoint(path: Path, state: dict, torch) -> None:
@@ -206,10 +242,15 @@ def run(args: TrainArgs, console=None) -> dict:
     if args.precision not in ("bf16", "fp32"):
         raise ValueError(f"precision must be bf16 or fp32, got {args.precision!r}")
     total = args.total_steps()
-    if not 0 <= args.needle_fraction + args.copy_fraction <= 1:
-        raise ValueError("--needle-fraction + --copy-fraction must lie in [0, 1]")
+    shares = (args.needle_fraction, args.copy_fraction, args.keyed_fraction, args.chat_fraction)
+    if min(shares) < 0 or sum(shares) > 1:
+        raise ValueError("--needle-fraction, --copy-fraction, --keyed-fraction and --chat-fraction "
+                         f"must be >= 0 and sum to at most 1, got {' + '.join(map(str, shares))}")
     if args.init_from and not args.resume and not Path(args.init_from).exists():
         raise FileNotFoundError(f"--init-from: no checkpoint at {args.init_from}")
+    if args.init_from and not args.resume and is_model_file(args.init_from):
+        args = adopt_model_file(args, work)
+        total = args.total_steps()
     warmup = args.warmup if args.warmup is not None else max(1, min(200, total // 20))
 
     resumed = None
@@ -250,6 +291,7 @@ def run(args: TrainArgs, console=None) -> dict:
     segments.append({"from_step": step, "steps": total, "needle_fraction": args.needle_fraction,
                      "answer_weight": args.answer_weight, "pack_fraction": args.pack_fraction,
                      "copy_fraction": args.copy_fraction, "copy_span": args.copy_span,
+                     "keyed_fraction": args.keyed_fraction, "chat_fraction": args.chat_fraction,
                      "init_from": args.init_from,
                      "threads": args.threads,
                      "precision": args.precision, "lr": args.lr})
@@ -291,7 +333,8 @@ def run(args: TrainArgs, console=None) -> dict:
             rows, weights = train_data.batch(args.seed, step, args.batch_size, args.seq_len,
                                              args.needle_fraction, args.answer_weight,
                                              args.pack_fraction, args.copy_fraction,
-                                             cfg.vocab_size, args.copy_span)
+                                             cfg.vocab_size, args.copy_span,
+                                             args.keyed_fraction, args.chat_fraction)
             batch, w = torch.from_numpy(rows), torch.from_numpy(weights).reshape(-1)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.precision == "bf16"):
                 logits = model(batch[:, :-1])
