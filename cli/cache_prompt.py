@@ -65,7 +65,8 @@ def cache_prompt(
         with make_cache(loaded.model, cache_config) as cache:
             t0 = time.perf_counter()
             with c.Progress("prefill", total=len(ids), unit="tok") as bar:
-                logits = prefill(loaded.model, ids, cache, chunk, bar.update)
+                logits = prefill(loaded.model, ids, cache,
+                                 cache_config.fitted_chunk(chunk, loaded.context_length, len(ids)), bar.update)
             t_prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
             save_prompt_cache(out, cache, loaded, ids, logits)

@@ -196,22 +196,10 @@ def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional
             f"<= {context} (lower --kiv-hot-budget)")
 
 
-def prefill_fit(context: Optional[int], cfg: CacheConfig, prompt_tokens: int) -> Optional[int]:
-    """The widest prefill chunk whose queries stay inside the trained context under a shifted
-    window or retrieval, on a prompt long enough to evict (None: no limit applies). Before a
-    chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens, so the chunk's queries
-    sit at positions up to that + the chunk. None too where the policy alone is too wide (the
-    up-front warning says so)."""
-    if not context or cfg.rope_mode != "shifted" or prompt_tokens <= context:
-        return None
-    held = cfg.slot_span - 1
-    return context - held if held < context else None
-
-
 def prefill_context_warning(context: Optional[int], cfg: CacheConfig, chunk: int, prompt_tokens: int
                             ) -> Optional[str]:
-    """Up front: a `--prefill-chunk` wider than `prefill_fit`."""
-    fit = prefill_fit(context, cfg, prompt_tokens)
+    """Up front: a `--prefill-chunk` wider than `CacheConfig.prefill_fit`."""
+    fit = cfg.prefill_fit(context, prompt_tokens)
     if fit is None or min(chunk, prompt_tokens) <= fit:
         return None
     held = context - fit
@@ -325,7 +313,7 @@ def sample(
                 raise ValueError("the prompt encodes to no tokens")
         context = loaded.context_length
         check_context(len(ids), context, cache_config)
-        fit = prefill_fit(context, cache_config, len(ids))
+        fit = cache_config.prefill_fit(context, len(ids))
         narrowed = prefill_chunk is None and fit is not None and fit < sample_config.prefill_chunk
         if narrowed:   # the default chunk, narrowed so that prefill stays inside the trained context
             sample_config = dataclasses.replace(sample_config, prefill_chunk=fit)

@@ -332,3 +332,44 @@ def test_chat_help_loads_no_model_code():
     loaded = _loaded_after("from typer.testing import CliRunner\nfrom cli.main import app\n"
                            "r = CliRunner().invoke(app, ['chat', '--help'])\nassert r.exit_code == 0, r.output")
     assert not [m for m in HEAVY if m in loaded]
+
+
+# ----- long messages stay inside the trained context ------------------------------------------------
+def _max_query_position(monkeypatch, held: int):
+    """Spy on the engine's one model call: the highest position a query of any pass sits at
+    under shifted positions: the stored tokens a pass keeps (at most `held`: a window evicts
+    down to window - 1 before new tokens arrive) + the pass's length."""
+    import tinygpt_mlx.generate as gen
+    real, seen = gen.forward, [0]
+
+    def spy(model, x, cache):
+        seen[0] = max(seen[0], min(cache.stored_count, held) + x.shape[1])
+        return real(model, x, cache)
+    monkeypatch.setattr(gen, "forward", spy)
+    return seen
+
+
+@pytest.mark.parametrize("config", [CacheConfig(sink=4, window=200),
+                                    CacheConfig(sink=4, hot_budget=128, page_size=16)])
+def test_a_long_message_prefills_inside_the_context(native, monkeypatch, config):
+    """A message that carries the conversation past the trained context, through a shifted
+    window or retrieval: chat narrows its prefill chunks (default 512) so that no query sits
+    past the context (without it the first pass reaches sink + window - 1 + 512)."""
+    from tinygpt_mlx.chat import ChatSession
+    ctx = native.context_length
+    seen = _max_query_position(monkeypatch, config.slot_span - 1)
+    s = ChatSession(native, config, SampleConfig(temperature=0.0, max_tokens=2, ignore_eos=True))
+    "".join(s.say("the quick brown fox " * 40))
+    "".join(s.say("the quick brown fox jumps over the lazy dog " * 60))
+    assert s.cache.current_length > 2 * ctx
+    assert ctx - 8 <= seen[0] <= ctx
+    s.close()
+
+
+def test_fitted_chunk_is_the_widest_inside_the_context():
+    cfg = CacheConfig(sink=4, window=200)
+    assert cfg.fitted_chunk(512, 256, 256) == 512                   # nothing passes the context
+    assert cfg.fitted_chunk(512, 256, 257) == 256 - 203 == 53       # 203 held before each chunk
+    assert cfg.fitted_chunk(16, 256, 1000) == 16                    # already narrower
+    assert CacheConfig(sink=4, window=200, rope_mode="absolute").fitted_chunk(512, 256, 1000) == 512
+    assert CacheConfig().fitted_chunk(512, 256, 1000) == 512        # the full cache: no window to fit

@@ -153,7 +153,7 @@ class ChatSession:
         feeds only its own tokens."""
         conv = self.conversation
         if conv.pending:
-            self.logits = prefill(self.loaded.model, conv.pending, self.cache, self.sample_config.prefill_chunk)
+            self.logits = prefill(self.loaded.model, conv.pending, self.cache, self._chunk(len(conv.pending)))
             conv.fed += conv.pending
             conv.pending = []
         return self.logits
@@ -166,6 +166,12 @@ class ChatSession:
     @property
     def cold_count(self) -> int:
         return max((len(c.cold) for c in self.cache.owned if getattr(c, "cold", None) is not None), default=0)
+
+    def _chunk(self, n: int) -> int:
+        """The prefill chunk for `n` more tokens: narrowed once the conversation passes the trained
+        context under a shifted policy, so that no query sits past it (`CacheConfig.prefill_fit`)."""
+        return self.cache_config.fitted_chunk(self.sample_config.prefill_chunk, self.loaded.context_length,
+                                              self.cache.current_length + n)
 
     def _fits(self, n: int) -> int:
         """Room left in the model's context after `n` more tokens, for a full cache (None when
@@ -205,7 +211,7 @@ class ChatSession:
                 progress(done, total)
 
         try:
-            for step in steps(self.loaded.model, ids, cache, sampler, max_tokens, s.prefill_chunk, stats,
+            for step in steps(self.loaded.model, ids, cache, sampler, max_tokens, self._chunk(len(ids)), stats,
                               eos, prefilled, should_stop):
                 fed += len(step.fed)
                 if step.token is None:

@@ -259,6 +259,22 @@ class CacheConfig:
         (`slots`)."""
         return {"fixed": 1, "page": self.page_size}.get(self.retrieved_position, self.retrieve_tokens)
 
+    def prefill_fit(self, context: Optional[int], tokens: int) -> Optional[int]:
+        """The widest prefill chunk whose queries stay inside the trained `context` under a
+        shifted window or retrieval, once the cache has seen `tokens` in all (None: no limit
+        applies). Before a chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens,
+        so the chunk's queries sit at positions up to that + the chunk. None too where the
+        policy alone is too wide for the context."""
+        if not context or self.rope_mode != "shifted" or tokens <= context:
+            return None
+        held = self.slot_span - 1
+        return context - held if held < context else None
+
+    def fitted_chunk(self, chunk: int, context: Optional[int], tokens: int) -> int:
+        """`chunk`, or `prefill_fit` where that is narrower (chat, serve and cache-prompt)."""
+        fit = self.prefill_fit(context, tokens)
+        return chunk if fit is None else min(chunk, fit)
+
     @property
     def slot_span(self) -> Optional[int]:
         """Shifted positions the stored tokens occupy at most between steps: sink + window

@@ -193,7 +193,9 @@ class Worker:
         text = TextStream(tok, job.stop)
         stats = GenerationStats(cache=slot.cache)
         out: list[str] = []
-        for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, self.prefill_chunk,
+        chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
+                                               slot.cache.current_length + len(tail))
+        for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, chunk,
                           stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set):
             slot.tokens.extend(step.fed)
             if step.token is None:

@@ -53,10 +53,10 @@ class TrainData:
 
     def keyed_row(self, rng: random.Random, seq_len: int) -> tuple[list[int], tuple[int, int]]:
         """One of KIV's limits as a training row (`corpus.make_task_doc`), 48 to seq_len - 64
-        tokens: 2-6 keyed facts asked for one (40%), 2-4 asked for all (25%), or a phone book
-        (35%); answers of 3-6 digits."""
+        tokens: 2-6 keyed facts asked for one (35%), 2-4 asked for all (35%), or a phone book
+        (30%); answers of 3-6 digits."""
         u = rng.random()
-        task = "keyed" if u < 0.4 else "keyed-all" if u < 0.65 else "phonebook"
+        task = "keyed" if u < 0.35 else "keyed-all" if u < 0.7 else "phonebook"
         facts = rng.randint(2, 6) if task == "keyed" else rng.randint(2, 4)
         template = rng.choice(sorted(corpus.ALL_QUESTIONS))
         n_doc = rng.randint(min(96, seq_len // 2), max(min(96, seq_len // 2), seq_len - 64))
