@@ -373,3 +373,38 @@ def test_fitted_chunk_is_the_widest_inside_the_context():
     assert cfg.fitted_chunk(16, 256, 1000) == 16                    # already narrower
     assert CacheConfig(sink=4, window=200, rope_mode="absolute").fitted_chunk(512, 256, 1000) == 512
     assert CacheConfig().fitted_chunk(512, 256, 1000) == 512        # the full cache: no window to fit
+
+
+# ----- a late question reaches an early turn through retrieval -----------------------------------------
+KEYED = ROOT / "models" / "tinygpt-keyed.tinygpt"
+CHAT_FILLER = ["Tell me about the weather in the valley today.", "And the king went up to the city with all his men.",
+               "What do the fishermen bring home in the evening?", "The wind came down from the hills and the river rose.",
+               "Who keeps the gate of the old town at night?"]
+
+
+def _ask_after_filler(loaded, config: CacheConfig, rounds: int) -> tuple[str, int]:
+    from tinygpt_mlx.chat import ChatSession
+    s = ChatSession(loaded, config, SampleConfig(temperature=0.0, max_tokens=12, ignore_eos=True))
+    "".join(s.say("The pass key is 48213. Remember it."))
+    for text in CHAT_FILLER * rounds:
+        "".join(s.say(text))
+    reply = "".join(s.say("What is the pass key?"))
+    n = s.cache.current_length
+    s.close()
+    return reply, n
+
+
+@pytest.mark.skipif(not KEYED.exists(), reason="models/tinygpt-keyed.tinygpt not in this checkout")
+def test_retrieval_lets_a_late_question_reach_an_early_turn():
+    """The keyed model (docs/model.md, stage 3) in a chat: the pass key in turn 1, then filler
+    turns until the conversation is 2.9x the model's context and 23x the hot budget, then the
+    question. StreamingLLM with the same hot memory has evicted the key and answers another
+    number; retrieval fetches it back from the cold store and answers it. (The full cache
+    cannot hold this conversation: the model's context is 512.)"""
+    from tinygpt_mlx.loading import load
+    loaded = load(KEYED)
+    reply, n = _ask_after_filler(loaded, CacheConfig(sink=4, hot_budget=64), rounds=8)
+    assert n > 2.5 * loaded.context_length
+    assert "48213" in reply, reply
+    reply, _ = _ask_after_filler(loaded, CacheConfig(sink=4, window=64), rounds=8)
+    assert "48213" not in reply and "pass key" in reply, reply

@@ -150,14 +150,7 @@ def make_needle_doc(rng: random.Random, filler: str, n_chars: int, depth: Option
     Returns (prompt, answer): `prompt` ends with the question, e.g. "... The pass key is",
     and the correct greedy continuation is " " + answer.
     """
-    if depth is None:
-        depth = rng.random()
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
-    t = rng.randrange(len(TEMPLATES)) if template is None else template
-    fact_t, question_t = TEMPLATES[t]
-    name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    value = value if value is not None else random_value(rng)
+    depth, fact_t, question_t, name, thing, value = _draw_fact(rng, depth, template, value)
     fact = fact_t.format(v=value, name=name, thing=thing)
     question = question_t.format(name=name, thing=thing)
     others: list[str] = []
@@ -172,6 +165,22 @@ def make_needle_doc(rng: random.Random, filler: str, n_chars: int, depth: Option
     hay = _excerpt(rng, filler, max(0, budget))
     inserts = [(depth, fact)] + [(rng.random(), o) for o in others]
     return _insert(hay, inserts).rstrip() + tail, value
+
+
+def _depth(rng: random.Random, depth: Optional[float]) -> float:
+    """`depth`, checked, or a uniform draw from `rng`."""
+    depth = rng.random() if depth is None else depth
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    return depth
+
+
+def _draw_fact(rng: random.Random, depth: Optional[float], template: Optional[int], value: Optional[str]):
+    """(depth, fact template, question template, name, thing, value): what is not given, drawn."""
+    depth = _depth(rng, depth)
+    fact_t, question_t = TEMPLATES[rng.randrange(len(TEMPLATES)) if template is None else template]
+    name, thing = rng.choice(NAMES), rng.choice(THINGS)
+    return depth, fact_t, question_t, name, thing, value if value is not None else random_value(rng)
 
 
 def _insert(hay: str, inserts: list[tuple[float, str]]) -> str:
@@ -222,9 +231,7 @@ def make_keyed_doc(rng: random.Random, filler: str, n_chars: int, depth: Optiona
         raise ValueError(f"template {template} has no key; choose from {sorted(ALL_QUESTIONS)}")
     if not 1 <= facts <= len(NAMES):
         raise ValueError(f"facts must be in 1..{len(NAMES)}, got {facts}")
-    depth = rng.random() if depth is None else depth
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    depth = _depth(rng, depth)
     fact_t, question_t = TEMPLATES[template]
     names = rng.sample(NAMES, facts)
     value = value if value is not None else random_value(rng, digits)
@@ -249,9 +256,7 @@ def make_phonebook_doc(rng: random.Random, n_chars: int, depth: Optional[float] 
     """A phone book: nothing but look-alike "First Last: NNNNN" lines, one of them asked for
     (at `depth`). Other names may repeat at long lengths; the asked one never does.
     Returns (prompt, answer), the greedy continuation being " " + answer."""
-    depth = rng.random() if depth is None else depth
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
+    depth = _depth(rng, depth)
     target = f"{rng.choice(NAMES)} {rng.choice(SURNAMES)}"
     value = value if value is not None else random_value(rng, digits)
     question = f"\n\nWhat is the number of {target}? The number of {target} is"
@@ -295,13 +300,7 @@ def make_chat_doc(rng: random.Random, filler: str, n_chars: int, depth: Optional
     answer), e.g. answer "The pass key is 48213": the reply the model should give."""
     from .chat_template import plain_text  # noqa: PLC0415  (pure text, no framework)
 
-    depth = rng.random() if depth is None else depth
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be in [0, 1], got {depth!r}")
-    t = rng.randrange(len(TEMPLATES)) if template is None else template
-    fact_t, question_t = TEMPLATES[t]
-    name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    value = value if value is not None else random_value(rng)
+    depth, fact_t, question_t, name, thing, value = _draw_fact(rng, depth, template, value)
     ask, head = question_t.format(name=name, thing=thing).split("? ", 1)
     lines = [ln.strip()[:200] for ln in _excerpt(rng, filler, max(400, 2 * n_chars)).splitlines()
              if len(ln.strip()) > 8]
