@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from tinygpt_mlx import loading
+from tinygpt_mlx import corpus, loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.corpus import make_needle_doc_tokens
@@ -40,9 +40,12 @@ def main() -> None:
                 prompt, answer = make_needle_doc_tokens(rng, filler, tok.encode, a.tokens, rng.random(),
                                                         template=template, distractors=facts - 1)
                 with make_cache(loaded.model, CacheConfig()) as cache:
-                    out = tok.decode(greedy_tokens(loaded.model, tok.encode(prompt), cache, 4, 128))
+                    # the answer's tokens and one more (a longer number must not pass); until
+                    # 2026-12-01 this decoded 4 tokens, which only a 3-digit answer fits
+                    n_new = len(tok.encode(" " + answer)) + 1
+                    out = tok.decode(greedy_tokens(loaded.model, tok.encode(prompt), cache, n_new, 128))
                 ok += passed(out, answer)
-            print(f"template {template} ({prompt.splitlines()[-1][:40]}...), {facts} fact(s): {ok}/{a.docs}",
+            print(f"template {template} ({corpus.TEMPLATES[template][1]}), {facts} fact(s): {ok}/{a.docs}",
                   flush=True)
 
 
