@@ -255,6 +255,13 @@ def check_writable(path: Optional[Path], flag: str) -> None:
         raise typer.BadParameter(f"{path} is not writable", param_hint=f"'{flag}'")
 
 
+def _new_file_mode() -> int:
+    """The mode `open()` gives a new file: 0666 less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Write a file whole or not at all: a temporary file in the same folder, renamed into place."""
     mode = "wb" if isinstance(data, bytes) else "w"
@@ -262,6 +269,7 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, mode, **({} if mode == "wb" else {"encoding": "utf-8"})) as f:
             f.write(data)
+        os.chmod(tmp, _new_file_mode())     # mkstemp makes it 0600; a written file gets the usual mode
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

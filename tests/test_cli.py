@@ -117,3 +117,19 @@ def test_train_bad_flags_give_one_line_errors(tmp_path):
     r = run(*base, "--needle-fraction", 0.8, "--copy-fraction", 0.5)
     assert r.exit_code == 1 and "--copy-fraction" in r.output and "sum to at most 1, got 0.8 + 0.5" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
+    """write_atomic goes through a mkstemp file (mode 0600); the file it leaves has the mode a
+    plain `open()` would give it (0666 less the umask), so others can read a --json report."""
+    import os
+
+    from cli.common import write_atomic
+    old = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "a.json", "{}")
+        (tmp_path / "b.json").write_text("{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == (tmp_path / "b.json").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "a.json").read_text() == "{}" and not list(tmp_path.glob(".*.tmp"))

@@ -366,3 +366,35 @@ def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     assert rows[1]["cold_bytes"] > 10 * rows[0]["cold_bytes"]
     assert rows[1]["decode_ms_per_token"] > 0
     assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1
+
+
+@pytest.mark.parametrize("unit, units", [(1, 24), (8, 3)])
+def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
+    """PoolSegment scores whole pages by a page gather and forms its output by scattering the
+    probabilities into the pool and one matmul; the simple path (gather each query's picked
+    keys and values, score and weight them) gives the same picks, scores and output."""
+    import mlx.core as mx
+
+    from tinygpt_mlx.cache.segments import PoolSegment
+    B, H, rep, L, U, D = 1, 2, 3, 5, 64, 8
+    keys, values = mx.random.normal((B, H, U, D), key=mx.random.key(1)), mx.random.normal((B, H, U, D), key=mx.random.key(2))
+    valid = mx.random.uniform(shape=(B, H, U), key=mx.random.key(3)) > 0.2
+    q = mx.random.normal((B, H, rep, L, D), key=mx.random.key(4))
+    seg = PoolSegment(keys, values, valid, units, unit)
+    scores = seg.scores(q)
+    p = mx.softmax(scores, axis=-1)
+    out = seg.output(p)
+    idx = seg.picked                                                        # [B, H, L, T]
+    # the reference: every query's own picked keys and values, gathered
+    k_sel = mx.take_along_axis(keys[:, :, None], idx[..., None], axis=3)   # [B, H, L, T, D]
+    v_sel = mx.take_along_axis(values[:, :, None], idx[..., None], axis=3)
+    ok = mx.take_along_axis(mx.broadcast_to(valid[:, :, None], (B, H, L, U)), idx, axis=-1)
+    ref = mx.where(ok[:, :, None], mx.einsum("bhrld,bhltd->bhrlt", q, k_sel), -mx.inf)
+    assert mx.array_equal(mx.isinf(scores), mx.isinf(ref)).item()
+    assert mx.abs(mx.where(mx.isinf(ref), 0, scores - ref)).max().item() < 1e-5
+    assert mx.abs(out - mx.einsum("bhrlt,bhltd->bhrld", p, v_sel)).max().item() < 1e-5
+    # the picks are the best: no unpicked valid unit scores above a picked one (group max)
+    best = mx.where(valid[:, :, None], (mx.einsum("bhrld,bhud->bhrlu", q, keys)).max(axis=2), -mx.inf)
+    per_unit = best.reshape(B, H, L, U // unit, unit).max(axis=-1)
+    picked_units = mx.take_along_axis(per_unit, idx[..., ::unit] // unit, axis=-1)
+    assert (picked_units.min(axis=-1) >= mx.sort(per_unit, axis=-1)[..., -units]).all().item()

@@ -79,26 +79,37 @@ class PoolSegment:
         B, H, rep, L, D = q.shape
         U = self.keys.shape[2]
         s = (q.reshape(B, H, rep * L, D) @ self.keys.swapaxes(-1, -2)).reshape(B, H, rep, L, U)
-        pick = mx.where(self.valid[:, :, None], s.max(axis=2), -mx.inf)              # [B, H, L, U]
+        best = s[:, :, 0]
+        for r in range(1, rep):        # the group's max: elementwise, cheaper than a reduction here
+            best = mx.maximum(best, s[:, :, r])
+        pick = mx.where(self.valid[:, :, None], best, -mx.inf)                          # [B, H, L, U]
         if self.unit > 1:
-            pages = pick.reshape(B, H, L, U // self.unit, self.unit).max(axis=-1)
+            u = self.unit
+            pages = pick.reshape(B, H, L, U // u, u).max(axis=-1)
             k = min(self.units, pages.shape[-1])
-            top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]
-            idx = (top[..., None] * self.unit + mx.arange(self.unit)).reshape(B, H, L, k * self.unit)
+            top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]                      # [B, H, L, k]
+            idx = (top[..., None] * u + mx.arange(u)).reshape(B, H, L, k * u)
+            # whole pages gathered as pages (contiguous rows: faster than token by token)
+            sel = mx.take_along_axis(s.reshape(B, H, rep, L, U // u, u),
+                                     mx.broadcast_to(top[:, :, None, :, :, None], (B, H, rep, L, k, 1)),
+                                     axis=-2).reshape(B, H, rep, L, k * u)
         else:
             k = min(self.units, U)
             idx = mx.argpartition(-pick, k - 1, axis=-1)[..., :k] if k < U else mx.broadcast_to(mx.arange(U), (B, H, L, U))
+            sel = mx.take_along_axis(s, mx.broadcast_to(idx[:, :, None], (B, H, rep) + idx.shape[2:]), axis=-1)
         self.picked = idx
         ok = mx.take_along_axis(mx.broadcast_to(self.valid[:, :, None], (B, H, L, U)), idx, axis=-1)
-        sel = mx.take_along_axis(s, mx.broadcast_to(idx[:, :, None], (B, H, rep) + idx.shape[2:]), axis=-1)
         return mx.where(ok[:, :, None], sel, -mx.inf)
 
     def output(self, p: mx.array) -> mx.array:
-        """p [B, Hkv, rep, L, T] over the picked tokens -> [B, Hkv, rep, L, D]."""
-        B, H, L, T = self.picked.shape
-        v = mx.take_along_axis(self.values[:, :, None], self.picked.reshape(B, H, 1, L * T, 1), axis=3)
-        out = p.transpose(0, 1, 3, 2, 4) @ v.reshape(B, H, L, T, -1)                    # [B, H, L, rep, D]
-        return out.transpose(0, 1, 3, 2, 4)
+        """p [B, Hkv, rep, L, T] over the picked tokens -> [B, Hkv, rep, L, D]: the
+        probabilities scattered into a [rep * L, U] matrix (zero where not picked) times the
+        pool's values, one matmul (gathering T values per query costs twice as much here)."""
+        B, H, rep, L, T = p.shape
+        U = self.values.shape[2]
+        idx = mx.broadcast_to(self.picked[:, :, None], (B, H, rep, L, T))
+        dense = mx.put_along_axis(mx.zeros((B, H, rep, L, U), dtype=p.dtype), idx, p, axis=-1)
+        return (dense.reshape(B, H, rep * L, U) @ self.values).reshape(B, H, rep, L, -1)
 
     def last_picked(self) -> mx.array:
         """The pool indices the pass's last query picked [B, Hkv, T] (after `scores`)."""
