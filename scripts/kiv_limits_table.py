@@ -23,6 +23,10 @@ def cell(summary: dict) -> str:
     return text
 
 
+def _mean(records: list[dict], key: str) -> float:
+    return sum(r[key] for r in records) / len(records)
+
+
 def main() -> None:
     d = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/results/kiv_limits")
     print("Full cache, 480-token documents (inside the trained context), 5 depths x 4 seeds:\n")
@@ -35,7 +39,7 @@ def main() -> None:
         print(f"| {name} | {' | '.join(row)} |")
     print("\nKeyed model, StreamingLLM vs retrieval (sink 4 + 256 hot tokens), 5 depths x 3 seeds:\n")
     contexts = None
-    rows = []
+    rows, telemetry = [], []
     for task, name in TASKS.items():
         p = d / f"long_{task}.json"
         if not p.exists():
@@ -49,11 +53,22 @@ def main() -> None:
                 s = {"cells": len(mine), "passed": sum(c["passed"] for c in mine),
                      "values": sum(c["values"] for c in mine), "values_right": sum(c["values_right"] for c in mine)}
                 out.append(cell(s))
-            rows.append(f"| {name} | {policy} | {' | '.join(out)} |")
+            label = {"streaming": "StreamingLLM"}.get(policy, policy)
+            rows.append(f"| {name} | {label} | {' | '.join(out)} |")
+        tel = []
+        for ctx in contexts:
+            mine = [c["telemetry"] for c in g["cells"] if c["policy"] == "retrieval" and c["context"] == ctx
+                    and "page_recall" in c.get("telemetry", {})]
+            tel.append(f"{_mean(mine, 'token_any'):.2g} / {_mean(mine, 'page_recall'):.2g}" if mine else "-")
+        telemetry.append(f"| {name} | {' | '.join(tel)} |")
     if contexts:
         print("| task | policy | " + " | ".join(f"{c:,}" for c in contexts) + " |")
         print("|---|---|" + "---:|" * len(contexts))
         print("\n".join(rows))
+        print("\nRetrieval telemetry (cells whose asked tokens are cold): token_any / page_recall\n")
+        print("| task | " + " | ".join(f"{c:,}" for c in contexts) + " |")
+        print("|---|" + "---:|" * len(contexts))
+        print("\n".join(telemetry))
 
 
 if __name__ == "__main__":
