@@ -409,3 +409,38 @@ def test_retrieval_lets_a_late_question_reach_an_early_turn():
     assert "The pass key is 48213" in reply, reply
     reply, _ = _ask_after_filler(loaded, CacheConfig(sink=4, window=256), rounds=8)
     assert "48213" not in reply and "pass key" in reply, reply
+
+
+def test_a_cancelled_prefill_keeps_the_rest_of_the_message_for_the_next_turn(native):
+    """Ctrl-C during a long message's prefill: the chunks fed stay in the cache, the unfed rest is
+    pending and is fed first in the next turn, so the cache always holds a prefix of the
+    conversation; after the next turn its logits equal a fresh cache fed the whole transcript."""
+    import mlx.core as mx
+
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.chat import ChatSession
+    from tinygpt_mlx.generate import prefill
+    s = ChatSession(native, CacheConfig(), SampleConfig(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                                        prefill_chunk=8))
+    calls = {"n": 0}
+
+    def stop():
+        calls["n"] += 1
+        return calls["n"] >= 2         # checked after each model call: stops after the second chunk
+    long_message = "the quick brown fox jumps over the lazy dog " * 4
+    ids, _ = s.conversation.next_ids(long_message)
+    assert len(ids) > 24
+    "".join(s.say(long_message, should_stop=stop))
+    t = s.turns[-1]
+    assert t.finish_reason == "cancel" and t.generated == 0
+    conv = s.conversation
+    assert s.cache.current_length == len(conv.fed) == 16
+    assert conv.fed == ids[:16] and conv.pending == ids[16:]
+    "".join(s.say("jumps"))
+    t = s.turns[-1]
+    assert t.new_tokens == t.prefilled and t.new_tokens > len(ids) - 16
+    s.flush()
+    fresh = make_cache(native.model, CacheConfig())
+    want = prefill(native.model, conv.fed, fresh, 8)
+    assert conv.fed[:len(ids)] == ids and s.cache.current_length == len(conv.fed)
+    assert mx.abs(s.logits - want).max().item() < 1e-4
