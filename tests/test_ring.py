@@ -119,3 +119,68 @@ def test_shifted_ring_does_not_rerotate_the_window(native):
     simple = _decode_step_ops(native.model, CacheConfig(sink=SINK, window=WINDOW), ring=False)
     print(f"ops per decode step: absolute {absolute}, shifted {shifted}, simple path {simple}")
     assert shifted - absolute <= 8 * layers < 2 * 8 * layers < simple - shifted
+
+
+@pytest.mark.parametrize("rope", ["native", "traditional", "llama3", "yarn", "partial"])
+def test_the_sink_turn_is_rope_by_sink_steps(native, rope):
+    """The [D, D] turn that advances the shifted sink's block (ring.py) is RoPE by SINK_STEPS
+    positions from any offset: rope(x, a + SINK_STEPS) == rope(x, a) @ turn, for the native RoPE
+    and mlx-lm's variants (a YaRN scale cancels; partial rotary dims stay put); a rope whose
+    frequencies move with the offset (dynamic NTK) gets no turn, so its block is computed
+    exactly every time."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import initialize_rope
+
+    from tinygpt_mlx.cache.positions import Positions
+    from tinygpt_mlx.cache.ring import SINK_STEPS
+    D = 32
+    ropes = {
+        "native": native.model.layers[0].attn.rope,
+        "traditional": nn.RoPE(D, traditional=True, base=10000.0),
+        "llama3": initialize_rope(D, 500000.0, False, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                  max_position_embeddings=4096),
+        "yarn": initialize_rope(D, 10000.0, False, {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 64}, 4096),
+        "partial": nn.RoPE(D // 2, traditional=False, base=10000.0),
+    }
+    store = RingStore(mx.float32, SINK, WINDOW, Positions(CacheConfig(sink=SINK, window=WINDOW), ropes[rope], frame=True))
+    turn = store._rope_turn(D, SINK_STEPS)
+    x = mx.random.normal((1, 2, 5, D), key=mx.random.key(0))
+    for a in (0, 13, 200):      # (farther out, RoPE's own fp32 angles differ by more than this)
+        want = ropes[rope](x, offset=a + SINK_STEPS)
+        err = mx.abs(ropes[rope](x, offset=a) @ turn - want).max().item()
+        print(f"{rope} at {a}: {err:.1e}")
+        assert err < (1.5e-6 if a < 100 else 2.5e-5)    # measured up to 7.7e-7 and 1.3e-5
+    dynamic = initialize_rope(D, 10000.0, False, {"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=16)
+    assert RingStore(mx.float32, SINK, WINDOW, Positions(CacheConfig(sink=SINK, window=WINDOW), dynamic,
+                                                         frame=True))._rope_turn(D, SINK_STEPS) is None
+
+
+def test_an_advanced_sink_block_equals_the_simple_path_past_a_refresh(native, monkeypatch):
+    """900 tokens through a shifted ring (110 blocks of SINK_STEPS steps: advanced by the turn,
+    computed exactly again after REFRESH_BLOCKS) give the simple path's logits; the blocks were
+    advanced, and refreshed."""
+    from tinygpt_mlx.cache import ring as ring_mod
+    calls = {"advance": 0, "exact": 0}
+    advance, exact = RingStore._advance, RingStore._rotate_sink
+
+    def counted(name, f):
+        def g(self, *a):
+            calls[name] += 1
+            return f(self, *a)
+        return g
+    monkeypatch.setattr(RingStore, "_advance", counted("advance", advance))
+    monkeypatch.setattr(RingStore, "_rotate_sink", counted("exact", exact))
+    tokens = [(i * 53 + 7) % 300 for i in range(900)]
+    config = CacheConfig(sink=SINK, window=WINDOW)
+    ring, _ = run(native.model, config, [(20,)], tokens=tokens)
+    layers = len(native.model.layers)
+    assert calls["advance"] >= layers * (880 // ring_mod.SINK_STEPS - 3)
+    # once per layer when the sink is made, then again within the 110 blocks (REFRESH_BLOCKS)
+    assert calls["exact"] >= 2 * layers
+    simple, _ = run(native.model, config, [(20,)], ring=False, tokens=tokens)
+    err = mx.abs(ring - simple).max().item()
+    print(f"max |logit| ring (advanced sink) - simple path over 900 tokens: {err:.2e}")
+    assert err < TOL
+    assert mx.argmax(ring, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()

@@ -15,6 +15,13 @@ must move: its keys are kept before RoPE and rotated, S rows per step, to the sl
 the window (`first_slot` of the reading is where sink slot 0 sits in that frame). Nothing in the
 window is ever re-rotated, except once per `Positions.rebase_every` tokens, when `rebase` turns
 the stored keys back by B and the base grows by B, so fp32 angles never lose precision.
+
+The sink is placed for SINK_STEPS steps at once (a block of SINK_STEPS * S rows; each step writes
+its S rows into the buffer). The next block is the previous one turned by SINK_STEPS positions:
+RoPE at offset a + b is RoPE at b applied after RoPE at a, a fixed linear map of the head dim,
+so an fp32 block advances by one [D, D] matmul (`_advance`) instead of a RoPE call (unfused on
+this CPU backend: 19 kernels). Every REFRESH_BLOCKS blocks, and for a non-fp32 buffer always,
+the block is computed from the pre-RoPE keys again, so rounding never accumulates.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ from .segments import DenseSegment, Reading
 #: shifted mode: the sink is rotated for this many consecutive steps at once (one RoPE call per
 #: SINK_STEPS decode steps; each step then only writes its precomputed rows into the buffer)
 SINK_STEPS = 8
+#: shifted mode: a block advanced by `_advance` this many times in a row is computed exactly again
+REFRESH_BLOCKS = 64
 
 _NOTHING = (mx.zeros((0,)), mx.zeros((0,)))
 
@@ -52,6 +61,8 @@ class RingStore:
         self.ptr = 0      # ring: the window slot the next token is written to
         self._sink_block: Optional[mx.array] = None   # [B, H, SINK_STEPS * S, D]: the sink placed
         self._block_at = 0                          # at first_slot _block_at + t
+        self._advanced = 0                          # blocks advanced since the last exact one
+        self._turn: Optional[mx.array] = None       # [D, D]: RoPE by SINK_STEPS positions, row form
         self._sink_in_buffer: Optional[int] = None  # ring: the first_slot the buffer's sink has
 
     def __len__(self) -> int:
@@ -157,7 +168,10 @@ class RingStore:
         if not self.positions.frame or not self.n_sink:
             return None
         if not 0 <= at - self._block_at < SINK_STEPS:
-            self._rotate_sink(at)
+            if at - self._block_at < 2 * SINK_STEPS and at > self._block_at and self._can_advance():
+                self._advance()
+            else:
+                self._rotate_sink(at)
         t, S = at - self._block_at, self.n_sink
         return self._sink_block[..., t * S:(t + 1) * S, :]     # a view: no gather
 
@@ -169,6 +183,36 @@ class RingStore:
         block = self.positions.rope(flat.reshape(SINK_STEPS * B * H, S, D), offset=offsets)
         block = block.reshape(SINK_STEPS, B, H, S, D).transpose(1, 2, 0, 3, 4).reshape(B, H, SINK_STEPS * S, D)
         self._sink_block, self._block_at = block.astype(self.dtype), at   # step t: rows [t*S, (t+1)*S)
+        self._advanced = 0
+        if self._turn is None and self.dtype == mx.float32:    # made with the sink, like the block
+            self._turn = self._rope_turn(D, SINK_STEPS)
+
+    def _can_advance(self) -> bool:
+        return self._turn is not None and self._advanced < REFRESH_BLOCKS - 1
+
+    def _advance(self) -> None:
+        """The next block (sink slot 0 at `_block_at + SINK_STEPS` ...) from this one: one matmul
+        by the RoPE turn of SINK_STEPS positions (module doc)."""
+        self._sink_block = self._sink_block @ self._turn
+        self._block_at += SINK_STEPS
+        self._advanced += 1
+
+    def _rope_turn(self, D: int, by: int) -> Optional[mx.array]:
+        """The [D, D] matrix M with rope(x, a + by) == rope(x, a) @ M for every row x and offset a:
+        RoPE's map at `by` after undoing its map at 0 (RoPE is linear in x; any scaling it applies
+        at every offset, as YaRN's does, cancels), from the rope applied to the unit vectors.
+        None where the rope is not a rotation by the offset (its frequencies depend on the
+        offset, as dynamic NTK scaling's do): checked at offset `by` -> `2 * by`."""
+        import numpy as np
+        eye = mx.eye(D, dtype=mx.float32).reshape(D, 1, D)
+
+        def at(offset: int) -> np.ndarray:
+            return np.array(self.positions.rope(eye, offset=offset).reshape(D, D), dtype=np.float64)
+        at0, atb = at(0), at(by)
+        turn = np.linalg.solve(at0, atb)        # rows: x @ at0 == rope(x, 0)
+        if not np.allclose(atb @ turn, at(2 * by), atol=1e-5 * max(1.0, np.abs(atb).max())):
+            return None
+        return mx.array(turn.astype(np.float32))
 
     def attention_kv(self, first_slot: int, ordered: bool, dtype: Optional[mx.Dtype] = None
                      ) -> tuple[mx.array, mx.array]:
@@ -202,11 +246,11 @@ class RingStore:
         return B * H * (Dk + self.values.shape[3]) * self.keys.itemsize
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        """The sink (in shifted mode with its pre-RoPE keys and their rotations for the next
-        steps) and the window's stored tokens."""
+        """The sink (in shifted mode with its pre-RoPE keys, their rotations for the next steps
+        and, in fp32, the [D, D] turn that advances them) and the window's stored tokens."""
         if self.keys is None:
             return {"sink": 0, "body": 0}
-        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block) if a is not None)   # as made with the sink
+        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block, self._turn) if a is not None)   # as made with the sink
         return {"sink": self.n_sink * self._per_token() + extra, "body": self.n * self._per_token()}
 
     @property
@@ -214,7 +258,8 @@ class RingStore:
         return sum(self.nbytes_breakdown().values())
 
     def close(self) -> None:
-        self.keys = self.values = self.sink_keys = self._sink_block = None
+        self.keys = self.values = self.sink_keys = self._sink_block = self._turn = None
+        self._advanced = 0
         self._sink_in_buffer = None
         self.ring = False
         self.n_sink = self.n = self.head = self.ptr = 0
