@@ -127,8 +127,6 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
             # shifted: the sink's pre-RoPE keys, and their rotations for SINK_STEPS steps
             rows = layer.n_sink * (1 + SINK_STEPS)
             out["sink"] += rows * k.shape[-1] * k.shape[0] * k.shape[1] * item
-            if cfg.storage == "fp32":   # and the [D, D] fp32 turn that advances those rotations
-                out["sink"] += k.shape[-1] ** 2 * 4
         out["body"] = (len(body) - layer.n_sink) * per_token * item
     elif cfg.quantised:
         out["body_packed"] = sum(a.nbytes for s in (body.keys, body.values) if s for a in s)

@@ -246,11 +246,13 @@ class RingStore:
         return B * H * (Dk + self.values.shape[3]) * self.keys.itemsize
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        """The sink (in shifted mode with its pre-RoPE keys, their rotations for the next steps
-        and, in fp32, the [D, D] turn that advances them) and the window's stored tokens."""
+        """The sink (in shifted mode with its pre-RoPE keys and their rotations for the next
+        steps) and the window's stored tokens."""
         if self.keys is None:
             return {"sink": 0, "body": 0}
-        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block, self._turn) if a is not None)   # as made with the sink
+        # as made with the sink; the [D, D] turn is a constant of the model's RoPE (4 KiB at head
+        # dim 32, like a RoPE's frequency table), not of what the cache holds: not counted
+        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block) if a is not None)
         return {"sink": self.n_sink * self._per_token() + extra, "body": self.n * self._per_token()}
 
     @property

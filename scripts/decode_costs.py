@@ -1,0 +1,117 @@
+"""Where a decode step's time goes, for docs/results.md (the headline decode path):
+
+1. attention parts of one layer at the shipped model's shape (4 KV heads, 2 queries each, head
+   dim 32) over `--context` keys: MLX's `quantized_matmul` for q.K and p.V (int4, G=32, fp16 and
+   fp32 parameters) against dense fp32 matmuls of the same products, the softmax over the
+   scores, and fp32 `scaled_dot_product_attention`;
+2. the Python side of a decode step on the shipped model: the time to build one step's graph
+   (the model call before `mx.eval`) and the whole step, for mlx-lm's RotatingKVCache(256, 4)
+   and our StreamingLLM ring (sink 4 + window 252, absolute and shifted), interleaved step by
+   step after a 1,024-token prefill.
+
+    python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
+
+Microseconds, medians. Not a test; for benchmarks preload OpenBLAS (README of docs/results.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tinygpt_mlx import quant  # noqa: E402
+
+
+def _us(f, n: int = 200) -> float:
+    for _ in range(10):
+        mx.eval(f())
+    times = []
+    for _ in range(n):
+        t = time.perf_counter()
+        mx.eval(f())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def attention_parts(T: int) -> dict[str, float]:
+    H, rep, D = 4, 2, 32
+    key = mx.random.key(0)
+    q, k, v = (mx.random.normal(s, key=kk) for s, kk in
+               zip(((1, H, rep, D), (1, H, T, D), (1, H, T, D)), mx.random.split(key, 3)))
+    kq = quant.quantise_affine(mx.swapaxes(k, -1, -2), 4, 32, mx.float16)   # keys per channel
+    vq = quant.quantise_affine(v, 4, 32, mx.float16)                        # values per token
+    kq32 = (kq[0],) + tuple(a.astype(mx.float32) for a in kq[1:])
+    vq32 = (vq[0],) + tuple(a.astype(mx.float32) for a in vq[1:])
+    p = mx.softmax(mx.random.normal((1, H, rep, T)), axis=-1)
+    q8 = q.reshape(1, H * rep, 1, D)
+    mx.eval(q, k, v, p, q8, *kq, *vq, *kq32, *vq32)
+    qmm = mx.quantized_matmul
+    return {
+        "q.K quantized_matmul (fp16 params)": _us(lambda: qmm(q, *kq, transpose=False, group_size=32, bits=4)),
+        "q.K quantized_matmul (fp32 params)": _us(lambda: qmm(q, *kq32, transpose=False, group_size=32, bits=4)),
+        "q.K dense fp32 matmul": _us(lambda: q @ mx.swapaxes(k, -1, -2)),
+        "p.V quantized_matmul (fp16 params)": _us(lambda: qmm(p, *vq, transpose=False, group_size=32, bits=4)),
+        "p.V quantized_matmul (fp32 params)": _us(lambda: qmm(p, *vq32, transpose=False, group_size=32, bits=4)),
+        "p.V dense fp32 matmul": _us(lambda: p @ v),
+        "softmax over the scores": _us(lambda: mx.softmax(q.sum() + p, axis=-1, precise=True)),
+        "fp32 scaled_dot_product_attention": _us(lambda: mx.fast.scaled_dot_product_attention(q8, k, v, scale=0.17)),
+    }
+
+
+def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
+    from mlx_lm.models.cache import RotatingKVCache
+
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.loading import load
+    m = load(model_path)
+    caches = {
+        "mlx-lm RotatingKVCache(256, keep=4)": [RotatingKVCache(max_size=256, keep=4) for _ in m.model.layers],
+        "ring sink 4 + window 252, absolute": make_cache(m.model, CacheConfig(sink=4, window=252, rope_mode="absolute")),
+        "ring sink 4 + window 252, shifted": make_cache(m.model, CacheConfig(sink=4, window=252)),
+    }
+    for c in caches.values():
+        for i in range(0, 1024, 128):
+            mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(i, i + 128)]]), cache=c))
+    build = {n: [] for n in caches}
+    whole = {n: [] for n in caches}
+    for step in range(steps + 50):
+        for n, c in caches.items():
+            t0 = time.perf_counter()
+            out = m.model(mx.array([[7 + step % 50]]), cache=c)
+            t1 = time.perf_counter()
+            mx.eval(out)
+            t2 = time.perf_counter()
+            if step >= 50:
+                build[n].append(t1 - t0)
+                whole[n].append(t2 - t0)
+    return {n: (statistics.median(build[n]) * 1e6, statistics.median(whole[n]) * 1e6) for n in caches}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=8192, help="keys for the attention parts")
+    ap.add_argument("--steps", type=int, default=300, help="decode steps per cache for the Python side")
+    ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "tinygpt-base.tinygpt"))
+    a = ap.parse_args()
+    if a.context < 32 or a.context % 32:
+        ap.error(f"--context must be a positive multiple of 32, got {a.context}")
+    if a.steps < 10:
+        ap.error(f"--steps must be at least 10, got {a.steps}")
+    print(f"attention parts of one layer over {a.context} keys (median us):")
+    for name, us in attention_parts(a.context).items():
+        print(f"  {name:40s} {us:9.1f}")
+    print(f"decode step on {Path(a.model).name} after 1,024 tokens (median us): graph build / whole step")
+    for name, (b, w) in python_side(a.model, a.steps).items():
+        print(f"  {name:40s} {b:7.0f} / {w:7.0f}")
+
+
+if __name__ == "__main__":
+    main()
