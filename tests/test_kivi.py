@@ -503,3 +503,83 @@ def test_top_k_indices_is_the_exact_top_k(T, k):
     got = np.sort(np.array(top_k_indices(scores, k, 32)), axis=-1)
     want = np.sort(np.argsort(-np.array(scores), axis=-1)[..., :min(k, T)], axis=-1)
     assert np.array_equal(got, want)
+
+
+# ----- KIVI under shifted StreamingLLM on frame positions (kivi.py) ---------------------------
+
+FRAME = dict(sink=4, window=64)
+
+
+def _frame_run(model, kw, ring=True, rebase_every=None, n=300, prefill=120):
+    cache = make_cache(model, CacheConfig(**kw), ring=ring)
+    if rebase_every is not None:
+        for c in cache.owned:
+            c.positions.rebase_every = rebase_every
+    return run(model, cache, tokens(n, seed=5), prefill=prefill), cache
+
+
+def test_frame_positions_equal_the_pre_rope_path_where_keys_are_exact(native32):
+    """With exact keys (int8 values), the frame positions (keys kept as rotated, only the sink
+    placed) and the pre-RoPE path they replaced (`ring=False`: keys before RoPE, frozen at
+    virtual slots, the query turned by the evicted count) hold the same values and put every
+    key at the same distance from the query, across prefill chunks, block evictions and decode:
+    the same logits to rounding (measured 3.3e-6)."""
+    kw = dict(key_bits=None, value_bits=8, **FRAME)
+    frame, cache = _frame_run(native32.model, kw)
+    simple, ref = _frame_run(native32.model, kw, ring=False)
+    layer = cache.owned[0]
+    assert layer.positions.frame and not ref.owned[0].positions.frame
+    assert layer.body.evicted >= 300 - 4 - 64 - G and layer.offset == cache.current_length
+    err = mx.abs(frame - simple).max().item()
+    print(f"frame vs pre-RoPE path, exact keys: {err:.2e}")
+    assert err < 1e-5
+
+
+def test_frame_positions_quantise_keys_as_rotated_within_the_pre_rope_error(native32):
+    """int4 keys and values: the frame path quantises keys as the model rotated them, the
+    pre-RoPE path at their virtual slots; each is within int4's error of the exact StreamingLLM
+    ring, by similar amounts (measured max |logit error| 0.21 frame, 0.20 pre-RoPE)."""
+    kw = dict(key_bits=4, value_bits=4, **FRAME)
+    exact, _ = _frame_run(native32.model, FRAME)
+    errs = [mx.abs(_frame_run(native32.model, kw, ring=r)[0] - exact).max().item() for r in (True, False)]
+    print(f"int4 + window vs the exact window: frame {errs[0]:.3f}, pre-RoPE {errs[1]:.3f}")
+    assert errs[0] < 0.5 and errs[0] < 2 * errs[1]
+
+
+def test_frame_rebase_turns_the_body_back(native32):
+    """Re-basing every 23 tokens over 300 (12 re-bases): with exact keys the turn is exact (the
+    logits of the un-rebased frame path); with int4 keys the frozen blocks are quantised again
+    at each re-base, within int4's error of the un-rebased path."""
+    kw = dict(key_bits=None, value_bits=8, **FRAME)
+    plain, _ = _frame_run(native32.model, kw)
+    rebased, cache = _frame_run(native32.model, kw, rebase_every=23)
+    layer = cache.owned[0]
+    assert layer.positions.base >= 23 * 11 and 0 <= layer.offset < 23
+    assert mx.abs(rebased - plain).max().item() < 1e-4
+    kw4 = dict(key_bits=4, value_bits=4, **FRAME)
+    plain4, _ = _frame_run(native32.model, kw4)
+    rebased4, _ = _frame_run(native32.model, kw4, rebase_every=23)
+    err = mx.abs(rebased4 - plain4).max().item()
+    print(f"int4 re-based every 23 tokens vs not: {err:.3f}")
+    assert err < 0.5
+
+
+def test_frame_decode_step_runs_no_rope_in_the_cache(native32):
+    """A decode step of int4 + window on frame positions runs the kernels of the full int4 cache
+    plus the window's mask (built once per step) and the sink's segment (two matmuls, a select
+    and a concatenation per layer), and no RoPE: the pre-RoPE path un-rotates the new key,
+    places the residual and turns the query, three unfused RoPE calls per layer on this CPU."""
+    from tinygpt_mlx.evaluate.bench import step_ops
+
+    def ops(kw, ring=True):
+        cache = make_cache(native32.model, CacheConfig(**kw), ring=ring)
+        run(native32.model, cache, tokens(260, seed=2), prefill=200)
+        return step_ops(native32.model, cache, n=G)["kernels"]     # one freeze (and eviction) each
+    layers = len(native32.model.layers)
+    full = ops(dict(key_bits=4, value_bits=4))
+    frame = ops(dict(key_bits=4, value_bits=4, **FRAME))
+    simple = ops(dict(key_bits=4, value_bits=4, **FRAME), ring=False)
+    print(f"kernels per decode step: int4 {full}, int4 + window frame {frame}, pre-RoPE path {simple}")
+    # measured (2 layers, over 32 steps: one freeze and one block eviction): 394, 451, 715; one
+    # more RoPE call per layer would add ~38 here
+    assert frame - full < 70 and simple - frame > 3 * 30 * layers

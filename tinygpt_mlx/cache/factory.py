@@ -30,14 +30,19 @@ def find_rope(layer: Any) -> Optional[Callable]:
 def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0,
                 ring: bool = True) -> LayerCache:
     """One layer's cache under `config`: its position rules and its stores. An exact
-    StreamingLLM cache is a ring (ring.py); `ring=False` builds the simple path it replaced
-    (sink and window as two position-ordered stores, shifted keys re-rotated on every read),
-    which tests compare it against."""
+    StreamingLLM cache is a ring (ring.py) and a KIVI one keeps frame positions (kivi.py);
+    `ring=False` builds the simple paths they replaced (sink and window as two position-ordered
+    stores, shifted keys re-rotated on every read; KIVI's keys before RoPE, frozen at virtual
+    slots, the query turned), which tests compare them against."""
     storage = DTYPES[config.storage]
     if ring and config.streaming and not config.quantised and not config.retrieval:
         positions = Positions(config, rope, frame=True)
         return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
-    positions = Positions(config, rope)
+    # KIVI under StreamingLLM (no retrieval, no exact top-k shadow): the frame positions the
+    # ring uses, so no key is un-rotated, placed or turned per step (kivi.py); `ring=False`
+    # keeps the pre-RoPE path that replaced
+    frame = ring and config.streaming and config.quantised and not config.retrieval and not config.exact_topk
+    positions = Positions(config, rope, frame=frame)
     sink = DenseStore(storage, label="sink")
     body = KiviStore(config, storage, positions, KVCache) if config.quantised else DenseStore(storage)
     cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None

@@ -14,7 +14,12 @@ RoPE: in absolute mode keys arrive rotated and are frozen as they are. In shifte
 arrive before RoPE; a frozen key is rotated at its virtual slot u = slot + E, where E counts
 the tokens evicted from the body so far (eviction shifts every body slot by the same amount),
 and at read time the query is rotated by E instead: <R(p) q, R(u - E) k> = <R(p + E) q, R(u) k>.
-So packed keys are never re-rotated, never re-quantised.
+So packed keys are never re-rotated, never re-quantised. Under StreamingLLM (no retrieval, no
+exact top-k) shifted mode runs on frame positions instead (positions.py, as the ring does): keys
+are kept as the model rotated them, at their position minus a base, and only the sink is
+placed, so a decode step un-rotates, places and turns nothing. Every 65,536 tokens `rebase`
+turns the body back by the base's growth: the residual exactly, the frozen blocks (at most a
+window's worth) dequantised, turned and quantised again.
 
 Exact top-k refinement (`CacheConfig.exact_topk` = K): a full-precision shadow copy of the frozen
 tokens is kept outside the packed body (memory-mapped on disk by default, so RAM still holds only
@@ -99,7 +104,7 @@ class KiviStore:
 
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
-        if self.positions.shifted:
+        if self.positions.pre_rope:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
@@ -132,7 +137,7 @@ class KiviStore:
         if m == 0:
             return self._empty()
         k, v = self._dense(0, m, self.storage)
-        if self.shadow is not None and not self.positions.shifted:   # hand on exact rows (a cold store keeps them)
+        if self.shadow is not None and not self.positions.pre_rope:   # hand on exact rows (a cold store keeps them)
             k = self.shadow.front(0, m) if self.shadow.has(0) else k
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
         self.keys = self._slice(self.keys, self.key_bits, True, m, None)
@@ -189,9 +194,23 @@ class KiviStore:
         vs = self._slice(self.values, self.value_bits, False, lo, hi)
         k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
         v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
-        if self.positions.shifted:
+        if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
+
+    def rebase(self, by: int) -> None:
+        """Frame mode: turn every stored key back by `by` positions (the base grows by `by`): the
+        residual's exactly, the frozen blocks' dequantised, turned and quantised again (once per
+        `Positions.rebase_every` tokens, over at most the window's blocks)."""
+        turn = lambda k: self.positions.rotate_to(k.astype(mx.float32), -by)   # noqa: E731
+        self.residual.rotate(turn)
+        if not self.n_packed:
+            return
+        if self.key_bits:
+            k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
+            self.keys = self.codec.quantise_affine(mx.swapaxes(turn(k), -1, -2), self.key_bits, self.group, PARAMS)
+        else:
+            self.keys = (turn(self.keys[0]).astype(self.storage),)
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
@@ -205,7 +224,9 @@ class KiviStore:
             segs.append(PackedSegment(self))
         if len(self.residual):
             k, v = self.residual.fetch(reading.dtype)
-            segs.append(DenseSegment(self.positions.place(k, reading.first_slot + self.n_packed), v))
+            if self.positions.pre_rope:
+                k = self.positions.place(k, reading.first_slot + self.n_packed)
+            segs.append(DenseSegment(k, v))
         return segs
 
     def close(self) -> None:
@@ -267,7 +288,7 @@ class PackedSegment:
 
     def scores(self, q: mx.array) -> mx.array:
         s = self.store
-        if s.positions.shifted and s.evicted:
+        if s.positions.pre_rope and s.evicted:
             q = s.positions.rotate_rows(q, s.evicted, 0)
         B, H, rep, L, D = q.shape
         rows = q.reshape(B, H, rep * L, D)      # a KV head's query group as rows: no broadcast copy

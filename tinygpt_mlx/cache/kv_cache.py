@@ -159,10 +159,13 @@ class LayerCache:
             self.body.append(keys, values, self.seen - self.positions.base)
         else:
             stored = keys
-            if self.positions.shifted:
+            if self.positions.pre_rope:
                 stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
             if n_sink:
-                self.sink_store.append(stored[..., :n_sink, :], values[..., :n_sink, :])
+                sink = stored[..., :n_sink, :]
+                if self.positions.frame:    # only the sink is kept before RoPE (placed when read)
+                    sink = self.positions.unrotate(sink, self.seen - self.positions.base)
+                self.sink_store.append(sink, values[..., :n_sink, :])
             self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
         self.seen += L
         return keys, values
@@ -171,10 +174,12 @@ class LayerCache:
         return self.positions.body_slot(self.n_sink, self._cold_tokens())
 
     def _readings(self) -> tuple[Reading, Reading]:
-        return (Reading(self.dtype, self.positions, 0), Reading(self.dtype, self.positions, self._body_slot()))
+        sink_slot = self._sink_slot0() if self.positions.frame else 0
+        return (Reading(self.dtype, self.positions, sink_slot), Reading(self.dtype, self.positions, self._body_slot()))
 
-    def _ring_slot0(self) -> int:
-        """A ring's sink slot 0 in the query's frame (read only in shifted mode)."""
+    def _sink_slot0(self) -> int:
+        """Frame mode (a ring, or a KIVI body under StreamingLLM): the sink's slot 0 in the
+        query's frame (read only in shifted mode)."""
         return self.positions.frame_slot0(self.seen, self.stored_count)
 
     def fetch(self) -> tuple[mx.array, mx.array]:
@@ -184,12 +189,14 @@ class LayerCache:
             if not len(self.body):
                 z = mx.zeros((0,), self.dtype or mx.float32)
                 return z, z
-            return self.body.attention_kv(self._ring_slot0(), True, self.dtype)
+            return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
         parts = []
-        for store, slot in ((self.sink_store, 0), (self.body, self._body_slot())):
+        sink, body = self._readings()
+        for store, reading, placed in ((self.sink_store, sink, self.positions.shifted),
+                                       (self.body, body, self.positions.pre_rope)):
             if len(store):
                 k, v = store.fetch(self.dtype)
-                parts.append((self.positions.place(k, slot), v))
+                parts.append((self.positions.place(k, reading.first_slot) if placed else k, v))
         if not parts:
             z = mx.zeros((0,), self.dtype or mx.float32)
             return z, z
@@ -238,7 +245,7 @@ class LayerCache:
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
         if self.sink_store is None:
-            return self.body.segments(Reading(self.dtype, self.positions, self._ring_slot0()))
+            return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))
         sink, body = self._readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
@@ -260,7 +267,7 @@ class LayerCache:
         retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
         every segment's scores (segments.attend)."""
         if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
-            keys, values = self.body.attention_kv(self._ring_slot0(), mask is not None, self.dtype)
+            keys, values = self.body.attention_kv(self._sink_slot0(), mask is not None, self.dtype)
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not self.needs_query or self._dense_prefill(queries.shape[2]):
             keys, values = self.fetch()

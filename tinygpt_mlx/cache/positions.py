@@ -41,11 +41,15 @@ class Positions:
         if self.shifted and rope is None:
             raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
         self.rope = rope
-        #: shifted mode over a ring (ring.py): the window's keys are stored as the model rotated
-        #: them, at their position minus `base`; the query sits at its position minus `base`,
-        #: and only the sink is placed at slots (`first_slot` of its reading: the frame
-        #: position of sink slot 0). Slot distances are unchanged (module doc of ring.py).
+        #: shifted mode over a ring (ring.py) or a KIVI body under StreamingLLM (kivi.py): the
+        #: window's keys are stored as the model rotated them, at their position minus `base`;
+        #: the query sits at its position minus `base`, and only the sink is placed at slots
+        #: (`first_slot` of its reading: the frame position of sink slot 0). Slot distances
+        #: are unchanged (module doc of ring.py): the window is contiguous in positions.
         self.frame = self.shifted and frame
+        #: stored keys are kept before RoPE and rotated to their slots when read (shifted mode
+        #: without a frame); in a frame only the sink is, and every other key stays as rotated
+        self.pre_rope = self.shifted and not self.frame
         self.base = 0
         self.rebase_every = self.REBASE_EVERY
         self.sink = config.sink

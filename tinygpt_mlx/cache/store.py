@@ -110,6 +110,14 @@ class DenseStore:
         self.n = min(self.n, n)
         self.version += 1
 
+    def rotate(self, turn) -> None:
+        """Replace the live keys by `turn(keys)` (a re-base turns them back by RoPE)."""
+        if not self.n:
+            return
+        h, e = self.head, self.head + self.n
+        self.keys[..., h:e, :] = turn(self.keys[..., h:e, :]).astype(self.dtype)
+        self.version += 1
+
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
         h, e = self.head, self.head + self.n
         k, v = self.keys[..., h:e, :], self.values[..., h:e, :]
