@@ -105,9 +105,7 @@ def test_decode_host_pick_equals_the_pool_segment_pick(unit):
     for seed in range(5):
         store, q, _ = _pool_case(seed, retrieve_unit=unit, retrieve_tokens=16)
         pool, _ = store.pool(q.reshape(2, 2, 1, -1))
-        idx = (np.maximum(pool, 0)[..., None] * 8 + np.arange(8)).reshape(2, -1)
-        valid = np.repeat(pool >= 0, 8, axis=1) & (idx < store.n)
-        idx = np.where(valid, idx, 0)
+        idx, valid = store.pool_tokens(pool)
         units, u = (2, 8) if unit == "spans" else (16, 1)
         pool_keys = store.keys.view()[idx, np.arange(2)[:, None]]
         pick, ok = store._pick(q[0].reshape(2, 2, -1), pool_keys, valid, units, u)
@@ -378,7 +376,18 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
     from tinygpt_mlx.cache.segments import PoolSegment
     B, H, rep, L, U, D = 1, 2, 3, 5, 64, 8
     keys, values = mx.random.normal((B, H, U, D), key=mx.random.key(1)), mx.random.normal((B, H, U, D), key=mx.random.key(2))
-    valid = mx.random.uniform(shape=(B, H, U), key=mx.random.key(3)) > 0.2
+    if unit == 1:
+        valid = mx.random.uniform(shape=(B, H, U), key=mx.random.key(3)) > 0.2
+    else:   # as the cold store gathers pages: real tokens a prefix of each page (some none),
+        # padding a copy of the page's first row (ColdStore.pool_tokens)
+        # padding a copy of the page's first row (ColdStore.pool_tokens); page 0 is all padding
+        # with keys that would outscore every real page if pages were not masked
+        n_real = mx.random.randint(1, unit + 1, (B, H, U // unit, 1), key=mx.random.key(3))
+        n_real = mx.where(mx.arange(U // unit)[:, None] == 0, 0, n_real)
+        valid = (mx.arange(unit) < n_real).reshape(B, H, U)
+        keys = mx.where((mx.arange(U) < unit)[:, None], 100 * keys, keys)
+        first = mx.repeat(keys.reshape(B, H, U // unit, unit, D)[:, :, :, :1], unit, axis=3).reshape(B, H, U, D)
+        keys = mx.where(valid[..., None], keys, first)
     q = mx.random.normal((B, H, rep, L, D), key=mx.random.key(4))
     seg = PoolSegment(keys, values, valid, units, unit)
     scores = seg.scores(q)

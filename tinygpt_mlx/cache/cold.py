@@ -360,10 +360,7 @@ class ColdStore:
         spans = self.config.retrieve_unit == "spans"
         units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
         with self.stages.timed("gather"):
-            K = pool.shape[1]
-            idx = (np.maximum(pool, 0)[..., None] * ps + np.arange(ps)).reshape(self.G, K * ps)
-            valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
-            idx = np.where(valid, idx, 0)
+            idx, valid = self.pool_tokens(pool)
             scored = int(valid.sum(axis=1).max())
             keys = self._gather(self.keys, idx)                                   # [G, U, D]
             if L == 1:    # decode: the fine pass on the host, then only the picked rows move
@@ -386,6 +383,17 @@ class ColdStore:
                               fetched=lambda: [row[i[ok[i]]] for row, ok, i in
                                                zip(idx, valid, np.asarray(picked()).reshape(self.G, -1))])
         return [segment], selection
+
+    def pool_tokens(self, pool: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The cold-token rows [G, K * page_size] that a pool of pages [G, K] (-1: none) gathers,
+        and which of them are real tokens. Padding gathers its page's first token (a real one
+        wherever any of the page is: a page's real tokens are a prefix), so the max over a
+        page's rows is its real tokens' max and spans need no token-level mask (PoolSegment)."""
+        ps = self.page_size
+        first = np.maximum(pool, 0) * ps
+        idx = (first[..., None] + np.arange(ps)).reshape(pool.shape[0], -1)
+        valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
+        return np.where(valid, idx, np.repeat(first, ps, axis=1)), valid
 
     def _pick(self, q: np.ndarray, keys: np.ndarray, valid: np.ndarray, units: int, unit: int
               ) -> tuple[np.ndarray, np.ndarray]:

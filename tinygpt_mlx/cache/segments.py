@@ -65,7 +65,8 @@ class PoolSegment:
     what it picks from it: its `units` best tokens (`unit` 1), or its `units` best pages of
     `unit` tokens ranked by the best token in them (spans), by the exact attention score (max
     over the KV head's query group, as the per-query search ranks tokens). Tokens not `valid`
-    (padding) never count. The fine pass is attention's own q.k over the pool; the softmax and
+    (padding) never count; with spans a page's padding must repeat one of its valid tokens
+    (the cold store gathers it so), since pages are masked, not their tokens. The fine pass is attention's own q.k over the pool; the softmax and
     the values then cover only the picked tokens [B, Hkv, rep, L, T] (an exp per pool token
     would cost more than the model's own attention on a CPU)."""
 
@@ -82,10 +83,12 @@ class PoolSegment:
         best = s[:, :, 0]
         for r in range(1, rep):        # the group's max: elementwise, cheaper than a reduction here
             best = mx.maximum(best, s[:, :, r])
-        pick = mx.where(self.valid[:, :, None], best, -mx.inf)                          # [B, H, L, U]
         if self.unit > 1:
+            # a page's padding repeats one of its valid tokens (cold.py), so the page max needs
+            # only the page-level mask (a masked copy of every score costs more here)
             u = self.unit
-            pages = pick.reshape(B, H, L, U // u, u).max(axis=-1)
+            page_valid = self.valid.reshape(B, H, 1, U // u, u).any(axis=-1)
+            pages = mx.where(page_valid, best.reshape(B, H, L, U // u, u).max(axis=-1), -mx.inf)
             k = min(self.units, pages.shape[-1])
             top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]                      # [B, H, L, k]
             idx = (top[..., None] * u + mx.arange(u)).reshape(B, H, L, k * u)
@@ -94,6 +97,7 @@ class PoolSegment:
                                      mx.broadcast_to(top[:, :, None, :, :, None], (B, H, rep, L, k, 1)),
                                      axis=-2).reshape(B, H, rep, L, k * u)
         else:
+            pick = mx.where(self.valid[:, :, None], best, -mx.inf)                      # [B, H, L, U]
             k = min(self.units, U)
             idx = mx.argpartition(-pick, k - 1, axis=-1)[..., :k] if k < U else mx.broadcast_to(mx.arange(U), (B, H, L, U))
             sel = mx.take_along_axis(s, mx.broadcast_to(idx[:, :, None], (B, H, rep) + idx.shape[2:]), axis=-1)
