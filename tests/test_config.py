@@ -92,6 +92,8 @@ def test_from_flags_uses_the_precision_table():
 SPEC_LABELS = {
     'fp32': ('fp32',
         '{"storage":"fp32"}'),
+    'int8+sink4/window252': ('int8 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),
     'int4+sink4/window252': ('int4 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},'
         '"streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),

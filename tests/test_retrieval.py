@@ -378,9 +378,8 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
     keys, values = mx.random.normal((B, H, U, D), key=mx.random.key(1)), mx.random.normal((B, H, U, D), key=mx.random.key(2))
     if unit == 1:
         valid = mx.random.uniform(shape=(B, H, U), key=mx.random.key(3)) > 0.2
-    else:   # as the cold store gathers pages: real tokens a prefix of each page (some none),
-        # padding a copy of the page's first row (ColdStore.pool_tokens)
-        # padding a copy of the page's first row (ColdStore.pool_tokens); page 0 is all padding
+    else:   # as the cold store gathers pages: real tokens a prefix of each page, padding a copy
+        # of the page's first row (ColdStore.pool_tokens); page 0 is all padding
         # with keys that would outscore every real page if pages were not masked
         n_real = mx.random.randint(1, unit + 1, (B, H, U // unit, 1), key=mx.random.key(3))
         n_real = mx.where(mx.arange(U // unit)[:, None] == 0, 0, n_real)

@@ -126,8 +126,8 @@ def test_the_sink_turn_is_rope_by_sink_steps(native, rope):
     """The [D, D] turn that advances the shifted sink's block (ring.py) is RoPE by SINK_STEPS
     positions from any offset: rope(x, a + SINK_STEPS) == rope(x, a) @ turn, for the native RoPE
     and mlx-lm's variants (a YaRN scale cancels; partial rotary dims stay put); a rope whose
-    frequencies move with the offset (dynamic NTK) gets no turn, so its block is computed
-    exactly every time."""
+    frequencies move within the checked offsets (dynamic NTK with a trained length of 16) gets
+    no turn, so its block is computed exactly every time."""
     import mlx.nn as nn
     from mlx_lm.models.rope_utils import initialize_rope
 

@@ -40,7 +40,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
         return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
     # KIVI under StreamingLLM (no retrieval, no exact top-k shadow): the frame positions the
     # ring uses, so no key is un-rotated, placed or turned per step (kivi.py); `ring=False`
-    # keeps the pre-RoPE path that replaced
+    # builds the pre-RoPE path that frame positions replaced
     frame = ring and config.streaming and config.quantised and not config.retrieval and not config.exact_topk
     positions = Positions(config, rope, frame=frame)
     sink = DenseStore(storage, label="sink")

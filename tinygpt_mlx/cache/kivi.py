@@ -56,8 +56,8 @@ class KiviStore:
 
     An `Evictable` store (store.py). Bit widths are `key_bits` / `value_bits` (None = exact
     side). Quantisation rounds through `codec` (the `KVCache` class: `quantise_affine`,
-    `dequantise_k`, `dequantise_v`); positions come from `positions` (shifted mode rotates keys
-    once, as they freeze).
+    `dequantise_k`, `dequantise_v`); positions come from `positions` (frame mode keeps keys as
+    the model rotated them; the pre-RoPE path rotates them once, as they freeze).
     """
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any):
@@ -131,8 +131,8 @@ class KiviStore:
 
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Evict the oldest whole blocks (`droppable(n)` tokens); returns them dequantised
-        (keys pre-RoPE in shifted mode, like every stored key there), or in absolute mode with a
-        shadow the exact rows of the quantised sides."""
+        (keys pre-RoPE on the pre-RoPE path, like every stored key there), or where keys are kept
+        as rotated (absolute, frame) with a shadow the exact rows of the quantised sides."""
         m = self.droppable(n)
         if m == 0:
             return self._empty()
@@ -189,7 +189,7 @@ class KiviStore:
                 mx.concatenate([p[1] for p in parts], axis=2))
 
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Frozen tokens [lo, hi), dequantised; keys pre-RoPE in shifted mode."""
+        """Frozen tokens [lo, hi), dequantised; keys pre-RoPE on the pre-RoPE path."""
         ks = self._slice(self.keys, self.key_bits, True, lo, hi)
         vs = self._slice(self.values, self.value_bits, False, lo, hi)
         k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
@@ -200,8 +200,12 @@ class KiviStore:
 
     def rebase(self, by: int) -> None:
         """Frame mode: turn every stored key back by `by` positions (the base grows by `by`): the
-        residual's exactly, the frozen blocks' dequantised, turned and quantised again (once per
-        `Positions.rebase_every` tokens, over at most the window's blocks)."""
+        residual's (exact in fp32; re-rounded once in half precision), the frozen blocks'
+        dequantised, turned and quantised again (once per `Positions.rebase_every` tokens, over
+        at most the window's blocks). Not with an exact top-k shadow (the factory keeps that on
+        the pre-RoPE path)."""
+        if self.shadow is not None:
+            raise ValueError("a KIVI body with an exact top-k shadow is not re-based (pre-RoPE path only)")
         turn = lambda k: self.positions.rotate_to(k.astype(mx.float32), -by)   # noqa: E731
         self.residual.rotate(turn)
         if not self.n_packed:

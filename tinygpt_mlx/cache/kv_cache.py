@@ -33,7 +33,8 @@ class LayerCache:
     `make_mask`, `state`, `trim`), over the stores `[sink, body, cold?]`.
 
     `offset` is the RoPE position the next token gets: tokens seen (`current_length`) in
-    absolute mode, its cache slot in shifted mode. Neither ever decreases.
+    absolute mode, its cache slot in shifted mode, its position minus the base in frame mode
+    (a ring, or KIVI under StreamingLLM: it drops by the base's growth at a re-base).
     """
 
     def __init__(self, config: CacheConfig, positions: Positions, sink: Optional[DenseStore], body: Evictable,

@@ -14,7 +14,7 @@ by hand so that memory-mapped rows are streamed from their files and never read 
 
 * tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
   layer cache i, `layer{i}.{sink|body|cold}.<name>` as stored: dtypes kept (BF16 as BF16,
-  KIVI codes as U32 with their F32 scales and zeros, cold positions I64, bf16 shadow rows U16).
+  KIVI codes as U32 with their F16 scales and zeros, cold positions I64, bf16 shadow rows U16).
 * metadata (strings): `format`, `format_version`, `cache_config` (the CacheConfig as JSON),
   `model` (JSON: fingerprint, kind, name), `tokens` (JSON ids), `token_count`,
   `current_length`, `stored_count`, `cache_bytes`, `layers` (JSON: the layout and each layer's

@@ -5,7 +5,8 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
 * absolute: keys are stored as the model rotated them, at their original positions, and the
   query sits at its own position (tokens seen). Beyond the trained context this is out of range.
 * shifted (StreamingLLM's paper): positions are cache slots. Keys are stored before RoPE and
-  rotated to their slot when read; the query sits at the slot after the stored tokens. Slots:
+  rotated to their slot when read (`pre_rope`; under StreamingLLM without retrieval only the
+  sink is, `frame` below); the query sits at the slot after the stored tokens. Slots:
 
       [ sink 0 .. S )  [ retrieval slots, R' ]  [ body S+R' .. )
 
@@ -100,8 +101,9 @@ class Positions:
         return n_sink + (self.gap(cold_tokens) - 1 if self.rule == "slots" else 0)
 
     def kivi_slot(self, frozen: int) -> int:
-        """Shifted KIVI: the virtual slot u = sink + frozen at which a frozen key is rotated
-        once (eviction shifts every body slot alike, so the query is rotated instead)."""
+        """Shifted KIVI on the pre-RoPE path: the virtual slot u = sink + frozen at which a frozen
+        key is rotated once (eviction shifts every body slot alike, so the query is rotated
+        instead)."""
         return self.sink + frozen
 
     # ----- rotations ------------------------------------------------------------------------

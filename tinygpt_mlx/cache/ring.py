@@ -34,8 +34,8 @@ from .positions import Positions
 from .segments import DenseSegment, Reading
 
 
-#: shifted mode: the sink is rotated for this many consecutive steps at once (one RoPE call per
-#: SINK_STEPS decode steps; each step then only writes its precomputed rows into the buffer)
+#: shifted mode: the sink is placed for this many consecutive steps at once (each step then only
+#: writes its precomputed rows into the buffer; the next block is one matmul away, `_advance`)
 SINK_STEPS = 8
 #: shifted mode: a block advanced by `_advance` this many times in a row is computed exactly again
 REFRESH_BLOCKS = 64
@@ -63,6 +63,7 @@ class RingStore:
         self._block_at = 0                          # at first_slot _block_at + t
         self._advanced = 0                          # blocks advanced since the last exact one
         self._turn: Optional[mx.array] = None       # [D, D]: RoPE by SINK_STEPS positions, row form
+        self._turn_checked = False                  # whether `_rope_turn` ran (None: no turn)
         self._sink_in_buffer: Optional[int] = None  # ring: the first_slot the buffer's sink has
 
     def __len__(self) -> int:
@@ -184,8 +185,8 @@ class RingStore:
         block = block.reshape(SINK_STEPS, B, H, S, D).transpose(1, 2, 0, 3, 4).reshape(B, H, SINK_STEPS * S, D)
         self._sink_block, self._block_at = block.astype(self.dtype), at   # step t: rows [t*S, (t+1)*S)
         self._advanced = 0
-        if self._turn is None and self.dtype == mx.float32:    # made with the sink, like the block
-            self._turn = self._rope_turn(D, SINK_STEPS)
+        if not self._turn_checked and self.dtype == mx.float32:    # made with the sink, like the block
+            self._turn, self._turn_checked = self._rope_turn(D, SINK_STEPS), True
 
     def _can_advance(self) -> bool:
         return self._turn is not None and self._advanced < REFRESH_BLOCKS - 1
@@ -201,8 +202,10 @@ class RingStore:
         """The [D, D] matrix M with rope(x, a + by) == rope(x, a) @ M for every row x and offset a:
         RoPE's map at `by` after undoing its map at 0 (RoPE is linear in x; any scaling it applies
         at every offset, as YaRN's does, cancels), from the rope applied to the unit vectors.
-        None where the rope is not a rotation by the offset (its frequencies depend on the
-        offset, as dynamic NTK scaling's do): checked at offset `by` -> `2 * by`."""
+        None where the rope is seen not to be one rotation per offset, checked from offset `by`
+        to `2 * by` (a rope whose frequencies move within those offsets; dynamic NTK scaling's
+        move only past its trained length, where this check cannot see it, but such a rope
+        takes no per-row offsets, so shifted mode cannot use it at all)."""
         import numpy as np
         eye = mx.eye(D, dtype=mx.float32).reshape(D, 1, D)
 
@@ -261,6 +264,7 @@ class RingStore:
 
     def close(self) -> None:
         self.keys = self.values = self.sink_keys = self._sink_block = self._turn = None
+        self._turn_checked = False
         self._advanced = 0
         self._sink_in_buffer = None
         self.ring = False

@@ -66,9 +66,10 @@ class PoolSegment:
     `unit` tokens ranked by the best token in them (spans), by the exact attention score (max
     over the KV head's query group, as the per-query search ranks tokens). Tokens not `valid`
     (padding) never count; with spans a page's padding must repeat one of its valid tokens
-    (the cold store gathers it so), since pages are masked, not their tokens. The fine pass is attention's own q.k over the pool; the softmax and
-    the values then cover only the picked tokens [B, Hkv, rep, L, T] (an exp per pool token
-    would cost more than the model's own attention on a CPU)."""
+    (the cold store gathers it so), since pages are masked, not their tokens. The fine pass is
+    attention's own q.k over the pool; the softmax and the values then cover only the picked
+    tokens [B, Hkv, rep, L, T] (an exp per pool token would cost more than the model's own
+    attention on a CPU)."""
 
     def __init__(self, keys: mx.array, values: mx.array, valid: mx.array, units: int, unit: int = 1):
         self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
