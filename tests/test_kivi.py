@@ -580,6 +580,29 @@ def test_frame_decode_step_runs_no_rope_in_the_cache(native32):
     frame = ops(dict(key_bits=4, value_bits=4, **FRAME))
     simple = ops(dict(key_bits=4, value_bits=4, **FRAME), ring=False)
     print(f"kernels per decode step: int4 {full}, int4 + window frame {frame}, pre-RoPE path {simple}")
-    # measured (2 layers, over 32 steps: one freeze and one block eviction): 394, 451, 715; one
+    # measured (2 layers, over 32 steps: one freeze and one block eviction): 394, 423, 687; one
     # more RoPE call per layer would add ~38 here
     assert frame - full < 70 and simple - frame > 3 * 30 * layers
+
+
+def test_a_decode_step_mask_is_reused_and_equals_a_fresh_one(native32):
+    """KIVI under StreamingLLM holds up to G - 1 tokens beyond the window, so a decode step needs
+    a mask; `make_mask` keeps each step shape's mask and hands it out again. Over 200 decode
+    steps (evictions included) every mask handed out equals one computed afresh, and the cache
+    holds at most G + 1 of them."""
+    cache = make_cache(native32.model, CacheConfig(key_bits=4, value_bits=4, **FRAME))
+    toks = tokens(300, seed=4)
+    run(native32.model, cache, toks[:, :100], prefill=100)
+    layer, reused = cache.owned[0], 0
+    for i in range(100, 300):
+        mask = layer.make_mask(1)
+        if mask is not None:
+            known = len(layer._step_masks)
+            saved, layer._step_masks = layer._step_masks, {}
+            fresh = layer.make_mask(1)
+            layer._step_masks = saved
+            assert mask.shape == fresh.shape and mx.array_equal(mask, fresh).item()
+            reused += known == len(layer._step_masks)
+        mx.eval(native32.model(toks[:, i:i + 1], cache=cache))
+        cache.evict_middle_if_needed()
+    assert reused > 150 and len(layer._step_masks) <= G + 1

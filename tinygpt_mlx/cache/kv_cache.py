@@ -48,6 +48,7 @@ class LayerCache:
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
+        self._step_masks: dict = {}   # make_mask's decode-step masks by shape (see there)
 
     # ----- policy ---------------------------------------------------------------------------
     @property
@@ -234,6 +235,14 @@ class LayerCache:
                 return None
             if not return_array:
                 return "causal"
+        step_key = None
+        if N == 1 and window_size is None:
+            # a decode step's mask depends only on the sink held and the body's distances to the
+            # query (a KIVI body hides its oldest < G tokens): built once per shape, reused
+            first = self.start + self._pending_drop(1)
+            step_key = (self.n_sink, self.seen - first, return_array)
+            if step_key in self._step_masks:
+                return self._step_masks[step_key]
         kpos = self.key_positions(pending=N)[None]
         qpos = mx.arange(self.seen, self.seen + N)[:, None]
         mask = kpos <= qpos
@@ -241,6 +250,11 @@ class LayerCache:
             mask = mask & ((kpos < self.config.sink) | (qpos - kpos < self.config.window))
         if window_size is not None:
             mask = mask & (qpos - kpos < window_size)
+        if step_key is not None:
+            if len(self._step_masks) >= 256:
+                self._step_masks.clear()
+            mx.eval(mask)
+            self._step_masks[step_key] = mask
         return mask
 
     def segments(self) -> list:
