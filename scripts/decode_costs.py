@@ -7,7 +7,10 @@
 2. the Python side of a decode step on the shipped model: the time to build one step's graph
    (the model call before `mx.eval`) and the whole step, for mlx-lm's RotatingKVCache(256, 4)
    and our StreamingLLM ring (sink 4 + window 252, absolute and shifted), interleaved step by
-   step after a 1,024-token prefill.
+   step after a 1,024-token prefill;
+3. kernels per steady decode step (`evaluate/opcount.py`: graph nodes that are not views, the
+   mean over 32 steps after 400 tokens, so one KIVI block freeze and eviction each) for the
+   full and windowed caches, KIVI's frame positions beside the pre-RoPE path they replaced.
 
     python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
 
@@ -95,6 +98,29 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
     return {n: (statistics.median(build[n]) * 1e6, statistics.median(whole[n]) * 1e6) for n in caches}
 
 
+def kernels(model_path: str) -> dict[str, float]:
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.evaluate.bench import step_ops
+    from tinygpt_mlx.loading import load
+    m = load(model_path)
+    out = {}
+    for label, spec, ring in (("fp32", "fp32", True), ("int4", "int4", True),
+                              ("sink4/window252", "sink4/window252", True),
+                              ("sink4/window252:absolute", "sink4/window252:absolute", True),
+                              ("int4+sink4/window252 (frame)", "int4+sink4/window252", True),
+                              ("int4+sink4/window252 (pre-RoPE path)", "int4+sink4/window252", False)):
+        cache = make_cache(m.model, CacheConfig.from_spec(spec), ring=ring)
+        toks = [(j * 37 + 11) % 4000 for j in range(400)]
+        for i in range(0, 384, 128):
+            mx.eval(m.model(mx.array([toks[i:i + 128]]), cache=cache))
+        for i in range(384, 400):
+            mx.eval(m.model(mx.array([toks[i:i + 1]]), cache=cache))
+            cache.evict_middle_if_needed()
+        out[label] = step_ops(m.model, cache, n=32)["kernels"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=8192, help="keys for the attention parts")
@@ -111,6 +137,9 @@ def main() -> None:
     print(f"decode step on {Path(a.model).name} after 1,024 tokens (median us): graph build / whole step")
     for name, (b, w) in python_side(a.model, a.steps).items():
         print(f"  {name:40s} {b:7.0f} / {w:7.0f}")
+    print("kernels per decode step (mean over 32 steady steps):")
+    for name, k in kernels(a.model).items():
+        print(f"  {name:40s} {k:7.1f}")
 
 
 if __name__ == "__main__":
