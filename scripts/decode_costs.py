@@ -10,7 +10,10 @@
    step after a 1,024-token prefill;
 3. kernels per steady decode step (`evaluate/opcount.py`: graph nodes that are not views, the
    mean over 32 steps after 400 tokens, so one KIVI block freeze and eviction each) for the
-   full and windowed caches, KIVI's frame positions beside the pre-RoPE path they replaced.
+   full and windowed caches, KIVI's frame positions beside the pre-RoPE path they replaced;
+4. a shifted ring far out (its counters set as if 95,000 tokens had gone by: it re-bases once
+   and its sink block is advanced and refreshed as in a long run) against one near position 0,
+   decode steps interleaved: whether anything in the ring slows with tokens seen.
 
     python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
 
@@ -121,6 +124,30 @@ def kernels(model_path: str) -> dict[str, float]:
     return out
 
 
+def far_out(model_path: str, steps: int) -> dict[str, float]:
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.loading import load
+    m = load(model_path)
+
+    def ring(seen: int):
+        cache = make_cache(m.model, CacheConfig(sink=4, window=252))
+        for layer in cache.owned:          # as if `seen` tokens had gone by (nothing of them stored)
+            layer.seen = layer.start = seen
+        mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(300)]]), cache=cache))
+        return cache
+    caches = {"shifted ring near position 0": ring(0), "shifted ring at 95,000 tokens": ring(95000)}
+    times = {n: [] for n in caches}
+    for step in range(steps + 100):
+        for n, c in caches.items():
+            t = time.perf_counter()
+            mx.eval(m.model(mx.array([[7 + step % 90]]), cache=c))
+            c.evict_middle_if_needed()
+            if step >= 100:
+                times[n].append(time.perf_counter() - t)
+    return {n: statistics.median(v) * 1e6 for n, v in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=8192, help="keys for the attention parts")
@@ -140,6 +167,9 @@ def main() -> None:
     print("kernels per decode step (mean over 32 steady steps):")
     for name, k in kernels(a.model).items():
         print(f"  {name:40s} {k:7.1f}")
+    print("decode step far out vs near 0 (median us, interleaved):")
+    for name, us in far_out(a.model, max(a.steps, 1000)).items():
+        print(f"  {name:40s} {us:7.0f}")
 
 
 if __name__ == "__main__":
