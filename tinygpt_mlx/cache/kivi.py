@@ -206,7 +206,8 @@ class KiviStore:
         the pre-RoPE path)."""
         if self.shadow is not None:
             raise ValueError("a KIVI body with an exact top-k shadow is not re-based (pre-RoPE path only)")
-        turn = lambda k: self.positions.rotate_to(k.astype(mx.float32), -by)   # noqa: E731
+        def turn(k: mx.array) -> mx.array:
+            return self.positions.rebased(k, by)
         self.residual.rotate(turn)
         if not self.n_packed:
             return

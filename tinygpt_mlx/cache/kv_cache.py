@@ -240,7 +240,7 @@ class LayerCache:
             # a decode step's mask depends only on the sink held and the body's distances to the
             # query (a KIVI body hides its oldest < G tokens): built once per shape, reused
             first = self.start + self._pending_drop(1)
-            step_key = (self.n_sink, self.seen - first, return_array)
+            step_key = (self.n_sink, self.seen - first)
             if step_key in self._step_masks:
                 return self._step_masks[step_key]
         kpos = self.key_positions(pending=N)[None]

@@ -132,3 +132,8 @@ class Positions:
         """Every row of x [..., D] rotated by RoPE to one `position` (negative undoes)."""
         shape = x.shape
         return self.rope(x.reshape(-1, 1, shape[-1]), offset=position).reshape(shape)
+
+    def rebased(self, keys: mx.array, by: int) -> mx.array:
+        """Frame mode: stored keys turned back by `by` positions (in fp32), as a re-base by `by`
+        needs them (the ring's window, a KIVI body)."""
+        return self.rotate_to(keys.astype(mx.float32), -by)

@@ -160,7 +160,7 @@ class RingStore:
         if self.keys is None:
             return
         S = self.n_sink
-        self.keys[..., S:, :] = self.positions.rotate_to(self.keys[..., S:, :].astype(mx.float32), -by).astype(self.dtype)
+        self.keys[..., S:, :] = self.positions.rebased(self.keys[..., S:, :], by).astype(self.dtype)
 
     # ----- reading --------------------------------------------------------------------------
     def _placed_sink(self, at: int) -> Optional[mx.array]:
@@ -169,7 +169,7 @@ class RingStore:
         if not self.positions.frame or not self.n_sink:
             return None
         if not 0 <= at - self._block_at < SINK_STEPS:
-            if at - self._block_at < 2 * SINK_STEPS and at > self._block_at and self._can_advance():
+            if SINK_STEPS <= at - self._block_at < 2 * SINK_STEPS and self._can_advance():
                 self._advance()
             else:
                 self._rotate_sink(at)
