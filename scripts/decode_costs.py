@@ -32,18 +32,32 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from _timing import ms_per_call  # noqa: E402 (this folder)
 from tinygpt_mlx import quant  # noqa: E402
 
 
-def _us(f, n: int = 200) -> float:
-    for _ in range(10):
-        mx.eval(f())
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        mx.eval(f())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times) * 1e6
+def _us(f) -> float:
+    return ms_per_call(f, 200, warmup=10, median=True) * 1e3
+
+
+def _step_times(model, caches: dict, steps: int, warmup: int, evict: bool = False) -> dict[str, tuple[float, float]]:
+    """Median microseconds (graph build, whole step) of one decode step per cache, the caches
+    stepped in turn (interleaved) for `warmup` untimed and `steps` timed steps."""
+    build = {n: [] for n in caches}
+    whole = {n: [] for n in caches}
+    for step in range(steps + warmup):
+        for n, c in caches.items():
+            t0 = time.perf_counter()
+            out = model(mx.array([[7 + step % 50]]), cache=c)
+            t1 = time.perf_counter()
+            mx.eval(out)
+            if evict:
+                c.evict_middle_if_needed()
+            t2 = time.perf_counter()
+            if step >= warmup:
+                build[n].append(t1 - t0)
+                whole[n].append(t2 - t0)
+    return {n: (statistics.median(build[n]) * 1e6, statistics.median(whole[n]) * 1e6) for n in caches}
 
 
 def attention_parts(T: int) -> dict[str, float]:
@@ -86,19 +100,7 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
     for c in caches.values():
         for i in range(0, 1024, 128):
             mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(i, i + 128)]]), cache=c))
-    build = {n: [] for n in caches}
-    whole = {n: [] for n in caches}
-    for step in range(steps + 50):
-        for n, c in caches.items():
-            t0 = time.perf_counter()
-            out = m.model(mx.array([[7 + step % 50]]), cache=c)
-            t1 = time.perf_counter()
-            mx.eval(out)
-            t2 = time.perf_counter()
-            if step >= 50:
-                build[n].append(t1 - t0)
-                whole[n].append(t2 - t0)
-    return {n: (statistics.median(build[n]) * 1e6, statistics.median(whole[n]) * 1e6) for n in caches}
+    return _step_times(m.model, caches, steps, warmup=50)
 
 
 def kernels(model_path: str) -> dict[str, float]:
@@ -137,15 +139,7 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
         mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(300)]]), cache=cache))
         return cache
     caches = {"shifted ring near position 0": ring(0), "shifted ring at 95,000 tokens": ring(95000)}
-    times = {n: [] for n in caches}
-    for step in range(steps + 100):
-        for n, c in caches.items():
-            t = time.perf_counter()
-            mx.eval(m.model(mx.array([[7 + step % 90]]), cache=c))
-            c.evict_middle_if_needed()
-            if step >= 100:
-                times[n].append(time.perf_counter() - t)
-    return {n: statistics.median(v) * 1e6 for n, v in times.items()}
+    return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=100, evict=True).items()}
 
 
 def main() -> None:
