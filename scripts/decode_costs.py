@@ -152,6 +152,8 @@ def main() -> None:
         ap.error(f"--context must be a positive multiple of 32, got {a.context}")
     if a.steps < 10:
         ap.error(f"--steps must be at least 10, got {a.steps}")
+    if not Path(a.model).exists():
+        ap.error(f"--model {a.model}: no such file or directory")
     print(f"attention parts of one layer over {a.context} keys (median us):")
     for name, us in attention_parts(a.context).items():
         print(f"  {name:40s} {us:9.1f}")
