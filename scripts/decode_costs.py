@@ -5,15 +5,18 @@
    fp32 parameters) against dense fp32 matmuls of the same products, the softmax over the
    scores, and fp32 `scaled_dot_product_attention`;
 2. the Python side of a decode step on the shipped model: the time to build one step's graph
-   (the model call before `mx.eval`) and the whole step, for mlx-lm's RotatingKVCache(256, 4)
-   and our StreamingLLM ring (sink 4 + window 252, absolute and shifted), interleaved step by
-   step after a 1,024-token prefill;
+   (the model call before `mx.eval`: `generate.forward`, the engine's call) and the whole step,
+   for mlx-lm's RotatingKVCache(256, 4) and our StreamingLLM ring (sink 4 + window 252,
+   absolute and shifted), each ring stepped eagerly and as the compiled step
+   (cache/compiled.py), interleaved step by step after a 1,024-token prefill;
 3. kernels per steady decode step (`evaluate/opcount.py`: graph nodes that are not views, the
    mean over 32 steps after 400 tokens, so one KIVI block freeze and eviction each) for the
-   full and windowed caches, KIVI's frame positions beside the pre-RoPE path they replaced;
+   full and windowed caches (the rings eager and compiled), KIVI's frame positions beside the
+   pre-RoPE path they replaced;
 4. a shifted ring far out (its counters set as if 95,000 tokens had gone by: it re-bases once
    and its sink block is advanced and refreshed as in a long run) against one near position 0,
-   decode steps interleaved: whether anything in the ring slows with tokens seen.
+   decode steps (compiled, as `sample` runs them) interleaved: whether anything in the ring
+   slows with tokens seen.
 
     python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
 
@@ -40,19 +43,19 @@ def _us(f) -> float:
     return ms_per_call(f, 200, warmup=10, median=True) * 1e3
 
 
-def _step_times(model, caches: dict, steps: int, warmup: int, evict: bool = False) -> dict[str, tuple[float, float]]:
-    """Median microseconds (graph build, whole step) of one decode step per cache, the caches
-    stepped in turn (interleaved) for `warmup` untimed and `steps` timed steps."""
+def _step_times(model, caches: dict, steps: int, warmup: int) -> dict[str, tuple[float, float]]:
+    """Median microseconds (graph build, whole step) of one decode step per cache (the engine's
+    `generate.forward`), the caches stepped in turn (interleaved) for `warmup` untimed and
+    `steps` timed steps."""
+    from tinygpt_mlx.generate import forward
     build = {n: [] for n in caches}
     whole = {n: [] for n in caches}
     for step in range(steps + warmup):
         for n, c in caches.items():
             t0 = time.perf_counter()
-            out = model(mx.array([[7 + step % 50]]), cache=c)
+            out = forward(model, mx.array([[7 + step % 50]]), c)
             t1 = time.perf_counter()
             mx.eval(out)
-            if evict:
-                c.evict_middle_if_needed()
             t2 = time.perf_counter()
             if step >= warmup:
                 build[n].append(t1 - t0)
@@ -92,11 +95,12 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.loading import load
     m = load(model_path)
-    caches = {
-        "mlx-lm RotatingKVCache(256, keep=4)": [RotatingKVCache(max_size=256, keep=4) for _ in m.model.layers],
-        "ring sink 4 + window 252, absolute": make_cache(m.model, CacheConfig(sink=4, window=252, rope_mode="absolute")),
-        "ring sink 4 + window 252, shifted": make_cache(m.model, CacheConfig(sink=4, window=252)),
-    }
+    caches = {"mlx-lm RotatingKVCache(256, keep=4)": [RotatingKVCache(max_size=256, keep=4) for _ in m.model.layers]}
+    for mode in ("absolute", "shifted"):
+        for compiled in (False, True):
+            c = make_cache(m.model, CacheConfig(sink=4, window=252, rope_mode=mode))
+            c.compile_decode = compiled
+            caches[f"ring 4 + 252, {mode}, {'compiled' if compiled else 'eager'}"] = c
     for c in caches.values():
         for i in range(0, 1024, 128):
             mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(i, i + 128)]]), cache=c))
@@ -110,12 +114,16 @@ def kernels(model_path: str) -> dict[str, float]:
     from tinygpt_mlx.loading import load
     m = load(model_path)
     out = {}
-    for label, spec, ring in (("fp32", "fp32", True), ("int4", "int4", True),
-                              ("sink4/window252", "sink4/window252", True),
-                              ("sink4/window252:absolute", "sink4/window252:absolute", True),
-                              ("int4+sink4/window252 (frame)", "int4+sink4/window252", True),
-                              ("int4+sink4/window252 (pre-RoPE path)", "int4+sink4/window252", False)):
+    for label, spec, ring, compiled in (
+            ("fp32", "fp32", True, False), ("int4", "int4", True, False),
+            ("sink4/window252 (eager)", "sink4/window252", True, False),
+            ("sink4/window252 (compiled)", "sink4/window252", True, True),
+            ("sink4/window252:absolute (eager)", "sink4/window252:absolute", True, False),
+            ("sink4/window252:absolute (compiled)", "sink4/window252:absolute", True, True),
+            ("int4+sink4/window252 (frame)", "int4+sink4/window252", True, False),
+            ("int4+sink4/window252 (pre-RoPE path)", "int4+sink4/window252", False, False)):
         cache = make_cache(m.model, CacheConfig.from_spec(spec), ring=ring)
+        cache.compile_decode = compiled
         toks = [(j * 37 + 11) % 4000 for j in range(400)]
         for i in range(0, 384, 128):
             mx.eval(m.model(mx.array([toks[i:i + 128]]), cache=cache))
@@ -139,7 +147,7 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
         mx.eval(m.model(mx.array([[(j * 37 + 11) % 4000 for j in range(300)]]), cache=cache))
         return cache
     caches = {"shifted ring near position 0": ring(0), "shifted ring at 95,000 tokens": ring(95000)}
-    return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=100, evict=True).items()}
+    return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=100).items()}
 
 
 def main() -> None:

@@ -100,8 +100,9 @@ def test_rebase_keeps_angles_exact_far_out(native):
     assert mx.abs(logits(2 ** 24 + 40, rebase_every=2 ** 40) - near).max().item() > 100 * TOL
 
 
-def _decode_step_ops(model, config, ring=True, context=64):
+def _decode_step_ops(model, config, ring=True, context=64, compiled=False):
     cache = make_cache(model, config, ring=ring)
+    cache.compile_decode = compiled     # the eager step's graph unless asked (test_compiled.py)
     forward(model, mx.array([TOKENS[:context]]), cache)
     for t in TOKENS[context:context + 3]:
         mx.eval(forward(model, mx.array([[t]]), cache))

@@ -44,6 +44,11 @@ def reference_path() -> Iterator[None]:
         _reference = before
 
 
+def reading_reference() -> bool:
+    """Whether attention runs the reference path now (inside `reference_path()`)."""
+    return _reference
+
+
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Optional[Any], sinks: Optional[mx.array] = None
                                  ) -> mx.array:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 
-from .cache import KVCache, make_cache
+from .cache import KVCache, compiled, make_cache
 from .config import CacheConfig, SampleConfig
 from .errors import ContextLengthError
 from .sampling import make_sampler
@@ -90,7 +90,11 @@ def rss_bytes() -> dict[str, int]:
 
 def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     """One model call on [1, L] tokens; a `KVCache` is trimmed to its policy afterwards (mlx-lm's
-    own per-layer caches, which the bench compares against, evict inside their own update)."""
+    own per-layer caches, which the bench compares against, evict inside their own update). A
+    decode step over full StreamingLLM rings runs as one compiled function (cache/compiled.py)."""
+    logits = compiled.decode(model, tokens, cache)
+    if logits is not None:
+        return logits       # a full ring evicts in its own step
     logits = model(tokens, cache=cache)
     if isinstance(cache, KVCache):
         cache.evict_middle_if_needed()

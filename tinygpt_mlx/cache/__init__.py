@@ -4,7 +4,8 @@ One-way flow: `CacheConfig` -> `make_cache` (factory.py) -> a `LayerCache` per l
 stores `[sink, body, cold?]` -> the attention segments they contribute. Modules, leaves first:
 arrays (growing/disk arrays), positions (RoPE rules), segments (attention over segments),
 store (the interface, exact storage), kivi (packed body), cold (retrieval's cold store),
-telemetry, kv_cache (LayerCache, KVCache), factory (make_cache), report (bytes tables),
+telemetry, kv_cache (LayerCache, KVCache), factory (make_cache), compiled (a decode step over
+full rings as one compiled function), report (bytes tables),
 cachefile + persist (prompt-cache files).
 """
 

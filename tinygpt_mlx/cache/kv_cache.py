@@ -393,6 +393,8 @@ class KVCache(list):
         super().__init__(layers)
         self.config = config
         self._owned = [c for c in self._distinct() if isinstance(c, LayerCache)]
+        #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py)
+        self.compile_decode = True
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod

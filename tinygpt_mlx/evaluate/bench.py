@@ -11,7 +11,9 @@ same function on the same model, as baselines:
     mlx-rotatingN   RotatingKVCache(max_size=N, keep=4)      (compare with sink4/window<N-4>)
     mlx-q8, mlx-q4  QuantizedKVCache(group_size=64, bits)     (group 32 if head_dim % 64)
 
-Every other spec is one of ours (`CacheConfig.from_spec`). The fp32 full cache always runs: the
+Every other spec is one of ours (`CacheConfig.from_spec`), optionally ending in `@eager`: the
+same cache with its decode steps run eagerly, never as the compiled step over full rings
+(cache/compiled.py), to measure what compiling gives. The fp32 full cache always runs: the
 ratios are against it, measured in the same process.
 """
 
@@ -38,6 +40,8 @@ from .defaults import BENCH_REFERENCE as REFERENCE
 from .opcount import graph_ops, summary
 
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
+#: a spec of ours ending in this runs its decode steps eagerly (module doc)
+EAGER = "@eager"
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
 
 
@@ -71,17 +75,31 @@ def parse_spec(spec: str) -> Any:
     baseline (the regex match); a bad spec is a ValueError naming it."""
     m = _MLX.fullmatch(spec.strip().lower())
     if m is None:
-        return CacheConfig.from_spec(spec)
+        return CacheConfig.from_spec(_without_eager(spec)[0])
     if m[1] and int(m[1]) <= 4:
         raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
     return m
+
+
+def _without_eager(spec: str) -> tuple[str, bool]:
+    """(the policy spec, whether it ended in "@eager")."""
+    text = spec.strip()
+    if text.lower().endswith(EAGER):
+        return text[:-len(EAGER)], True
+    return text, False
 
 
 def make_policy(spec: str, model: Any) -> Policy:
     """A named cache factory for `model`; a bad spec is a ValueError."""
     m = parse_spec(spec)
     if isinstance(m, CacheConfig):
-        return Policy(spec, m.label(), lambda: make_cache(model, m))
+        eager = _without_eager(spec)[1]
+
+        def make_ours() -> KVCache:
+            cache = make_cache(model, m)
+            cache.compile_decode = not eager
+            return cache
+        return Policy(spec, m.label() + (" (eager steps)" if eager else ""), make_ours)
     n = len(model.layers)
     if m[1]:
         size = int(m[1])

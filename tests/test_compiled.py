@@ -1,0 +1,137 @@
+"""The compiled decode step over full StreamingLLM rings (cache/compiled.py) against the eager
+step it replaces: the same logits at every step and the same cache afterwards, through wraps,
+the shifted sink's block advances and refreshes, re-bases, storage precisions and YOCO; and
+every case it must leave to the eager path."""
+
+import mlx.core as mx
+import pytest
+
+from tinygpt_mlx import attention
+from tinygpt_mlx.cache import compiled, make_cache
+from tinygpt_mlx.cache import ring as ring_mod
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate.bench import step_ops
+from tinygpt_mlx.loading import load
+
+TOKENS = [(i * 37 + 11) % 300 for i in range(330)]
+SINK, WINDOW, PROMPT = 4, 16, 20
+# max |logit| difference compiled vs eager on these runs: measured 0.0 (the trace is the eager
+# model's own code; MLX fuses the element-wise work without changing its arithmetic here)
+TOL = 1e-5
+
+
+def _drive(model, config, use_compiled: bool, rebase_every=None, tokens=TOKENS):
+    """Logits after every token (a prompt chunk, then one token per step) and the cache; with
+    `use_compiled` each decode step goes to `compiled.decode` first (the eager call where it
+    declines), counting how many it ran."""
+    cache = make_cache(model, config)
+    if rebase_every is not None:
+        for c in cache.owned:
+            c.positions.rebase_every = rebase_every
+    outs = [model(mx.array([tokens[:PROMPT]]), cache=cache)[0]]
+    ran = 0
+    for t in tokens[PROMPT:]:
+        x = mx.array([[t]])
+        logits = compiled.decode(model, x, cache) if use_compiled else None
+        if logits is None:
+            logits = model(x, cache=cache)
+            cache.evict_middle_if_needed()
+        else:
+            ran += 1
+        outs.append(logits[0])
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=0), cache, ran
+
+
+def _same_cache(a, b):
+    for x, y in zip(a.owned, b.owned):
+        assert (x.seen, x.start, x.body.ptr, x.body.n, x.body.n_sink, x.positions.base) == \
+            (y.seen, y.start, y.body.ptr, y.body.n, y.body.n_sink, y.positions.base)
+        (kx, vx), (ky, vy) = x.fetch(), y.fetch()
+        assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
+
+
+@pytest.mark.parametrize("storage", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["shifted", "absolute"])
+def test_compiled_step_equals_the_eager_step(native, mode, storage, monkeypatch):
+    """310 decode steps over a 4 + 16 ring: 19 wraps, the shifted sink's block advanced 38 times
+    and refreshed every 3 blocks (REFRESH_BLOCKS patched down), re-based every 53 tokens (shifted
+    mode's frame; the step of a re-base runs eager, the rest compiled)."""
+    monkeypatch.setattr(ring_mod, "REFRESH_BLOCKS", 3)
+    config = CacheConfig(sink=SINK, window=WINDOW, rope_mode=mode, storage=storage)
+    fast, cache, ran = _drive(native.model, config, True, rebase_every=53)
+    slow, ref, _ = _drive(native.model, config, False, rebase_every=53)
+    steps = len(TOKENS) - PROMPT
+    # eager: the first step (it makes the prefilled window a ring) and the one of each re-base
+    rebases = cache.owned[0].positions.base // 53
+    assert rebases == (6 if mode == "shifted" else 0) and ran == steps - 1 - rebases
+    assert mx.abs(fast - slow).max().item() <= TOL
+    assert mx.argmax(fast, axis=-1).tolist() == mx.argmax(slow, axis=-1).tolist()
+    _same_cache(cache, ref)
+
+
+def test_compiled_step_serves_a_yoco_model(tmp_path, tokenizer_json):
+    """Layers above the middle attend to the middle layer's K/V: one traced ring serves them all."""
+    from conftest import build_native
+    yoco = load(build_native(tmp_path / "yoco.tinygpt", tokenizer_json, n_layers=4, yoco=True)).model
+    config = CacheConfig(sink=SINK, window=WINDOW)
+    fast, cache, ran = _drive(yoco, config, True, tokens=TOKENS[:120])
+    slow, ref, _ = _drive(yoco, config, False, tokens=TOKENS[:120])
+    assert ran > 80 and cache.layers_with_kv < len(yoco.layers)
+    assert mx.abs(fast - slow).max().item() <= TOL
+    _same_cache(cache, ref)
+
+
+def test_generation_uses_it_and_keeps_its_tokens(native):
+    """`generate.forward` (every front end's decode step) runs it: greedy tokens as eager."""
+    from tinygpt_mlx.generate import greedy_tokens
+    out = {}
+    for flag in (True, False):
+        cache = make_cache(native.model, CacheConfig(sink=SINK, window=WINDOW))
+        cache.compile_decode = flag
+        out[flag] = greedy_tokens(native.model, TOKENS[:30], cache, 120, 16)
+    assert out[True] == out[False]
+
+
+def _full_ring(model, config=None):
+    cache = make_cache(model, config or CacheConfig(sink=SINK, window=WINDOW))
+    model(mx.array([TOKENS[:SINK + WINDOW + 4]]), cache=cache)
+    cache.evict_middle_if_needed()
+    model(mx.array([[1]]), cache=cache)     # a decode step makes it a ring again
+    return cache
+
+
+def test_it_declines_what_it_does_not_cover(native, llama, monkeypatch):
+    """None (the caller runs eager) for: a ring not yet full, a chunk, a re-base due, the
+    reference path, other policies, an mlx-lm model, `compile_decode` off, the environment."""
+    m, one = native.model, mx.array([[5]])
+    assert compiled.decode(m, one, _full_ring(m)) is not None
+    young = make_cache(m, CacheConfig(sink=SINK, window=WINDOW))
+    m(mx.array([TOKENS[:10]]), cache=young)
+    assert compiled.decode(m, one, young) is None
+    assert compiled.decode(m, mx.array([[5, 6]]), _full_ring(m)) is None
+    due = _full_ring(m)
+    for c in due.owned:
+        c.positions.rebase_every = c.seen - c.positions.base
+    assert compiled.decode(m, one, due) is None
+    with attention.reference_path():
+        assert compiled.decode(m, one, _full_ring(m)) is None
+    for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW)):
+        assert compiled.decode(m, one, _full_ring(m, spec)) is None
+    assert compiled.decode(llama.model, one, _full_ring(llama.model)) is None
+    off = _full_ring(m)
+    off.compile_decode = False
+    assert compiled.decode(m, one, off) is None
+    monkeypatch.setenv("POSTTRAINLLM_COMPILE", "0")
+    assert compiled.decode(m, one, _full_ring(m)) is None
+
+
+def test_it_runs_fewer_kernels(native):
+    """The point of it: the step's element-wise work fused (on a GPU, kernel launches saved)."""
+    counts = {}
+    for flag in (True, False):
+        cache = _full_ring(native.model)
+        cache.compile_decode = flag
+        counts[flag] = step_ops(native.model, cache)["kernels"]
+    print(f"kernels per ring decode step: compiled {counts[True]}, eager {counts[False]}")
+    assert counts[True] < 0.75 * counts[False]

@@ -1,0 +1,144 @@
+"""A decode step over full StreamingLLM rings as one compiled MLX function.
+
+Once every layer's ring (ring.py) holds its whole window, a decode step has fixed shapes: the
+buffers [B, H, S + W, D] do not grow, the new token is written in place at the ring's pointer
+and the one query attends over the buffer as it lies. What changes from step to step (the
+pointer, the RoPE position, in shifted mode the sink's placed rows) can be handed over as
+arrays, so the model's whole step, its projections, RoPE, the ring writes, attention and the
+MLP, is traced once by `mx.compile` and replayed: MLX fuses the element-wise work of the trace
+into a few kernels and skips building the graph in Python each step. mlx-lm's caches keep their
+state in Python integers (slicing by `offset` and `_idx`), which a trace would freeze, so a step
+over them cannot be compiled; ours can.
+
+`decode(model, tokens, cache)` runs such a step when the cache and model allow it and returns
+None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
+model's own `__call__` with stand-in layer caches (`_TracedRing`) that follow the same
+protocol as `LayerCache` (offset, make_mask, update_and_fetch, attend): the same code path as
+eager, so the two agree to the last bit here (tests/test_compiled.py). Afterwards it moves
+the real rings' counters exactly as their eager hot path does (`LayerCache.update_and_fetch`'s
+ring branch and `RingStore.attention_kv`). Anything else runs eager: a ring that is not full
+yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model that
+is not the native TinyGPT (an mlx-lm model's code may read positions as Python numbers).
+`POSTTRAINLLM_COMPILE=0` in the environment, or `cache.compile_decode = False`, turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from .. import attention
+from .kv_cache import KVCache, LayerCache
+from .ring import RingStore
+
+#: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
+_ATTR = "_posttrainllm_compiled_steps"
+
+
+def enabled() -> bool:
+    """Whether compiled decode steps are allowed in this process (`POSTTRAINLLM_COMPILE`)."""
+    return os.environ.get("POSTTRAINLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+class _TracedRing:
+    """One layer's ring during the trace: its buffers and the step's inputs as arrays."""
+
+    reads_own_segments = True     # attention.scaled_dot_product_attention calls `attend`
+
+    def __init__(self, keys: mx.array, values: mx.array, sink_rows: Optional[mx.array], slot: mx.array,
+                 offset: mx.array, compute_dtype: mx.Dtype):
+        self.keys, self.values, self.sink_rows = keys, values, sink_rows
+        self.slot, self.offset, self.compute_dtype = slot, offset, compute_dtype
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return None     # one query over a full ring sees every stored token
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        dtype = self.keys.dtype
+        self.keys = mx.slice_update(self.keys, keys.astype(dtype), self.slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(dtype), self.slot, axes=(2,))
+        if self.sink_rows is not None:      # shifted mode: the sink placed for this step's query
+            self.keys[..., :self.sink_rows.shape[2], :] = self.sink_rows
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        k, v = self.keys, self.values
+        if k.dtype != self.compute_dtype:
+            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
+
+
+def _native(model: Any) -> bool:
+    from ..model import Model
+    if type(model) is not Model:
+        return False
+    # a sharded model's projections all-sum across ranks: not traced here
+    return all(type(layer.attn.o_proj).__name__ in ("Linear", "QuantizedLinear") for layer in model.layers)
+
+
+def _ready(layer: Any) -> bool:
+    """Whether this layer's next decode step is the ring's steady hot path."""
+    if not isinstance(layer, LayerCache) or layer.sink_store is not None or layer.dtype is None:
+        return False
+    body = layer.body
+    return (isinstance(body, RingStore) and body.ring and body.n == layer.config.window
+            and body.n_sink == layer.config.sink and not layer.positions.rebase_due(layer.seen))
+
+
+def _step_fn(model: Any, owners: tuple, shifted: bool, compute_dtype: mx.Dtype):
+    """The compiled step for caches laid out as `owners` (for each model layer, the index of
+    the distinct layer cache it uses), made once per model and layout."""
+    steps = _steps_of(model)
+    key = (owners, shifted, compute_dtype)
+    if key not in steps:
+        def step(tokens, offset, slot, buffers, sink_rows):
+            traced = [_TracedRing(k, v, sink_rows[i] if shifted else None, slot, offset, compute_dtype)
+                      for i, (k, v) in enumerate(buffers)]
+            logits = model(tokens, cache=[traced[i] for i in owners])
+            return logits, [(t.keys, t.values) for t in traced]
+        steps[key] = mx.compile(step, inputs=model.state)
+    return steps[key]
+
+
+def _steps_of(model: Any) -> dict:
+    steps = getattr(model, _ATTR, None)
+    if steps is None:
+        steps = {}
+        object.__setattr__(model, _ATTR, steps)    # not a parameter: nn.Module's setattr would keep it
+    return steps
+
+
+def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
+    """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
+    (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
+    if (not isinstance(cache, KVCache) or not cache.compile_decode or tokens.ndim != 2
+            or tokens.shape[1] != 1 or attention.reading_reference() or not enabled() or not _native(model)):
+        return None
+    layers = cache.owned
+    if not layers or len(layers) != len(cache._distinct()) or not all(_ready(c) for c in layers):
+        return None
+    first = layers[0]
+    if any(c.seen != first.seen or c.body.ptr != first.body.ptr for c in layers):
+        return None
+    index = {id(c): i for i, c in enumerate(layers)}
+    owners = tuple(index[id(c)] for c in cache)
+    shifted = first.positions.frame and first.body.n_sink > 0
+    S, W = first.config.sink, first.config.window
+    # the frame position of sink slot 0 once this step's token is stored (`LayerCache._sink_slot0`)
+    first_slot = first.seen + 1 - first.positions.base - (S + W)
+    buffers = [(c.body.keys, c.body.values) for c in layers]
+    rows = [c.body._placed_sink(first_slot) for c in layers] if shifted else []   # may advance a block
+    step = _step_fn(model, owners, shifted, first.dtype)
+    logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
+                       buffers, rows)
+    for c, (k, v) in zip(layers, new):      # the eager hot path's bookkeeping, exactly
+        body = c.body
+        body.keys, body.values = k, v
+        body.ptr = (body.ptr + 1) % W
+        c.start += 1
+        c.seen += 1
+        if shifted:
+            body._sink_in_buffer = first_slot
+    return logits
