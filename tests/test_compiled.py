@@ -82,6 +82,37 @@ def test_compiled_step_serves_a_yoco_model(tmp_path, tokenizer_json):
     _same_cache(cache, ref)
 
 
+@pytest.mark.parametrize("mode", ["shifted", "absolute"])
+def test_compiled_step_runs_an_mlx_lm_model(llama, mode):
+    """mlx-lm's Llama code, unmodified, traced over the stand-in rings."""
+    config = CacheConfig(sink=SINK, window=WINDOW, rope_mode=mode)
+    fast, cache, ran = _drive(llama.model, config, True, tokens=TOKENS[:150])
+    slow, ref, _ = _drive(llama.model, config, False, tokens=TOKENS[:150])
+    assert ran == 150 - PROMPT - 1
+    assert mx.abs(fast - slow).max().item() <= TOL
+    _same_cache(cache, ref)
+
+
+def test_a_model_whose_code_cannot_be_traced_runs_eager(tmp_path, tokenizer_json, monkeypatch):
+    """Code that needs the position as a Python number fails in the trace, before the cache is
+    touched: that step and every later one run eager, with the eager step's results."""
+    from mlx_lm.models import llama as llama_code
+
+    from conftest import build_llama_dir
+    model = load(build_llama_dir(tmp_path / "llama", tokenizer_json)).model    # its own compiled steps
+    plain = llama_code.Attention.__call__
+
+    def reads_an_int(self, x, mask=None, cache=None):
+        int(cache.offset)
+        return plain(self, x, mask, cache)
+    monkeypatch.setattr(llama_code.Attention, "__call__", reads_an_int)
+    cache = _full_ring(model)
+    ref = _full_ring(model)
+    assert compiled.decode(model, mx.array([[5]]), cache) is None
+    _same_cache(cache, ref)
+    assert compiled.decode(model, mx.array([[5]]), cache) is None      # remembered
+
+
 def test_generation_uses_it_and_keeps_its_tokens(native):
     """`generate.forward` (every front end's decode step) runs it: greedy tokens as eager."""
     from tinygpt_mlx.generate import greedy_tokens
@@ -101,9 +132,10 @@ def _full_ring(model, config=None):
     return cache
 
 
-def test_it_declines_what_it_does_not_cover(native, llama, monkeypatch):
+def test_it_declines_what_it_does_not_cover(native, monkeypatch):
     """None (the caller runs eager) for: a ring not yet full, a chunk, a re-base due, the
-    reference path, other policies, an mlx-lm model, `compile_decode` off, the environment."""
+    reference path, other policies (full, retrieval, KIVI + window), `compile_decode` off, the
+    environment."""
     m, one = native.model, mx.array([[5]])
     assert compiled.decode(m, one, _full_ring(m)) is not None
     young = make_cache(m, CacheConfig(sink=SINK, window=WINDOW))
@@ -116,9 +148,9 @@ def test_it_declines_what_it_does_not_cover(native, llama, monkeypatch):
     assert compiled.decode(m, one, due) is None
     with attention.reference_path():
         assert compiled.decode(m, one, _full_ring(m)) is None
-    for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW)):
+    for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW),
+                 CacheConfig(sink=SINK, window=WINDOW, key_bits=4)):
         assert compiled.decode(m, one, _full_ring(m, spec)) is None
-    assert compiled.decode(llama.model, one, _full_ring(llama.model)) is None
     off = _full_ring(m)
     off.compile_decode = False
     assert compiled.decode(m, one, off) is None

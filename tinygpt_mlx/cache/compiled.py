@@ -17,9 +17,12 @@ protocol as `LayerCache` (offset, make_mask, update_and_fetch, attend): the same
 eager, so the two agree to the last bit here (tests/test_compiled.py). Afterwards it moves
 the real rings' counters exactly as their eager hot path does (`LayerCache.update_and_fetch`'s
 ring branch and `RingStore.attention_kv`). Anything else runs eager: a ring that is not full
-yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model that
-is not the native TinyGPT (an mlx-lm model's code may read positions as Python numbers).
-`POSTTRAINLLM_COMPILE=0` in the environment, or `cache.compile_decode = False`, turns it off.
+yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model
+sharded over ranks. An mlx-lm model is traced the same way (its code sees the position as an
+array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
+something else of its cache, fails in the trace, before anything is changed, and runs eager from
+then on. `POSTTRAINLLM_COMPILE=0` in the environment, or `cache.compile_decode = False`, turns
+it off.
 """
 
 from __future__ import annotations
@@ -70,12 +73,18 @@ class _TracedRing:
         return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=mask)
 
 
-def _native(model: Any) -> bool:
-    from ..model import Model
-    if type(model) is not Model:
-        return False
-    # a sharded model's projections all-sum across ranks: not traced here
-    return all(type(layer.attn.o_proj).__name__ in ("Linear", "QuantizedLinear") for layer in model.layers)
+#: a model's entry for a layout whose trace failed (module doc): it runs eager
+_FAILED = "failed"
+
+
+def _traceable(model: Any, steps: dict) -> bool:
+    """The native model or a routed mlx-lm model, not sharded over ranks (its projections
+    all-sum: not traced here); decided once per model."""
+    if "traceable" not in steps:
+        from ..model import Model
+        sharded = any("Sharded" in type(m).__name__ for _, m in model.named_modules())
+        steps["traceable"] = not sharded and (type(model) is Model or attention.routes(model))
+    return steps["traceable"]
 
 
 def _ready(layer: Any) -> bool:
@@ -87,12 +96,13 @@ def _ready(layer: Any) -> bool:
             and body.n_sink == layer.config.sink and not layer.positions.rebase_due(layer.seen))
 
 
-def _step_fn(model: Any, owners: tuple, shifted: bool, compute_dtype: mx.Dtype):
-    """The compiled step for caches laid out as `owners` (for each model layer, the index of
-    the distinct layer cache it uses), made once per model and layout."""
-    steps = _steps_of(model)
-    key = (owners, shifted, compute_dtype)
+def _step_fn(model: Any, steps: dict, key: tuple):
+    """The compiled step for caches laid out as `key` = (owners: for each model layer, the
+    index of the distinct layer cache it uses; shifted; the compute dtype), made once per model
+    and layout."""
     if key not in steps:
+        owners, shifted, compute_dtype = key
+
         def step(tokens, offset, slot, buffers, sink_rows):
             traced = [_TracedRing(k, v, sink_rows[i] if shifted else None, slot, offset, compute_dtype)
                       for i, (k, v) in enumerate(buffers)]
@@ -114,7 +124,10 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
     (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
     if (not isinstance(cache, KVCache) or not cache.compile_decode or tokens.ndim != 2
-            or tokens.shape[1] != 1 or attention.reading_reference() or not enabled() or not _native(model)):
+            or tokens.shape[1] != 1 or attention.reading_reference() or not enabled()):
+        return None
+    steps = _steps_of(model)
+    if not _traceable(model, steps):
         return None
     layers = cache.owned
     if not layers or len(layers) != len(cache._distinct()) or not all(_ready(c) for c in layers):
@@ -123,16 +136,22 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     if any(c.seen != first.seen or c.body.ptr != first.body.ptr for c in layers):
         return None
     index = {id(c): i for i, c in enumerate(layers)}
-    owners = tuple(index[id(c)] for c in cache)
     shifted = first.positions.frame and first.body.n_sink > 0
+    key = (tuple(index[id(c)] for c in cache), shifted, first.dtype)
+    if steps.get(key) is _FAILED:
+        return None
     S, W = first.config.sink, first.config.window
     # the frame position of sink slot 0 once this step's token is stored (`LayerCache._sink_slot0`)
     first_slot = first.seen + 1 - first.positions.base - (S + W)
     buffers = [(c.body.keys, c.body.values) for c in layers]
     rows = [c.body._placed_sink(first_slot) for c in layers] if shifted else []   # may advance a block
-    step = _step_fn(model, owners, shifted, first.dtype)
-    logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
-                       buffers, rows)
+    step = _step_fn(model, steps, key)
+    try:
+        logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
+                           buffers, rows)
+    except Exception:   # the model's code cannot be traced (module doc); nothing has changed yet
+        steps[key] = _FAILED
+        return None
     for c, (k, v) in zip(layers, new):      # the eager hot path's bookkeeping, exactly
         body = c.body
         body.keys, body.values = k, v
