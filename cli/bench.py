@@ -69,7 +69,9 @@ def bench(
         "--contexts", help="Comma list of prompt lengths to prefill.")] = "1024,4096",
     policies: Annotated[str, typer.Option(
         "--policies", help=f"Comma list of policies. Ours: {SPEC_HELP}. mlx-lm's: mlx (KVCache), "
-        "mlx-rotatingN (RotatingKVCache(N, keep=4)), mlx-q8 / mlx-q4 (QuantizedKVCache). "
+        "mlx-rotatingN (RotatingKVCache(N, keep=4)), mlx-q8 / mlx-q4 (QuantizedKVCache). A spec of ours "
+        "ending in @eager (e.g. sink4/window252@eager) runs its decode steps eagerly, without the compiled "
+        "step over full StreamingLLM rings. "
         "The --reference policy always runs: ratios are against it.")] = defaults.BENCH_POLICIES,
     reference: Annotated[str, typer.Option(
         "--reference", help="The policy every ratio is against, in the same run (e.g. mlx-rotating256 for "

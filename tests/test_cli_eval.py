@@ -59,7 +59,9 @@ def no_load(monkeypatch):
 
 @pytest.mark.parametrize("flag, value, named", [("--reference", "bogus", "'bogus'"),
                                                 ("--policies", "fp32,int9", "'int9'"),
-                                                ("--policies", "mlx-rotating3", "rotating size")])
+                                                ("--policies", "mlx-rotating3", "rotating size"),
+                                                ("--policies", "mlx-rotating256@eager", "'mlx-rotating256@eager'"),
+                                                ("--policies", "sink4/window9x@eager", "'sink4/window9x@eager'")])
 def test_bench_bad_spec_is_one_line_before_the_model_loads(no_load, flag, value, named):
     line = one_line_error(run("bench", flag, value, "--contexts", 16), f"'{flag}'", named)
     assert line.startswith("error:") and no_load.calls == 0

@@ -215,8 +215,9 @@ def _doc_specs() -> set[str]:
     specs = set()
     texts = [p.read_text() for p in (*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*.sh"))]
     for text in texts:
-        for m in re.finditer(r"--(?:modes|policies|baseline)[ =]+[\"']?([\w+/:,.-]+)", text):
-            specs.update(s for s in m[1].split(",") if s)
+        for m in re.finditer(r"--(?:modes|policies|baseline)[ =]+[\"']?([\w+/:,.@-]+)", text):
+            # bench's SPEC@eager is SPEC run without the compiled step: the same policy
+            specs.update(s.removesuffix("@eager") for s in m[1].split(",") if s)
     return specs
 
 

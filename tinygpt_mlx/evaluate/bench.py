@@ -75,7 +75,13 @@ def parse_spec(spec: str) -> Any:
     baseline (the regex match); a bad spec is a ValueError naming it."""
     m = _MLX.fullmatch(spec.strip().lower())
     if m is None:
-        return CacheConfig.from_spec(_without_eager(spec)[0])
+        ours, eager = _without_eager(spec)
+        if eager and _MLX.fullmatch(ours.lower()):
+            raise ValueError(f"policy {spec!r}: {EAGER} is for our policies (mlx-lm's caches always step eagerly)")
+        try:
+            return CacheConfig.from_spec(ours)
+        except ValueError as e:     # name what was typed
+            raise ValueError(str(e).replace(f"policy {ours!r}", f"policy {spec!r}", 1)) from None
     if m[1] and int(m[1]) <= 4:
         raise ValueError(f"policy {spec!r}: the rotating size must be > keep (4)")
     return m
