@@ -20,27 +20,30 @@ SINK, WINDOW, PROMPT = 4, 16, 20
 TOL = 1e-5
 
 
-def _drive(model, config, use_compiled: bool, rebase_every=None, tokens=TOKENS):
-    """Logits after every token (a prompt chunk, then one token per step) and the cache; with
-    `use_compiled` each decode step goes to `compiled.decode` first (the eager call where it
-    declines), counting how many it ran."""
+def _drive(model, config, use_compiled: bool, rebase_every=None, tokens=TOKENS, batch=1, every=1):
+    """Logits after every token (a prompt chunk, then one token per step; `batch` rows, row b
+    shifted by 5b) and the cache; with `use_compiled` every `every`-th decode step goes to
+    `compiled.decode` first (the eager call where it declines, and for the others), counting
+    how many it ran."""
     cache = make_cache(model, config)
     if rebase_every is not None:
         for c in cache.owned:
             c.positions.rebase_every = rebase_every
-    outs = [model(mx.array([tokens[:PROMPT]]), cache=cache)[0]]
+    rows = [[(t + 5 * b) % 300 for t in tokens] for b in range(batch)]
+    outs = [model(mx.array([r[:PROMPT] for r in rows]), cache=cache)]
     ran = 0
-    for t in tokens[PROMPT:]:
-        x = mx.array([[t]])
-        logits = compiled.decode(model, x, cache) if use_compiled else None
+    for j in range(PROMPT, len(tokens)):
+        x = mx.array([[r[j]] for r in rows])
+        logits = compiled.decode(model, x, cache) if use_compiled and j % every == 0 else None
         if logits is None:
             logits = model(x, cache=cache)
             cache.evict_middle_if_needed()
         else:
             ran += 1
-        outs.append(logits[0])
+        outs.append(logits)
         mx.eval(outs[-1])
-    return mx.concatenate(outs, axis=0), cache, ran
+    out = mx.concatenate(outs, axis=1)
+    return (out[0] if batch == 1 else out), cache, ran
 
 
 def _same_cache(a, b):
@@ -68,6 +71,18 @@ def test_compiled_step_equals_the_eager_step(native, mode, storage, monkeypatch)
     assert mx.abs(fast - slow).max().item() <= TOL
     assert mx.argmax(fast, axis=-1).tolist() == mx.argmax(slow, axis=-1).tolist()
     _same_cache(cache, ref)
+
+
+def test_compiled_steps_between_eager_ones_and_a_batch_of_two(native):
+    """Every third step eager (the trace and the eager path hand the ring back and forth), and
+    two sequences at once (the buffers' batch axis is a shape of the trace)."""
+    config = CacheConfig(sink=SINK, window=WINDOW)
+    for kw in ({"every": 3}, {"batch": 2}):
+        fast, cache, ran = _drive(native.model, config, True, tokens=TOKENS[:140], **kw)
+        slow, ref, _ = _drive(native.model, config, False, tokens=TOKENS[:140], **kw)
+        assert ran >= (140 - PROMPT) // 3 - 1
+        assert mx.abs(fast - slow).max().item() <= TOL
+        _same_cache(cache, ref)
 
 
 def test_compiled_step_serves_a_yoco_model(tmp_path, tokenizer_json):
@@ -110,18 +125,29 @@ def test_a_model_whose_code_cannot_be_traced_runs_eager(tmp_path, tokenizer_json
     ref = _full_ring(model)
     assert compiled.decode(model, mx.array([[5]]), cache) is None
     _same_cache(cache, ref)
-    assert compiled.decode(model, mx.array([[5]]), cache) is None      # remembered
+    for t in (5, 9, 13):    # remembered: declined again, and the eager steps are the eager steps
+        assert compiled.decode(model, mx.array([[t]]), cache) is None
+        assert mx.array_equal(model(mx.array([[t]]), cache=cache), model(mx.array([[t]]), cache=ref))
+    _same_cache(cache, ref)
 
 
-def test_generation_uses_it_and_keeps_its_tokens(native):
+def test_generation_uses_it_and_keeps_its_tokens(native, monkeypatch):
     """`generate.forward` (every front end's decode step) runs it: greedy tokens as eager."""
     from tinygpt_mlx.generate import greedy_tokens
-    out = {}
+    out, ran = {}, []
+    plain = compiled.decode
+
+    def counted(*args):
+        logits = plain(*args)
+        ran.append(logits is not None)
+        return logits
+    monkeypatch.setattr(compiled, "decode", counted)
     for flag in (True, False):
         cache = make_cache(native.model, CacheConfig(sink=SINK, window=WINDOW))
         cache.compile_decode = flag
         out[flag] = greedy_tokens(native.model, TOKENS[:30], cache, 120, 16)
     assert out[True] == out[False]
+    assert sum(ran[:len(ran) // 2]) >= 110 and not any(ran[len(ran) // 2:])   # compiled, then eager
 
 
 def _full_ring(model, config=None):
@@ -167,3 +193,20 @@ def test_it_runs_fewer_kernels(native):
         counts[flag] = step_ops(native.model, cache)["kernels"]
     print(f"kernels per ring decode step: compiled {counts[True]}, eager {counts[False]}")
     assert counts[True] < 0.75 * counts[False]
+
+
+def test_forget_drops_the_traced_weights(tmp_path, tokenizer_json):
+    """The trace holds the weights it saw; after new weights `forget` makes the next step trace
+    them (without it the step would still use the old ones)."""
+    from mlx.utils import tree_map
+
+    from conftest import build_native
+    model = load(build_native(tmp_path / "w.tinygpt", tokenizer_json)).model
+    one = mx.array([[5]])
+    assert compiled.decode(model, one, _full_ring(model)) is not None      # traced
+    model.update(tree_map(lambda a: a * 1.5, model.parameters()))
+    stale, eager = compiled.decode(model, one, _full_ring(model)), model(one, cache=_full_ring(model))
+    assert mx.abs(stale - eager).max().item() > 100 * TOL
+    compiled.forget(model)
+    fresh = compiled.decode(model, one, _full_ring(model))
+    assert mx.abs(fresh - eager).max().item() <= TOL

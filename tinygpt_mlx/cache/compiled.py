@@ -56,6 +56,8 @@ class _TracedRing:
         self.slot, self.offset, self.compute_dtype = slot, offset, compute_dtype
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:     # a sliding-window layer's mask: not this trace's (eager builds it)
+            raise ValueError("a windowed mask is not traced")
         return None     # one query over a full ring sees every stored token
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -108,8 +110,17 @@ def _step_fn(model: Any, steps: dict, key: tuple):
                       for i, (k, v) in enumerate(buffers)]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [(t.keys, t.values) for t in traced]
-        steps[key] = mx.compile(step, inputs=model.state)
+        # the weights are closed over (constants of the trace), not `inputs=model.state`: MLX
+        # swaps declared inputs for tracers while tracing and does not swap them back when the
+        # trace raises, which would leave the model unusable for the eager fallback
+        steps[key] = mx.compile(step)
     return steps[key]
+
+
+def forget(model: Any) -> None:
+    """Drop `model`'s compiled steps: they hold its weights as they were when traced, so a model
+    whose parameters are replaced afterwards (nothing in this tool does) must call this."""
+    _steps_of(model).clear()
 
 
 def _steps_of(model: Any) -> dict:
@@ -133,8 +144,9 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     if not layers or len(layers) != len(cache._distinct()) or not all(_ready(c) for c in layers):
         return None
     first = layers[0]
-    if any(c.seen != first.seen or c.body.ptr != first.body.ptr for c in layers):
-        return None
+    if any(c.seen != first.seen or c.body.ptr != first.body.ptr or c.positions.base != first.positions.base
+           for c in layers):
+        return None     # one position and one pointer serve every layer in the trace
     index = {id(c): i for i, c in enumerate(layers)}
     shifted = first.positions.frame and first.body.n_sink > 0
     key = (tuple(index[id(c)] for c in cache), shifted, first.dtype)
@@ -149,7 +161,10 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     try:
         logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
                            buffers, rows)
-    except Exception:   # the model's code cannot be traced (module doc); nothing has changed yet
+    except Exception:
+        # the model's code cannot be traced (module doc): this layout runs eager from now on,
+        # where a real error shows itself. No counter has moved (a shifted sink block may have
+        # been advanced to this step's slot, as the eager step would advance it).
         steps[key] = _FAILED
         return None
     for c, (k, v) in zip(layers, new):      # the eager hot path's bookkeeping, exactly
