@@ -210,3 +210,43 @@ def test_forget_drops_the_traced_weights(tmp_path, tokenizer_json):
     compiled.forget(model)
     fresh = compiled.decode(model, one, _full_ring(model))
     assert mx.abs(fresh - eager).max().item() <= TOL
+
+
+# ----- KIVI under StreamingLLM (frame positions): the quiet steps compiled ----------------------
+
+@pytest.fixture(scope="module")
+def native32(tmp_path_factory, tokenizer_json):
+    from conftest import build_native
+    return load(build_native(tmp_path_factory.mktemp("c32") / "m.tinygpt", tokenizer_json, d_model=128,
+                             n_heads=4, n_kv_heads=2, context_length=512))    # head dim 32: KIVI groups fit
+
+
+@pytest.mark.parametrize("spec", ["int4+sink4/window64", "int8+sink4/window64", "int2+sink4/window64+r0",
+                                  "k8v4+sink4/window64"])
+def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
+    """400 steps of KIVI with a 64-token window (G = 32): blocks frozen and evicted every 32 steps,
+    re-based every 150 tokens; the quiet steps between compiled (no freeze, eviction, residual
+    growth or re-base: those run eager), the same logits and the same cache."""
+    config = CacheConfig.from_spec(spec)
+    toks = [(i * 37 + 11) % 300 for i in range(420)]
+    fast, cache, ran = _drive(native32.model, config, True, rebase_every=150, tokens=toks)
+    slow, ref, _ = _drive(native32.model, config, False, rebase_every=150, tokens=toks)
+    assert 250 < ran < 400 - 32        # after the window fills, all but a few steps of every 32
+    assert mx.abs(fast - slow).max().item() <= TOL
+    assert mx.argmax(fast, axis=-1).tolist() == mx.argmax(slow, axis=-1).tolist()
+    for x, y in zip(cache.owned, ref.owned):
+        assert (x.seen, x.start, x.body.n_packed, len(x.body.residual), x.positions.base) == \
+            (y.seen, y.start, y.body.n_packed, len(y.body.residual), y.positions.base)
+        (kx, vx), (ky, vy) = x.fetch(), y.fetch()
+        assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
+
+
+def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
+    """While the body grows every step is a new shape (a new trace): those steps run eager; and
+    KIVI without a window, with absolute positions or an exact top-k shadow is not covered."""
+    toks = [(i * 37 + 11) % 300 for i in range(120)]
+    _, _, ran = _drive(native32.model, CacheConfig.from_spec("int4+sink4/window64"), True, tokens=toks[:60])
+    assert ran == 0
+    for spec in ("int4", "int4+sink4/window64:absolute", "int4+top8+sink4/window64"):
+        _, _, ran = _drive(native32.model, CacheConfig.from_spec(spec), True, tokens=toks)
+        assert ran == 0, spec

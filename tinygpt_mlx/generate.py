@@ -93,9 +93,8 @@ def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     own per-layer caches, which the bench compares against, evict inside their own update). A
     decode step over full StreamingLLM rings runs as one compiled function (cache/compiled.py)."""
     logits = compiled.decode(model, tokens, cache)
-    if logits is not None:
-        return logits       # a full ring evicts in its own step
-    logits = model(tokens, cache=cache)
+    if logits is None:
+        logits = model(tokens, cache=cache)
     if isinstance(cache, KVCache):
         cache.evict_middle_if_needed()
     return logits

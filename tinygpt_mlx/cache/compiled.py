@@ -28,6 +28,7 @@ it off.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -79,6 +80,42 @@ class _TracedRing:
 _FAILED = "failed"
 
 
+class _TracedKivi:
+    """One layer of KIVI under StreamingLLM (frame positions) during the trace of a quiet step
+    (no block frozen or evicted): the sink placed, the packed blocks and the residual as inputs;
+    the new token joins the residual here and goes back out to be stored."""
+
+    reads_own_segments = True
+
+    def __init__(self, sink: tuple, packed: tuple, residual: tuple, mask: Optional[mx.array],
+                 offset: mx.array, config: Any, positions: Any, storage: mx.Dtype, compute_dtype: mx.Dtype):
+        self.sink, self.packed, self.residual, self.mask = sink, packed, residual, mask
+        self.offset, self.config, self.positions = offset, config, positions
+        self.storage, self.compute_dtype = storage, compute_dtype
+        self.new: Optional[tuple] = None
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if window_size is not None:
+            raise ValueError("a windowed mask is not traced")
+        return self.mask      # `LayerCache.make_mask`'s, made before the step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.new = (keys.astype(self.storage), values.astype(self.storage))
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        from .kivi import PackedSegment
+        from .segments import DenseSegment, attend
+        cfg = self.config
+        body = SimpleNamespace(keys=self.packed[0], values=self.packed[1], key_bits=cfg.key_bits,
+                               value_bits=cfg.value_bits, group=cfg.group_size, positions=self.positions,
+                               evicted=0, shadow=None)
+        res_k, res_v = (mx.concatenate([old, new], axis=2) for old, new in zip(self.residual, self.new))
+        dt = self.compute_dtype
+        segments = [DenseSegment(*self.sink), PackedSegment(body), DenseSegment(res_k.astype(dt), res_v.astype(dt))]
+        return attend(segments, 0, queries, scale, mask)
+
+
 def _traceable(model: Any, steps: dict) -> bool:
     """The native model or a routed mlx-lm model, not sharded over ranks (its projections
     all-sum: not traced here); decided once per model."""
@@ -96,6 +133,42 @@ def _ready(layer: Any) -> bool:
     body = layer.body
     return (isinstance(body, RingStore) and body.ring and body.n == layer.config.window
             and body.n_sink == layer.config.sink and not layer.positions.rebase_due(layer.seen))
+
+
+def _kivi_ready(layer: Any) -> bool:
+    """Whether this layer's next decode step is a quiet step of KIVI under StreamingLLM on frame
+    positions: the window full (blocks evicted before), the sink full, and neither a block to
+    evict before the token nor one to freeze after it, nor a residual buffer to grow, nor a
+    re-base."""
+    from .kivi import KiviStore
+    if not isinstance(layer, LayerCache) or layer.sink_store is None or layer.dtype is None:
+        return False
+    body, cfg = layer.body, layer.config
+    if not (isinstance(body, KiviStore) and layer.positions.frame and cfg.streaming and body.shadow is None
+            and layer.cold is None):
+        return False
+    res = body.residual
+    # only once the window is full and blocks are evicted: then the step's shapes come back every
+    # G steps and each trace is reused; while the body grows every step would be a new trace
+    return (layer.start > cfg.sink and len(layer.sink_store) == cfg.sink and body.n_packed > 0 and res.keys is not None
+            and len(res) + 1 < max(body.keep, 1) + body.group and res.head + res.n + 1 <= res.keys.shape[2]
+            and layer._pending_drop(1) == 0 and not layer.positions.rebase_due(layer.seen))
+
+
+def _kivi_step_fn(model: Any, steps: dict, key: tuple):
+    """The compiled quiet step of KIVI under StreamingLLM for `key` = ("kivi", owners, masked,
+    compute dtype, storage, the layers' config)."""
+    if key not in steps:
+        _, owners, masked, compute_dtype, storage, config = key
+        positions = SimpleNamespace(pre_rope=False)     # frame positions: the query is not turned
+
+        def step(tokens, offset, sinks, packed, residuals, mask):
+            traced = [_TracedKivi(sinks[i], packed[i], residuals[i], mask if masked else None, offset,
+                                  config, positions, storage, compute_dtype) for i in range(len(sinks))]
+            logits = model(tokens, cache=[traced[i] for i in owners])
+            return logits, [t.new for t in traced]
+        steps[key] = mx.compile(step)
+    return steps[key]
 
 
 def _step_fn(model: Any, steps: dict, key: tuple):
@@ -141,15 +214,20 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     if not _traceable(model, steps):
         return None
     layers = cache.owned
-    if not layers or len(layers) != len(cache._distinct()) or not all(_ready(c) for c in layers):
+    if not layers or len(layers) != len(cache._distinct()):
+        return None
+    index = {id(c): i for i, c in enumerate(layers)}
+    owners = tuple(index[id(c)] for c in cache)
+    if all(_kivi_ready(c) for c in layers):
+        return _kivi_decode(model, tokens, cache, layers, owners, steps)
+    if not all(_ready(c) for c in layers):
         return None
     first = layers[0]
     if any(c.seen != first.seen or c.body.ptr != first.body.ptr or c.positions.base != first.positions.base
            for c in layers):
         return None     # one position and one pointer serve every layer in the trace
-    index = {id(c): i for i, c in enumerate(layers)}
     shifted = first.positions.frame and first.body.n_sink > 0
-    key = (tuple(index[id(c)] for c in cache), shifted, first.dtype)
+    key = (owners, shifted, first.dtype)
     if steps.get(key) is _FAILED:
         return None
     S, W = first.config.sink, first.config.window
@@ -175,4 +253,39 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
         c.seen += 1
         if shifted:
             body._sink_in_buffer = first_slot
+    return logits
+
+
+def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners: tuple, steps: dict
+                 ) -> Optional[mx.array]:
+    """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
+    eager step would read them, the new tokens come out and join each residual, eagerly."""
+    first = layers[0]
+    if any(c.seen != first.seen or c.positions.base != first.positions.base or len(c.body.residual) !=
+           len(first.body.residual) or c.body.n_packed != first.body.n_packed for c in layers):
+        return None
+    mask = first.make_mask(1, return_array=False, window_size=None)   # as the model asks, before the step
+    if isinstance(mask, str):
+        return None
+    cfg = first.config
+    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, cfg)
+    if steps.get(key) is _FAILED:
+        return None
+    sinks, packed, residuals = [], [], []
+    for c in layers:
+        sink_reading, _ = c._readings()
+        k, v = c.sink_store.fetch(c.dtype)
+        sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
+        packed.append((c.body.keys, c.body.values))
+        residuals.append(c.body.residual.fetch())
+    step = _kivi_step_fn(model, steps, key)
+    try:
+        logits, new = step(tokens, mx.array(first.offset, mx.int32), sinks, packed, residuals,
+                           mask if mask is not None else mx.zeros((0,), mx.bool_))
+    except Exception:     # as in `decode`: eager from now on for this layout; nothing has moved
+        steps[key] = _FAILED
+        return None
+    for c, (k, v) in zip(layers, new):    # the eager update's bookkeeping (no eviction, no freeze)
+        c.body.append(k, v)
+        c.seen += 1
     return logits
