@@ -1,4 +1,5 @@
-"""A decode step over full StreamingLLM rings as one compiled MLX function.
+"""A decode step over full StreamingLLM caches (the exact ring, and KIVI's quiet steps) as one
+compiled MLX function.
 
 Once every layer's ring (ring.py) holds its whole window, a decode step has fixed shapes: the
 buffers [B, H, S + W, D] do not grow, the new token is written in place at the ring's pointer
@@ -10,13 +11,22 @@ into a few kernels and skips building the graph in Python each step. mlx-lm's ca
 state in Python integers (slicing by `offset` and `_idx`), which a trace would freeze, so a step
 over them cannot be compiled; ours can.
 
+KIVI under StreamingLLM on frame positions (kivi.py) gets the same for its quiet steps, once
+the window is full: the steps that neither freeze a block, evict one, grow the residual's
+buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink,
+the packed blocks, the residual and the step's mask as `LayerCache.segments` and `make_mask`
+would hand them to attention, runs the same `segments.attend`, and hands the new token back to
+be appended to the residual eagerly. Its shapes repeat every G steps, so each of the ~2G shapes
+is traced once (a few ms each) and reused; while the body still grows every step would be a new
+shape, so those steps stay eager.
+
 `decode(model, tokens, cache)` runs such a step when the cache and model allow it and returns
 None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
-model's own `__call__` with stand-in layer caches (`_TracedRing`) that follow the same
+model's own `__call__` with stand-in layer caches (`_TracedRing`, `_TracedKivi`) that follow the same
 protocol as `LayerCache` (offset, make_mask, update_and_fetch, attend): the same code path as
 eager, so the two agree to the last bit here (tests/test_compiled.py). Afterwards it moves
 the real rings' counters exactly as their eager hot path does (`LayerCache.update_and_fetch`'s
-ring branch and `RingStore.attention_kv`). Anything else runs eager: a ring that is not full
+ring branch and `RingStore.attention_kv`; KIVI: `KiviStore.append`). Anything else runs eager: a ring that is not full
 yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model
 sharded over ranks. An mlx-lm model is traced the same way (its code sees the position as an
 array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
