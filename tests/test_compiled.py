@@ -250,3 +250,33 @@ def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
     for spec in ("int4", "int4+sink4/window64:absolute", "int4+top8+sink4/window64"):
         _, _, ran = _drive(native32.model, CacheConfig.from_spec(spec), True, tokens=toks)
         assert ran == 0, spec
+
+
+@pytest.mark.parametrize("spec", ["sink4/window16", "int4+sink4/window64"])
+def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
+    """Everything the step stores is evaluated with its logits: the server steps on a worker
+    thread and saves its slots on another (MLX cannot evaluate an array on a thread other than
+    the one whose stream built it). The KIVI trace first stored the new token outside the
+    logits' graph: the server's --slot-dir test failed with "There is no Stream(cpu, N)"."""
+    import threading
+    model = native32.model
+    cache = make_cache(model, CacheConfig.from_spec(spec))
+    ran = []
+
+    def worker():
+        model(mx.array([TOKENS[:90]]), cache=cache)
+        cache.evict_middle_if_needed()
+        for t in TOKENS[90:200]:
+            logits = compiled.decode(model, mx.array([[t]]), cache)
+            ran.append(logits is not None)
+            if logits is None:
+                logits = model(mx.array([[t]]), cache=cache)
+            cache.evict_middle_if_needed()
+            mx.eval(logits)
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert sum(ran) > 60
+    for layer in cache.owned:
+        arrays, _ = layer.saved_state()
+        mx.eval(list(arrays.values()))      # here, on another thread: raises if anything is pending

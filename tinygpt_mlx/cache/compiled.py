@@ -16,7 +16,7 @@ the window is full: the steps that neither freeze a block, evict one, grow the r
 buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink,
 the packed blocks, the residual and the step's mask as `LayerCache.segments` and `make_mask`
 would hand them to attention, runs the same `segments.attend`, and hands the new token back to
-be appended to the residual eagerly. Its shapes repeat every G steps, so each of the ~2G shapes
+be written into the residual's buffer (in the trace, at an array index). Its shapes repeat every G steps, so each of the ~2G shapes
 is traced once (a few ms each) and reused; while the body still grows every step would be a new
 shape, so those steps stay eager.
 
@@ -92,15 +92,19 @@ _FAILED = "failed"
 
 class _TracedKivi:
     """One layer of KIVI under StreamingLLM (frame positions) during the trace of a quiet step
-    (no block frozen or evicted): the sink placed, the packed blocks and the residual as inputs;
-    the new token joins the residual here and goes back out to be stored."""
+    (no block frozen or evicted): the sink placed, the packed blocks and the residual (its
+    buffer and its live tokens) as inputs; the new token is written into the residual's buffer
+    at `slot`, in the trace, so the buffer comes out with the logits (evaluated with them, on
+    the thread that steps)."""
 
     reads_own_segments = True
 
-    def __init__(self, sink: tuple, packed: tuple, residual: tuple, mask: Optional[mx.array],
+    def __init__(self, sink: tuple, packed: tuple, residual: tuple, head: mx.array, slot: mx.array,
+                 mask: Optional[mx.array],
                  offset: mx.array, config: Any, positions: Any, storage: mx.Dtype, compute_dtype: mx.Dtype):
-        self.sink, self.packed, self.residual, self.mask = sink, packed, residual, mask
-        self.offset, self.config, self.positions = offset, config, positions
+        self.sink, self.packed, self.mask = sink, packed, mask
+        self.buffers, self.live = residual[:2], residual[2:]
+        self.head, self.slot, self.offset, self.config, self.positions = head, slot, offset, config, positions
         self.storage, self.compute_dtype = storage, compute_dtype
         self.new: Optional[tuple] = None
 
@@ -111,6 +115,7 @@ class _TracedKivi:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.new = (keys.astype(self.storage), values.astype(self.storage))
+        self.buffers = tuple(mx.slice_update(b, n, self.slot, axes=(2,)) for b, n in zip(self.buffers, self.new))
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
@@ -120,7 +125,10 @@ class _TracedKivi:
         body = SimpleNamespace(keys=self.packed[0], values=self.packed[1], key_bits=cfg.key_bits,
                                value_bits=cfg.value_bits, group=cfg.group_size, positions=self.positions,
                                evicted=0, shadow=None)
-        res_k, res_v = (mx.concatenate([old, new], axis=2) for old, new in zip(self.residual, self.new))
+        # the live tokens and the new one, read back from the written buffers (so the buffers are
+        # part of the logits' graph); the live views' shapes give the length, a shape of the trace
+        res_k, res_v = (mx.slice(b, self.head, (2,), (*live.shape[:2], live.shape[2] + 1, live.shape[3]))
+                        for b, live in zip(self.buffers, self.live))
         dt = self.compute_dtype
         segments = [DenseSegment(*self.sink), PackedSegment(body), DenseSegment(res_k.astype(dt), res_v.astype(dt))]
         return attend(segments, 0, queries, scale, mask)
@@ -172,11 +180,11 @@ def _kivi_step_fn(model: Any, steps: dict, key: tuple):
         _, owners, masked, compute_dtype, storage, config = key
         positions = SimpleNamespace(pre_rope=False)     # frame positions: the query is not turned
 
-        def step(tokens, offset, sinks, packed, residuals, mask):
-            traced = [_TracedKivi(sinks[i], packed[i], residuals[i], mask if masked else None, offset,
+        def step(tokens, offset, sinks, packed, residuals, head, slot, mask):
+            traced = [_TracedKivi(sinks[i], packed[i], residuals[i], head, slot, mask if masked else None, offset,
                                   config, positions, storage, compute_dtype) for i in range(len(sinks))]
             logits = model(tokens, cache=[traced[i] for i in owners])
-            return logits, [t.new for t in traced]
+            return logits, [t.buffers for t in traced]
         steps[key] = mx.compile(step)
     return steps[key]
 
@@ -271,8 +279,9 @@ def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners:
     """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
     eager step would read them, the new tokens come out and join each residual, eagerly."""
     first = layers[0]
-    if any(c.seen != first.seen or c.positions.base != first.positions.base or len(c.body.residual) !=
-           len(first.body.residual) or c.body.n_packed != first.body.n_packed for c in layers):
+    res0 = first.body.residual
+    if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.n_packed != first.body.n_packed
+           or (c.body.residual.head, c.body.residual.n) != (res0.head, res0.n) for c in layers):
         return None
     mask = first.make_mask(1, return_array=False, window_size=None)   # as the model asks, before the step
     if isinstance(mask, str):
@@ -287,15 +296,19 @@ def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners:
         k, v = c.sink_store.fetch(c.dtype)
         sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
         packed.append((c.body.keys, c.body.values))
-        residuals.append(c.body.residual.fetch())
+        res = c.body.residual
+        residuals.append((res.keys, res.values, *res.fetch()))
     step = _kivi_step_fn(model, steps, key)
     try:
         logits, new = step(tokens, mx.array(first.offset, mx.int32), sinks, packed, residuals,
-                           mask if mask is not None else mx.zeros((0,), mx.bool_))
+                           mx.array([res0.head], mx.int32), mx.array([res0.head + res0.n], mx.int32), mask if mask is not None else mx.zeros((0,), mx.bool_))
     except Exception:     # as in `decode`: eager from now on for this layout; nothing has moved
         steps[key] = _FAILED
         return None
-    for c, (k, v) in zip(layers, new):    # the eager update's bookkeeping (no eviction, no freeze)
-        c.body.append(k, v)
+    for c, (k, v) in zip(layers, new):    # `KiviStore.append`'s bookkeeping (no freeze), exactly
+        res = c.body.residual
+        res.keys, res.values = k, v
+        res.n += 1
+        res.version += 1
         c.seen += 1
     return logits
