@@ -95,6 +95,10 @@ KivUnit = Annotated[Optional[str], typer.Option(
 KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
+KivSticky = Annotated[Optional[bool], typer.Option(
+    "--kiv-sticky/--no-kiv-sticky", help="Retrieval: each step's pool also holds the pages the previous step's "
+    "query picked, so the page a copy is reading stays in reach of the next query. "
+    f"Default {'on' if field_default(_C, 'sticky') else 'off'}.", show_default=False)]
 Temperature = Annotated[Optional[float], typer.Option(
     "--temperature", help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
     show_default=False)]
@@ -147,6 +151,7 @@ CACHE_OPTIONS = {
     "kiv_positions": (KivPositions, "retrieved_position"),
     "kiv_unit": (KivUnit, "retrieve_unit"),
     "kiv_index_block": (KivIndexBlock, "index_block"),
+    "kiv_sticky": (KivSticky, "sticky"),
 }
 
 

@@ -33,8 +33,9 @@ def covering(**kw):
 
 
 @pytest.mark.parametrize("kw", [dict(rope_mode="absolute"), dict(retrieved_position="slots"),
-                                dict(rope_mode="absolute", retrieve_unit="spans")],
-                         ids=["absolute", "shifted-slots", "absolute-spans"])
+                                dict(rope_mode="absolute", retrieve_unit="spans"),
+                                dict(rope_mode="absolute", retrieve_unit="spans", sticky=True)],
+                         ids=["absolute", "shifted-slots", "absolute-spans", "absolute-spans-sticky"])
 def test_retrieving_everything_equals_full_cache(native, kw):
     ref, _ = run(native.model, CacheConfig())
     out, cache = run(native.model, covering(**kw))
@@ -116,6 +117,52 @@ def test_decode_host_pick_equals_the_pool_segment_pick(unit):
         dev = np.asarray(seg.last_picked())[0]
         for g in range(2):
             assert sorted(host[g][ok[g]].tolist()) == sorted(idx[g][dev[g]][valid[g][dev[g]]].tolist())
+
+
+@pytest.mark.parametrize("unit", ["tokens", "spans"])
+def test_sticky_remembers_the_pages_the_last_query_picked(unit):
+    """After a pass, a sticky store holds the pages of the tokens its last query attended to
+    (decode: the host pick; a chunk: `PoolSegment`'s pick, read after attention)."""
+    for L in (1, 5):
+        store, q, reading = _pool_case(3, L=L, retrieve_unit=unit, retrieve_tokens=16, sticky=True)
+        fetched = _picked(store, reading)
+        recent = store._recent()
+        for g in range(2):
+            assert recent[g].tolist() == np.unique(fetched[g] // 8).tolist()
+
+
+@pytest.mark.parametrize("unit", ["tokens", "spans"])
+def test_sticky_pages_join_the_next_pool(unit):
+    """A page the previous step picked is scored again even where the coarse pass now ranks
+    another page first: page 30 holds the key that best matches the query, but page 5's
+    per-channel bound is higher (each of its keys is large in a different pair of channels, none
+    along the query), so with one top page only a sticky pool reaches page 30."""
+    from tinygpt_mlx.cache.positions import Positions
+    from tinygpt_mlx.cache.segments import Reading
+    D, n = 16, 301
+    rng = np.random.RandomState(0)
+    keys = 0.1 * rng.randn(1, 2, n, D).astype(np.float32)
+    for j in range(8):
+        keys[0, :, 40 + j] = 0
+        keys[0, :, 40 + j, 2 * j:2 * j + 2] = 10.0          # page 5: bound 160, every key scores 20
+    keys[0, :, 243] = 3.0                                   # page 30: the best key, scores 48
+    q = np.ones((1, 4, 1, D), np.float32)
+    for sticky in (False, True):
+        cfg = CacheConfig(hot_budget=8, rope_mode="absolute", page_size=8, top_pages=1, retrieve_tokens=8,
+                          retrieve_unit=unit, summary="minmax", sticky=sticky)
+        store = ColdStore(cfg, KVCache)
+        store.append(mx.array(keys), mx.array(rng.randn(1, 2, n, D).astype(np.float32)), 0)
+        assert store.top_pages_of(q.reshape(2, 2, 1, D))[:, 0, 0].tolist() == [5, 5]
+        store._recent = lambda: [np.array([30]), np.array([30])]
+        fetched = _picked(store, Reading(mx.float32, Positions(cfg, None), 0, mx.array(q), 1.0))
+        assert all((243 in row) == sticky for row in fetched)
+
+
+def test_union_of_pools_keeps_each_page_once():
+    from tinygpt_mlx.cache.cold import _union
+    pool = np.array([[2, 5, 9, -1], [1, 3, -1, -1]])
+    got = _union(pool, [np.array([5, 7]), np.array([0, 3, 4, 8])])
+    assert got.tolist() == [[2, 5, 7, 9, -1], [0, 1, 3, 4, 8]]
 
 
 def test_page_rule_places_token_j_of_a_page_at_slot_plus_j(native):

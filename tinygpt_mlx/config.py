@@ -150,6 +150,8 @@ class CacheConfig:
                  None means "spans", or "tokens" with the `slots` rule (filled in by `__post_init__`)
     index_block  retrieval: pages per block of the two-level page index (block summaries
                  bound their pages'; 0 = always scan every page summary)
+    sticky       retrieval: each pass's pool also holds the pages the previous pass's last query
+                 picked, so a page being copied stays in reach of the next step's query
     """
 
     storage: str = "fp32"
@@ -173,6 +175,7 @@ class CacheConfig:
     retrieved_position: str = "fixed"
     index_block: int = 8
     retrieve_unit: Optional[str] = None
+    sticky: bool = False
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:

@@ -120,6 +120,7 @@ class ColdStore:
         self.positions: Optional[GrowingArray] = None
         self.smin = self.smax = self.smean = None  # GrowingArray [pages, G, D]
         self.bmin = self.bmax = self.bmean = None  # the same per block of `index_block` pages
+        self._recent: Optional[Any] = None   # sticky: () -> pages [G] the last pass's last query picked
 
     # ----- storage --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -357,6 +358,8 @@ class ColdStore:
             rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
             rows = np.asarray(rows).reshape(self.G, rep, -1, D)
             pool, last = self.pool(rows)
+            if self.config.sticky and self._recent is not None:
+                pool = _union(pool, self._recent())
         spans = self.config.retrieve_unit == "spans"
         units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
         with self.stages.timed("gather"):
@@ -376,6 +379,8 @@ class ColdStore:
             self.stages.sync(k, v)
         segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units, unit)
         picked = segment.last_picked
+        if self.config.sticky:
+            self._recent = _picked_pages(idx, valid, picked, ps)
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
                               page_size=ps, tokens_scored=scored, indexed=self._uses_index(),
                               pages=last, positions=self.positions.view(),
@@ -509,6 +514,26 @@ class ColdStore:
         self.n = 0
         if self.directory is not None:
             remove_dir(self.directory)
+
+
+def _union(pool: np.ndarray, extra: list) -> np.ndarray:
+    """Page ids [G, K] (-1: none; the pool) joined row by row with `extra` (a list of G arrays
+    of page ids): each row sorted and without repeats, padded with -1."""
+    rows = [np.unique(np.concatenate([p[p >= 0], e])) for p, e in zip(pool, extra)]
+    out = np.full((len(rows), max(len(r) for r in rows)), -1, dtype=np.int64)
+    for g, r in enumerate(rows):
+        out[g, :len(r)] = r
+    return out
+
+
+def _picked_pages(idx: np.ndarray, valid: np.ndarray, picked: Any, page_size: int):
+    """() -> the pages [G arrays] holding the cold tokens a pass's last query picked: `idx` and
+    `valid` [G, U] the pool's rows, `picked()` [.., T] its pool positions (lazy: read after
+    attention has run, at the next retrieval)."""
+    def pages() -> list:
+        pos = np.asarray(picked()).reshape(idx.shape[0], -1)
+        return [np.unique(row[i[ok[i]]] // page_size) for row, ok, i in zip(idx, valid, pos)]
+    return pages
 
 
 def _summary_scores(x: np.ndarray, summary: str, smin, smax, smean, score) -> np.ndarray:
