@@ -484,7 +484,8 @@ class ColdStore:
 
     def state(self) -> tuple[dict, dict]:
         """Rows as stored (a disk store's rows streamed from its files), summaries, positions,
-        the exact keys of the unfinished page, and the counters."""
+        the exact keys of the unfinished page, the counters, and (sticky) the pages the last
+        query picked."""
         meta: dict = {"n": self.n, "G": self.G, "B": self.B}
         if self.G is None:
             return {}, meta
@@ -495,6 +496,8 @@ class ColdStore:
         tail = (np.concatenate(self._tail_keys, axis=0) if self._tail_keys
                 else np.zeros((0, self.G, self.dims[0]), np.float32))
         arrays["tail_keys"] = tail
+        if self._recent is not None:    # sticky: the pages the last query picked (a few per head)
+            meta["recent"] = [row.tolist() for row in self._recent()]
         return arrays, meta
 
     def load_state(self, arrays, meta: dict) -> None:
@@ -507,6 +510,9 @@ class ColdStore:
         tail = arrays["tail_keys"].np()
         self._tail_keys = [tail] if len(tail) else []
         self.n = int(meta["n"])
+        if "recent" in meta:
+            recent = [np.asarray(row, dtype=np.int64) for row in meta["recent"]]
+            self._recent = lambda: recent
 
     def close(self) -> None:
         """Drop the arrays (and the disk store's files)."""
