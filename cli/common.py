@@ -95,6 +95,9 @@ KivUnit = Annotated[Optional[str], typer.Option(
 KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
+KivIndexExpand = Annotated[Optional[int], typer.Option(
+    "--kiv-index-expand", help="Retrieval: the two-level page index expands this many times --kiv-top-pages "
+    f"of its best blocks and ranks their pages. Default {field_default(_C, 'index_expand')}.", show_default=False)]
 KivSticky = Annotated[Optional[bool], typer.Option(
     "--kiv-sticky/--no-kiv-sticky", help="Retrieval: each step's pool also holds the pages the previous step's "
     "query picked, so the page a copy is reading stays in reach of the next query. "
@@ -152,6 +155,7 @@ CACHE_OPTIONS = {
     "kiv_unit": (KivUnit, "retrieve_unit"),
     "kiv_index_block": (KivIndexBlock, "index_block"),
     "kiv_sticky": (KivSticky, "sticky"),
+    "kiv_index_expand": (KivIndexExpand, "index_expand"),
 }
 
 
@@ -159,7 +163,8 @@ def _flag(annotation) -> str:
     """The long flag an `Annotated[..., typer.Option("--flag", ...)]` declares."""
     info = typing.get_args(annotation)[1]
     # With Annotated, typer takes the first declaration in the `default` slot.
-    return next(d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--"))
+    flag = next(d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--"))
+    return flag.split("/")[0]      # "--kiv-sticky/--no-kiv-sticky": the on switch names it
 
 
 # Config field (or `CacheConfig.from_flags` keyword) -> the command-line flag that sets it: one

@@ -188,17 +188,19 @@ SPEC_LABELS = {
     'int4+sink4/window64:absolute': ('int4 + StreamingLLM sink 4 + window 64 (absolute RoPE)',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32},"streaming_llm":{"sink":4,"window":64,"rope_mode":"absolute"}}'),
     'hot256': ('fp32 + retrieval hot 256 + top 8 pages',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":0,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans"}}'),
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":0,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256': ('fp32 + retrieval hot 256 + top 8 pages',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans"}}'),
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256+spans': ('fp32 + retrieval hot 256 + top 8 pages',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans"}}'),
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256+tokens+block32': ('fp32 + retrieval hot 256 + top 64 tokens',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"tokens"}}'),
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"tokens","sticky":true,"index_expand":4}}'),
     'sink4/hot256+spans+block32': ('fp32 + retrieval hot 256 + top 8 pages',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"spans"}}'),
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
+    'sink4/hot256+hybrid+nosticky+expand1+pages128': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":128,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
     'sink4/hot256+spans+page+colddisk': ('fp32 + retrieval hot 256 + top 8 pages',
-        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"page","index_block":8,"retrieve_unit":"spans"}}'),}
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"page","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),}
 
 
 @pytest.mark.parametrize("spec", sorted(SPEC_LABELS))

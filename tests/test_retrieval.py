@@ -399,6 +399,31 @@ def test_two_level_index_matches_the_flat_scan_on_its_candidates():
     assert out[0][0] == out[4][0] == 1234 // ps
 
 
+def test_index_expand_ranks_the_pages_of_that_many_best_blocks():
+    """`index_expand` x top_pages blocks are expanded: the index returns the best pages (by the
+    flat scan's page scores) among the pages of exactly that many best blocks; widening it
+    recovers more of the flat scan's top pages (one expansion loses some on this store)."""
+    D, ps, Bp, top = 16, 8, 4, 4
+    rng = np.random.RandomState(0)
+    q = rng.randn(1, 2, 1, D).astype(np.float32).reshape(1, 2, 1, D)
+    keys = mx.array(rng.randn(1, 1, 400 * ps, D).astype(np.float32))
+    found = []
+    for expand in (1, 3, 12):                        # 12 x 4 = 48 of 100 blocks: the index is still on
+        cfg = CacheConfig(hot_budget=8, rope_mode="absolute", page_size=ps, top_pages=top, retrieve_tokens=4,
+                          summary="minmax", index_block=Bp, index_expand=expand)
+        store = ColdStore(cfg, KVCache)
+        store.append(keys, keys, 0)
+        assert store._uses_index()
+        pages = store._scan(q, "minmax", store.smin, store.smax, None)[0, 0]
+        blocks = store._scan(q, "minmax", store.bmin, store.bmax, None)[0, 0]
+        cand = [p for b in np.argsort(-blocks)[:expand * top] for p in range(b * Bp, (b + 1) * Bp)]
+        want = sorted(cand, key=lambda p: -pages[p])[:top]
+        got = store.ranked_pages(q, "minmax")[0, 0]
+        assert got.tolist() == want
+        found.append(len(set(got.tolist()) & set(np.argsort(-pages)[:top].tolist())))
+    assert found[0] < top and found == sorted(found) and found[-1] > found[0]
+
+
 def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     """The scaling bench (interleaved decode over several contexts): hot bytes stay fixed,
     cold bytes grow with the context, and the long context uses the two-level index."""

@@ -150,6 +150,8 @@ class CacheConfig:
                  None means "spans", or "tokens" with the `slots` rule (filled in by `__post_init__`)
     index_block  retrieval: pages per block of the two-level page index (block summaries
                  bound their pages'; 0 = always scan every page summary)
+    index_expand retrieval: the two-level index expands index_expand x top_pages blocks (their
+                 pages are ranked by their own summaries)
     sticky       retrieval: each pass's pool also holds the pages the previous pass's last query
                  picked, so a page being copied stays in reach of the next step's query
     """
@@ -168,14 +170,15 @@ class CacheConfig:
     retrieve_tokens: int = 64
     page_size: int = 8
     top_pages: int = 64
-    summary: str = "hybrid"
+    summary: str = "minmax"
     cold_store: str = "ram"
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
     index_block: int = 8
     retrieve_unit: Optional[str] = None
-    sticky: bool = False
+    sticky: bool = True
+    index_expand: int = 4
 
     def __post_init__(self) -> None:
         if self.storage not in STORAGE_DTYPES:
@@ -226,6 +229,7 @@ class CacheConfig:
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
         _positive("index_block", self.index_block, 0)
+        _positive("index_expand", self.index_expand)
         if self.summary not in SUMMARY_KINDS:
             raise ConfigError("summary", f"must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
         if self.cold_store not in COLD_STORES:
@@ -322,6 +326,10 @@ class CacheConfig:
             colddisk                                   retrieval's cold store on disk
             spans | tokens, page                       what retrieval fetches; page RoPE slots
             block8                                     retrieval: pages per block of the page index
+            minmax | mean | hybrid                     retrieval: the page summary
+            pages64                                    retrieval: pages the coarse pass keeps
+            sticky | nosticky                          retrieval: the last pick's pages kept in reach
+            expand4                                    retrieval: blocks the index expands, x top pages
 
         e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
         and "full" are the fp32 full cache. A bad part or config is a ValueError naming the spec."""
@@ -362,7 +370,8 @@ class CacheConfig:
                                 "summary": self.summary, "cold_store": self.cold_store,
                                 "cold_bits": self.cold_bits, "rope_mode": self.rope_mode,
                                 "retrieved_position": self.retrieved_position,
-                                "index_block": self.index_block, "retrieve_unit": self.retrieve_unit})
+                                "index_block": self.index_block, "retrieve_unit": self.retrieve_unit,
+                                "sticky": self.sticky, "index_expand": self.index_expand})
         return d
 
     def label(self) -> str:
@@ -389,7 +398,8 @@ class CacheConfig:
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk (retrieval's cold store on disk), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block); "
+             "colddisk (retrieval's cold store on disk), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
+             "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 
@@ -412,6 +422,10 @@ _SPEC_PARTS = (
     (re.compile(r"spans|tokens"), lambda m: {"retrieve_unit": m[0]}),
     (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
     (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
+    (re.compile(r"pages(\d+)"), lambda m: {"top_pages": int(m[1])}),
+    (re.compile(r"minmax|mean|hybrid"), lambda m: {"summary": m[0]}),
+    (re.compile(r"(no)?sticky"), lambda m: {"sticky": not m[1]}),
+    (re.compile(r"expand(\d+)"), lambda m: {"index_expand": int(m[1])}),
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
     (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
 )

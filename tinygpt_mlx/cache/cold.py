@@ -238,7 +238,10 @@ class ColdStore:
     def _uses_index(self) -> bool:
         """The two-level index pays once the flat scan covers > 2x the pages it would score."""
         Bp = self.config.index_block
-        return bool(Bp) and self.n_pages > 2 * self.top_pages * Bp
+        return bool(Bp) and self.n_pages > 2 * self._expanded_blocks() * Bp
+
+    def _expanded_blocks(self) -> int:
+        return self.config.index_expand * self.top_pages
 
     def ranked_pages(self, q: np.ndarray, summary: str) -> np.ndarray:
         """The `top_pages` best pages [G, L, k] for each query, best first, by one summary.
@@ -246,15 +249,15 @@ class ColdStore:
         Short stores scan every page summary. Long ones use the two-level index: blocks of
         `index_block` pages carry the min of their pages' mins and the max of their maxes
         (still an upper bound on every key of the block; mean: the mean of the means), the
-        `top_pages` best blocks are expanded and their pages ranked, with the pages of the
-        unfinished block always among the candidates. Decode then reads P / index_block block
-        summaries plus top_pages x index_block page summaries instead of all P."""
+        `index_expand` x `top_pages` best blocks are expanded and their pages ranked, with the
+        pages of the unfinished block always among the candidates. Decode then reads
+        P / index_block block summaries plus that many blocks' page summaries instead of all P."""
         k = min(self.top_pages, self.n_pages)
         if self._uses_index():
             Bp = self.config.index_block
             NB = self.n_blocks
             bs = self._scan(q, summary, self.bmin, self.bmax, self.bmean)       # [G, L, NB]
-            kb = min(self.top_pages, NB)
+            kb = min(self._expanded_blocks(), NB)
             blocks = np.argpartition(-bs, kb - 1, axis=-1)[..., :kb]
             cand = (blocks[..., None] * Bp + np.arange(Bp)).reshape(*blocks.shape[:2], -1)
             if self.n_pages > NB * Bp:
