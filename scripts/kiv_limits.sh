@@ -5,14 +5,19 @@
 #      plain pass key beside them;
 #   2. StreamingLLM vs retrieval (the same hot memory: sink 4 + 256) at 2K, 8K and 16K tokens.
 # Needs data/heldout.txt (scripts/fetch_corpus.sh). Outputs go to docs/results/kiv_limits/.
-# About 30 minutes on a 2-core CPU; STAGE=full or STAGE=long runs one part.
+# About 30 minutes on a 2-core CPU; STAGE=full or STAGE=long runs one part. POLICIES narrows the
+# long part's policies (default streaming,retrieval); EXTRA adds retrieval flags to every run
+# (the tables measured before 2026-12-02 used EXTRA="--kiv-summary hybrid --no-kiv-sticky
+# --kiv-index-expand 1", the retrieval defaults then).
 set -euo pipefail
 BASE=${BASE:-models/tinygpt-base.tinygpt}
 KEYED=${KEYED:-models/tinygpt-keyed.tinygpt}
 OUT=${OUT:-docs/results/kiv_limits}
 STAGE=${STAGE:-all}
+POLICIES=${POLICIES:-streaming,retrieval}
+EXTRA=${EXTRA:-}
 mkdir -p "$OUT"
-COMMON="--depths 0.1,0.3,0.5,0.7,0.9 --filler data/heldout.txt --streaming-llm-sink 4 --kiv-hot-budget 256"
+COMMON="--depths 0.1,0.3,0.5,0.7,0.9 --filler data/heldout.txt --streaming-llm-sink 4 --kiv-hot-budget 256 $EXTRA"
 if [ "$STAGE" != long ]; then
   for model in base keyed; do
     path=$BASE; [ $model = keyed ] && path=$KEYED
@@ -24,7 +29,7 @@ if [ "$STAGE" != long ]; then
 fi
 if [ "$STAGE" != full ]; then
   for task in keyed keyed-all phonebook; do
-    posttrainllm needle "$KEYED" --contexts 2048,8192,16384 --seeds 3 --policies streaming,retrieval \
+    posttrainllm needle "$KEYED" --contexts 2048,8192,16384 --seeds 3 --policies "$POLICIES" \
       --task $task --facts 4 $COMMON --json "$OUT/long_${task}.json"
   done
 fi
