@@ -49,13 +49,20 @@ def main() -> None:
     ap.add_argument("--rounds", default="2,4,8", help="comma list: times the 5 filler turns are said")
     ap.add_argument("--keys", type=int, default=5)
     ap.add_argument("--hot", type=int, default=64, help="--kiv-hot-budget (and the StreamingLLM window)")
+    ap.add_argument("--retrieval", default="", help="extra policy spec parts for retrieval, e.g. "
+                    "hybrid+nosticky+expand1 (the retrieval defaults before 2026-12-02)")
+    ap.add_argument("--policies", default="full cache,streaming,retrieval", help="comma list of the three")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     loaded = load(a.model)
     rng = random.Random(0)
     keys = [str(rng.randint(10000, 99999)) for _ in range(a.keys)]
     policies = {"full cache": CacheConfig(), "streaming": CacheConfig(sink=4, window=a.hot),
-                "retrieval": CacheConfig(sink=4, hot_budget=a.hot)}
+                "retrieval": CacheConfig.from_spec(f"sink4/hot{a.hot}" + (f"+{a.retrieval}" if a.retrieval else ""))}
+    unknown = [n for n in a.policies.split(",") if n not in policies]
+    if unknown:
+        ap.error(f"--policies {a.policies!r}: unknown {', '.join(unknown)} (choose from {', '.join(policies)})")
+    policies = {name: policies[name] for name in a.policies.split(",")}
     rows = []
     for rounds in [int(r) for r in a.rounds.split(",")]:
         for name, cfg in policies.items():
