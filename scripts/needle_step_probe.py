@@ -15,7 +15,6 @@ were out of reach (the coarse pass), not beyond the model.
 from __future__ import annotations
 
 import argparse
-import random
 
 import mlx.core as mx
 import numpy as np
@@ -24,8 +23,7 @@ from tinygpt_mlx import loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.corpus import fit_tokens, make_task_doc, random_value
-from tinygpt_mlx.evaluate.needle import needle_positions
+from tinygpt_mlx.evaluate.needle import cell_document, needle_positions
 from tinygpt_mlx.generate import forward, prefill
 
 
@@ -60,10 +58,7 @@ def main() -> None:
     loaded = loading.load(a.model)
     tok = loaded.tokenizer
     filler = open(a.filler, encoding="utf-8").read()
-    rng = random.Random(f"needle-{a.seed}-{a.context}-{a.depth}")     # as `needle_grid` seeds a cell
-    value = random_value(rng, 5)
-    prompt, answer = fit_tokens(lambda n: make_task_doc(rng, filler, n, "passkey", a.depth, value=value),
-                                rng, tok.encode, a.context)
+    prompt, answer = cell_document(tok, filler, a.context, a.depth, a.seed)
     ids = list(tok.encode(prompt))
     truth = np.asarray(needle_positions(tok.encode, prompt, answer))
     target = list(tok.encode(" " + answer + "."))

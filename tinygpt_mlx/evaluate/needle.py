@@ -114,6 +114,17 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
     return cell
 
 
+def cell_document(tok: Any, filler_text: str, context: int, depth: float, seed: int, task: str = "passkey",
+                  digits: int = 5, facts: int = 4, template: Optional[int] = None) -> tuple[str, str]:
+    """The (prompt, answer) of one grid cell: a `task` document of about `context` tokens with
+    the fact at `depth`, drawn from a generator seeded by (seed, context, depth), so any cell can
+    be rebuilt alone (scripts/needle_step_probe.py)."""
+    rng = random.Random(f"needle-{seed}-{context}-{depth}")
+    value = random_value(rng, digits)
+    return fit_tokens(lambda n: make_task_doc(rng, filler_text, n, task, depth, value=value, facts=facts,
+                                              template=template), rng, tok.encode, context)
+
+
 def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
                 seeds: int, policies: list[str], filler_text: str, chunk: int = 128,
                 digits: int = 5, template: Optional[int] = None, task: str = "passkey", facts: int = 4,
@@ -131,11 +142,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     for context in contexts:
         for depth in depths:
             for seed in range(seeds):
-                rng = random.Random(f"needle-{seed}-{context}-{depth}")
-                value = random_value(rng, digits)
-                prompt, answer = fit_tokens(
-                    lambda n: make_task_doc(rng, filler_text, n, task, depth, value=value, facts=facts,
-                                            template=template), rng, tok.encode, context)
+                prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
