@@ -199,6 +199,16 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256+hybrid+nosticky+expand1+pages128': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":128,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
+    'sink4/hot256+hybrid+nosticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
+    'sink4/hot256+hybrid+sticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":1}}'),
+    'sink4/hot256+minmax+nosticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
+    'sink4/hot256+minmax+sticky+block0': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":0,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
+    'sink4/hot256+minmax+sticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":1}}'),
     'sink4/hot256+spans+page+colddisk': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"page","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),}
 
@@ -218,8 +228,9 @@ def _doc_specs() -> set[str]:
     texts = [p.read_text() for p in (*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*.sh"))]
     for text in texts:
         for m in re.finditer(r"--(?:modes|policies|baseline)[ =]+[\"']?([\w+/:,.@-]+)", text):
-            # bench's SPEC@eager is SPEC run without the compiled step: the same policy
-            specs.update(s.removesuffix("@eager") for s in m[1].split(",") if s)
+            # bench's SPEC@eager is SPEC run without the compiled step, needle_step_probe.py's
+            # oracle:SPEC is SPEC with the needle's pages added to its pool: the same policy
+            specs.update(s.removesuffix("@eager").removeprefix("oracle:") for s in m[1].split(",") if s)
     return specs
 
 
