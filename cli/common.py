@@ -96,8 +96,9 @@ KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
 KivIndexExpand = Annotated[Optional[int], typer.Option(
-    "--kiv-index-expand", help="Retrieval: the two-level page index expands this many times --kiv-top-pages "
-    f"of its best blocks and ranks their pages. Default {field_default(_C, 'index_expand')}.", show_default=False)]
+    "--kiv-index-expand", help="Retrieval: a decode step's two-level page index expands this many times "
+    "--kiv-top-pages of its best blocks and ranks their pages (a prefill chunk's: --kiv-top-pages). "
+    f"Default {field_default(_C, 'index_expand')}.", show_default=False)]
 KivSticky = Annotated[Optional[bool], typer.Option(
     "--kiv-sticky/--no-kiv-sticky", help="Retrieval: each step's pool also holds the pages the previous step's "
     "query picked, so the page a copy is reading stays in reach of the next query. "

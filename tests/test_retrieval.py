@@ -400,9 +400,10 @@ def test_two_level_index_matches_the_flat_scan_on_its_candidates():
 
 
 def test_index_expand_ranks_the_pages_of_that_many_best_blocks():
-    """`index_expand` x top_pages blocks are expanded: the index returns the best pages (by the
-    flat scan's page scores) among the pages of exactly that many best blocks; widening it
-    recovers more of the flat scan's top pages (one expansion loses some on this store)."""
+    """A decode step's query expands `index_expand` x top_pages blocks: the index returns the
+    best pages (by the flat scan's page scores) among the pages of exactly that many best blocks;
+    widening it recovers more of the flat scan's top pages (one expansion loses some on this
+    store). A prefill chunk's rows expand top_pages blocks."""
     D, ps, Bp, top = 16, 8, 4, 4
     rng = np.random.RandomState(0)
     q = rng.randn(1, 2, 1, D).astype(np.float32).reshape(1, 2, 1, D)
@@ -421,6 +422,10 @@ def test_index_expand_ranks_the_pages_of_that_many_best_blocks():
         got = store.ranked_pages(q, "minmax")[0, 0]
         assert got.tolist() == want
         found.append(len(set(got.tolist()) & set(np.argsort(-pages)[:top].tolist())))
+        # a prefill chunk's rows (two query rows) expand top_pages blocks whatever index_expand
+        rows = np.concatenate([q, -q], axis=2)
+        cand1 = [p for b in np.argsort(-blocks)[:top] for p in range(b * Bp, (b + 1) * Bp)]
+        assert store.ranked_pages(rows, "minmax")[0, 0].tolist() == sorted(cand1, key=lambda p: -pages[p])[:top]
     assert found[0] < top and found == sorted(found) and found[-1] > found[0]
 
 

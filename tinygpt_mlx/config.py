@@ -150,8 +150,9 @@ class CacheConfig:
                  None means "spans", or "tokens" with the `slots` rule (filled in by `__post_init__`)
     index_block  retrieval: pages per block of the two-level page index (block summaries
                  bound their pages'; 0 = always scan every page summary)
-    index_expand retrieval: the two-level index expands index_expand x top_pages blocks (their
-                 pages are ranked by their own summaries)
+    index_expand retrieval: a decode step's two-level index expands index_expand x top_pages
+                 blocks (their pages are ranked by their own summaries); a prefill chunk's
+                 shared pool, top_pages blocks
     sticky       retrieval: each pass's pool also holds the pages the previous pass's last query
                  picked, so a page being copied stays in reach of the next step's query
     """

@@ -249,15 +249,18 @@ class ColdStore:
         Short stores scan every page summary. Long ones use the two-level index: blocks of
         `index_block` pages carry the min of their pages' mins and the max of their maxes
         (still an upper bound on every key of the block; mean: the mean of the means), the
-        `index_expand` x `top_pages` best blocks are expanded and their pages ranked, with the
-        pages of the unfinished block always among the candidates. Decode then reads
+        `index_expand` x `top_pages` best blocks (a decode step; a chunk's rows: `top_pages`)
+        are expanded and their pages ranked, with the pages of the unfinished block always among
+        the candidates. Decode then reads
         P / index_block block summaries plus that many blocks' page summaries instead of all P."""
         k = min(self.top_pages, self.n_pages)
         if self._uses_index():
             Bp = self.config.index_block
             NB = self.n_blocks
             bs = self._scan(q, summary, self.bmin, self.bmax, self.bmean)       # [G, L, NB]
-            kb = min(self._expanded_blocks(), NB)
+            # a decode step (one query row) expands index_expand x top_pages blocks; a prefill
+            # chunk's rows (its last and its mean query) top_pages, their pool being shared
+            kb = min(self._expanded_blocks() if q.shape[2] == 1 else self.top_pages, NB)
             blocks = np.argpartition(-bs, kb - 1, axis=-1)[..., :kb]
             cand = (blocks[..., None] * Bp + np.arange(Bp)).reshape(*blocks.shape[:2], -1)
             if self.n_pages > NB * Bp:
