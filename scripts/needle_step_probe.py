@@ -55,6 +55,10 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--policies", default="sink4/hot256,oracle:sink4/hot256")
     a = ap.parse_args()
+    try:
+        configs = [(spec, CacheConfig.from_spec(spec.removeprefix("oracle:"))) for spec in a.policies.split(",")]
+    except ValueError as e:
+        ap.error(f"--policies: {e}")
     loaded = loading.load(a.model)
     tok = loaded.tokenizer
     filler = open(a.filler, encoding="utf-8").read()
@@ -65,10 +69,8 @@ def main() -> None:
     print(f"cell: context {a.context}, depth {a.depth}, seed {a.seed}: {len(ids)} tokens, answer {answer!r}, "
           f"needle at positions {truth.min()}-{truth.max()}", flush=True)
     plain = ColdStore.pool
-    for spec in a.policies.split(","):
-        oracle = spec.startswith("oracle:")
-        config = CacheConfig.from_spec(spec.removeprefix("oracle:"))
-        ColdStore.pool = oracle_pool(truth) if oracle else plain
+    for spec, config in configs:
+        ColdStore.pool = oracle_pool(truth) if spec.startswith("oracle:") else plain
         try:
             with make_cache(loaded.model, config) as cache:
                 logits = prefill(loaded.model, ids, cache, a.chunk)

@@ -78,6 +78,7 @@ BAD_FLAGS = [
     ("sample", ["--kiv-cold-bits", "2"], "--kiv-cold-bits", "cold_bits"),
     ("sample", ["--kiv-positions", "middle"], "--kiv-positions", "retrieved_position"),
     ("sample", ["--kiv-index-block", "-1"], "--kiv-index-block", "index_block"),
+    ("sample", ["--kiv-index-expand", "0"], "--kiv-index-expand", "index_expand"),
     ("sample", ["--kiv-unit", "words"], "--kiv-unit", "retrieve_unit"),
     ("sample", ["--kiv-unit", "spans", "--kiv-positions", "slots"], "--kiv-unit", "retrieve_unit"),
     ("sample", ["--tokens", "-1"], "--tokens", "max_tokens"),

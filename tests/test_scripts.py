@@ -21,3 +21,17 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == f"decode_costs.py: error: {says}"
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("script, args, says", [
+    ("needle_step_probe.py", ["--policies", "sink4/hot256+expand0"],
+     "--policies: policy 'sink4/hot256+expand0': index_expand must be an integer >= 1, got 0"),
+    ("chat_reach_grid.py", ["--policies", "retrieval,foo"],
+     "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
+])
+def test_retrieval_probes_refuse_bad_policies(script, args, says):
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.strip().splitlines()[-1] == f"{script}: error: {says}"
+    assert "Traceback" not in r.stderr

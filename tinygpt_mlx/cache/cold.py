@@ -251,8 +251,8 @@ class ColdStore:
         (still an upper bound on every key of the block; mean: the mean of the means), the
         `index_expand` x `top_pages` best blocks (a decode step; a chunk's rows: `top_pages`)
         are expanded and their pages ranked, with the pages of the unfinished block always among
-        the candidates. Decode then reads
-        P / index_block block summaries plus that many blocks' page summaries instead of all P."""
+        the candidates. Decode then reads P / index_block block summaries plus that many blocks'
+        page summaries instead of all P."""
         k = min(self.top_pages, self.n_pages)
         if self._uses_index():
             Bp = self.config.index_block
