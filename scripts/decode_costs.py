@@ -16,9 +16,14 @@
 4. a shifted ring far out (its counters set as if 95,000 tokens had gone by: it re-bases once
    and its sink block is advanced and refreshed as in a long run) against one near position 0,
    decode steps (compiled, as `sample` runs them) interleaved: whether anything in the ring
-   slows with tokens seen.
+   slows with tokens seen;
+5. retrieval's decode step (sink 4 + hot window 252, the default search) after a
+   `--retrieval-context`-token prefill, interleaved: the shifted hot window on frame positions
+   (kept as the model rotated it), the pre-RoPE window it replaced (`make_cache(..., ring=False)`:
+   placed after the retrieval slots on every read) and absolute positions (nothing rotated).
 
     python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
+        [--parts attention,python,kernels,far,retrieval] [--retrieval-context 4096]
 
 Microseconds, medians. Not a test; for benchmarks preload OpenBLAS (README of docs/results.md).
 """
@@ -150,30 +155,65 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
     return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=100).items()}
 
 
+def retrieval_window(model_path: str, steps: int, context: int) -> dict[str, float]:
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.generate import prefill
+    from tinygpt_mlx.loading import load
+    m = load(model_path)
+    toks = [(j * 37 + 11) % 4000 for j in range(context)]
+    caches = {}
+    for label, spec, ring in (("hot window on frame positions (shifted)", "sink4/hot252", True),
+                              ("pre-RoPE hot window (shifted, ring=False)", "sink4/hot252", False),
+                              ("absolute positions", "sink4/hot252:absolute", True)):
+        caches[label] = make_cache(m.model, CacheConfig.from_spec(spec), ring=ring)
+        prefill(m.model, toks, caches[label], 512)
+    return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=20).items()}
+
+
+PARTS = ("attention", "python", "kernels", "far", "retrieval")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=8192, help="keys for the attention parts")
     ap.add_argument("--steps", type=int, default=300, help="decode steps per cache for the Python side")
     ap.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "models" / "tinygpt-base.tinygpt"))
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"which sections to run, of {','.join(PARTS)}")
+    ap.add_argument("--retrieval-context", type=int, default=4096, help="tokens prefilled before retrieval's steps")
     a = ap.parse_args()
+    parts = [p.strip() for p in a.parts.split(",") if p.strip()]
+    bad = [p for p in parts if p not in PARTS]
+    if bad or not parts:
+        ap.error(f"--parts {a.parts!r}: expected some of {','.join(PARTS)}")
+    if a.retrieval_context < 512:
+        ap.error(f"--retrieval-context must be at least 512, got {a.retrieval_context}")
     if a.context < 32 or a.context % 32:
         ap.error(f"--context must be a positive multiple of 32, got {a.context}")
     if a.steps < 10:
         ap.error(f"--steps must be at least 10, got {a.steps}")
     if not Path(a.model).exists():
         ap.error(f"--model {a.model}: no such file or directory")
-    print(f"attention parts of one layer over {a.context} keys (median us):")
-    for name, us in attention_parts(a.context).items():
-        print(f"  {name:40s} {us:9.1f}")
-    print(f"decode step on {Path(a.model).name} after 1,024 tokens (median us): graph build / whole step")
-    for name, (b, w) in python_side(a.model, a.steps).items():
-        print(f"  {name:40s} {b:7.0f} / {w:7.0f}")
-    print("kernels per decode step (mean over 32 steady steps):")
-    for name, k in kernels(a.model).items():
-        print(f"  {name:40s} {k:7.1f}")
-    print("decode step far out vs near 0 (median us, interleaved):")
-    for name, us in far_out(a.model, max(a.steps, 1000)).items():
-        print(f"  {name:40s} {us:7.0f}")
+    if "attention" in parts:
+        print(f"attention parts of one layer over {a.context} keys (median us):")
+        for name, us in attention_parts(a.context).items():
+            print(f"  {name:40s} {us:9.1f}")
+    if "python" in parts:
+        print(f"decode step on {Path(a.model).name} after 1,024 tokens (median us): graph build / whole step")
+        for name, (b, w) in python_side(a.model, a.steps).items():
+            print(f"  {name:40s} {b:7.0f} / {w:7.0f}")
+    if "kernels" in parts:
+        print("kernels per decode step (mean over 32 steady steps):")
+        for name, k in kernels(a.model).items():
+            print(f"  {name:40s} {k:7.1f}")
+    if "far" in parts:
+        print("decode step far out vs near 0 (median us, interleaved):")
+        for name, us in far_out(a.model, max(a.steps, 1000)).items():
+            print(f"  {name:40s} {us:7.0f}")
+    if "retrieval" in parts:
+        print(f"retrieval decode step after {a.retrieval_context:,} tokens (median us, interleaved):")
+        for name, us in retrieval_window(a.model, a.steps, a.retrieval_context).items():
+            print(f"  {name:42s} {us:7.0f}")
 
 
 if __name__ == "__main__":

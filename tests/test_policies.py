@@ -155,7 +155,7 @@ def _snapshot(cache) -> dict:
         layer_nbytes=[c.nbytes for c in layers], layer_breakdowns=[c.nbytes_breakdown() for c in layers],
         layer_expected=[layer_bytes_expected(c) for c in layers],
         stored=[c.stored_count for c in layers], seen=[c.current_length for c in layers],
-        offsets=[c.offset for c in layers],
+        offsets=[c.offset for c in layers], slot0=[c._slot0() for c in layers],
         cold=[len(c.cold) if c.cold is not None else 0 for c in layers],
         evicted=[c.body.evicted if hasattr(c.body, "evicted") else None for c in layers],
         residual=[len(c.body.residual) if hasattr(c.body, "residual") else None for c in layers],
@@ -230,8 +230,8 @@ def test_protocol(runs, model_name, policy):
             assert total == sum(got.values())
             assert got == want
         limit = cfg.window if cfg.streaming else cfg.hot_budget
-        for stored, cold, evicted, resid, offset in zip(st["stored"], st["cold"], st["evicted"],
-                                                        st["residual"], st["offsets"]):
+        for stored, cold, evicted, resid, offset, slot0 in zip(st["stored"], st["cold"], st["evicted"],
+                                                               st["residual"], st["offsets"], st["slot0"]):
             # nothing is lost: what is not stored was evicted (KIVI: whole blocks) or is cold
             if cfg.retrieval:
                 assert stored + cold == seen
@@ -260,7 +260,10 @@ def test_protocol(runs, model_name, policy):
                 assert offset < stored + 1 and offset <= cfg.sink + max(limit + G - 1, R + G)
             else:   # shifted retrieval: sink + reserved retrieval slots + hot window
                 reserved = 1 if cfg.retrieved_position == "fixed" else cfg.retrieve_tokens
-                assert offset <= cfg.sink + reserved + limit
+                # the hot window on frame positions: the query at its own position, the sink's
+                # slot 0 at most that many slots before it
+                assert offset == seen
+                assert offset - slot0 <= cfg.sink + reserved + limit
     last = states[-1][1]
     if cfg.quantised:
         assert min(last["packed_bytes"]) > 0, "the run is too short for KIVI to pack a block"

@@ -18,9 +18,13 @@ from tinygpt_mlx.generate import forward, prefill
 TOKENS = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=150)]
 
 
-def run(model, config, tokens=TOKENS, chunk=16, steps=4):
-    """Logits after a chunked prefill and after each of `steps` decode tokens, and the cache."""
-    cache = make_cache(model, config)
+def run(model, config, tokens=TOKENS, chunk=16, steps=4, ring=True, rebase_every=None):
+    """Logits after a chunked prefill and after each of `steps` decode tokens, and the cache
+    (`ring=False`: the shifted hot window before RoPE, the path frame positions replaced)."""
+    cache = make_cache(model, config, ring=ring)
+    if rebase_every is not None:
+        for c in cache.owned:
+            c.positions.rebase_every = rebase_every
     out = [prefill(model, tokens, cache, chunk)]
     for t in range(5, 5 + steps):
         out.append(forward(model, mx.array([[t]]), cache)[0, -1].astype(mx.float32))
@@ -287,13 +291,19 @@ def test_disk_store_equals_ram_store(native, tmp_path):
     assert not any(tmp_path.rglob("*.bin"))
 
 
-def test_positions_stay_bounded_and_prefill_chunks_retrieve(native):
+@pytest.mark.parametrize("ring", [True, False], ids=["frame", "pre-rope"])
+def test_positions_stay_bounded_and_prefill_chunks_retrieve(native, ring):
     cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=12, retrieve_unit="tokens")
     tokens = TOKENS * 3   # 450 tokens, longer than the tiny model's context of 256
-    _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2)
+    _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2, ring=ring)
     c = cache[0]
     assert c.current_length == 452 and c.stored_count == 4 + 32
-    assert c.offset <= 4 + c.positions.reserved + 32
+    # the query's distance to slot 0 (the sink's first key): on frame positions the query sits
+    # at its position and slot 0 just before the retrieval slots and the hot window
+    assert c.positions.frame == ring
+    assert c.offset - c._slot0() <= 4 + c.positions.reserved + 32
+    if not ring:
+        assert c.offset <= 4 + c.positions.reserved + 32
     rep = cache.retrieval_report()
     # every prefill chunk after the first evictions retrieved, not only the decode steps
     assert rep["retrievals"] > 2 * 2 * 2 and rep["tokens_retrieved"] == 12
@@ -483,3 +493,83 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
     per_unit = best.reshape(B, H, L, U // unit, unit).max(axis=-1)
     picked_units = mx.take_along_axis(per_unit, idx[..., ::unit] // unit, axis=-1)
     assert (picked_units.min(axis=-1) >= mx.sort(per_unit, axis=-1)[..., -units]).all().item()
+
+
+# max |logit| difference, frame hot window vs the pre-RoPE path (and re-based vs not) on these
+# runs: measured 2.2e-6 .. 2.7e-6 (fp32 RoPE applied in another order)
+FRAME_TOL = 6e-6
+# 300 distinct tokens: a repeated token has the same key in the first layer wherever it stands,
+# so two pages can tie exactly on their best key, and rounding (the query turned by other
+# angles) may then pick either, as two correct implementations may
+DISTINCT = [int(x) for x in np.random.RandomState(0).permutation(300) + 1]
+FRAME_CASES = {"fixed-spans": dict(), "fixed-tokens": dict(retrieve_unit="tokens"),
+               "page": dict(retrieved_position="page", retrieve_unit="tokens"),
+               "slots": dict(retrieved_position="slots"), "no-sink": dict(sink=0)}
+
+
+def _frame_config(**kw):
+    return CacheConfig(**{**dict(hot_budget=24, sink=4, page_size=8, top_pages=2, retrieve_tokens=16), **kw})
+
+
+@pytest.mark.parametrize("case", list(FRAME_CASES))
+def test_frame_hot_window_equals_the_pre_rope_path(native, case):
+    """The shifted hot window on frame positions (keys kept as the model rotated them, the sink
+    and the retrieved keys placed relative to it, a key un-rotated once as it goes cold) puts
+    every key at the distance the pre-RoPE path (`ring=False`: the window before RoPE, placed
+    on every read) puts it, across prefill chunks, evictions into the cold store, retrieval and
+    decode: the same logits to rounding, the same tokens, the same cold store."""
+    tokens = DISTINCT
+    frame, cache = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24)
+    simple, ref = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24, ring=False)
+    layer = cache[0]
+    assert layer.positions.frame and layer.body.frame is not None and not ref[0].positions.frame
+    assert len(layer.cold) == len(ref[0].cold) > 200
+    err = float(mx.abs(frame - simple).max())
+    print(f"{case}: frame vs pre-RoPE hot window {err:.2e}")
+    assert err < FRAME_TOL
+    assert mx.argmax(frame, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()
+    # the cold store received the same (pre-RoPE) keys
+    np.testing.assert_allclose(layer.cold.keys.view(), ref[0].cold.keys.view(), atol=2e-5)
+    assert cache.retrieval_report()["retrievals"] == ref.retrieval_report()["retrievals"]
+
+
+def test_frame_hot_window_rebase_is_exact(native):
+    """Re-basing every 23 tokens (13 times over 300 tokens: inside prefill chunks and decode)
+    turns the hot window back and moves the frame: the un-rebased logits, and the query's RoPE
+    position stays below the interval."""
+    tokens = DISTINCT
+    plain, _ = run(native.model, _frame_config(), tokens, chunk=16, steps=24)
+    rebased, cache = run(native.model, _frame_config(), tokens, chunk=16, steps=24, rebase_every=23)
+    layer = cache[0]
+    assert layer.positions.base >= 23 * 12 and 0 <= layer.offset < 23
+    err = float(mx.abs(rebased - plain).max())
+    print(f"re-based every 23 tokens vs not: {err:.2e}")
+    assert err < FRAME_TOL
+    assert mx.argmax(rebased, axis=-1).tolist() == mx.argmax(plain, axis=-1).tolist()
+
+
+def test_frame_hot_window_is_not_rotated_per_step(native):
+    """What a decode step rotates by RoPE, in rows (tokens x heads) per layer: on frame positions
+    the sink, the key going cold, the query (scored against the cold store) and the retrieved
+    keys; the pre-RoPE path also places its whole hot window, every step."""
+    hot = 48
+    rows = {}
+    for ring in (True, False):
+        cfg = _frame_config(hot_budget=hot)
+        cache = make_cache(native.model, cfg, ring=ring)
+        prefill(native.model, TOKENS, cache, 16)
+        layer = cache[0]
+        seen = []
+        rope = layer.positions.rope
+
+        def counting(x, offset=0, rope=rope, seen=seen):
+            seen.append(x.size // x.shape[-1])
+            return rope(x, offset=offset)
+        layer.positions.rope = counting
+        for t in range(5, 9):
+            mx.eval(forward(native.model, mx.array([[t]]), cache))
+        rows[ring] = sum(seen) / 4
+        layer.positions.rope = rope
+    hkv = cache[0].body.keys.shape[1]
+    print(f"RoPE rows per decode step in one layer: frame {rows[True]}, pre-RoPE {rows[False]}")
+    assert rows[True] < hot * hkv <= rows[False]

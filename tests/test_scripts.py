@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--context", "33"], "--context must be a positive multiple of 32, got 33"),
     (["--steps", "3"], "--steps must be at least 10, got 3"),
     (["--model", "/no/such/model.tinygpt"], "--model /no/such/model.tinygpt: no such file or directory"),
+    (["--parts", "kernels,speed"], "--parts 'kernels,speed': expected some of attention,python,kernels,far,retrieval"),
+    (["--retrieval-context", "100"], "--retrieval-context must be at least 512, got 100"),
 ])
 def test_decode_costs_refuses_bad_arguments(args, says):
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_costs.py"), *args],

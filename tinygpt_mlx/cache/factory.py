@@ -30,21 +30,25 @@ def find_rope(layer: Any) -> Optional[Callable]:
 def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0,
                 ring: bool = True) -> LayerCache:
     """One layer's cache under `config`: its position rules and its stores. An exact
-    StreamingLLM cache is a ring (ring.py) and a KIVI one keeps frame positions (kivi.py);
-    `ring=False` builds the simple paths they replaced (sink and window as two position-ordered
-    stores, shifted keys re-rotated on every read; KIVI's keys before RoPE, frozen at virtual
-    slots, the query turned), which tests compare them against."""
+    StreamingLLM cache is a ring (ring.py); a KIVI one and a shifted retrieval hot window keep
+    frame positions (kivi.py, kv_cache.py); `ring=False` builds the simple paths they replaced
+    (sink and window as two position-ordered stores, shifted keys re-rotated on every read;
+    KIVI's keys before RoPE, frozen at virtual slots, the query turned; the hot window before
+    RoPE, placed after the retrieval slots on every read), which tests compare them against."""
     storage = DTYPES[config.storage]
     if ring and config.streaming and not config.quantised and not config.retrieval:
         positions = Positions(config, rope, frame=True)
         return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
-    # KIVI under StreamingLLM (no retrieval, no exact top-k shadow): the frame positions the
-    # ring uses, so no key is un-rotated, placed or turned per step (kivi.py); `ring=False`
-    # builds the pre-RoPE path that frame positions replaced
-    frame = ring and config.streaming and config.quantised and not config.retrieval and not config.exact_topk
+    # KIVI under StreamingLLM (no exact top-k shadow) and the exact hot window of retrieval keep
+    # the frame positions the ring uses, so no key of the window is placed or turned per step
+    # (kivi.py; a retrieval window un-rotates only what it hands the cold store, kv_cache.py);
+    # `ring=False` builds the pre-RoPE paths that frame positions replaced. (KIVI with retrieval
+    # is absolute: `CacheConfig` refuses it shifted.)
+    frame = ring and not config.exact_topk and ((config.streaming and config.quantised) or config.retrieval)
     positions = Positions(config, rope, frame=frame)
     sink = DenseStore(storage, label="sink")
-    body = KiviStore(config, storage, positions, KVCache) if config.quantised else DenseStore(storage)
+    body = (KiviStore(config, storage, positions, KVCache) if config.quantised
+            else DenseStore(storage, frame=positions if positions.frame else None))
     cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None
     return LayerCache(config, positions, sink, body, cold)
 

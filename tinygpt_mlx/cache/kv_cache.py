@@ -100,6 +100,8 @@ class LayerCache:
         if n:
             k, v = self.body.drop_front(n)
             if self.cold is not None:
+                if self.positions.frame:    # a frame hot window: the cold store keeps keys before RoPE
+                    k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
                 self.cold.append(k, v, self.start)
             self.start += n
         return n
@@ -176,13 +178,17 @@ class LayerCache:
         return self.positions.body_slot(self.n_sink, self._cold_tokens())
 
     def _readings(self) -> tuple[Reading, Reading]:
-        sink_slot = self._sink_slot0() if self.positions.frame else 0
-        return (Reading(self.dtype, self.positions, sink_slot), Reading(self.dtype, self.positions, self._body_slot()))
+        slot0 = self._slot0()
+        return (Reading(self.dtype, self.positions, slot0), Reading(self.dtype, self.positions, slot0 + self._body_slot()))
+
+    def _slot0(self) -> int:
+        """Where slot 0 sits in the query's RoPE frame: 0, or in frame mode its frame position."""
+        return self._sink_slot0() if self.positions.frame else 0
 
     def _sink_slot0(self) -> int:
-        """Frame mode (a ring, or a KIVI body under StreamingLLM): the sink's slot 0 in the
-        query's frame (read only in shifted mode)."""
-        return self.positions.frame_slot0(self.seen, self.stored_count)
+        """Frame mode (a ring, a KIVI body under StreamingLLM, a retrieval hot window): the
+        sink's slot 0 in the query's frame (read only in shifted mode)."""
+        return self.positions.frame_slot0(self.seen, self.stored_count, self._cold_tokens())
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
@@ -292,7 +298,8 @@ class LayerCache:
         stages = self.cold.stages
         with stages.timed("model"):     # (bench's stage split: the model up to this query)
             stages.sync(queries)
-        reading = Reading(self.dtype, self.positions, self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
+        reading = Reading(self.dtype, self.positions,
+                          self._slot0() + self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
                           queries, scale)
         retrieved, selection = self.cold.retrieve(reading)
         with stages.timed("attend"):

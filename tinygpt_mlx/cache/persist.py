@@ -9,7 +9,7 @@ Serialisation is owned store by store, data flowing down: the layer cache asks i
 `state()` -> (arrays, counters) and hands each its arrays back in `load_state` (store.py's
 `Persistent`). This module only writes and reads the file.
 
-The file (format "posttrainllm-prompt-cache", version 3) is standard safetensors, written here
+The file (format "posttrainllm-prompt-cache", version 4) is standard safetensors, written here
 by hand so that memory-mapped rows are streamed from their files and never read into RAM:
 
 * tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
@@ -61,7 +61,9 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: them, `base` per layer); version-1 files held them as two position-ordered stores
 #: 3: KIVI under shifted StreamingLLM keeps its body's keys as the model rotated them (frame
 #: positions, kivi.py); version-2 files held them before RoPE or at virtual slots
-FORMAT_VERSION = 3
+#: 4: a shifted retrieval hot window keeps its keys as the model rotated them (frame positions,
+#: kv_cache.py); version-3 files held them before RoPE
+FORMAT_VERSION = 4
 
 
 class PromptCacheError(PosttrainError):

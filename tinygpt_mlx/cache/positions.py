@@ -17,7 +17,10 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
   slots, so a fetched span keeps its inner distances) or at consecutive slots in their order
   (`slots`: R' = min(cold tokens, retrieve_tokens), so that when everything cold is retrieved
   it sits right after the sink and every relative distance is the full cache's).
-  The body's keys are stored pre-RoPE and rotated when read, so R' may grow step by step.
+  The body's keys are stored pre-RoPE and rotated when read, so R' may grow step by step
+  (`pre_rope`). On frame positions (below) the hot window keeps the keys as the model rotated
+  them instead; the sink and the retrieved keys are placed relative to it, and a key leaving
+  the window is un-rotated once, as the cold store keeps keys before RoPE.
 
 Stores never decide a position: the layer cache hands them this object, and they ask it.
 """
@@ -42,11 +45,12 @@ class Positions:
         if self.shifted and rope is None:
             raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
         self.rope = rope
-        #: shifted mode over a ring (ring.py) or a KIVI body under StreamingLLM (kivi.py): the
-        #: window's keys are stored as the model rotated them, at their position minus `base`;
-        #: the query sits at its position minus `base`, and only the sink is placed at slots
-        #: (`first_slot` of its reading: the frame position of sink slot 0). Slot distances
-        #: are unchanged (module doc of ring.py): the window is contiguous in positions.
+        #: shifted mode over a ring (ring.py), a KIVI body under StreamingLLM (kivi.py) or a
+        #: retrieval hot window (kv_cache.py): the window's keys are stored as the model rotated
+        #: them, at their position minus `base`; the query sits at its position minus `base`,
+        #: and only the sink (and retrieved keys) are placed at slots (`first_slot` of a reading:
+        #: in the query's frame). Slot distances are unchanged (module doc of ring.py): the
+        #: window is contiguous in positions.
         self.frame = self.shifted and frame
         #: stored keys are kept before RoPE and rotated to their slots when read (shifted mode
         #: without a frame); in a frame only the sink is, and every other key stays as rotated
@@ -79,10 +83,12 @@ class Positions:
             return seen - self.base
         return stored_next + self.gap(cold_tokens) if self.shifted else seen
 
-    def frame_slot0(self, seen: int, stored: int) -> int:
-        """Frame mode: the frame position of slot 0, once `stored` tokens are held of `seen`.
-        The newest token sits at slot stored - 1 and at frame position seen - 1 - base."""
-        return seen - self.base - stored
+    def frame_slot0(self, seen: int, stored: int, cold_tokens: int = 0) -> int:
+        """Frame mode: the frame position of slot 0, once `stored` tokens are held of `seen` and
+        `cold_tokens` are cold (retrieval: the retrieval slots sit between the sink and the hot
+        window). The newest token sits at slot stored + gap - 1 and at frame position
+        seen - 1 - base."""
+        return seen - self.base - stored - self.gap(cold_tokens)
 
     def rebase_due(self, seen: int) -> int:
         """Frame mode: by how much the next update re-bases (0: not yet). Decided between steps

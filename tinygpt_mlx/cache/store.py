@@ -56,12 +56,19 @@ class DenseStore:
     (grown in `step`-token increments, as mlx-lm's KVCache does) and `drop_front` only moves
     `head`, so StreamingLLM's per-step eviction copies nothing; the live part is moved to the
     front of a new buffer only when the end is reached (amortised O(1) per token).
+
+    `frame`: the position rules of a layer whose keys this store holds as the model rotated them,
+    at their position minus the base (a shifted retrieval hot window on frame positions,
+    positions.py): they are never placed when read, and `rebase` turns them back. Otherwise, in
+    shifted mode, keys are held before RoPE and placed at their slots when read (`placed`).
     """
 
-    def __init__(self, dtype: mx.Dtype = mx.float32, label: str = "body", step: int = 256):
+    def __init__(self, dtype: mx.Dtype = mx.float32, label: str = "body", step: int = 256,
+                 frame: Optional[Any] = None):
         self.dtype = dtype
         self.label = label      # its name in the bytes breakdown
         self.step = step
+        self.frame = frame
         self.keys: Optional[mx.array] = None
         self.values: Optional[mx.array] = None
         self.head = 0
@@ -118,6 +125,10 @@ class DenseStore:
         self.keys[..., h:e, :] = turn(self.keys[..., h:e, :]).astype(self.dtype)
         self.version += 1
 
+    def rebase(self, by: int) -> None:
+        """Frame positions: turn the held keys back by `by` positions (the base grows by `by`)."""
+        self.rotate(lambda k: self.frame.rebased(k, by))
+
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
         h, e = self.head, self.head + self.n
         k, v = self.keys[..., h:e, :], self.values[..., h:e, :]
@@ -136,7 +147,7 @@ class DenseStore:
         """`keys` (this store's, fetched) placed at their slots from `reading.first_slot`; the
         rotation is kept until the store or the slot changes, so a store that does not change
         between steps (a sink, whose slots are fixed) is rotated once, not every step."""
-        if not reading.positions.shifted:
+        if not reading.positions.shifted or self.frame is not None:
             return keys
         key = (reading.first_slot, self.version, reading.dtype)
         if self._placed_for != key:
