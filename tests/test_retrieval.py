@@ -550,8 +550,9 @@ def test_frame_hot_window_rebase_is_exact(native):
 
 def test_frame_hot_window_is_not_rotated_per_step(native):
     """What a decode step rotates by RoPE, in rows (tokens x heads) per layer: on frame positions
-    the sink, the key going cold, the query (scored against the cold store) and the retrieved
-    keys; the pre-RoPE path also places its whole hot window, every step."""
+    the query (turned once to the retrieved slot: the coarse pass, the retrieved keys and the
+    sink are scored against it) and the key going cold, nothing else; the pre-RoPE path also
+    places its whole hot window and the retrieved keys, every step."""
     hot = 48
     rows = {}
     for ring in (True, False):
@@ -572,4 +573,5 @@ def test_frame_hot_window_is_not_rotated_per_step(native):
         layer.positions.rope = rope
     hkv = cache[0].body.keys.shape[1]
     print(f"RoPE rows per decode step in one layer: frame {rows[True]}, pre-RoPE {rows[False]}")
-    assert rows[True] < hot * hkv <= rows[False]
+    assert rows[True] == native.model.layers[0].attn.n_heads + hkv
+    assert hot * hkv <= rows[False]

@@ -429,8 +429,8 @@ class ColdStore:
         every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute)."""
         if not pos.shifted:
             return k
-        if pos.fixed:
-            return pos.rotate_to(k, slot)
+        if pos.fixed:     # (slot 0: the query was turned to their slot instead, kv_cache.py)
+            return pos.rotate_to(k, slot) if slot else k
         at = mx.array((slot + idx % self.page_size).reshape(-1).astype(np.int32))
         return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
 

@@ -298,12 +298,22 @@ class LayerCache:
         stages = self.cold.stages
         with stages.timed("model"):     # (bench's stage split: the model up to this query)
             stages.sync(queries)
-        reading = Reading(self.dtype, self.positions,
-                          self._slot0() + self.positions.retrieved_slot(len(self.sink_store), len(self.cold)),
-                          queries, scale)
-        retrieved, selection = self.cold.retrieve(reading)
+        slot = self.positions.retrieved_slot(len(self.sink_store), len(self.cold))
+        if self.positions.frame:
+            # the queries turned back to the retrieved slot (which the coarse pass scores cold
+            # keys with anyway): against them retrieved keys sit at slot 0 and the sink at fixed
+            # slots before it, so neither is rotated per step; the window scores with `queries`
+            turned = self.positions.rotate_to(queries.astype(mx.float32), -(self._slot0() + slot))
+            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, 0, turned, scale))
+            sink = self.sink_store.segments(Reading(self.dtype, self.positions, -slot))
+            segments = retrieved + sink + self.body.segments(self._readings()[1])
+            n_turned = len(retrieved) + len(sink)
+        else:
+            turned, n_turned = None, 0
+            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, slot, queries, scale))
+            segments = retrieved + self.segments()
         with stages.timed("attend"):
-            out = attend(retrieved + self.segments(), len(retrieved), queries, scale, mask)
+            out = attend(segments, len(retrieved), queries, scale, mask, turned, n_turned)
             stages.sync(out)
         self.telemetry.record(selection)   # after attention: what the last query picked is known there
         return out

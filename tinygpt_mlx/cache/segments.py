@@ -121,16 +121,21 @@ class PoolSegment:
         return self.picked[:, :, -1]
 
 
-def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, mask: Any) -> mx.array:
+def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, mask: Any,
+           turned: Optional[mx.array] = None, n_turned: int = 0) -> mx.array:
     """One softmax over the scores of every segment; the output sums segment outputs.
 
     `segments` are in key order with the `n_retrieved` retrieved ones first (visible to every
-    query: they are all older). Computed in fp32 whatever the storage precision.
+    query: they are all older). The first `n_turned` segments are scored with `turned` (the
+    same queries [B, Hq, L, D] turned by RoPE, so that keys placed relative to it need no
+    rotation per step: a retrieval window on frame positions, kv_cache.py), the rest with
+    `queries`. Computed in fp32 whatever the storage precision.
     """
     B, Hq, L, D = queries.shape
     hkv = segments[-1].n_heads
     q = (queries.astype(mx.float32) * scale).reshape(B, hkv, Hq // hkv, L, D)
-    scores = [sg.scores(q) for sg in segments]
+    qt = (turned.astype(mx.float32) * scale).reshape(q.shape) if n_turned else q
+    scores = [sg.scores(qt if i < n_turned else q) for i, sg in enumerate(segments)]
     sizes = [sc.shape[-1] for sc in scores]
     scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     mask = mask_array(mask, L, sum(sizes), sum(sizes[:n_retrieved]))
