@@ -22,6 +22,7 @@ import numpy as np
 from tinygpt_mlx import loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
+from tinygpt_mlx.cache.telemetry import cold_indices
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.needle import cell_document, needle_positions
 from tinygpt_mlx.generate import forward, prefill
@@ -33,10 +34,7 @@ def oracle_pool(truth: list[int]):
 
     def pool(self, rows):
         out, last = plain(self, rows)
-        pos = self.positions.view()
-        where = np.searchsorted(pos, truth)
-        ok = (where < self.n) & (pos[np.minimum(where, self.n - 1)] == truth)
-        pages = np.unique(where[ok] // self.page_size)
+        pages = np.unique(cold_indices(self.positions.view(), self.n, truth) // self.page_size)
         pages = pages[pages < self.n_pages]
         if pages.size:
             extra = np.broadcast_to(pages, (out.shape[0], pages.size))

@@ -59,6 +59,15 @@ class StageTimes:
             mx.eval(*arrays)
 
 
+def cold_indices(positions: np.ndarray, n: int, wanted: Any) -> np.ndarray:
+    """The cold-store rows that hold the absolute `wanted` positions (those that are cold), given
+    the store's sorted `positions` of its `n` rows."""
+    wanted = np.asarray(wanted)
+    where = np.searchsorted(positions, wanted)
+    ok = (where < n) & (positions[np.minimum(where, n - 1)] == wanted)
+    return where[ok]
+
+
 class RetrievalTelemetry:
     """Per-retrieval records of one layer; `truth` = absolute positions of a known needle."""
 
@@ -83,10 +92,7 @@ class RetrievalTelemetry:
                    tokens_scored=int(s.tokens_scored), tokens_retrieved=int(s.tokens_retrieved),
                    indexed=s.indexed)
         if self._truth is not None:
-            pos, n = s.positions, s.cold_tokens
-            where = np.searchsorted(pos, self._truth)
-            ok = (where < n) & (pos[np.minimum(where, n - 1)] == self._truth)
-            cold_idx = where[ok]
+            cold_idx = cold_indices(s.positions, s.cold_tokens, self._truth)
             if cold_idx.size:
                 ps = s.page_size
                 in_tail = cold_idx >= s.cold_pages * ps
