@@ -3,7 +3,8 @@
 1. attention parts of one layer at the shipped model's shape (4 KV heads, 2 queries each, head
    dim 32) over `--context` keys: MLX's `quantized_matmul` for q.K and p.V (int4, G=32, fp16 and
    fp32 parameters) against dense fp32 matmuls of the same products, the softmax over the
-   scores, and fp32 `scaled_dot_product_attention`;
+   scores (and an exp alone, and 2^x, which this CPU build computes ~3x faster than exp), and
+   fp32 `scaled_dot_product_attention`;
 2. the Python side of a decode step on the shipped model: the time to build one step's graph
    (the model call before `mx.eval`: `generate.forward`, the engine's call) and the whole step,
    for mlx-lm's RotatingKVCache(256, 4) and our StreamingLLM ring (sink 4 + window 252,
@@ -89,6 +90,8 @@ def attention_parts(T: int) -> dict[str, float]:
         "p.V quantized_matmul (fp32 params)": _us(lambda: qmm(p, *vq32, transpose=False, group_size=32, bits=4)),
         "p.V dense fp32 matmul": _us(lambda: p @ v),
         "softmax over the scores": _us(lambda: mx.softmax(q.sum() + p, axis=-1, precise=True)),
+        "exp over the scores": _us(lambda: mx.exp(q.sum() + p)),
+        "2^x over the scores (mx.power)": _us(lambda: mx.power(2.0, q.sum() + p)),
         "fp32 scaled_dot_product_attention": _us(lambda: mx.fast.scaled_dot_product_attention(q8, k, v, scale=0.17)),
     }
 
