@@ -575,3 +575,24 @@ def test_frame_hot_window_is_not_rotated_per_step(native):
     print(f"RoPE rows per decode step in one layer: frame {rows[True]}, pre-RoPE {rows[False]}")
     assert rows[True] == native.model.layers[0].attn.n_heads + hkv
     assert hot * hkv <= rows[False]
+
+
+def test_extended_cold_store_keeps_the_window_in_place(native):
+    """`extend_cold` (the scaling bench's way to long contexts) moves the hot window on by what
+    it adds: on frame positions its keys are turned forward, so decoding afterwards equals the
+    pre-RoPE path (which places by slots), and positions stay consecutive and increasing."""
+    from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
+    out = {}
+    for ring in (True, False):
+        cache = make_cache(native.model, _frame_config(), ring=ring)
+        prefill(native.model, DISTINCT[:120], cache, 16)
+        grow_cold(cache, 700)
+        out[ring] = mx.stack([forward(native.model, mx.array([[t]]), cache)[0, -1] for t in DISTINCT[120:136]])
+        layer = cache[0]
+        cold = layer.cold.positions.view()
+        assert layer.current_length == 700 + 16 and len(layer.cold) + layer.stored_count == layer.current_length
+        assert (np.diff(cold) == 1).all() and cold[-1] + 1 == layer.start
+        assert layer.key_positions().tolist()[-1] == layer.current_length - 1
+    err = float(mx.abs(out[True] - out[False]).max())
+    print(f"after extend_cold, frame vs pre-RoPE: {err:.2e}")
+    assert err < 1.2e-5     # measured 6.1e-6: the window's one extra turn, by 580 positions

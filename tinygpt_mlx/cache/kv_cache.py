@@ -107,11 +107,16 @@ class LayerCache:
         return n
 
     def extend_cold(self, keys: mx.array, values: mx.array) -> None:
-        """Take `keys`/`values` [B, H, n, D] as already seen and evicted: they join the cold store
-        at positions after its last one (a benchmark's way to reach long contexts fast)."""
+        """Take `keys`/`values` [B, H, n, D] (before RoPE) as already seen and evicted: they join
+        the cold store at positions after its last one, and the hot window moves n positions on
+        (a benchmark's way to reach long contexts fast). On frame positions its keys are turned
+        forward by n, so they stay at their new positions."""
         n = keys.shape[2]
         positions = self.cold.positions.view()
         self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
+        if self.positions.frame:
+            self.body.rotate(lambda k: self.positions.rotate_to(k.astype(mx.float32), n))
+        self.start += n
         self.seen += n
 
     # ----- mlx-lm protocol ------------------------------------------------------------------
