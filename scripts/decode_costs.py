@@ -189,7 +189,7 @@ def main() -> None:
     bad = [p for p in parts if p not in PARTS]
     if bad or not parts:
         ap.error(f"--parts {a.parts!r}: expected some of {','.join(PARTS)}")
-    if a.retrieval_context < 512:
+    if "retrieval" in parts and a.retrieval_context < 512:
         ap.error(f"--retrieval-context must be at least 512, got {a.retrieval_context}")
     if a.context < 32 or a.context % 32:
         ap.error(f"--context must be a positive multiple of 32, got {a.context}")

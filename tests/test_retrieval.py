@@ -579,14 +579,15 @@ def test_frame_hot_window_is_not_rotated_per_step(native):
 
 def test_extended_cold_store_keeps_the_window_in_place(native):
     """`extend_cold` (the scaling bench's way to long contexts) moves the hot window on by what
-    it adds: on frame positions its keys are turned forward, so decoding afterwards equals the
-    pre-RoPE path (which places by slots), and positions stay consecutive and increasing."""
+    it adds: on frame positions the base moves with it (the window's keys are never turned, so
+    no rounding builds up over many calls), so decoding afterwards equals the pre-RoPE path
+    (which places by slots), and positions stay consecutive and increasing."""
     from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
     out = {}
     for ring in (True, False):
         cache = make_cache(native.model, _frame_config(), ring=ring)
         prefill(native.model, DISTINCT[:120], cache, 16)
-        grow_cold(cache, 700)
+        grow_cold(cache, 700, block=16)     # 36 calls
         out[ring] = mx.stack([forward(native.model, mx.array([[t]]), cache)[0, -1] for t in DISTINCT[120:136]])
         layer = cache[0]
         cold = layer.cold.positions.view()
@@ -595,4 +596,4 @@ def test_extended_cold_store_keeps_the_window_in_place(native):
         assert layer.key_positions().tolist()[-1] == layer.current_length - 1
     err = float(mx.abs(out[True] - out[False]).max())
     print(f"after extend_cold, frame vs pre-RoPE: {err:.2e}")
-    assert err < 1.2e-5     # measured 6.1e-6: the window's one extra turn, by 580 positions
+    assert err < FRAME_TOL

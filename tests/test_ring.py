@@ -185,3 +185,34 @@ def test_an_advanced_sink_block_equals_the_simple_path_past_a_refresh(native, mo
     print(f"max |logit| ring (advanced sink) - simple path over 900 tokens: {err:.2e}")
     assert err < TOL
     assert mx.argmax(ring, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()
+
+
+def test_a_yarn_scale_is_applied_once(tmp_path, tokenizer_json):
+    """mlx-lm's YaRN rope scales what it rotates by its attention factor (mscale 1.14 here); the
+    cache's own rotations (un-rotating, placing the sink, placing or turning for retrieval) are
+    pure rotations (`positions.PureRotation`), so shifted caches that evict nothing, and a
+    retrieval cache that brings everything back, give the full cache's logits (measured 5e-6
+    .. 1.9e-5; with the scale applied again on each rotation they were 1.4-2.5 off)."""
+    import json
+
+    from conftest import build_llama_dir
+
+    from tinygpt_mlx.generate import prefill
+    from tinygpt_mlx.loading import load
+    d = build_llama_dir(tmp_path / "yarn", tokenizer_json)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    (d / "config.json").write_text(json.dumps(cfg))
+    m = load(d)
+    assert getattr(m.model.model.layers[0].self_attn.rope, "mscale", 1.0) > 1.1
+    toks = TOKENS[:200]
+    full = prefill(m.model, toks, make_cache(m.model, CacheConfig()), 16)
+    covering = dict(hot_budget=40, page_size=16, top_pages=64, retrieve_tokens=512, retrieved_position="slots",
+                    retrieve_unit="tokens")
+    configs = {"ring": CacheConfig(sink=SINK, window=300), "hot window": CacheConfig(sink=SINK, hot_budget=300),
+               "retrieval, all back": CacheConfig(**covering)}
+    for name, config in configs.items():
+        for ring in (True, False):
+            err = mx.abs(prefill(m.model, toks, make_cache(m.model, config, ring=ring), 16) - full).max().item()
+            print(f"yarn, {name}, ring={ring}: {err:.1e}")
+            assert err < 4e-5

@@ -169,7 +169,8 @@ class ChatSession:
 
     def _chunk(self, n: int) -> int:
         """The prefill chunk for `n` more tokens: narrowed once the conversation passes the trained
-        context under a shifted policy, so that no query sits past it (`CacheConfig.prefill_fit`)."""
+        context under a shifted policy, so that no query sits farther than that from a key it
+        sees (`CacheConfig.prefill_fit`)."""
         return self.cache_config.fitted_chunk(self.sample_config.prefill_chunk, self.loaded.context_length,
                                               self.cache.current_length + n)
 

@@ -271,8 +271,8 @@ class CacheConfig:
         """The widest prefill chunk whose queries stay inside the trained `context` under a
         shifted window or retrieval, once the cache has seen `tokens` in all (None: no limit
         applies). Before a chunk the cache keeps sink (+ retrieved slots) + window - 1 tokens,
-        so the chunk's queries sit at positions up to that + the chunk. None too where the
-        policy alone is too wide for the context."""
+        so the chunk's queries sit up to that + the chunk slots from the oldest key they see.
+        None too where the policy alone is too wide for the context."""
         if not context or self.rope_mode != "shifted" or tokens <= context:
             return None
         held = self.slot_span - 1

@@ -27,10 +27,11 @@ fixed (../shared/REFERENCES.md):
   query (the question, in a needle prompt) keeps its own pages too. The per-query search
   (`select`) stays as the reference and serves the `slots` rule, which numbers each query's
   own tokens.
-* Positions (the `rope_mode` of the policy, "shifted" by default): keys are stored before
-  RoPE; the hot window sits at cache slots right after the sink and the retrieval slots, so
-  query-key distances never exceed sink + retrieve slots + hot_budget + prefill chunk,
-  whatever the context length. `retrieved_position="fixed"` (InfLLM) rotates every
+* Positions (the `rope_mode` of the policy, "shifted" by default): cold keys are stored
+  before RoPE; the hot window sits at cache slots right after the sink and the retrieval
+  slots, so query-key distances never exceed sink + retrieve slots + hot_budget + prefill
+  chunk, whatever the context length (on frame positions the layer cache turns the queries
+  to the retrieved slot instead and hands them here with slot 0, kv_cache.py). `retrieved_position="fixed"` (InfLLM) rotates every
   retrieved key to ONE slot just before the hot window; "page" puts token j of every page at
   the j-th of `page_size` slots there (a span keeps its inner distances); "slots" gives them consecutive slots
   in their original order, min(cold tokens, retrieve_tokens) of them, so when everything is
@@ -340,7 +341,8 @@ class ColdStore:
 
     def retrieve(self, reading: Reading) -> tuple[list, Selection]:
         """Attention segments of the cold tokens retrieved for `reading.queries` [B, Hq, L, D]
-        (post-RoPE), and the `Selection` that describes them (telemetry).
+        (post-RoPE; with `reading.first_slot` 0 on frame positions, already turned to the
+        retrieved slot), and the `Selection` that describes them (telemetry).
 
         One pool per forward pass (`pool`: a coarse pass for the last query and the chunk's
         mean query, never one per query), gathered once; every query then picks its own

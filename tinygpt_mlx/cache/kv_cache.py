@@ -34,7 +34,8 @@ class LayerCache:
 
     `offset` is the RoPE position the next token gets: tokens seen (`current_length`) in
     absolute mode, its cache slot in shifted mode, its position minus the base in frame mode
-    (a ring, or KIVI under StreamingLLM: it drops by the base's growth at a re-base).
+    (a ring, KIVI under StreamingLLM, a retrieval hot window: it drops by the base's growth at
+    a re-base).
     """
 
     def __init__(self, config: CacheConfig, positions: Positions, sink: Optional[DenseStore], body: Evictable,
@@ -109,13 +110,13 @@ class LayerCache:
     def extend_cold(self, keys: mx.array, values: mx.array) -> None:
         """Take `keys`/`values` [B, H, n, D] (before RoPE) as already seen and evicted: they join
         the cold store at positions after its last one, and the hot window moves n positions on
-        (a benchmark's way to reach long contexts fast). On frame positions its keys are turned
-        forward by n, so they stay at their new positions."""
+        (a benchmark's way to reach long contexts fast). On frame positions the base moves on
+        with it, so the window's keys keep their frame positions and are never turned."""
         n = keys.shape[2]
         positions = self.cold.positions.view()
         self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
         if self.positions.frame:
-            self.body.rotate(lambda k: self.positions.rotate_to(k.astype(mx.float32), n))
+            self.positions.base += n
         self.start += n
         self.seen += n
 

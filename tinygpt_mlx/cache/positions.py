@@ -5,8 +5,11 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
 * absolute: keys are stored as the model rotated them, at their original positions, and the
   query sits at its own position (tokens seen). Beyond the trained context this is out of range.
 * shifted (StreamingLLM's paper): positions are cache slots. Keys are stored before RoPE and
-  rotated to their slot when read (`pre_rope`; under StreamingLLM without retrieval only the
-  sink is, `frame` below); the query sits at the slot after the stored tokens. Slots:
+  rotated to their slot when read, the query at the slot after the stored tokens (`pre_rope`:
+  the reference paths, `make_cache(..., ring=False)`, and KIVI with an exact top-k shadow); on
+  frame positions (`frame` below: a ring, KIVI under StreamingLLM, a retrieval hot window) only
+  the sink and retrieved keys are kept before RoPE and placed, the window keeps its rotation
+  and the query sits at its position minus a base, at the same distances. Slots:
 
       [ sink 0 .. S )  [ retrieval slots, R' ]  [ body S+R' .. )
 
@@ -27,7 +30,7 @@ Stores never decide a position: the layer cache hands them this object, and they
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
@@ -44,7 +47,9 @@ class Positions:
         self.shifted = (config.streaming or config.retrieval) and config.rope_mode == "shifted"
         if self.shifted and rope is None:
             raise ValueError("shifted RoPE needs the model's RoPE; use rope_mode 'absolute'")
-        self.rope = rope
+        #: the model's RoPE as a pure rotation (`PureRotation`): every extra rotation the cache
+        #: applies (un-rotate, place, turn, re-base) must not scale the keys again
+        self.rope = PureRotation(rope) if rope is not None else None
         #: shifted mode over a ring (ring.py), a KIVI body under StreamingLLM (kivi.py) or a
         #: retrieval hot window (kv_cache.py): the window's keys are stored as the model rotated
         #: them, at their position minus `base`; the query sits at its position minus `base`,
@@ -141,5 +146,30 @@ class Positions:
 
     def rebased(self, keys: mx.array, by: int) -> mx.array:
         """Frame mode: stored keys turned back by `by` positions (in fp32), as a re-base by `by`
-        needs them (the ring's window, a KIVI body)."""
+        needs them (the ring's window, a KIVI body, a retrieval hot window)."""
         return self.rotate_to(keys.astype(mx.float32), -by)
+
+
+class PureRotation:
+    """A model's RoPE without the input scale some variants fold into it.
+
+    mlx-lm's YaRN (and similar ropes) multiply the rotated channels by an attention factor
+    (`mscale`) before rotating: part of the model's own single rotation of each query and key.
+    The cache rotates keys again (un-rotating, placing at slots, turning), and each such call
+    would scale them again. This calls the rope on x divided by its per-channel input scale,
+    measured once per head dim as the diagonal of rope(I) at offset 0 (RoPE at 0 is the
+    identity), so every call here is a pure rotation; for ropes without a scale (all ones) it
+    is the rope itself, with no extra op.
+    """
+
+    def __init__(self, rope: Callable):
+        self.rope = rope
+        self._inverse: dict[int, Optional[mx.array]] = {}
+
+    def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
+        D = x.shape[-1]
+        if D not in self._inverse:
+            diag = mx.diagonal(self.rope(mx.eye(D).reshape(D, 1, D), offset=0).reshape(D, D))
+            self._inverse[D] = None if bool(mx.all(diag == 1.0)) else (1.0 / diag).astype(mx.float32)
+        inverse = self._inverse[D]
+        return self.rope(x if inverse is None else (x * inverse).astype(x.dtype), offset=offset)
