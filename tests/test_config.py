@@ -25,9 +25,9 @@ RULES = [
     (dict(rope_mode="shifted"), "rope_mode", "needs window"),
     (dict(key_bits=4, value_bits=4, rope_mode="absolute"), "rope_mode", "needs window"),
     (dict(window=8, rope_mode="sideways"), "rope_mode", "must be one of shifted, absolute"),
-    (dict(key_bits=4, value_bits=4, hot_budget=64), "rope_mode", "must be absolute for KIVI"),
-    (dict(key_bits=8, hot_budget=64, rope_mode="shifted"), "rope_mode", "must be absolute for KIVI"),
-    (dict(value_bits=2, hot_budget=64, sink=4), "rope_mode", "must be absolute for KIVI"),
+    (dict(key_bits=4, value_bits=4, hot_budget=64, exact_topk=8), "rope_mode", "must be absolute for KIVI's exact top-k"),
+    (dict(key_bits=8, hot_budget=64, rope_mode="shifted", exact_topk=8), "rope_mode", "must be absolute for KIVI's"),
+    (dict(value_bits=2, hot_budget=64, sink=4, exact_topk=4), "rope_mode", "must be absolute for KIVI's"),
     (dict(key_bits=4, value_bits=4, group_size=16, residual=16), "group_size", "must be one of 32, 64, 128"),
     (dict(key_bits=4, value_bits=4, group_size=48, residual=48), "group_size", "got 48"),
     (dict(group_size=256, residual=256), "group_size", "must be one of 32, 64, 128"),
@@ -255,7 +255,7 @@ def test_spec_parser_grammar():
         key_bits=2, value_bits=8, group_size=64, residual=128, exact_topk=8, shadow_store="ram")
     for bad, words in [("int3", "unknown part 'int3'"), ("int4+int8", "'int8' sets kv_quantize twice"),
                        ("window8:absolute+hot8:shifted", "'hot8:shifted' sets rope_mode twice"),
-                       ("int4+hot64", "rope_mode must be absolute for KIVI"),
+                       ("int4+hot64+top8", "rope_mode must be absolute for KIVI's exact top-k"),
                        ("int4+g48+r48", "group_size must be one of"), ("sink4", "unknown part")]:
         with pytest.raises(ValueError, match=re.escape(f"policy {bad!r}: {words}")):
             CacheConfig.from_spec(bad)
@@ -270,8 +270,8 @@ def test_needle_and_bench_build_on_the_parser():
     assert configs["streaming"] == CacheConfig(storage="bf16", sink=4, window=64)
     policy = bench.make_policy("int4+sink4/window64:absolute", model=None)   # ours: no model needed
     assert policy.label == "int4 + StreamingLLM sink 4 + window 64 (absolute RoPE)"
-    with pytest.raises(ValueError, match="policy 'int4\\+hot64': rope_mode must be absolute"):
-        bench.make_policy("int4+hot64", model=None)
+    with pytest.raises(ValueError, match="policy 'int4\\+hot64\\+top8': rope_mode must be absolute"):
+        bench.make_policy("int4+hot64+top8", model=None)
 
 
 # ----- ServerConfig ------------------------------------------------------------------------------------

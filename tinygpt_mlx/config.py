@@ -223,10 +223,10 @@ class CacheConfig:
                                   "(retrieval): positions only move under eviction", ("window", "hot_budget"))
         elif self.rope_mode is None:
             object.__setattr__(self, "rope_mode", DEFAULT_ROPE_MODE)   # frozen: set once, here
-        if self.quantised and self.retrieval and self.rope_mode == "shifted":
-            raise ConfigError("rope_mode", "must be absolute for KIVI ({kv_quantize} int*) with retrieval "
-                              "({hot_budget}): shifted retrieval positions are not supported yet (the slot gap "
-                              "moves the frozen body's slots)", ("kv_quantize", "hot_budget"))
+        if self.exact_topk and self.retrieval and self.rope_mode == "shifted":
+            raise ConfigError("rope_mode", "must be absolute for KIVI's exact top-k ({exact_topk}) with retrieval "
+                              "({hot_budget}): its shadow keeps keys before RoPE, where the retrieval slots "
+                              "move the frozen body's slots", ("exact_topk", "hot_budget"))
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
         _positive("index_block", self.index_block, 0)

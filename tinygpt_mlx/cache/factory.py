@@ -42,10 +42,14 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
     # KIVI under StreamingLLM (no exact top-k shadow) and the exact hot window of retrieval keep
     # the frame positions the ring uses, so no key of the window is placed or turned per step
     # (kivi.py; a retrieval window un-rotates only what it hands the cold store, kv_cache.py);
-    # `ring=False` builds the pre-RoPE paths that frame positions replaced. (KIVI with retrieval
-    # is absolute: `CacheConfig` refuses it shifted.)
+    # `ring=False` builds the pre-RoPE paths that frame positions replaced (not for KIVI with
+    # shifted retrieval, which frame positions made possible; `CacheConfig` refuses it with an
+    # exact top-k shadow, whose keys stay before RoPE).
     frame = ring and not config.exact_topk and ((config.streaming and config.quantised) or config.retrieval)
     positions = Positions(config, rope, frame=frame)
+    if config.quantised and config.retrieval and positions.shifted and not positions.frame:
+        raise ValueError("KIVI with shifted retrieval runs on frame positions only (no pre-RoPE path, ring=False: "
+                         "the retrieval slots would move the frozen body's slots)")
     sink = DenseStore(storage, label="sink")
     body = (KiviStore(config, storage, positions, KVCache) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
