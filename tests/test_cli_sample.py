@@ -65,9 +65,10 @@ BAD_FLAGS = [
     ("sample", ["--kv-quantize", "int4", "--kv-group-size", "48", "--kv-residual", "48"], "--kv-group-size",
      "group_size"),
     ("sample", ["--kv-group-size", "16"], "--kv-group-size", "group_size"),
-    ("sample", ["--kv-quantize", "int4", "--kiv-hot-budget", "64"], "--streaming-llm-rope", "rope_mode"),
-    ("sample", ["--kv-quantize-keys", "int8", "--kiv-hot-budget", "64", "--streaming-llm-rope", "shifted"],
-     "--streaming-llm-rope", "rope_mode"),
+    ("sample", ["--kv-quantize", "int4", "--kv-exact-topk", "8", "--kiv-hot-budget", "64"], "--streaming-llm-rope",
+     "rope_mode"),
+    ("sample", ["--kv-quantize-keys", "int8", "--kv-exact-topk", "8", "--kiv-hot-budget", "64",
+                "--streaming-llm-rope", "shifted"], "--streaming-llm-rope", "rope_mode"),
     ("sample", ["--kiv-hot-budget", "0"], "--kiv-hot-budget", "hot_budget"),
     ("sample", ["--kiv-hot-budget", "8", "--streaming-llm-window", "8"], "--kiv-hot-budget", "hot_budget"),
     ("sample", ["--kiv-top-p", "0"], "--kiv-top-p", "retrieve_tokens"),
@@ -94,7 +95,7 @@ BAD_FLAGS = [
     ("serve", ["--prefill-chunk", "0"], "--prefill-chunk", "prefill_chunk"),
     # the cache flags of another command go through the same translation
     ("needle", ["--streaming-llm-window", "0"], "--streaming-llm-window", "window"),
-    ("needle", ["--kv-quantize", "int4"], "--streaming-llm-rope", "rope_mode"),   # default hot budget 256
+    ("needle", ["--kv-quantize", "int4", "--kv-exact-topk", "8"], "--streaming-llm-rope", "rope_mode"),  # hot 256
     ("serve", ["--kv-group-size", "8"], "--kv-group-size", "group_size"),
 ]
 FIELD_WORD = re.compile(r"(?<![-\w])(" + "|".join(k for k in CONFIG_FLAGS if "_" in k) + r")(?![-\w])")

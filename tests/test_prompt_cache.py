@@ -79,6 +79,7 @@ POLICIES = {
     "hot:disk+slots+sink": _hot(cold_store="disk", retrieved_position="slots", sink=S),
     "hot:cold8:disk": _hot(cold_store="disk", cold_bits=8),
     "hot:absolute+int4": _hot(rope_mode="absolute", key_bits=4, value_bits=4),
+    "hot:shifted+int4+sink": _hot(key_bits=4, value_bits=4, sink=S),
     "hot:sticky+sink": _hot(sticky=True, sink=S, top_pages=2, page_size=4),
 }
 
