@@ -21,7 +21,8 @@
 5. retrieval's decode step (sink 4 + hot window 252, the default search) after a
    `--retrieval-context`-token prefill, interleaved: the shifted hot window on frame positions
    (kept as the model rotated it), the pre-RoPE window it replaced (`make_cache(..., ring=False)`:
-   placed after the retrieval slots on every read) and absolute positions (nothing rotated).
+   placed after the retrieval slots on every read) and absolute positions (nothing rotated), and
+   the same with a KIVI int4 hot window (shifted on frame positions, and absolute).
 
     python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
         [--parts attention,python,kernels,far,retrieval] [--retrieval-context 4096]
@@ -168,7 +169,9 @@ def retrieval_window(model_path: str, steps: int, context: int) -> dict[str, flo
     caches = {}
     for label, spec, ring in (("hot window on frame positions (shifted)", "sink4/hot252", True),
                               ("pre-RoPE hot window (shifted, ring=False)", "sink4/hot252", False),
-                              ("absolute positions", "sink4/hot252:absolute", True)):
+                              ("absolute positions", "sink4/hot252:absolute", True),
+                              ("int4 hot window, frame positions (shifted)", "int4+sink4/hot252", True),
+                              ("int4 hot window, absolute positions", "int4+sink4/hot252:absolute", True)):
         caches[label] = make_cache(m.model, CacheConfig.from_spec(spec), ring=ring)
         prefill(m.model, toks, caches[label], 512)
     return {n: whole for n, (_, whole) in _step_times(m.model, caches, steps, warmup=20).items()}
