@@ -57,6 +57,19 @@ def native(native_path):
     return load(native_path)
 
 
+@pytest.fixture(scope="session")
+def native32_path(tmp_path_factory, tokenizer_json) -> Path:
+    """Head dim 32: KIVI's value groups run along the head dimension and MLX's smallest group is 32."""
+    return build_native(tmp_path_factory.mktemp("native32") / "tiny32.tinygpt", tokenizer_json,
+                        d_model=128, n_heads=4, n_kv_heads=2, context_length=512)
+
+
+@pytest.fixture(scope="session")
+def native32(native32_path):
+    from tinygpt_mlx.loading import load
+    return load(native32_path)
+
+
 def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0, hidden_size: int = 64, n_layers: int = 2,
                     intermediate_size: int = 128, max_positions: int = 256) -> Path:
     from mlx.utils import tree_flatten

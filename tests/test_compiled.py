@@ -214,13 +214,6 @@ def test_forget_drops_the_traced_weights(tmp_path, tokenizer_json):
 
 # ----- KIVI under StreamingLLM (frame positions): the quiet steps compiled ----------------------
 
-@pytest.fixture(scope="module")
-def native32(tmp_path_factory, tokenizer_json):
-    from conftest import build_native
-    return load(build_native(tmp_path_factory.mktemp("c32") / "m.tinygpt", tokenizer_json, d_model=128,
-                             n_heads=4, n_kv_heads=2, context_length=512))    # head dim 32: KIVI groups fit
-
-
 @pytest.mark.parametrize("spec", ["int4+sink4/window64", "int8+sink4/window64", "int2+sink4/window64+r0",
                                   "k8v4+sink4/window64"])
 def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):

@@ -20,19 +20,6 @@ from conftest import build_native
 G, R = 32, 32
 
 
-@pytest.fixture(scope="module")
-def native32_path(tmp_path_factory, tokenizer_json):
-    # head dim 32: value groups run along the head dimension and MLX's smallest group is 32
-    return build_native(tmp_path_factory.mktemp("native32") / "tiny32.tinygpt", tokenizer_json,
-                        d_model=128, n_heads=4, n_kv_heads=2, context_length=512)
-
-
-@pytest.fixture(scope="module")
-def native32(native32_path):
-    from tinygpt_mlx.loading import load
-    return load(native32_path)
-
-
 def kivi_store(cfg):
     """A KIVI body store on its own (absolute positions), rounding through KVCache's codec."""
     return KiviStore(cfg, mx.float32, Positions(cfg, None), KVCache)

@@ -599,16 +599,6 @@ def test_extended_cold_store_keeps_the_window_in_place(native):
     assert err < FRAME_TOL
 
 
-@pytest.fixture(scope="module")
-def native32(tmp_path_factory, tokenizer_json):
-    """Head dim 32: KIVI's value groups run along it and MLX's smallest group is 32."""
-    from conftest import build_native
-
-    from tinygpt_mlx.loading import load
-    return load(build_native(tmp_path_factory.mktemp("native32") / "tiny32.tinygpt", tokenizer_json,
-                             d_model=128, n_heads=4, n_kv_heads=2, context_length=512))
-
-
 @pytest.mark.parametrize("bits, rebase_every", [(dict(key_bits=None, value_bits=8), None),
                                                  (dict(key_bits=None, value_bits=8), 23),
                                                  (dict(key_bits=4, value_bits=4), None)],
