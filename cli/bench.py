@@ -65,6 +65,7 @@ def print_table(result: dict) -> None:
 
 def bench(
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     contexts: Annotated[str, typer.Option(
         "--contexts", help="Comma list of prompt lengths to prefill.")] = "1024,4096",
     policies: Annotated[str, typer.Option(
@@ -105,7 +106,7 @@ def bench(
                     raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
         if plot_path is not None:
             inputs.require_plotting()
-        loaded = load(model)
+        loaded = load(model, weights)
         err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"contexts {ctx}")
         for s in dict.fromkeys([reference, *specs]):

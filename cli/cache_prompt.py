@@ -21,6 +21,7 @@ from .common import err
 def cache_prompt(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     prompt_file: Annotated[Path, typer.Option(
         "--prompt-file", help="The document to prefill (UTF-8, not empty).", exists=True, dir_okay=False,
         show_default=False)] = ...,
@@ -55,7 +56,7 @@ def cache_prompt(
     c.check_writable(report_json, "--report-json")
     text = read_prompt_file(prompt_file)
     with c.guarded():
-        loaded = load(model)
+        loaded = load(model, weights)
         ids = loaded.tokenizer.encode(text)
         if not ids:
             raise ValueError(f"{prompt_file} encodes to no tokens")

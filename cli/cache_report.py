@@ -17,6 +17,7 @@ DEFAULT_LENGTHS = (256, 1024, 4096)
 
 def cache_report(
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     lengths: Annotated[Optional[list[int]], typer.Option(
         "--length", "-l", help=f"Stored length to measure (repeatable). Default {', '.join(map(str, DEFAULT_LENGTHS))}.",
         show_default=False)] = None,
@@ -33,7 +34,7 @@ def cache_report(
         raise typer.BadParameter("--length must be positive")
     c.cache_config(group_size=kv_group_size, residual=kv_residual)  # flag errors before loading
     with c.guarded():
-        loaded = load(model)
+        loaded = load(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
         err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
                   f"({len(REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")

@@ -151,6 +151,7 @@ def command(session, line: str) -> bool:
 def chat(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     system: Annotated[Optional[str], typer.Option(
         "--system", help="A system prompt (the first message of the conversation).")] = None,
     no_chat_template: Annotated[bool, typer.Option(
@@ -187,7 +188,7 @@ def chat(
     c.check_writable(report_json, "--report-json")
     interactive = sys.stdin.isatty()
     with c.guarded():
-        loaded = load(model)
+        loaded = load(model, weights)
         session = ChatSession(loaded, cache_config, sample_config, system, not no_chat_template)
         fmt = "the model's chat template" if session.templated else "the plain 'User: / Assistant:' format"
         err.print(f"[bold]posttrainllm chat[/bold] · [cyan]{escape(loaded.name)}[/cyan] · cache "

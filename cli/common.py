@@ -22,9 +22,15 @@ from tinygpt_mlx.errors import PosttrainError
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 _C, _S = CacheConfig, SampleConfig
-ModelArg = Annotated[Optional[Path], typer.Argument(
-    help="A .tinygpt file or an mlx-lm / Hugging Face model directory (default: the shipped model).",
+ModelArg = Annotated[Optional[str], typer.Argument(
+    help="A .tinygpt file, a GGUF file, an mlx-lm / Hugging Face model directory, an ollama model name "
+    "(smollm2:135m, from $OLLAMA_MODELS or ~/.ollama/models) or a Hugging Face repo id (org/name, from its "
+    "cache; HF_HUB_OFFLINE=1 keeps it offline). Default: the shipped model.",
     show_default=False)]
+Weights = Annotated[str, typer.Option(
+    "--weights", help="GGUF models: keep block-quantised weights packed (MLX quantised layers) or dequantise "
+    "them to dense floats. auto = dense on the CPU backend (faster there, 4-8x the memory), packed on a GPU.",
+    show_default=True)]
 KvQuantize = Annotated[Optional[str], typer.Option(
     "--kv-quantize", help=f"KV precision: {'|'.join(KV_QUANTIZE_CHOICES)} (int* = KIVI: keys per channel, "
     f"values per token). Default {field_default(_C, 'storage')}.", show_default=False)]

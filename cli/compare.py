@@ -36,6 +36,7 @@ def print_table(result: dict) -> None:
 
 def compare(
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     prompts: Annotated[Optional[Path], typer.Option(
         "--prompts", help="UTF-8 text, one prompt per line (default: the prompt set shipped with the package).",
         show_default=False)] = None,
@@ -58,7 +59,7 @@ def compare(
         policies = parse_policies(modes)
         reference = (baseline, parse_policy(baseline))
         texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
-        loaded = load(model)
+        loaded = load(model, weights)
         err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "
                   f"baseline [green]{reference[1].label()}[/green]")
         for name, config in policies.items():

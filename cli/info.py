@@ -10,12 +10,13 @@ from . import common as c
 
 
 def info(model: c.ModelArg = None,
+    weights: c.Weights = "auto",
          as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text.")) -> None:
     """Show a model's config, parameter count, tokenizer, file size and checksum state."""
     from tinygpt_mlx.loading import load  # noqa: PLC0415 (see cli/main.py)
 
     with c.guarded():
-        loaded = load(model)
+        loaded = load(model, weights)
         out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],
                "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
                "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],

@@ -85,6 +85,7 @@ def print_table(result: dict) -> None:
 @c.with_cache_options(hot_budget=256)
 def needle(
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     contexts: Annotated[str, typer.Option("--contexts", help="Comma list of prompt lengths in tokens.")] = "1024,2048",
     depths: Annotated[str, typer.Option("--depths", help="Comma list of needle depths in [0, 1].")]
     = "0.1,0.3,0.5,0.7,0.9",
@@ -138,7 +139,7 @@ def needle(
         if plot is not None:
             inputs.require_plotting()
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
-        loaded = load(model)
+        loaded = load(model, weights)
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk} · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))

@@ -22,6 +22,7 @@ from .common import err
 def perplexity(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     text: Annotated[Optional[Path], typer.Option(
         "--text", help="UTF-8 text to score (default: the King James Bible's held-out tail shipped with "
         "the package, its first context-length tokens unless --max-tokens; the docs' numbers used "
@@ -57,7 +58,7 @@ def perplexity(
         policies = parse_policies(modes) if modes is not None else {config.label(): config}
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
         source = inputs.read_text(text or inputs.HELDOUT_KJV)
-        loaded = load(model)
+        loaded = load(model, weights)
         if text is None and max_tokens is None and loaded.context_length:
             max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
         ids = loaded.tokenizer.encode(source)[:max_tokens]

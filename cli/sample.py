@@ -26,7 +26,10 @@ PREFILL_PROGRESS_TOKENS = 1024
 
 def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
     info = loaded.info
-    err.print(f"[bold]posttrainllm[/bold] · model [cyan]{escape(loaded.name)}[/cyan] ({escape(loaded.kind)}, "
+    kind = loaded.kind
+    if loaded.format == "gguf":
+        kind = f"GGUF {info['architecture']} via mlx-lm, weights {info['weights']}"
+    err.print(f"[bold]posttrainllm[/bold] · model [cyan]{escape(loaded.name)}[/cyan] ({escape(kind)}, "
               f"{info.get('parameters', 0) / 1e6:.2f}M parameters, context {loaded.context_length})")
     err.print(f"cache policy: [green]{escape(cache_config.label())}[/green]")
     s = sample_config
@@ -226,6 +229,7 @@ def passing_context_warning(context: int, cfg: CacheConfig) -> Optional[str]:
 def sample(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
+    weights: c.Weights = "auto",
     prompt: Annotated[Optional[str], typer.Option(
         "--prompt", "-p", help="Prompt text. Omit it (and --prompt-file) to sample unconditionally from the "
         "start token; an empty --prompt '' is an error.")] = None,
@@ -291,7 +295,7 @@ def sample(
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
     with c.guarded(), ranks() as world:
-        loaded = load(model)
+        loaded = load(model, weights)
         if world.group is not None and (saved is not None or save_prompt_cache is not None):
             raise ValueError("prompt-cache files (--prompt-cache, --save-prompt-cache) are one process's "
                              "cache; they are not supported under several ranks yet")

@@ -1,5 +1,6 @@
-"""`load(path)`: a native `.tinygpt` file or an mlx-lm / Hugging Face model directory, offline,
-returned as the same `LoadedModel` either way.
+"""`load(model)`: a native `.tinygpt` file, a GGUF file, an mlx-lm / Hugging Face model directory,
+an ollama model name or a Hugging Face repo id (`resolve.py` says which), returned as the same
+`LoadedModel` whatever it was. GGUF files run through mlx-lm's own model classes (`ggml/`).
 """
 
 from __future__ import annotations
@@ -10,12 +11,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from mlx_lm.utils import get_total_parameters
 from mlx_lm.utils import load as mlx_load
 
 from . import attention
 from . import format as tinygpt_format
 from .errors import ModelFormatError
+from .ggml.load import WEIGHT_MODES, load_gguf_model
+from .ggml.tokenizer import tokenizer_from_metadata
 from .model import count_parameters
+from .resolve import Resolved, resolve
 from .tokenizer import Tokenizer
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -28,10 +33,14 @@ class LoadedModel:
 
     model           the MLX module (`model(tokens, cache=...)` gives logits)
     tokenizer       `Tokenizer`: encode / decode / eos_ids, for both kinds
-    kind            "tinygpt" (a native `.tinygpt` file) or "mlx-lm" (a model directory)
+    kind            "tinygpt" (a native `.tinygpt` file) or "mlx-lm" (mlx-lm model code: a model
+                    directory, or a GGUF file loaded into mlx-lm's classes)
     context_length  the trained context, or None if the model does not say
     info            config, parameter count, file size; for native files also `training`
-                    (the extra metadata) and `checksum` (see `checksum_state`)
+                    (the extra metadata) and `checksum` (see `checksum_state`); for GGUF files
+                    `format`, `architecture`, `weights` and `tensor_types` (how each is held)
+    resolved        what MODEL resolved to: format, source (file / ollama / huggingface /
+                    default), name and where it was found
 
     routing         the routing of its attention through ours (`attention.install`, done
                     by `load`): `close()` or leaving a `with` block undoes it
@@ -45,10 +54,18 @@ class LoadedModel:
     context_length: Optional[int]
     info: dict = field(default_factory=dict)
     routing: Optional[attention.Routing] = None
+    resolved: Optional[Resolved] = None
 
     @property
     def name(self) -> str:
+        if self.resolved is not None:
+            return self.resolved.name
         return self.path.stem if self.kind == "tinygpt" else self.path.name
+
+    @property
+    def format(self) -> str:
+        """"tinygpt", "gguf" or "mlx-lm" (a model directory)."""
+        return self.info.get("format", self.kind)
 
     def close(self) -> None:
         """Restore the model modules' own attention (other loaded models keep theirs routed)."""
@@ -78,7 +95,7 @@ class LoadedModel:
         """One line for `info`: 'verified sha256 …', 'none (saved before checksums existed)',
         or 'not applicable (mlx-lm model directory)'."""
         if self.kind != "tinygpt":
-            return "not applicable (mlx-lm model directory)"
+            return f"not applicable ({'GGUF file' if self.format == 'gguf' else 'mlx-lm model directory'})"
         c = self.info.get("checksum")
         return f"verified {c['algorithm']} {c['tensors'][:16]}…" if c else "none (saved before checksums existed)"
 
@@ -91,14 +108,35 @@ def default_model_path() -> Path:
     return path
 
 
-def load(path: Union[str, Path, None] = None) -> LoadedModel:
-    """Load a model for sampling; `None` means the shipped default."""
-    path = Path(path) if path is not None else default_model_path()
-    if not path.exists():
-        raise ModelFormatError(f"{path}: no such file or directory")
-    loaded = _load_mlx_lm(path) if path.is_dir() else _load_native(path)
+def load(model: Union[str, Path, None] = None, weights: str = "auto") -> LoadedModel:
+    """Load a model for sampling; `None` means the shipped default.
+
+    `model` is a path (`.tinygpt`, `.gguf`, model directory), an ollama name or a Hugging Face
+    repo id. `weights` says how a GGUF's block-quantised tensors are held: auto, packed or dense
+    (`tinygpt_mlx.ggml.load`); other formats ignore it.
+    """
+    if weights not in WEIGHT_MODES:
+        raise ModelFormatError(f"--weights {weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
+    resolved = resolve(model, default_model_path() if model is None else None)
+    path = resolved.path
+    if resolved.format == "gguf":
+        loaded = _load_gguf(path, weights)
+    elif resolved.format == "mlx-lm":
+        loaded = _load_mlx_lm(path)
+    else:
+        loaded = _load_native(path)
+    loaded.resolved = resolved
     loaded.routing = attention.install(loaded.model)
     return loaded
+
+
+def _load_gguf(path: Path, weights: str) -> LoadedModel:
+    model, config, info, metadata = load_gguf_model(path, weights)
+    wrapper = tokenizer_from_metadata(metadata, str(path))
+    info.update({"config": config, "parameters": get_total_parameters(model),
+                 "file_bytes": path.stat().st_size})
+    return LoadedModel(model, Tokenizer(wrapper=wrapper), "mlx-lm", path,
+                       config.get("max_position_embeddings"), info)
 
 
 def _load_native(path: Path) -> LoadedModel:

@@ -1,0 +1,145 @@
+"""A GGUF file into mlx-lm's own, unmodified model classes.
+
+The architecture table (`arch.py`) gives the config; each parameter of the mlx-lm model is found
+in the file through ggml's own Hugging Face -> GGUF tensor-name map (`gguf.get_tensor_name_map`),
+llama.cpp's conventions are undone (Q/K permutation, Gemma's 1 + w norms, rope_freqs), and the
+block-quantised tensors MLX holds natively either stay packed (`QuantizedLinear`,
+`QuantizedEmbedding`) or are dequantised to the compute dtype, by `weights`:
+
+  auto    packed on a GPU (Metal, CUDA: the quantised kernels read 4-8x fewer bytes), dense on
+          the CPU backend, where MLX's quantised matmul is slower than a BLAS matmul
+          (docs/gguf.md measures both)
+  packed  keep them packed
+  dense   dequantise everything to the compute dtype
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_flatten
+
+from ..errors import ModelFormatError
+from .arch import Arch, arch_for, config_from_metadata, llama3_rope_scaling, scalar
+from .tensors import GGUFContents, Packed, read
+
+WEIGHT_MODES = ("auto", "packed", "dense")
+
+
+def compute_dtype() -> mx.Dtype:
+    """float32 on the CPU backend (its fp16/bf16 matmuls are ~50x slower), float16 on a GPU."""
+    return mx.float32 if mx.default_device() == mx.cpu else mx.float16
+
+
+def resolve_weights_mode(mode: str) -> str:
+    if mode not in WEIGHT_MODES:
+        raise ModelFormatError(f"weights mode {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
+    if mode == "auto":
+        return "dense" if mx.default_device() == mx.cpu else "packed"
+    return mode
+
+
+def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict, dict, dict]:
+    """(model, config, info, metadata) for a GGUF file; info says how each tensor type is held."""
+    mode = resolve_weights_mode(weights)
+    contents = read(path)
+    md = contents.metadata
+    arch = arch_for(md, str(path))
+    config = config_from_metadata(md, arch, set(contents.tensors), str(path))
+    if "rope_freqs.weight" in contents.tensors:
+        freqs = np.array(_dense(contents.tensors["rope_freqs.weight"], mx.float32))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        config["rope_scaling"] = llama3_rope_scaling(freqs, head_dim, config.get("rope_theta", 10000.0),
+                                                     str(path))
+    module = importlib.import_module(f"mlx_lm.models.{arch.model_type}")
+    try:
+        model = module.Model(module.ModelArgs.from_dict(config))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ModelFormatError(f"{path}: mlx-lm cannot build a {arch.model_type} model from this "
+                               f"GGUF's metadata ({e})") from None
+    params = _gguf_params(model, contents, arch, config, mode, str(path))
+    _quantize_packed(model, params)
+    model.eval()
+    try:
+        model.load_weights(list(params.items()), strict=True)
+    except ValueError as e:
+        raise ModelFormatError(f"{path}: tensors do not fit mlx-lm's {arch.model_type} model "
+                               f"({str(e).splitlines()[0]})") from None
+    mx.eval(model.parameters())
+    held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {compute_dtype()}"
+    info = {"format": "gguf", "architecture": arch.gguf, "model_type": arch.model_type,
+            "weights": mode, "reader": contents.reader,
+            "tensor_types": {t: {"count": n, "held": held if _is_block(t) else str(compute_dtype())}
+                             for t, n in sorted(contents.types.items())},
+            "gguf_name": scalar(md.get("general.name", "")),
+            "file_type": scalar(md.get("general.file_type", -1))}
+    return model, config, info, md
+
+
+def _is_block(type_name: str) -> bool:
+    return type_name not in ("F32", "F16", "BF16", "F64")
+
+
+def _dense(t: Any, dtype) -> mx.array:
+    return t.dense(dtype) if isinstance(t, Packed) else t.astype(dtype)
+
+
+def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: dict, mode: str,
+                 source: str) -> dict[str, mx.array]:
+    """mlx-lm parameter name -> array (packed parameters as .weight/.scales/.biases)."""
+    import gguf   # noqa: PLC0415 (the name map; imported only when a GGUF is loaded)
+
+    arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.gguf]
+    names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
+    dtype = compute_dtype()
+    out: dict[str, mx.array] = {}
+    for pname, _ in tree_flatten(model.parameters()):
+        base, suffix = pname.rsplit(".", 1)
+        if config.get("tie_word_embeddings") and base == "lm_head":
+            continue
+        gname = names.get_name(base)
+        key = f"{gname}.{suffix}" if gname else None
+        if key not in contents.tensors:
+            raise ModelFormatError(f"{source}: no tensor for {pname} (looked for {key or 'a GGUF name'})")
+        t = contents.tensors[key]
+        if arch.permute_qk and suffix in ("weight", "bias") and base.endswith(("q_proj", "k_proj")):
+            heads = config["num_attention_heads"] if base.endswith("q_proj") else config["num_key_value_heads"]
+            t = _unpermute(t, heads)
+        if arch.norm_offset and "norm" in base and suffix == "weight":
+            t = _dense(t, mx.float32) - arch.norm_offset
+        if isinstance(t, Packed) and mode == "packed":
+            out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = t.weight, t.scales, t.biases
+        else:
+            out[pname] = _dense(t, dtype if "norm" not in base else mx.float32).astype(dtype)
+    return out
+
+
+def _unpermute(t: Any, heads: int) -> Any:
+    """Undo llama.cpp's Q/K row permutation: within each head, rows were interleaved
+    (pairs for its RoPE); put the two halves back in Hugging Face's order."""
+    rows = (t.weight if isinstance(t, Packed) else t).shape[0]
+    half = rows // heads // 2
+    order = np.arange(rows).reshape(heads, half, 2).transpose(0, 2, 1).reshape(-1)
+    if isinstance(t, Packed):
+        return t.take_rows(order)
+    return t[mx.array(order)]
+
+
+def _quantize_packed(model: nn.Module, params: dict) -> None:
+    """Turn the layers whose weights stay packed into their quantised kind, with the file's bits."""
+    packed = {k[: -len(".scales")]: params[k[: -len(".scales")] + ".weight"].shape[-1] * 32
+              // (params[k].shape[-1] * 32) for k in params if k.endswith(".scales")}
+    if not packed:
+        return
+
+    def predicate(path: str, module: nn.Module):
+        if path in packed and hasattr(module, "to_quantized"):
+            return {"group_size": 32, "bits": packed[path]}
+        return False
+
+    nn.quantize(model, class_predicate=predicate)

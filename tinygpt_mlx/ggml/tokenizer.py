@@ -1,0 +1,69 @@
+"""The tokenizer a GGUF file describes, as a Hugging Face fast tokenizer inside mlx-lm's wrapper.
+
+A GGUF has no `tokenizer.json`: the vocabulary, merges or scores, token types, special ids, the
+add-BOS flag and the chat template are metadata under llama.cpp's key names. transformers'
+GGUF tokenizer converter (`convert_gguf_tokenizer`) rebuilds the fast tokenizer each kind
+describes, GPT-2 byte-level BPE with the pre-tokenizer the file names (`tokenizer.ggml.pre`) and
+SentencePiece / llama with byte fallback included; we feed it the metadata MLX already read
+(so the file is parsed once) and wrap the result the way mlx-lm wraps a tokenizer directory.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+
+from ..errors import ModelFormatError
+from .arch import scalar
+
+_SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
+            "unk_token": "unknown_token_id", "pad_token": "padding_token_id"}
+# Ids that end a turn besides EOS (llama.cpp's end-of-turn / end-of-message tokens).
+_END_IDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def tokenizer_from_metadata(md: dict, source: str):
+    """mlx-lm's `TokenizerWrapper` over the fast tokenizer this metadata describes."""
+    from mlx_lm import tokenizer_utils as tu   # noqa: PLC0415 (heavy: transformers)
+    from transformers import PreTrainedTokenizerFast   # noqa: PLC0415
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import (  # noqa: PLC0415
+        GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+
+    if "tokenizer.ggml.tokens" not in md:
+        raise ModelFormatError(f"{source}: the GGUF holds no tokenizer (no tokenizer.ggml.tokens)")
+    values = {k: _plain(v) for k, v in md.items() if k.startswith("tokenizer.")}
+    groups = {group: {name: values[f"tokenizer.{key}"] for key, name in renames.items()
+                      if f"tokenizer.{key}" in values}
+              for group, renames in GGUF_TOKENIZER_MAPPING.items()}
+    tok_dict, tok_config = groups["tokenizer"], groups["tokenizer_config"]
+    if tok_dict.get("tokenizer_type") == "llama":
+        tok_config.setdefault("add_bos_token", True)   # llama.cpp's default for SentencePiece files
+    tokens = tok_dict["tokens"]
+    for name, key in _SPECIAL.items():
+        token_id = values.get(f"tokenizer.ggml.{key}")
+        if token_id is not None and 0 <= int(token_id) < len(tokens):
+            tok_config[name] = tokens[int(token_id)]
+    architecture = str(scalar(md.get("general.architecture", "")))
+    try:
+        backend, extra = convert_gguf_tokenizer(architecture, tok_dict)
+    except (KeyError, ValueError, TypeError, NotImplementedError) as e:
+        raise ModelFormatError(f"{source}: cannot build its tokenizer "
+                               f"({tok_dict.get('tokenizer_type')!r}: {e})") from None
+    hf = PreTrainedTokenizerFast(tokenizer_object=backend, **tok_config, **extra)
+    eos = sorted({int(values[k]) for k in _END_IDS if values.get(k) is not None})
+    decoder = json.loads(backend.to_str()).get("decoder")
+    detok = tu.NaiveStreamingDetokenizer
+    if tu._is_spm_decoder(decoder):
+        detok = tu.SPMStreamingDetokenizer
+    elif tu._is_spm_decoder_no_space(decoder):
+        detok = partial(tu.SPMStreamingDetokenizer, trim_space=False)
+    elif tu._is_bpe_decoder(decoder):
+        detok = tu.BPEStreamingDetokenizer
+    return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos)
+
+
+def _plain(v):
+    """MLX metadata values (0-d or 1-d arrays) as Python numbers and lists."""
+    if hasattr(v, "tolist"):
+        return v.tolist()
+    return v

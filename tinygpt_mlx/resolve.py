@@ -1,0 +1,154 @@
+"""MODEL as users type it -> a file or directory to load, for every command.
+
+In order:
+1. an existing path: a `.tinygpt` file, a GGUF file (by its magic bytes, whatever its name), or
+   an mlx-lm / Hugging Face model directory (or a directory holding exactly one GGUF);
+2. an ollama model name (`name`, `name:tag`, `namespace/name:tag`, `host/namespace/name:tag`;
+   tag `latest` by default): the manifest under `$OLLAMA_MODELS` (default `~/.ollama/models`)
+   names the GGUF blob of its model layer;
+3. a Hugging Face repo id (`org/name`), resolved as mlx-lm resolves it: the local cache first,
+   a download where the network allows (`HF_HUB_OFFLINE=1` keeps it to the cache).
+Nothing is ever written into the ollama or Hugging Face folders by resolving.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from .errors import ModelFormatError
+from .ggml.tensors import is_gguf
+
+OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
+OLLAMA_HOST = "registry.ollama.ai"
+_OLLAMA_NAME = re.compile(r"^(?:(?P<host>[\w.-]+\.[\w.-]+(?::\d+)?)/)?(?:(?P<ns>[\w.-]+)/)?"
+                          r"(?P<name>[\w.-]+)(?::(?P<tag>[\w.-]+))?$")
+_HF_REPO = re.compile(r"^[\w.-]+/[\w.-]+$")
+# What mlx-lm fetches for a model directory, plus GGUF-only repos.
+HF_PATTERNS = ["*.json", "*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt",
+               "*.jsonl", "*.jinja", "*.gguf"]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    path: Path
+    format: str          # "tinygpt", "gguf" or "mlx-lm"
+    source: str          # "file", "ollama", "huggingface" or "default"
+    name: str            # what to call it (the ollama name, the repo id, the file's name)
+    origin: str          # where it was found, in words
+
+
+def ollama_root() -> Path:
+    return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
+
+
+def resolve(spec: Union[str, Path, None], default: Optional[Path] = None) -> Resolved:
+    if spec is None:
+        if default is None:
+            raise ModelFormatError("no MODEL given and no default model")
+        return _from_path(default, "default", default.stem)
+    text = str(spec)
+    path = Path(text).expanduser()
+    if path.exists():
+        return _from_path(path, "file", path.stem if path.is_file() else path.name)
+    if _looks_like_path(text):
+        raise ModelFormatError(f"{text}: no such file or directory")
+    found = _ollama(text)
+    if found is not None:
+        return found
+    if _HF_REPO.match(text) and ":" not in text:
+        return _huggingface(text)
+    raise ModelFormatError(f"{text}: no such file or directory, and no ollama model of that name "
+                           f"in {ollama_root()} ({_ollama_listing()})")
+
+
+def _looks_like_path(text: str) -> bool:
+    return (text.startswith(("/", "./", "../", "~")) or text.endswith((".gguf", ".tinygpt", ".json"))
+            or text.count("/") > 2)
+
+
+def _from_path(path: Path, source: str, name: str) -> Resolved:
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            ggufs = sorted(p for p in path.glob("*.gguf") if p.is_file())
+            if len(ggufs) == 1:
+                return Resolved(ggufs[0], "gguf", source, name, str(ggufs[0]))
+            if len(ggufs) > 1:
+                raise ModelFormatError(f"{path}: holds {len(ggufs)} GGUF files "
+                                       f"({', '.join(p.name for p in ggufs[:6])}); name one")
+        return Resolved(path, "mlx-lm", source, name, str(path))
+    return Resolved(path, "gguf" if is_gguf(path) else "tinygpt", source, name, str(path))
+
+
+# -- ollama ----------------------------------------------------------------------------------
+
+def _ollama(text: str) -> Optional[Resolved]:
+    m = _OLLAMA_NAME.match(text)
+    if not m:
+        return None
+    host = m["host"] or OLLAMA_HOST
+    ns = m["ns"] or "library"
+    tag = m["tag"] or "latest"
+    root = ollama_root()
+    manifest = root / "manifests" / host / ns / m["name"] / tag
+    if not manifest.is_file():
+        if m["tag"] or (m["ns"] is None and "/" not in text):
+            # name:tag or a bare name can only be ollama's
+            raise ModelFormatError(f"{text}: no such file or directory, and no ollama model "
+                                   f"{ns}/{m['name']}:{tag} in {root} ({_ollama_listing()})")
+        return None
+    try:
+        layers = json.loads(manifest.read_text()).get("layers", [])
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+        raise ModelFormatError(f"{manifest}: not a readable ollama manifest ({e})") from None
+    digests = [layer.get("digest", "") for layer in layers if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
+    if not digests:
+        raise ModelFormatError(f"{manifest}: the ollama manifest has no model layer")
+    blob = root / "blobs" / digests[0].replace(":", "-")
+    if not blob.is_file():
+        raise ModelFormatError(f"{text}: the manifest names {blob.name}, which is missing from {root / 'blobs'}")
+    label = f"{m['name']}:{tag}" if ns == "library" and host == OLLAMA_HOST else f"{ns}/{m['name']}:{tag}"
+    return Resolved(blob, "gguf", "ollama", label, f"ollama {manifest}")
+
+
+def ollama_names(root: Optional[Path] = None) -> list[str]:
+    """Every model name:tag installed in an ollama store."""
+    base = (root or ollama_root()) / "manifests"
+    names = []
+    for manifest in sorted(base.glob("*/*/*/*")) if base.is_dir() else []:
+        if manifest.is_file():
+            host, ns, name, tag = manifest.relative_to(base).parts
+            short = f"{name}:{tag}" if (host, ns) == (OLLAMA_HOST, "library") else f"{ns}/{name}:{tag}"
+            names.append(short)
+    return names
+
+
+def _ollama_listing() -> str:
+    names = ollama_names()
+    if not names:
+        return "no models installed there"
+    more = f", and {len(names) - 12} more" if len(names) > 12 else ""
+    return "installed: " + ", ".join(names[:12]) + more
+
+
+# -- Hugging Face ----------------------------------------------------------------------------
+
+def _huggingface(repo: str) -> Resolved:
+    from huggingface_hub import constants, snapshot_download   # noqa: PLC0415 (slow import)
+
+    offline = bool(constants.HF_HUB_OFFLINE)
+    try:
+        local = Path(snapshot_download(repo, local_files_only=offline, allow_patterns=HF_PATTERNS))
+    except Exception as e:   # hub errors have no common base worth naming; all mean "not here"
+        why = type(e).__name__
+        if offline:
+            raise ModelFormatError(f"{repo}: not a file, not an ollama model, and not in the Hugging Face "
+                                   f"cache ({constants.HF_HUB_CACHE}); downloads are off (HF_HUB_OFFLINE=1)") from None
+        raise ModelFormatError(f"{repo}: not a file or an ollama model, and the Hugging Face download "
+                               f"failed ({why}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+    resolved = _from_path(local, "huggingface", repo)
+    return Resolved(resolved.path, resolved.format, "huggingface", repo, f"Hugging Face {repo} ({local})")
