@@ -12,7 +12,9 @@ from . import common as c
 def info(model: c.ModelArg = None,
     weights: c.Weights = "auto",
          as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text.")) -> None:
-    """Show a model's config, parameter count, tokenizer, file size and checksum state."""
+    """Show what MODEL resolved to (file, ollama name, Hugging Face id) and from where, its format and
+    architecture, each GGUF tensor type and how it is held, parameters, tokenizer, file size and
+    checksum state."""
     from tinygpt_mlx.loading import load  # noqa: PLC0415 (see cli/main.py)
 
     with c.guarded():
@@ -21,6 +23,11 @@ def info(model: c.ModelArg = None,
                "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
                "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],
                "checksum": loaded.checksum_state, "config": loaded.info["config"]}
+        r = loaded.resolved
+        out.update({"format": loaded.format, "source": r.source, "name": r.name, "found": r.origin})
+        for key in ("architecture", "model_type", "weights", "tensor_types", "gguf_name"):
+            if key in loaded.info:
+                out[key] = loaded.info[key]
         if loaded.info.get("checksum"):
             out["checksum_digests"] = loaded.info["checksum"]
         if loaded.info.get("training"):
@@ -28,8 +35,12 @@ def info(model: c.ModelArg = None,
         if as_json:
             print(json.dumps(out, indent=2))
             return
-        for k in ("path", "kind", "parameters", "context_length", "tokenizer", "vocab_size"):
-            print(f"{k:15} {out[k]}")
+        for k in ("name", "path", "format", "source", "found", "kind", "architecture", "parameters",
+                  "context_length", "tokenizer", "vocab_size", "weights"):
+            if k in out:
+                print(f"{k:15} {out[k]}")
+        for t, held in out.get("tensor_types", {}).items():
+            print(f"{'tensors ' + t:15} {held['count']} tensors, held {held['held']}")
         print(f"{'file size':15} {c.fmt_bytes(out['file_bytes'])}")
         print(f"{'checksum':15} {out['checksum']}")
         print("config")

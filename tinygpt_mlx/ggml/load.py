@@ -113,7 +113,10 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
         if arch.norm_offset and "norm" in base and suffix == "weight":
             t = _dense(t, mx.float32) - arch.norm_offset
         if isinstance(t, Packed) and mode == "packed":
-            out[f"{base}.weight"], out[f"{base}.scales"], out[f"{base}.biases"] = t.weight, t.scales, t.biases
+            # scales and biases in the compute dtype: a float32 activation on the CPU backend
+            # keeps the matmul in float32 (fp16 scales would make it an fp16 matmul)
+            out[f"{base}.weight"] = t.weight
+            out[f"{base}.scales"], out[f"{base}.biases"] = t.scales.astype(dtype), t.biases.astype(dtype)
         else:
             out[pname] = _dense(t, dtype if "norm" not in base else mx.float32).astype(dtype)
     return out

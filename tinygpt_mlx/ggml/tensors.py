@@ -45,8 +45,9 @@ class Packed:
         return self.weight.shape[-1] * 32 // in_dims
 
     def dense(self, dtype) -> mx.array:
-        return mx.dequantize(self.weight, self.scales, self.biases, group_size=GROUP,
-                             bits=self.bits).astype(dtype)
+        # in float32: the file's fp16 scales times q are not all fp16 numbers
+        return mx.dequantize(self.weight, self.scales.astype(mx.float32), self.biases.astype(mx.float32),
+                             group_size=GROUP, bits=self.bits).astype(dtype)
 
     def take_rows(self, order: np.ndarray) -> "Packed":
         idx = mx.array(order)
@@ -68,11 +69,8 @@ def read(path: Path) -> GGUFContents:
     """All tensors and metadata of a GGUF file; one-line errors for corrupt or unsupported files."""
     try:
         flat, md = mx.load(str(path), return_metadata=True)
-    except Exception as e:   # MLX raises ValueError/RuntimeError with gguflib's message
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "unsupported" in msg.lower() or "type" in msg.lower():
-            return _read_with_gguf(path)
-        raise ModelFormatError(f"{path}: not a readable GGUF file ({msg})") from None
+    except Exception:   # a type MLX does not hold (K-quants, Q5_x, ...) or a damaged file:
+        return _read_with_gguf(path)   # ggml's reader reads the first and names the second
     tensors: dict[str, Tensor] = {}
     for name, arr in flat.items():
         if name.endswith(".scales") or name.endswith(".biases"):
@@ -112,7 +110,8 @@ def _read_with_gguf(path: Path) -> GGUFContents:
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:
-        raise ModelFormatError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
+        raise ModelFormatError(f"{path}: not a readable GGUF file, truncated or corrupt "
+                               f"({str(e).splitlines()[0]})") from None
     md: dict = {}
     for name, f in reader.fields.items():
         if name.startswith("GGUF."):

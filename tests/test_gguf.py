@@ -1,0 +1,231 @@
+"""GGUF files into mlx-lm's model classes: the same logits and greedy tokens as mlx-lm on the
+source directory (F32, and block formats against their dequantised reference), tokenizers rebuilt
+from GGUF metadata that encode like the source tokenizer, and every bad GGUF a user can hand us."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from typer.testing import CliRunner
+
+from tests.conftest import TEXT, build_llama_dir
+from tests.gguf_writer import write_gguf
+from tinygpt_mlx import generate_text
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.errors import ModelFormatError
+from tinygpt_mlx.loading import load
+
+PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 31]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+MIXED = ("def f(x):\n    return x ** 2  # 東京 🙂 café\n<|im_start|>user\nnaïve 0123 <|im_end|>\n\t  spaces  "
+         "and\r\nCRLF <|endoftext|>")
+
+
+def _tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    code = "def f(x):\n    return x ** 2\n\tif a and b: print('hi')\r\n" * 20
+    tok.train_from_iterator([TEXT, code], trainer)
+    return tok.to_str()
+
+
+def _build_dir(path: Path, model_type: str, tok_json: str, seed: int = 0, **extra) -> Path:
+    """A tiny random mlx-lm model directory of `model_type`, with a chat template."""
+    import importlib
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = len(json.loads(tok_json)["model"]["vocab"])
+    config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "vocab_size": vocab,
+              "max_position_embeddings": 256, "rope_theta": 10000.0, "tie_word_embeddings": True, **extra}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    params = {k: v * 3.0 if v.ndim == 2 else v + 0.1 * mx.random.normal(v.shape)
+              for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(tok_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>",
+        "chat_template": CHAT_TEMPLATE, "model_max_length": 256}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok_json():
+    return _tokenizer_json()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tok_json):
+    """name -> (source directory, GGUF written from it)."""
+    root = tmp_path_factory.mktemp("gguf")
+    out = {}
+    for arch, model_type, extra in [("llama", "llama", {}),
+                                    ("qwen2", "qwen2", {}),
+                                    ("qwen3", "qwen3", {"head_dim": 16}),
+                                    ("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16})]:
+        src = _build_dir(root / f"{arch}-src", model_type, tok_json, **extra)
+        md = ({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
+              if arch == "gemma2" else {})
+        out[arch] = (src, write_gguf(src, root / f"{arch}.gguf", arch, extra_md=md))
+    return out
+
+
+def _logits(loaded, ids):
+    return loaded.model(mx.array([ids]))[0].astype(mx.float32)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_f32_gguf_equals_source_directory(tiny, arch):
+    src, path = tiny[arch]
+    with load(src) as ref, load(path) as ours:
+        assert ours.format == "gguf" and ours.info["architecture"] == arch
+        a, b = _logits(ref, PROMPT), _logits(ours, PROMPT)
+        assert float(mx.abs(a - b).max()) < 2e-4   # F32 round trip: the same model
+        greedy = dict(max_tokens=24, temperature=0.0)
+        if arch == "gemma2":
+            # mlx-lm's Gemma 2 computes its soft-capped attention itself, so our caches cannot
+            # route it: refused with a clear error (mlx-lm's own caches still run it)
+            with pytest.raises(ValueError, match="need our attention"):
+                make_cache(ours.model, CacheConfig())
+            return
+        assert generate_text(ours, PROMPT, **greedy) == generate_text(ref, PROMPT, **greedy)
+
+
+def test_llama_permutation_is_undone(tiny):
+    """Loading without the un-permutation (what a loader that forgets llama.cpp's Q/K layout
+    computes) is far off: the test above can fail."""
+    from tinygpt_mlx.ggml import arch as arch_mod
+
+    src, path = tiny["llama"]
+    saved = arch_mod.ARCHES["llama"]
+    arch_mod.ARCHES["llama"] = arch_mod.Arch("llama", "llama", permute_qk=False)
+    try:
+        with load(src) as ref, load(path) as broken:
+            assert float(mx.abs(_logits(ref, PROMPT) - _logits(broken, PROMPT)).max()) > 1e-2
+    finally:
+        arch_mod.ARCHES["llama"] = saved
+
+
+@pytest.mark.parametrize("quant", ["Q8_0", "Q4_0", "Q4_1", "Q5_0"])
+def test_block_quantised_gguf_packed_and_dense(tmp_path, tiny, quant):
+    """Block-quantised tensors: packed (MLX quantised layers) and dense (dequantised) give the
+    logits of the model whose weights are ggml's own dequantisation (gguf.quants)."""
+    src, _ = tiny["llama"]
+    path = write_gguf(src, tmp_path / f"{quant}.gguf", "llama", quant=quant)
+    ref_dir = tmp_path / "ref"
+    shutil.copytree(src, ref_dir)
+    qtype = getattr(gguf.GGMLQuantizationType, quant)
+    names = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "embed_tokens"}
+    deq = {}
+    for k, v in mx.load(str(src / "model.safetensors")).items():
+        arr = np.array(v)
+        if arr.ndim == 2 and k.rsplit(".", 2)[-2] in names:
+            arr = gguf.quants.dequantize(gguf.quants.quantize(arr, qtype), qtype)
+        deq[k] = mx.array(arr)
+    mx.save_safetensors(str(ref_dir / "model.safetensors"), deq)
+    with load(ref_dir) as ref:
+        want = _logits(ref, PROMPT)
+        for mode in ("dense", "packed"):
+            with load(path, weights=mode) as ours:
+                held = ours.info["tensor_types"]
+                assert quant in held, held
+                packed_layers = [m for _, m in ours.model.named_modules() if hasattr(m, "bits")]
+                # Q5_0 is read by ggml's reader and always dequantised; the rest stay packed if asked
+                assert bool(packed_layers) == (mode == "packed" and quant != "Q5_0")
+                assert float(mx.abs(_logits(ours, PROMPT) - want).max()) < 2e-3, (quant, mode)
+
+
+def test_gguf_runs_under_our_caches(tiny):
+    """Our caches on a GGUF model: StreamingLLM, KIVI and retrieval against the full cache."""
+    _, path = tiny["llama"]
+    with load(path) as loaded:
+        full = generate_text(loaded, PROMPT, max_tokens=16, temperature=0.0)
+        for cfg in (CacheConfig(key_bits=8, group_size=32, residual=32),
+                    CacheConfig(sink=4, window=64), CacheConfig(sink=4, hot_budget=64)):
+            cache = make_cache(loaded.model, cfg)
+            assert generate_text(loaded, PROMPT, max_tokens=16, temperature=0.0, cache=cache) == full
+
+
+def test_tokenizer_from_gguf_encodes_like_source(tiny):
+    src, path = tiny["llama"]
+    with load(src) as ref, load(path) as ours:
+        assert ours.tokenizer.encode(MIXED) == ref.tokenizer.encode(MIXED)
+        ids = ref.tokenizer.encode(MIXED)
+        assert ours.tokenizer.decode(ids) == ref.tokenizer.decode(ids) == MIXED
+        for special in SPECIALS:   # specials stay whole
+            assert len(ours.tokenizer.encode(special)) == 1
+        messages = [{"role": "user", "content": "hi there"}]
+        assert ours.tokenizer.chat_prompt(messages) == ref.tokenizer.chat_prompt(messages)
+        im_end = ref.tokenizer.encode("<|im_end|>")[0]
+        assert im_end in ours.tokenizer.eos_ids or ours.tokenizer.eos_ids  # an end id is known
+
+
+def test_gguf_info_names_what_was_loaded(tiny):
+    from cli.main import app
+
+    _, path = tiny["qwen2"]
+    r = CliRunner().invoke(app, ["info", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["format"] == "gguf" and out["architecture"] == "qwen2" and out["source"] == "file"
+    assert out["tensor_types"]["F32"]["count"] > 0
+
+
+# -- bad GGUF files ------------------------------------------------------------------------
+
+def _run(args):
+    from cli.main import app
+    return CliRunner().invoke(app, args)
+
+
+def test_unsupported_architecture_is_one_line(tmp_path, tiny):
+    src, _ = tiny["llama"]
+    path = write_gguf(src, tmp_path / "f.gguf", "llama")
+    data = path.read_bytes().replace(b"llama", b"falcn", 1)   # general.architecture's value
+    (tmp_path / "falcon.gguf").write_bytes(data)
+    with pytest.raises(ModelFormatError, match=r"architecture 'falcn' is not supported \(supported: .*llama"):
+        load(tmp_path / "falcon.gguf")
+
+
+def test_truncated_gguf_is_one_line(tmp_path, tiny):
+    _, path = tiny["llama"]
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    r = _run(["sample", str(cut), "--prompt", "x", "--tokens", "1"])
+    assert r.exit_code == 1
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and str(cut) in lines[0] and "Traceback" not in r.output, r.output
+
+
+def test_unsupported_tensor_type_is_one_line(tmp_path, tiny):
+    src, _ = tiny["llama"]
+    path = write_gguf(src, tmp_path / "q81.gguf", "llama", quant="Q8_0")
+    data = bytearray(path.read_bytes())
+    # retype one tensor's descriptor from Q8_0 (8) to Q8_1 (9): same name, no reader supports it
+    name = b"blk.0.ffn_down.weight"
+    at = data.index(name) + len(name)
+    dims = int.from_bytes(data[at:at + 4], "little")
+    type_at = at + 4 + 8 * dims
+    assert int.from_bytes(data[type_at:type_at + 4], "little") == 8
+    data[type_at:type_at + 4] = (9).to_bytes(4, "little")
+    (tmp_path / "bad.gguf").write_bytes(bytes(data))
+    with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_down\.weight.*Q8_1|Q8_1.*blk\.0\.ffn_down"):
+        load(tmp_path / "bad.gguf")
