@@ -137,17 +137,29 @@ def _ollama_listing() -> str:
 
 # -- Hugging Face ----------------------------------------------------------------------------
 
-def _huggingface(repo: str) -> Resolved:
-    from huggingface_hub import constants, snapshot_download   # noqa: PLC0415 (slow import)
+def hf_cache() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
 
-    offline = bool(constants.HF_HUB_OFFLINE)
+
+def _huggingface(repo: str) -> Resolved:
+    from huggingface_hub import snapshot_download   # noqa: PLC0415 (slow import)
+
+    # read at call time (huggingface_hub reads its variables once, at import)
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    cache = hf_cache()
     try:
-        local = Path(snapshot_download(repo, local_files_only=offline, allow_patterns=HF_PATTERNS))
+        local = Path(snapshot_download(repo, local_files_only=offline, allow_patterns=HF_PATTERNS,
+                                       cache_dir=str(cache)))
     except Exception as e:   # hub errors have no common base worth naming; all mean "not here"
         why = type(e).__name__
         if offline:
             raise ModelFormatError(f"{repo}: not a file, not an ollama model, and not in the Hugging Face "
-                                   f"cache ({constants.HF_HUB_CACHE}); downloads are off (HF_HUB_OFFLINE=1)") from None
+                                   f"cache ({cache}); downloads are off (HF_HUB_OFFLINE=1)") from None
         raise ModelFormatError(f"{repo}: not a file or an ollama model, and the Hugging Face download "
                                f"failed ({why}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
     resolved = _from_path(local, "huggingface", repo)
