@@ -23,7 +23,9 @@ from .model import count_parameters
 from .resolve import Resolved, resolve
 from .tokenizer import Tokenizer
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+# Package data, so that a wheel (pip / pipx / uv tool install .) ships the default model; the
+# repository's top-level models/ is a link to this folder.
+MODELS_DIR = Path(__file__).resolve().parent / "models"
 DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
 
 
