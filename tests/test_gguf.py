@@ -229,3 +229,32 @@ def test_unsupported_tensor_type_is_one_line(tmp_path, tiny):
     (tmp_path / "bad.gguf").write_bytes(bytes(data))
     with pytest.raises(ModelFormatError, match=r"blk\.0\.ffn_down\.weight.*Q8_1|Q8_1.*blk\.0\.ffn_down"):
         load(tmp_path / "bad.gguf")
+
+
+def test_serve_an_ollama_name_as_ollama_would(tmp_path, monkeypatch, tiny):
+    """A GGUF served by its ollama name: /api/tags lists it under that name, format gguf, its
+    architecture and main tensor type, and the ollama client chats with it by name."""
+    ollama = pytest.importorskip("ollama")
+    from tests.test_resolve import make_ollama_store
+    from tinygpt_mlx.server.app import create_app, serve_in_thread
+
+    src, _ = tiny["llama"]
+    path = write_gguf(src, tmp_path / "q8.gguf", "llama", quant="Q8_0")
+    make_ollama_store(tmp_path / "store", path, "tiny", "1b")
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "store"))
+    with load("tiny:1b") as loaded:
+        srv, thread, url = serve_in_thread(create_app(loaded, CacheConfig(), prefill_chunk=64))
+        try:
+            client = ollama.Client(host=url)
+            tags = client.list().models
+            assert [m.model for m in tags] == ["tiny:1b"]
+            d = tags[0].details
+            assert (d.format, d.family, d.quantization_level) == ("gguf", "llama", "Q8_0")
+            assert tags[0].size == path.stat().st_size
+            for name in ("tiny:1b", "tiny"):
+                r = client.chat(name, [{"role": "user", "content": "hi"}], options={"temperature": 0,
+                                                                                    "num_predict": 4})
+                assert r.done and r.eval_count <= 4
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)

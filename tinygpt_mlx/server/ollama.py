@@ -97,6 +97,11 @@ def details(loaded: Any) -> dict:
     fmt = "tinygpt" if loaded.kind == "tinygpt" else "mlx"
     quant = loaded.info.get("config", {}).get("quantization")
     qlevel = f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant else "F32"
+    if loaded.info.get("format") == "gguf":
+        # ollama's words: format gguf, the architecture as family, the file's main tensor type
+        fmt, family = "gguf", loaded.info["architecture"]
+        types = {t: v["count"] for t, v in loaded.info["tensor_types"].items() if t not in ("F32", "F16")}
+        qlevel = max(types, key=types.get) if types else ("F16" if "F16" in loaded.info["tensor_types"] else "F32")
     return {"parent_model": "", "format": fmt, "family": family, "families": [family],
             "parameter_size": size, "quantization_level": qlevel}
 

@@ -84,7 +84,9 @@ class Server:
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
-        self.names = (loaded.name, f"{loaded.name}:latest")
+        # an ollama name already has its tag (smollm2:135m): serve it as that and without the tag
+        base = loaded.name.rsplit(":", 1)[0] if ":" in loaded.name else loaded.name
+        self.names = (base, loaded.name if ":" in loaded.name else f"{loaded.name}:latest")
         self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens,
                              loader=lambda path: load_for_server(path, loaded, cache_config))
         if len(prompt_caches) > max_slots:
