@@ -71,10 +71,11 @@ def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict,
         raise ModelFormatError(f"{path}: tensors do not fit mlx-lm's {arch.model_type} model "
                                f"({str(e).splitlines()[0]})") from None
     mx.eval(model.parameters())
-    held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {compute_dtype()}"
+    dtype_name = str(compute_dtype()).rsplit(".", 1)[-1]
+    held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {dtype_name}"
     info = {"format": "gguf", "architecture": arch.gguf, "model_type": arch.model_type,
             "weights": mode, "reader": contents.reader,
-            "tensor_types": {t: {"count": n, "held": held if _is_block(t) else str(compute_dtype())}
+            "tensor_types": {t: {"count": n, "held": held if _is_block(t) else dtype_name}
                              for t, n in sorted(contents.types.items())},
             "gguf_name": scalar(md.get("general.name", "")),
             "file_type": scalar(md.get("general.file_type", -1))}
