@@ -42,6 +42,16 @@ def perplexity(
         show_default=False)] = None,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
+    segment: Annotated[Optional[int], typer.Option(
+        "--segment", help="Also report the perplexity of each run of N scored tokens (e.g. 2048: the "
+        "StreamingLLM curve past the trained context).", show_default=False)] = None,
+    score_chunk: Annotated[int, typer.Option(
+        "--score-chunk", help="After the prefill chunk, tokens fed per model call: 1 feeds them as decoding "
+        "does; more is the same for a full cache and faster, but lets an evicting cache attend over a "
+        "whole chunk before it evicts.")] = 1,
+    past_context: Annotated[bool, typer.Option(
+        "--past-context", help="Let a full cache score past the model's trained context (to show how it "
+        "degrades there; refused otherwise).")] = False,
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
     from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see cli/main.py)
@@ -72,8 +82,11 @@ def perplexity(
             results = ppl.perplexities(
                 loaded.model, ids, policies, reference,
                 prefill_tokens if prefill_tokens is not None else defaults.PERPLEXITY_PREFILL_TOKENS,
-                loaded.context_length, progress=lambda done, total: bar.update(done, total))
+                None if past_context else loaded.context_length,
+                progress=lambda done, total: bar.update(done, total), segment=segment, score_chunk=score_chunk)
         print_table(results, baseline if reference else None)
+        if segment is not None:
+            print_segments(results)
         if json_path is not None:
             rows = {name: dict(r.to_dict(), policy=policies[name].describe()) for name, r in results.items()}
             if modes is None:
@@ -99,6 +112,17 @@ def print_table(results: dict, baseline: Optional[str]) -> None:
         table.add_row(name, f"{r.perplexity:.4f}", kl, top1, f"{r.stored_count}/{r.current_length}",
                       c.fmt_bytes(r.cache_bytes))
     Console(highlight=False, width=110).print(table)
+
+
+def print_segments(results: dict) -> None:
+    first = next(iter(results.values()))
+    table = Table(title="perplexity per segment of scored tokens")
+    table.add_column("policy")
+    for seg in first.segment_perplexity:
+        table.add_column(f"{seg['start']}-{seg['end']}", justify="right")
+    for name, r in results.items():
+        table.add_row(name, *(f"{seg['perplexity']:.2f}" for seg in r.segment_perplexity))
+    Console(highlight=False, width=200).print(table)
 
 
 def register(app: typer.Typer) -> None:

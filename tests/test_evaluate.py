@@ -302,3 +302,29 @@ def test_cli_bench_json_and_plot(wide_path, tmp_path):
     for row in rows:
         assert set(row) >= {"policy", "context", "prefill_tokens_per_s", "decode_tokens_per_s", "cache_bytes"}
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_perplexity_segments_and_score_chunk(native):
+    """Per-segment perplexities recombine into the whole text's; feeding the full cache 37 tokens
+    per call scores exactly what one token per call scores (a cached path against itself fed
+    differently); an evicting cache fed in chunks differs (so the check can fail)."""
+    import math
+
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.evaluate.perplexity import perplexities
+
+    ids = native.tokenizer.encode("In the beginning God created the heaven and the earth. " * 12)[:200]
+    full, window = CacheConfig(), CacheConfig(sink=4, window=28)
+    one = perplexities(native.model, ids, {"full": full, "win": window}, None, 16, segment=50)
+    many = perplexities(native.model, ids, {"full": full, "win": window}, None, 16, segment=50, score_chunk=37)
+    for r in one.values():
+        segs = r.segment_perplexity
+        assert [(s["start"], s["end"]) for s in segs] == [(0, 50), (50, 100), (100, 150), (150, 199)]
+        whole = math.exp(sum(math.log(s["perplexity"]) * (s["end"] - s["start"]) for s in segs) / r.tokens)
+        assert abs(whole - r.perplexity) < 1e-3 * r.perplexity
+    assert abs(one["full"].perplexity - many["full"].perplexity) < 1e-4 * one["full"].perplexity
+    for a, b in zip(one["full"].segment_perplexity, many["full"].segment_perplexity):
+        assert abs(a["perplexity"] - b["perplexity"]) < 1e-4 * a["perplexity"]
+    assert abs(one["win"].perplexity - many["win"].perplexity) > 1e-3
+    with pytest.raises(ValueError, match="score_chunk"):
+        perplexities(native.model, ids, {"full": full}, None, 16, score_chunk=0)

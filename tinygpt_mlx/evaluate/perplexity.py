@@ -8,6 +8,8 @@ step, on a second cache: only the running sums are kept, never the logits, so a 
 length streams through in bounded memory (bounded by the caches themselves).
 
     perplexity      exp(mean NLL of token t+1 given tokens <= t) under the policy
+    segment_perplexity  the same over each run of `segment` scored positions (StreamingLLM's
+                    curve past the trained context), when asked for
     kl_mean         mean over positions of KL(p_baseline || p_policy), in nats
     top1_agreement  fraction of positions where both argmaxes agree
 """
@@ -39,6 +41,7 @@ class PerplexityResult:
     stored_count: int = 0            # as the policy's cache reports them at the end
     current_length: int = 0
     cache_bytes: int = 0
+    segment_perplexity: Optional[list] = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -65,13 +68,23 @@ def perplexity(model: Any, tokens: list[int], config: CacheConfig,
 def perplexities(model: Any, tokens: list[int], configs: dict[str, CacheConfig],
                  baseline: Optional[CacheConfig] = CacheConfig(), prefill_tokens: int = PREFILL_TOKENS,
                  context_length: Optional[int] = None,
-                 progress: Optional[Callable[[int, int], None]] = None) -> dict[str, PerplexityResult]:
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 segment: Optional[int] = None, score_chunk: int = 1) -> dict[str, PerplexityResult]:
     """Score `tokens` under every policy in `configs`, all side by side with one baseline run.
 
     `context_length` (the model's) is checked as `sample` checks a prompt: a full cache cannot
-    hold more, so a long text needs an evicting policy and `baseline=None`.
-    `progress(done, total)` is called as positions are scored.
+    hold more, so a long text needs an evicting policy and `baseline=None` (None skips the check:
+    the full cache past the trained context, to show how it fails).
+    `progress(done, total)` is called as positions are scored. `segment`: also report the
+    perplexity of each run of that many scored positions. `score_chunk`: after the prefill chunk,
+    feed this many tokens per model call (1, the default, is how decoding feeds them; more is
+    the same for a full cache and faster, but lets an evicting cache see a chunk's tokens before
+    it evicts).
     """
+    if score_chunk < 1:
+        raise ValueError(f"score_chunk must be >= 1, got {score_chunk}")
+    if segment is not None and segment < 1:
+        raise ValueError(f"segment must be >= 1, got {segment}")
     if len(tokens) < 2:
         raise ValueError(f"the text must have at least 2 tokens to score, got {len(tokens)}")
     if prefill_tokens < 1:
@@ -107,22 +120,46 @@ def perplexities(model: Any, tokens: list[int], configs: dict[str, CacheConfig],
                 acc["agree"] = acc["agree"] + (mx.argmax(logp, -1) == mx.argmax(blogp, -1)).sum()
         mx.eval(base_nll, sums)  # only these scalars outlive the step
 
+    marks: dict[str, list[tuple[int, float]]] = {name: [] for name in configs}   # (end, NLL sum)
+
+    def mark(done: int) -> None:
+        if segment is not None and (done % segment == 0 or done == total):
+            for name in configs:
+                marks[name].append((done, sums[name]["nll"].item()))
+
     score(tokens[:first], tokens[1:first + 1])        # the prefill chunk
     if progress is not None:
         progress(first, total)
-    for i in range(first, total):                     # then token by token, as decoding does
-        score(tokens[i:i + 1], tokens[i + 1:i + 2])
+    done = first
+    while done < total:                               # then as decoding feeds them
+        step = min(score_chunk, total - done)
+        if segment is not None:                       # a chunk never straddles a segment end
+            step = min(step, segment - done % segment)
+        score(tokens[done:done + step], tokens[done + 1:done + step + 1])
+        done += step
+        mark(done)
         if progress is not None:
-            progress(i + 1, total)
+            progress(done, total)
     out = {}
     for name, cache in caches.items():
         acc = sums[name]
         r = PerplexityResult(tokens=total, perplexity=math.exp(acc["nll"].item() / total),
                              stored_count=cache.stored_count, current_length=cache.current_length,
                              cache_bytes=cache.nbytes)
+        if segment is not None:
+            r.segment_perplexity = _segments(marks[name])
         if base_cache is not None:
             r.baseline_perplexity = math.exp(base_nll.item() / total)
             r.kl_mean = max(0.0, acc["kl"].item() / total)
             r.top1_agreement = acc["agree"].item() / total
         out[name] = r
+    return out
+
+
+def _segments(marks: list[tuple[int, float]]) -> list[dict]:
+    """Perplexity between consecutive marks (end position, running NLL sum), from position 0."""
+    out, prev_end, prev_sum = [], 0, 0.0
+    for end, nll in marks:
+        out.append({"start": prev_end, "end": end, "perplexity": math.exp((nll - prev_sum) / (end - prev_end))})
+        prev_end, prev_sum = end, nll
     return out
