@@ -26,6 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelFormatError
 from .arch import Arch, arch_for, config_from_metadata, llama3_rope_scaling, scalar
+from .header import read_header
 from .tensors import GGUFContents, Packed, read
 
 WEIGHT_MODES = ("auto", "packed", "dense")
@@ -47,6 +48,7 @@ def resolve_weights_mode(mode: str) -> str:
 def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict, dict, dict]:
     """(model, config, info, metadata) for a GGUF file; info says how each tensor type is held."""
     mode = resolve_weights_mode(weights)
+    arch_for(read_header(path).metadata, str(path))   # an unsupported architecture fails before any tensor is read
     contents = read(path)
     md = contents.metadata
     arch = arch_for(md, str(path))

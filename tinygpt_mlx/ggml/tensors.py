@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelFormatError
+from .header import read_header
 
 GGUF_MAGIC = b"GGUF"
 GROUP = 32   # every GGML block format MLX reads has 32 weights per block
@@ -80,28 +81,7 @@ def read(path: Path) -> GGUFContents:
             tensors[name] = Packed(arr, flat[f"{base}.scales"], flat[f"{base}.biases"])
         else:
             tensors[name] = arr
-    return GGUFContents(tensors, dict(md), _types_mlx(tensors), "mlx")
-
-
-def _types_mlx(tensors: dict) -> Counter:
-    """Type names as llama.cpp spells them (what MLX read back determines them exactly)."""
-    out: Counter = Counter()
-    for t in tensors.values():
-        if isinstance(t, Packed):
-            out[_block_type(t)] += 1
-        else:
-            out[{mx.float32: "F32", mx.float16: "F16", mx.bfloat16: "BF16"}.get(t.dtype, str(t.dtype))] += 1
-    return out
-
-
-def _block_type(t: Packed) -> str:
-    """Q4_0 (w = d * (q - 8)) and Q8_0 (w = d * (q - 128) as MLX holds it) have biases tied to
-    their scales; Q4_1 (w = d * q + m) has a free minimum."""
-    if t.bits == 8:
-        return "Q8_0"
-    if t.bits == 4:
-        return "Q4_0" if bool(mx.all(t.biases == -8 * t.scales).item()) else "Q4_1"
-    return f"{t.bits}-bit"
+    return GGUFContents(tensors, dict(md), read_header(path).type_counts, "mlx")
 
 
 def _read_with_gguf(path: Path) -> GGUFContents:
