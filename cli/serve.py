@@ -22,7 +22,11 @@ _V = ServerConfig
 @c.with_cache_options
 def serve(
     cache_config: CacheConfig,
-    model: c.ModelArg = None,
+    model: Annotated[Optional[list[str]], typer.Argument(
+        help="The model(s) to serve, each as `sample` takes MODEL (a .tinygpt, GGUF or model directory, an "
+        "ollama name, a Hugging Face repo id); several are all listed in /api/tags and loaded one at a time, "
+        "on demand, like ollama. Default: the shipped model.", show_default=False)] = None,
+    weights: c.Weights = "auto",
     host: Annotated[Optional[str], typer.Option(
         help=f"Address to listen on. Default {field_default(_V, 'host')} (keep loopback unless you mean to share).",
         show_default=False)] = None,
@@ -61,14 +65,21 @@ def serve(
         import uvicorn  # noqa: PLC0415
 
         from tinygpt_mlx.loading import load  # noqa: PLC0415
+        from tinygpt_mlx.resolve import resolve  # noqa: PLC0415
         from tinygpt_mlx.server.app import create_app  # noqa: PLC0415
-        loaded = load(model)
+        specs = model or [None]
+        others = [resolve(spec) for spec in specs[1:]]   # every name checked before the first loads
+        loaded = load(specs[0], weights)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
-                         small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir)
+                         small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
+                         others=others, weights=weights)
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{loaded.name}[/cyan] "
                   f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+        for e in app.state.models.entries[1:]:
+            err.print(f"also offered: [cyan]{escape(e.names[1])}[/cyan] ({escape(e.resolved.origin)}; loaded on "
+                      "first request, in place of the resident model)")
         for d in app.state.server.pool.describe():
             if "prompt_cache" in d:
                 err.print(f"slot {d['slot']} pre-warmed from {escape(d['prompt_cache'])}: {d['tokens']} tokens")

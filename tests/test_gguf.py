@@ -258,3 +258,56 @@ def test_serve_an_ollama_name_as_ollama_would(tmp_path, monkeypatch, tiny):
         finally:
             srv.should_exit = True
             thread.join(timeout=10)
+
+
+def test_serve_several_models_one_resident(tmp_path, monkeypatch, tiny):
+    """`serve a b`: both listed from their files, the second loaded on its first request in place
+    of the first (answers equal a fresh server's), then the first swapped back."""
+    ollama = pytest.importorskip("ollama")
+    from tests.test_resolve import make_ollama_store
+    from tinygpt_mlx.resolve import resolve
+    from tinygpt_mlx.server.app import create_app, serve_in_thread
+
+    make_ollama_store(tmp_path, tiny["llama"][1], "tiny", "1b")
+    make_ollama_store(tmp_path, tiny["qwen2"][1], "qwen", "2b")
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
+    msgs = [{"role": "user", "content": "hello there"}]
+    opts = {"temperature": 0, "num_predict": 6}
+
+    def answers(loaded, others=()):
+        srv, thread, url = serve_in_thread(create_app(loaded, CacheConfig(), prefill_chunk=64, others=others))
+        try:
+            client = ollama.Client(host=url)
+            tags = {m.model: m for m in client.list().models}
+            out = {name: client.chat(name, msgs, options=opts).message.content for name in ("qwen:2b", "tiny:1b")
+                   if name in tags}
+            return tags, out, client.ps().models[0].model, httpx_get(url + "/api/slots")["model_swaps"]
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)
+
+    with load("tiny:1b") as first:
+        tags, both, resident, swaps = answers(first, [resolve("qwen:2b")])
+    assert set(tags) == {"tiny:1b", "qwen:2b"}
+    q = tags["qwen:2b"].details
+    assert (q.format, q.family, q.quantization_level) == ("gguf", "qwen2", "F32")
+    assert tags["qwen:2b"].size == tiny["qwen2"][1].stat().st_size
+    assert resident == "tiny:1b" and swaps == 2      # qwen swapped in, then tiny back
+    with load("qwen:2b") as alone:
+        _, fresh, _, _ = answers(alone)
+    assert both["qwen:2b"] == fresh["qwen:2b"]
+
+
+def httpx_get(url):
+    import httpx
+    return httpx.get(url).json()
+
+
+def test_serve_refuses_an_unknown_second_model_before_loading(tmp_path, monkeypatch):
+    from cli.main import app
+
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
+    r = CliRunner().invoke(app, ["serve", "models/tinygpt-base.tinygpt", "nosuch:7b", "--port", "1"])
+    assert r.exit_code == 1
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1 and "nosuch:7b" in lines[0], r.stderr

@@ -110,7 +110,7 @@ def default_model_path() -> Path:
     return path
 
 
-def load(model: Union[str, Path, None] = None, weights: str = "auto") -> LoadedModel:
+def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") -> LoadedModel:
     """Load a model for sampling; `None` means the shipped default.
 
     `model` is a path (`.tinygpt`, `.gguf`, model directory), an ollama name or a Hugging Face
@@ -119,7 +119,8 @@ def load(model: Union[str, Path, None] = None, weights: str = "auto") -> LoadedM
     """
     if weights not in WEIGHT_MODES:
         raise ModelFormatError(f"--weights {weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
-    resolved = resolve(model, default_model_path() if model is None else None)
+    resolved = model if isinstance(model, Resolved) else resolve(
+        model, default_model_path() if model is None else None)
     path = resolved.path
     if resolved.format == "gguf":
         loaded = _load_gguf(path, weights)

@@ -24,36 +24,55 @@ from . import ollama as ol
 from . import openai as oa
 from . import routes
 from .config import ServerConfig
-from .state import ApiError, Server
+from ..loading import load
+from .models import Models
+from .state import ApiError, Server, names_for
 
 log = logging.getLogger("posttrainllm.server")
 
 
 def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
                prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None,
-               prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None) -> FastAPI:
+               prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
+               others: Sequence[Any] = (), weights: str = "auto") -> FastAPI:
     """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
     `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
     a prompt that starts with its document is answered without prefilling the document); a file
     of another policy or model raises `PromptCacheError` (one line naming it) before serving.
     `slot_dir`: the conversations of the last run saved there are restored into slots now, and
-    this run's are saved there at shutdown (`Server.save_slots`)."""
+    this run's are saved there at shutdown (`Server.save_slots`).
+    `others`: more models to offer (`resolve.Resolved`), listed from their files and loaded on
+    demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens).items() if v is not None})
     srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches,
                  slot_dir)
+    first = srv.names
+
+    def make(resolved: Any) -> Server:
+        again = names_for(resolved.name) == first        # the first model gets its slot files back
+        return Server(load(resolved, weights), cache_config, cfg.max_slots, cfg.prefill_chunk,
+                      cfg.small_request, (), slot_dir if again else None)
+
+    models = Models(srv, others, make)
 
     @asynccontextmanager
     async def lifespan(app):
         yield
-        srv.worker.stop()
+        # the resident model's worker, slots (saved to --slot-dir) and caches (disk cold stores,
+        # KIVI shadows removed); the model itself stays loaded for whoever passed it in
+        resident = models.resident
+        resident.worker.stop()
         try:
-            srv.save_slots()
+            resident.save_slots()
         finally:
-            srv.pool.close()    # every slot's cache: disk cold stores / KIVI shadows removed
+            resident.pool.close()
+            if resident is not srv:
+                resident.loaded.close()
 
     app = FastAPI(title="posttrainllm", lifespan=lifespan)
     app.state.server = srv
+    app.state.models = models
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -70,7 +89,7 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
         log.exception("unexpected error on %s", request.url.path)
         return await api_error(request, ApiError(500, f"internal error: {e}"))
 
-    routes.register(app, srv)
+    routes.register(app, models)
     return app
 
 

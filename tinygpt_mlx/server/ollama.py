@@ -112,6 +112,14 @@ def model_entry(loaded: Any, name: str) -> dict:
             "size": loaded.info.get("file_bytes", 0), "digest": digest(loaded), "details": details(loaded)}
 
 
+def listed_entry(name: str, size: int, modified: float, details: dict) -> dict:
+    """An /api/tags row for an offered model that is not loaded (described from its file)."""
+    t = _dt.datetime.fromtimestamp(modified, _dt.timezone.utc)
+    return {"name": name, "model": name, "size": size,
+            "modified_at": t.isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            "digest": hashlib.sha256(name.encode()).hexdigest(), "details": details}
+
+
 def ps_entry(loaded: Any, name: str, cache_bytes: int, context_length: Optional[int]) -> dict:
     e = model_entry(loaded, name)
     e.pop("modified_at")

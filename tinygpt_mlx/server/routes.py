@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from . import ollama as ol
 from . import openai as oa
 from . import prompt as pr
+from .models import Models
 from .state import ApiError, Server, read_json
 from .streams import (ClientGone, GenerationFailed, collect, ndjson, render, sse,
                       truncation_headers)
@@ -55,8 +56,9 @@ async def _wait(job, request: Request):
         raise ApiError(500, str(e)) from None
 
 
-def register(app: FastAPI, srv: Server) -> None:
-    loaded, cfg = srv.loaded, srv.cache_config
+def register(app: FastAPI, models: Models) -> None:
+    """The routes over `models`: a request naming a model gets its server (swapped in if another
+    is resident); listings read every offered model from its file."""
 
     @app.get("/")
     @app.head("/")
@@ -69,34 +71,45 @@ def register(app: FastAPI, srv: Server) -> None:
 
     @app.get("/api/tags")
     async def tags():
-        return {"models": [ol.model_entry(loaded, srv.names[1])]}
+        srv = models.resident
+        rows = []
+        for e in models.entries:
+            if e.names == srv.names:
+                rows.append(ol.model_entry(srv.loaded, srv.names[1]))
+            else:
+                rows.append(ol.listed_entry(e.names[1], e.size, e.modified, e.details))
+        return {"models": rows or [ol.model_entry(srv.loaded, srv.names[1])]}
 
     @app.get("/api/ps")
     async def ps():
-        limit = pr.context_limit(loaded, cfg, None)
-        return {"models": [ol.ps_entry(loaded, srv.names[1], srv.pool.cache_bytes, limit)]}
+        srv = models.resident
+        limit = pr.context_limit(srv.loaded, srv.cache_config, None)
+        return {"models": [ol.ps_entry(srv.loaded, srv.names[1], srv.pool.cache_bytes, limit)]}
 
     @app.get("/api/slots")
     async def slots():
+        srv = models.resident
         return {"slots": srv.pool.describe(), "queued": srv.worker.pending, "busy": srv.worker.busy,
-                "cache_policy": cfg.label(), "recent": list(srv.worker.recent)}
+                "cache_policy": srv.cache_config.label(), "recent": list(srv.worker.recent),
+                "model": srv.names[1], "model_swaps": models.swaps}
 
     @app.post("/api/show")
     async def show(request: Request):
         body = await read_json(request)
         if body.get("model") is None and body.get("name") is not None:
             body["model"] = body["name"]
-        srv.check_model(body)
-        return ol.show(loaded, cfg.label(), pr.template_text(loaded))
+        srv = await models.server(body)
+        return ol.show(srv.loaded, srv.cache_config.label(), pr.template_text(srv.loaded))
 
-    def _submit(body: dict, p: pr.Fitted, opts: dict, stream_default: bool):
+    def _submit(srv: Server, body: dict, p: pr.Fitted, opts: dict, stream_default: bool):
         """Queue the job; (stream?, job, truncation record, response headers)."""
         job = srv.job(p, opts, ol.UNBOUNDED_PREDICT)
         srv.submit(job)
         return _stream_flag(body, stream_default), job, p.truncated, truncation_headers(p.truncated)
 
-    async def _ollama_run(request: Request, body: dict, model: str, opts: dict, p: pr.Fitted, chat: bool):
-        stream, job, truncated, headers = _submit(body, p, opts, True)
+    async def _ollama_run(srv: Server, request: Request, body: dict, model: str, opts: dict, p: pr.Fitted,
+                          chat: bool):
+        stream, job, truncated, headers = _submit(srv, body, p, opts, True)
 
         def final(r, text):
             if chat:
@@ -113,7 +126,8 @@ def register(app: FastAPI, srv: Server) -> None:
     @app.post("/api/generate")
     async def generate(request: Request):
         body = await read_json(request)
-        model = srv.check_model(body)
+        srv = await models.server(body)
+        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
         opts = ol.parse_options(body.get("options"))
         prompt, system = body.get("prompt") or "", body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
@@ -125,12 +139,13 @@ def register(app: FastAPI, srv: Server) -> None:
         ids, text = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
         limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
         p = pr.fit_tokens(ids, text, limit, opts["num_predict"], opts["num_keep"])
-        return await _ollama_run(request, body, model, opts, p, chat=False)
+        return await _ollama_run(srv, request, body, model, opts, p, chat=False)
 
     @app.post("/api/chat")
     async def chat(request: Request):
         body = await read_json(request)
-        model = srv.check_model(body)
+        srv = await models.server(body)
+        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
         opts = ol.parse_options(body.get("options"))
         messages = _messages(body.get("messages"))
         if not messages:
@@ -139,19 +154,21 @@ def register(app: FastAPI, srv: Server) -> None:
         limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
         p, stops = pr.fit_chat(loaded, messages, limit, opts["num_predict"])
         opts["stop"] = tuple(opts["stop"]) + stops
-        return await _ollama_run(request, body, model, opts, p, chat=True)
+        return await _ollama_run(srv, request, body, model, opts, p, chat=True)
 
     @app.get("/v1/models")
     async def v1_models():
-        return oa.models([srv.names[1]], int(srv.started))
+        names = [e.names[1] for e in models.entries] or [models.resident.names[1]]
+        return oa.models(names, int(models.resident.started))
 
     @app.get("/v1/models/{name}")
     async def v1_model(name: str):
-        srv.check_model({"model": name})
-        return oa.models([name], int(srv.started))["data"][0]
+        models.entry(name)
+        return oa.models([name], int(models.resident.started))["data"][0]
 
-    async def _openai_run(request: Request, body: dict, model: str, s: dict, p: pr.Fitted, chat: bool):
-        stream, job, truncated, headers = _submit(body, p, s, False)
+    async def _openai_run(srv: Server, request: Request, body: dict, model: str, s: dict, p: pr.Fitted,
+                          chat: bool):
+        stream, job, truncated, headers = _submit(srv, body, p, s, False)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
         if stream:
             opts = body.get("stream_options") or {}
@@ -180,19 +197,21 @@ def register(app: FastAPI, srv: Server) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read_json(request)
-        model = srv.check_model(body)
+        srv = await models.server(body)
+        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
         s = oa.parse_sampling(body, None)
         messages = _messages(body.get("messages"))
         if not messages:
             raise ApiError(400, "messages must not be empty")
         p, stops = pr.fit_chat(loaded, messages, pr.context_limit(loaded, cfg, None), s["max_tokens"])
         s["stop"] = tuple(s["stop"]) + stops
-        return await _openai_run(request, body, model, s, p, chat=True)
+        return await _openai_run(srv, request, body, model, s, p, chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await read_json(request)
-        model = srv.check_model(body)
+        srv = await models.server(body)
+        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
         s = oa.parse_sampling(body, oa.DEFAULT_COMPLETION_TOKENS)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -204,7 +223,7 @@ def register(app: FastAPI, srv: Server) -> None:
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
         p = pr.fit_tokens(ids, text, pr.context_limit(loaded, cfg, None), s["max_tokens"])
-        return await _openai_run(request, body, model, s, p, chat=False)
+        return await _openai_run(srv, request, body, model, s, p, chat=False)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST", "DELETE", "PUT"])
     async def unsupported(rest: str):

@@ -24,6 +24,13 @@ from .worker import Job, Worker
 log = logging.getLogger("posttrainllm.server")
 
 
+def names_for(label: str) -> tuple[str, str]:
+    """(name, name:tag): an ollama name keeps its tag (smollm2:135m), any other gets :latest."""
+    if ":" in label:
+        return label.rsplit(":", 1)[0], label
+    return label, f"{label}:latest"
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -84,9 +91,7 @@ class Server:
         self.loaded, self.cache_config = loaded, cache_config
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
-        # an ollama name already has its tag (smollm2:135m): serve it as that and without the tag
-        base = loaded.name.rsplit(":", 1)[0] if ":" in loaded.name else loaded.name
-        self.names = (base, loaded.name if ":" in loaded.name else f"{loaded.name}:latest")
+        self.names = names_for(loaded.name)
         self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens,
                              loader=lambda path: load_for_server(path, loaded, cache_config))
         if len(prompt_caches) > max_slots:

@@ -1,0 +1,123 @@
+"""The models a server offers (`serve smollm2:135m llama3.2:1b ...`), as ollama offers them: every
+one listed in /api/tags from its file alone, one resident at a time, and a request naming another
+swaps it in (the resident one is unloaded once its worker is idle; the new one is loaded in a
+thread so the server keeps answering meanwhile).
+
+Only the first model gets the prompt-cache files and the slot directory (they are made for one
+model); its slots are saved there when it is swapped out and restored when it comes back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import mlx.core as mx
+
+from ..ggml.header import read_header
+from ..resolve import Resolved
+from .state import ApiError, Server, names_for
+
+log = logging.getLogger("posttrainllm.server")
+
+
+@dataclass
+class Entry:
+    resolved: Resolved
+    names: tuple[str, str]
+    size: int
+    details: dict
+    modified: float
+
+
+def describe(resolved: Resolved) -> Entry:
+    """An /api/tags row from the file alone (no weights loaded)."""
+    path = resolved.path
+    if resolved.format == "gguf":
+        h = read_header(path)
+        label = h.metadata.get("general.size_label", "")
+        details = {"format": "gguf", "family": h.architecture, "parameter_size": label,
+                   "quantization_level": h.main_type}
+        size = path.stat().st_size
+    elif resolved.format == "mlx-lm":
+        config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
+        quant = config.get("quantization")
+        details = {"format": "mlx", "family": config.get("model_type", ""), "parameter_size": "",
+                   "quantization_level": f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant
+                   else "F32"}
+        size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
+    else:
+        details = {"format": "tinygpt", "family": "tinygpt", "parameter_size": "", "quantization_level": "F32"}
+        size = path.stat().st_size
+    details.update(parent_model="", families=[details["family"]])
+    return Entry(resolved, names_for(resolved.name), size, details, path.stat().st_mtime)
+
+
+class Models:
+    """The offered models and the resident `Server`."""
+
+    def __init__(self, first: Server, others: Sequence[Resolved], make: Callable[[Resolved], Server]):
+        self.resident = first
+        self.first_name = first.names[1]
+        self.entries = [describe(first.loaded.resolved)] if first.loaded.resolved else []
+        seen = set(first.names)
+        for r in others:
+            e = describe(r)
+            if seen & set(e.names):
+                raise ValueError(f"{r.name}: offered twice (names {', '.join(e.names)})")
+            seen |= set(e.names)
+            self.entries.append(e)
+        self._make = make
+        self._lock = asyncio.Lock()
+        self.swaps = 0
+
+    def entry(self, name: Any) -> Entry:
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, "model is required")
+        for e in self.entries:
+            if name in e.names:
+                return e
+        if name in self.resident.names:      # a model without a resolution record (tests)
+            return Entry(self.resident.loaded.resolved, self.resident.names, 0, {}, time.time())
+        raise ApiError(404, f"model '{name}' not found")
+
+    async def server(self, body: dict) -> Server:
+        """The server for the request's model, swapping it in if another is resident."""
+        name = body.get("model")
+        self.entry(name)
+        if name in self.resident.names:
+            return self.resident
+        async with self._lock:
+            if name in self.resident.names:   # swapped in while this request waited
+                return self.resident
+            old = self.resident
+            while old.worker.busy or old.worker.pending:
+                await asyncio.sleep(0.05)
+            entry = self.entry(name)
+            log.info("model %s: unloading %s, loading %s", name, old.names[1], entry.names[1])
+            started = time.monotonic()
+            self.resident = await asyncio.to_thread(self._swap, old, entry.resolved)
+            self.swaps += 1
+            log.info("model %s loaded in %.1f s", entry.names[1], time.monotonic() - started)
+            return self.resident
+
+    def _swap(self, old: Server, resolved: Resolved) -> Server:
+        self.close(old)
+        gc.collect()
+        mx.clear_cache()
+        return self._make(resolved)
+
+    @staticmethod
+    def close(srv: Server) -> None:
+        srv.worker.stop()
+        try:
+            srv.save_slots()
+        finally:
+            srv.pool.close()
+            srv.loaded.close()
