@@ -80,7 +80,13 @@ def tiny(tmp_path_factory, tok_json):
     for arch, model_type, extra in [("llama", "llama", {}),
                                     ("qwen2", "qwen2", {}),
                                     ("qwen3", "qwen3", {"head_dim": 16}),
-                                    ("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16})]:
+                                    ("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16}),
+                                    ("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                                               "sliding_window": 512, "rope_local_base_freq": 10000.0,
+                                                               "sliding_window_pattern": 6, "num_hidden_layers": 6}),
+                                    ("phi3", "phi3", {"max_position_embeddings": 256,
+                                                      "original_max_position_embeddings": 256,
+                                                      "tie_word_embeddings": False})]:
         src = _build_dir(root / f"{arch}-src", model_type, tok_json, **extra)
         md = ({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
               if arch == "gemma2" else {})
@@ -92,7 +98,7 @@ def _logits(loaded, ids):
     return loaded.model(mx.array([ids]))[0].astype(mx.float32)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
 def test_f32_gguf_equals_source_directory(tiny, arch):
     src, path = tiny[arch]
     with load(src) as ref, load(path) as ours:
