@@ -104,6 +104,9 @@ def needle(
         "with the package; the docs' numbers used data/heldout.txt from scripts/fetch_corpus.sh).",
         show_default=False)] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward pass.")] = 128,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Ask each document through the model's chat template (an instruct model): the "
+        "document and question as a user message, the answer's lead-in starting the reply.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
@@ -163,7 +166,7 @@ def needle(
         with c.Progress("needle grid", total=n_cells, unit="cells") as bar:
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
-                                    on_chunk=PrefillReport(), partial=partial)
+                                    on_chunk=PrefillReport(), partial=partial, chat=chat)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -165,3 +165,15 @@ def test_grid_runs_each_task_and_hands_retrieval_the_values(native, monkeypatch,
         if task == "phonebook":
             assert "fox" not in prompt                    # dense: no prose filler
     assert r["summary"]["retrieval"]["values"] == 2 * (3 if task == "keyed-all" else 1)
+
+
+def test_as_chat_puts_the_question_in_a_user_turn(native):
+    from tinygpt_mlx.evaluate.needle import as_chat, cell_document, needle_positions
+
+    tok = native.tokenizer
+    prompt, answer = cell_document(tok, "In the beginning God created the heaven. " * 80, 300, 0.5, 0)
+    q = prompt.rfind("?")
+    chat = as_chat(tok, prompt)
+    assert chat == tok.chat_prompt([{"role": "user", "content": prompt[:q + 1]}]) + prompt[q + 1:].strip()
+    assert chat.endswith("The pass key is") and prompt[:q + 1] in chat
+    assert needle_positions(tok.encode, chat, answer)     # the needle is still in the document

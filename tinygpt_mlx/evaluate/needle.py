@@ -125,16 +125,26 @@ def cell_document(tok: Any, filler_text: str, context: int, depth: float, seed: 
                                               template=template), rng, tok.encode, context)
 
 
+def as_chat(tok: Any, prompt: str) -> str:
+    """A cell's document as an instruct model is asked: the document and its question as one user
+    message in the model's chat template, the answer's lead-in ("The pass key is") starting the
+    assistant's turn, so the same `passed` check reads the reply."""
+    q = prompt.rfind("?")
+    user, lead = (prompt[:q + 1], prompt[q + 1:].strip()) if q >= 0 else (prompt, "")
+    return tok.chat_prompt([{"role": "user", "content": user}]) + lead
+
+
 def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
                 seeds: int, policies: list[str], filler_text: str, chunk: int = 128,
                 digits: int = 5, template: Optional[int] = None, task: str = "passkey", facts: int = 4,
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
-                partial: Optional[Callable[[dict], None]] = None) -> dict:
+                partial: Optional[Callable[[dict], None]] = None, chat: bool = False) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
-    after each cell (to save a long grid as it goes)."""
+    after each cell (to save a long grid as it goes). `chat`: each document is asked through the
+    model's chat template (`as_chat`), as an instruct model is used."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -143,6 +153,8 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
         for depth in depths:
             for seed in range(seeds):
                 prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
+                if chat:
+                    prompt = as_chat(tok, prompt)
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
