@@ -90,8 +90,8 @@ def bench(
         "in a sync, which those rows' tokens/s include.")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     c.check_writable(json_path, "--json")
     c.check_writable(plot_path, "--plot")
@@ -106,7 +106,7 @@ def bench(
                     raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
         if plot_path is not None:
             inputs.require_plotting()
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         err.print(f"[bold]bench[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"contexts {ctx}")
         for s in dict.fromkeys([reference, *specs]):

@@ -40,10 +40,10 @@ def cache_prompt(
     token ids and the logits after the last one. Continue with
     `posttrainllm sample MODEL --prompt-cache FILE --prompt "question"`.
     """
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
     from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415
     from tinygpt_mlx.generate import check_context, prefill  # noqa: PLC0415
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     from .sample import read_prompt_file  # noqa: PLC0415
 
@@ -56,7 +56,7 @@ def cache_prompt(
     c.check_writable(report_json, "--report-json")
     text = read_prompt_file(prompt_file)
     with c.guarded():
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         ids = loaded.tokenizer.encode(text)
         if not ids:
             raise ValueError(f"{prompt_file} encodes to no tokens")

@@ -26,15 +26,15 @@ def cache_report(
     prefill_chunk: c.PrefillChunk = None,
 ) -> None:
     """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches with random tokens and print their bytes."""
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     lengths = lengths or list(DEFAULT_LENGTHS)
     if any(n < 1 for n in lengths):
         raise typer.BadParameter("--length must be positive")
     c.cache_config(group_size=kv_group_size, residual=kv_residual)  # flag errors before loading
     with c.guarded():
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
         err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
                   f"({len(REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")

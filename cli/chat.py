@@ -176,8 +176,8 @@ def chat(
     --streaming-llm-window, retrieval or KIVI the conversation runs in bounded memory (what
     StreamingLLM evicts is gone; retrieval keeps it reachable). See docs/chat.md.
     """
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.chat import ChatSession  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
@@ -188,7 +188,7 @@ def chat(
     c.check_writable(report_json, "--report-json")
     interactive = sys.stdin.isatty()
     with c.guarded():
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         session = ChatSession(loaded, cache_config, sample_config, system, not no_chat_template)
         fmt = "the model's chat template" if session.templated else "the plain 'User: / Assistant:' format"
         err.print(f"[bold]posttrainllm chat[/bold] · [cyan]{escape(loaded.name)}[/cyan] · cache "

@@ -370,3 +370,22 @@ def fmt_bytes(n: int) -> str:
 def write_stdout(text: str) -> None:
     sys.stdout.write(text)
     sys.stdout.flush()
+
+
+def resolve_model(model):
+    """MODEL resolved before the library's heavy imports (mlx-lm, transformers), so that a
+    missing path or an unknown name is one line in a fraction of a second; a `Resolved` or
+    None (the shipped model) passes through as it is."""
+    if model is None or not isinstance(model, (str, Path)):
+        return model
+    from tinygpt_mlx.resolve import resolve  # noqa: PLC0415 (see cli/main.py)
+
+    with guarded():
+        return resolve(model)
+
+
+def load_model(model, weights: str = "auto"):
+    """Load MODEL (a name, a path or what `resolve_model` returned)."""
+    from tinygpt_mlx.loading import load  # noqa: PLC0415
+
+    return load(model, weights)

@@ -51,15 +51,15 @@ def compare(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.evaluate import compare as cmp  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     c.check_writable(json_path, "--json")
     with c.guarded():
         policies = parse_policies(modes)
         reference = (baseline, parse_policy(baseline))
         texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "
                   f"baseline [green]{reference[1].label()}[/green]")
         for name, config in policies.items():

@@ -15,10 +15,9 @@ def info(model: c.ModelArg = None,
     """Show what MODEL resolved to (file, ollama name, Hugging Face id) and from where, its format and
     architecture, each GGUF tensor type and how it is held, parameters, tokenizer, file size and
     checksum state."""
-    from tinygpt_mlx.loading import load  # noqa: PLC0415 (see cli/main.py)
 
     with c.guarded():
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],
                "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
                "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],

@@ -117,8 +117,8 @@ def needle(
 
     The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
     StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.evaluate import needle as nd  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
@@ -142,7 +142,7 @@ def needle(
         if plot is not None:
             inputs.require_plotting()
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk} · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))

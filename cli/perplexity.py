@@ -54,8 +54,8 @@ def perplexity(
         "degrades there; refused otherwise).")] = False,
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
 
     config = cache_config
     flags_given = config != CacheConfig()
@@ -68,7 +68,7 @@ def perplexity(
         policies = parse_policies(modes) if modes is not None else {config.label(): config}
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
         source = inputs.read_text(text or inputs.HELDOUT_KJV)
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         if text is None and max_tokens is None and loaded.context_length:
             max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
         ids = loaded.tokenizer.encode(source)[:max_tokens]

@@ -274,11 +274,6 @@ def sample(
     than one prefill chunk (or 1024 tokens) shows prefill progress on stderr. Passing the model's
     trained context, or a window / retrieval span wider than it, is warned about once on stderr.
     """
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.generate import check_context  # noqa: PLC0415
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
-
     if prompt is not None and prompt_file is not None:
         raise typer.BadParameter("give --prompt or --prompt-file, not both")
     if prompt == "":
@@ -292,10 +287,15 @@ def sample(
         raise c.config_error(e) from None
     c.check_writable(report_json, "--report-json")
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.generate import check_context  # noqa: PLC0415
+
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
     with c.guarded(), ranks() as world:
-        loaded = load(model, weights)
+        loaded = c.load_model(model, weights)
         if world.group is not None and (saved is not None or save_prompt_cache is not None):
             raise ValueError("prompt-cache files (--prompt-cache, --save-prompt-cache) are one process's "
                              "cache; they are not supported under several ranks yet")

@@ -60,16 +60,15 @@ def serve(
             prefill_chunk=prefill_chunk).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
+    # every name resolved before anything heavy is imported or loaded
+    specs = [c.resolve_model(spec) for spec in (model or [None])]
     with c.guarded():
         # The library and the web stack are imported here (see cli/main.py).
         import uvicorn  # noqa: PLC0415
 
-        from tinygpt_mlx.loading import load  # noqa: PLC0415
-        from tinygpt_mlx.resolve import resolve  # noqa: PLC0415
         from tinygpt_mlx.server.app import create_app  # noqa: PLC0415
-        specs = model or [None]
-        others = [resolve(spec) for spec in specs[1:]]   # every name checked before the first loads
-        loaded = load(specs[0], weights)
+        others = specs[1:]
+        loaded = c.load_model(specs[0], weights)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,

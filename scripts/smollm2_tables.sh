@@ -25,3 +25,12 @@ if [[ $part == all || $part == perplexity ]]; then
   posttrainllm perplexity "$MODEL" --max-tokens 2048 --prefill-tokens 1024 \
     --modes int8,int4,int2,k8v4,sink4/window1020,window1024 --json "$OUT/smollm2_perplexity_2k.json"
 fi
+if [[ $part == all || $part == streaming ]]; then
+  # StreamingLLM past the trained context (8192): perplexity per 2K-token segment over 16K tokens
+  # of the shipped held-out text; the windows one token per call, as decoding feeds them; the
+  # full cache in chunks of 512 (exact for a full cache), past its context with --past-context
+  posttrainllm perplexity "$MODEL" --max-tokens 16385 --prefill-tokens 1024 --baseline none \
+    --modes sink4/window1020,window1024 --segment 2048 --json "$OUT/smollm2_streaming_16k.json"
+  posttrainllm perplexity "$MODEL" --max-tokens 16385 --prefill-tokens 512 --score-chunk 512 --baseline none \
+    --modes full --past-context --segment 2048 --json "$OUT/smollm2_streaming_16k_full.json"
+fi

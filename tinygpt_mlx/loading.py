@@ -20,13 +20,9 @@ from .errors import ModelFormatError
 from .ggml.load import WEIGHT_MODES, load_gguf_model
 from .ggml.tokenizer import tokenizer_from_metadata
 from .model import count_parameters
-from .resolve import Resolved, resolve
+from .resolve import DEFAULT_MODEL_NAME, MODELS_DIR, Resolved, default_model_path, resolve  # noqa: F401
 from .tokenizer import Tokenizer
 
-# Package data, so that a wheel (pip / pipx / uv tool install .) ships the default model; the
-# repository's top-level models/ is a link to this folder.
-MODELS_DIR = Path(__file__).resolve().parent / "models"
-DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
 
 
 @dataclass
@@ -102,14 +98,6 @@ class LoadedModel:
         return f"verified {c['algorithm']} {c['tensors'][:16]}…" if c else "none (saved before checksums existed)"
 
 
-def default_model_path() -> Path:
-    """The shipped default model; a clear error when none is shipped."""
-    path = MODELS_DIR / DEFAULT_MODEL_NAME
-    if not path.exists():
-        raise ModelFormatError(f"no default model shipped yet ({path} is missing); pass MODEL explicitly")
-    return path
-
-
 def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") -> LoadedModel:
     """Load a model for sampling; `None` means the shipped default.
 
@@ -119,8 +107,7 @@ def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") 
     """
     if weights not in WEIGHT_MODES:
         raise ModelFormatError(f"--weights {weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
-    resolved = model if isinstance(model, Resolved) else resolve(
-        model, default_model_path() if model is None else None)
+    resolved = model if isinstance(model, Resolved) else resolve(model)
     path = resolved.path
     if resolved.format == "gguf":
         loaded = _load_gguf(path, weights)

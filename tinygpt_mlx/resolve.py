@@ -23,6 +23,10 @@ from typing import Optional, Union
 from .errors import ModelFormatError
 from .ggml.tensors import is_gguf
 
+# Package data, so that a wheel (pip / pipx / uv tool install .) ships the default model; the
+# repository's top-level models/ is a link to this folder.
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+DEFAULT_MODEL_NAME = "tinygpt-base.tinygpt"
 OLLAMA_MODEL_LAYER = "application/vnd.ollama.image.model"
 OLLAMA_HOST = "registry.ollama.ai"
 _OLLAMA_NAME = re.compile(r"^(?:(?P<host>[\w.-]+\.[\w.-]+(?::\d+)?)/)?(?:(?P<ns>[\w.-]+)/)?"
@@ -42,14 +46,22 @@ class Resolved:
     origin: str          # where it was found, in words
 
 
+def default_model_path() -> Path:
+    """The shipped default model; a clear error when none is shipped."""
+    path = MODELS_DIR / DEFAULT_MODEL_NAME
+    if not path.exists():
+        raise ModelFormatError(f"no default model shipped yet ({path} is missing); pass MODEL explicitly")
+    return path
+
+
 def ollama_root() -> Path:
     return Path(os.environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()
 
 
 def resolve(spec: Union[str, Path, None], default: Optional[Path] = None) -> Resolved:
+    """What MODEL names (None: `default`, else the shipped model); one-line errors otherwise."""
     if spec is None:
-        if default is None:
-            raise ModelFormatError("no MODEL given and no default model")
+        default = default or default_model_path()
         return _from_path(default, "default", default.stem)
     text = str(spec)
     path = Path(text).expanduser()
