@@ -184,6 +184,7 @@ CONFIG_FLAGS: dict[str, str] = {
     "seed": "--seed", "prefill_chunk": "--prefill-chunk", "ignore_eos": "--ignore-eos",
     # ServerConfig
     "host": "--host", "port": "--port", "max_slots": "--max-slots", "small_request": "--small-request",
+    "default_max_tokens": "--default-max-tokens", "default_num_ctx": "--default-num-ctx",
 }
 
 

@@ -50,6 +50,17 @@ def serve(
         "here (slot-N.ptc, prompt-cache files), and at start the saved ones are loaded back, so a conversation "
         "continues without its prefill. Files of another policy or model are skipped with a warning.",
         show_default=False)] = None,
+    name: Annotated[Optional[list[str]], typer.Option(
+        "--name", help="Serve the model under this name instead of its own (clients that hard-code one, "
+        "e.g. llama3.2 or gpt-4o-mini); repeatable, in the order of the models.", show_default=False)] = None,
+    default_max_tokens: Annotated[Optional[int], typer.Option(
+        "--default-max-tokens", help="Longest reply to a request that sets no length (ollama num_predict "
+        "-1 or absent, OpenAI chat without max_tokens); 0 = up to the context, as ollama does. "
+        f"Default {field_default(_V, 'default_max_tokens')}.", show_default=False)] = None,
+    default_num_ctx: Annotated[Optional[int], typer.Option(
+        "--default-num-ctx", help="Context of a request without num_ctx (ollama's OLLAMA_CONTEXT_LENGTH). "
+        "Default: the model's trained context for a full cache, unlimited under StreamingLLM or retrieval.",
+        show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
@@ -57,7 +68,8 @@ def serve(
     try:
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
-            prefill_chunk=prefill_chunk).items() if v is not None})
+            prefill_chunk=prefill_chunk, default_max_tokens=default_max_tokens,
+            default_num_ctx=default_num_ctx).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
@@ -72,10 +84,16 @@ def serve(
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
-                         others=others, weights=weights)
-        err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{loaded.name}[/cyan] "
-                  f"(also '{loaded.name}:latest'), cache policy [green]{cache_config.label()}[/green], "
+                         others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
+                         default_num_ctx=cfg.default_num_ctx, names=name or ())
+        names = app.state.server.names
+        err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
+                  f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+        limit = app.state.server.context_limit(None)
+        err.print(f"requests without a length get at most "
+                  f"{cfg.default_max_tokens or 'the context'} tokens (--default-max-tokens); without num_ctx "
+                  f"a context of {limit if limit is not None else 'any length'} (--default-num-ctx)")
         for e in app.state.models.entries[1:]:
             err.print(f"also offered: [cyan]{escape(e.names[1])}[/cyan] ({escape(e.resolved.origin)}; loaded on "
                       "first request, in place of the resident model)")

@@ -9,6 +9,7 @@ its job: a queued job is skipped, a running one stops at the next token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import socket
 import threading
@@ -34,7 +35,8 @@ log = logging.getLogger("posttrainllm.server")
 def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
                prefill_chunk: Optional[int] = None, small_tokens: Optional[int] = None,
                prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
-               others: Sequence[Any] = (), weights: str = "auto") -> FastAPI:
+               others: Sequence[Any] = (), weights: str = "auto", default_max_tokens: Optional[int] = None,
+               default_num_ctx: Optional[int] = None, names: Sequence[str] = ()) -> FastAPI:
     """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
     `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
     a prompt that starts with its document is answered without prefilling the document); a file
@@ -42,17 +44,25 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     `slot_dir`: the conversations of the last run saved there are restored into slots now, and
     this run's are saved there at shutdown (`Server.save_slots`).
     `others`: more models to offer (`resolve.Resolved`), listed from their files and loaded on
-    demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held."""
+    demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held.
+    `default_max_tokens`, `default_num_ctx`: see `ServerConfig`. `names`: what to call the models,
+    in order (the rest keep their own names)."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
-                                                 small_request=small_tokens).items() if v is not None})
+                                                 small_request=small_tokens, default_max_tokens=default_max_tokens,
+                                                 default_num_ctx=default_num_ctx).items() if v is not None})
+    renamed = rename(loaded, others, names)
+    if renamed:
+        loaded, others = renamed
+    limits = dict(default_max_tokens=cfg.default_max_tokens, default_num_ctx=cfg.default_num_ctx)
     srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches,
-                 slot_dir)
+                 slot_dir, **limits)
     first = srv.names
 
     def make(resolved: Any) -> Server:
         again = names_for(resolved.name) == first        # the first model gets its slot files back
-        return Server(load(resolved, weights), cache_config, cfg.max_slots, cfg.prefill_chunk,
-                      cfg.small_request, (), slot_dir if again else None)
+        loaded = load(resolved, weights)
+        return Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, (),
+                      slot_dir if again else None, **limits)
 
     models = Models(srv, others, make)
 
@@ -91,6 +101,24 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
 
     routes.register(app, models)
     return app
+
+
+def rename(loaded: Any, others: Sequence[Any], names: Sequence[str]):
+    """(loaded, others) with the given names in place of their own (`serve --name`), or None."""
+    if not names:
+        return None
+    if len(names) > 1 + len(others):
+        raise ValueError(f"--name given {len(names)} times for {1 + len(others)} model(s)")
+    for name in names:
+        if not name or any(ch.isspace() for ch in name) or name.count(":") > 1:
+            raise ValueError(f"--name {name!r}: a model name is one word, with at most one ':tag'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--name: the names must differ, got {', '.join(names)}")
+    if loaded.resolved is None:
+        raise ValueError("--name needs a model loaded by tinygpt_mlx.loading.load")
+    loaded.resolved = dataclasses.replace(loaded.resolved, name=names[0])
+    others = [dataclasses.replace(r, name=n) for r, n in zip(others, names[1:])] + list(others[len(names) - 1:])
+    return loaded, others
 
 
 def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", timeout: float = 20.0) -> tuple[Any, threading.Thread, str]:

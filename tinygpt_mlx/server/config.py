@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ..config import ConfigError, SampleConfig, _positive, field_default
 
@@ -17,10 +18,20 @@ class ServerConfig:
     max_slots: int = 2
     small_request: int = 256
     prefill_chunk: int = field(default=field_default(SampleConfig, "prefill_chunk"))
+    # A request that sets no length (ollama num_predict -1/-2 or absent, OpenAI chat without
+    # max_tokens: LangChain's and most UIs' defaults) gets this many tokens at most; 0 = up to
+    # the context, as ollama does (a 135M model then runs minutes on a CPU).
+    default_max_tokens: int = 1024
+    # The context of a request without num_ctx (ollama's OLLAMA_CONTEXT_LENGTH); None = the
+    # model's trained context for a full cache, unlimited under StreamingLLM or retrieval.
+    default_num_ctx: Optional[int] = None
 
     def __post_init__(self) -> None:
-        for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1)):
+        for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1),
+                          ("default_max_tokens", 0)):
             _positive(name, getattr(self, name), low)
+        if self.default_num_ctx is not None:
+            _positive("default_num_ctx", self.default_num_ctx, 2)
         if self.port > 65535:
             raise ConfigError("port", f"must be <= 65535, got {self.port}")
 

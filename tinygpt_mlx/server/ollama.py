@@ -19,6 +19,9 @@ VERSION = "0.6.0"        # the ollama API version we mirror (clients gate featur
 FAR_FUTURE = "2318-11-29T00:00:00Z"   # /api/ps expires_at: the model never unloads
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 UNBOUNDED_PREDICT = 4096  # num_predict -1 under a policy with no context limit
+# /api/ps context_length of a server whose policy has no context limit (StreamingLLM, retrieval):
+# prompts of any length stream through; this is the longest one measured (docs/retrieval.md, 1M)
+UNBOUNDED_ACCEPTS = 1 << 20
 
 
 class OptionError(ValueError):

@@ -83,8 +83,9 @@ def register(app: FastAPI, models: Models) -> None:
     @app.get("/api/ps")
     async def ps():
         srv = models.resident
-        limit = pr.context_limit(srv.loaded, srv.cache_config, None)
-        return {"models": [ol.ps_entry(srv.loaded, srv.names[1], srv.pool.cache_bytes, limit)]}
+        limit = srv.context_limit(None)
+        return {"models": [ol.ps_entry(srv.loaded, srv.names[1], srv.pool.cache_bytes,
+                                       limit if limit is not None else ol.UNBOUNDED_ACCEPTS)]}
 
     @app.get("/api/slots")
     async def slots():
@@ -127,8 +128,9 @@ def register(app: FastAPI, models: Models) -> None:
     async def generate(request: Request):
         body = await read_json(request)
         srv = await models.server(body)
-        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
+        model, loaded = body["model"], srv.loaded
         opts = ol.parse_options(body.get("options"))
+        opts["num_predict"] = srv.bounded(opts["num_predict"])
         prompt, system = body.get("prompt") or "", body.get("system")
         if not isinstance(prompt, str) or (system is not None and not isinstance(system, str)):
             raise ApiError(400, "prompt and system must be strings")
@@ -137,7 +139,7 @@ def register(app: FastAPI, models: Models) -> None:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=False))
         ids, text = pr.generate_ids(loaded, prompt, system, bool(body.get("raw")), context)
-        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
+        limit = srv.context_limit(opts["num_ctx"])
         p = pr.fit_tokens(ids, text, limit, opts["num_predict"], opts["num_keep"])
         return await _ollama_run(srv, request, body, model, opts, p, chat=False)
 
@@ -145,13 +147,14 @@ def register(app: FastAPI, models: Models) -> None:
     async def chat(request: Request):
         body = await read_json(request)
         srv = await models.server(body)
-        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
+        model, loaded = body["model"], srv.loaded
         opts = ol.parse_options(body.get("options"))
+        opts["num_predict"] = srv.bounded(opts["num_predict"])
         messages = _messages(body.get("messages"))
         if not messages:
             _stream_flag(body, True)
             return JSONResponse(ol.load_only(model, chat=True))
-        limit = pr.context_limit(loaded, cfg, opts["num_ctx"])
+        limit = srv.context_limit(opts["num_ctx"])
         p, stops = pr.fit_chat(loaded, messages, limit, opts["num_predict"])
         opts["stop"] = tuple(opts["stop"]) + stops
         return await _ollama_run(srv, request, body, model, opts, p, chat=True)
@@ -198,12 +201,13 @@ def register(app: FastAPI, models: Models) -> None:
     async def chat_completions(request: Request):
         body = await read_json(request)
         srv = await models.server(body)
-        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
+        model, loaded = body["model"], srv.loaded
         s = oa.parse_sampling(body, None)
+        s["max_tokens"] = srv.bounded(s["max_tokens"])
         messages = _messages(body.get("messages"))
         if not messages:
             raise ApiError(400, "messages must not be empty")
-        p, stops = pr.fit_chat(loaded, messages, pr.context_limit(loaded, cfg, None), s["max_tokens"])
+        p, stops = pr.fit_chat(loaded, messages, srv.context_limit(None), s["max_tokens"])
         s["stop"] = tuple(s["stop"]) + stops
         return await _openai_run(srv, request, body, model, s, p, chat=True)
 
@@ -211,7 +215,7 @@ def register(app: FastAPI, models: Models) -> None:
     async def completions(request: Request):
         body = await read_json(request)
         srv = await models.server(body)
-        model, loaded, cfg = body["model"], srv.loaded, srv.cache_config
+        model, loaded = body["model"], srv.loaded
         s = oa.parse_sampling(body, oa.DEFAULT_COMPLETION_TOKENS)
         p = body.get("prompt")
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
@@ -222,7 +226,7 @@ def register(app: FastAPI, models: Models) -> None:
             ids, text = _token_list(srv, p, "prompt"), None
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt)")
-        p = pr.fit_tokens(ids, text, pr.context_limit(loaded, cfg, None), s["max_tokens"])
+        p = pr.fit_tokens(ids, text, srv.context_limit(None), s["max_tokens"])
         return await _openai_run(srv, request, body, model, s, p, chat=False)
 
     @app.api_route("/api/{rest:path}", methods=["GET", "POST", "DELETE", "PUT"])

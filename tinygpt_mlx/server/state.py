@@ -87,8 +87,10 @@ class Server:
     """State shared by the routes: the model, its names, the pool and the worker."""
 
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
-                 small_tokens: int, prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None):
+                 small_tokens: int, prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
+                 default_max_tokens: int = 0, default_num_ctx: Optional[int] = None):
         self.loaded, self.cache_config = loaded, cache_config
+        self.default_max_tokens, self.default_num_ctx = default_max_tokens, default_num_ctx
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
         self.names = names_for(loaded.name)
@@ -151,6 +153,18 @@ class Server:
                 old.unlink(missing_ok=True)
         log.info("saved %d slot(s) to %s", len(written), self.slot_dir)
         return written
+
+    def bounded(self, requested: Optional[int]) -> Optional[int]:
+        """A request's length, the server's default where it set none (None, -1, -2)."""
+        if (requested is None or requested < 0) and self.default_max_tokens:
+            return self.default_max_tokens
+        return requested
+
+    def context_limit(self, num_ctx: Optional[int]) -> Optional[int]:
+        """The context a request gets: its num_ctx, else the server's default, capped by the
+        model's trained context for a full cache; None = unlimited (StreamingLLM, retrieval)."""
+        return pr.context_limit(self.loaded, self.cache_config,
+                                num_ctx if num_ctx is not None else self.default_num_ctx)
 
     def check_model(self, body: dict) -> str:
         name = body.get("model")

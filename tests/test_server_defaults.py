@@ -1,0 +1,90 @@
+"""`serve`'s server-wide defaults through the HTTP API, with the request shapes real clients send
+(LangChain's ChatOllama and ChatOpenAI send no length; Open WebUI reads /api/ps): a bounded
+reply by default, a default context, the context /api/ps reports, and --name."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+ollama = pytest.importorskip("ollama")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+from tinygpt_mlx.config import CacheConfig  # noqa: E402
+from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
+
+MSGS = [{"role": "user", "content": "In the beginning"}]
+
+
+class Live:
+    def __init__(self, loaded, cache_config=None, **kw):
+        self.srv, self.thread, self.url = serve_in_thread(
+            create_app(loaded, cache_config or CacheConfig(), prefill_chunk=64, **kw))
+        self.ollama = ollama.Client(host=self.url)
+        self.oai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.srv.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def test_requests_without_a_length_are_bounded(native):
+    name = native.name
+    with Live(native, default_max_tokens=5) as s:
+        r = s.ollama.chat(name, MSGS, options={"temperature": 0})          # ChatOllama's default shape
+        assert r.eval_count == 5 and r.done_reason == "length"
+        r = s.ollama.generate(name, "In the beginning", options={"temperature": 0, "num_predict": -1})
+        assert r.eval_count == 5
+        c = s.oai.chat.completions.create(model=name, messages=MSGS, temperature=0)   # no max_tokens
+        assert c.usage.completion_tokens == 5 and c.choices[0].finish_reason == "length"
+        asked = s.ollama.chat(name, MSGS, options={"temperature": 0, "num_predict": 9})
+        assert asked.eval_count == 9 or asked.done_reason == "stop"       # an asked length is kept
+    with Live(native, default_max_tokens=0) as s:                          # 0: up to the context
+        r = s.ollama.chat(name, MSGS, options={"temperature": 0, "num_ctx": 96})
+        assert r.eval_count > 5
+
+
+def test_default_num_ctx_and_what_ps_reports(native):
+    name = native.name
+    long = "In the beginning God created the heaven and the earth. " * 40
+    with Live(native, default_num_ctx=64, default_max_tokens=4) as s:
+        assert s.ollama.ps().models[0].context_length == 64
+        r = s.ollama.generate(name, long, options={"temperature": 0})
+        assert r.prompt_eval_count <= 64                                   # truncated to the default
+        r = s.ollama.generate(name, long, options={"temperature": 0, "num_ctx": 128})
+        assert 64 < r.prompt_eval_count <= 128                             # a request's own num_ctx wins
+    with Live(native) as s:
+        assert s.ollama.ps().models[0].context_length == native.context_length
+    with Live(native, CacheConfig(sink=4, window=60)) as s:
+        from tinygpt_mlx.server.ollama import UNBOUNDED_ACCEPTS
+        assert s.ollama.ps().models[0].context_length == UNBOUNDED_ACCEPTS  # not 0
+
+
+def test_name_serves_under_another_name(native_path):
+    from tinygpt_mlx.loading import load
+
+    with load(native_path) as loaded, Live(loaded, names=["gpt-4o-mini"], default_max_tokens=3) as s:
+        assert [m.model for m in s.ollama.list().models] == ["gpt-4o-mini:latest"]
+        c = s.oai.chat.completions.create(model="gpt-4o-mini", messages=MSGS, temperature=0)
+        assert c.usage.completion_tokens == 3
+        with pytest.raises(ollama.ResponseError, match="not found"):
+            s.ollama.chat(native_path.stem, MSGS)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--default-max-tokens", "-1"], "--default-max-tokens"),
+    (["--default-num-ctx", "1"], "--default-num-ctx"),
+    (["--name", "two words"], "--name 'two words'"),
+    (["--name", "a", "--name", "b"], "--name given 2 times for 1 model"),
+])
+def test_bad_server_defaults_are_one_line(args, named):
+    from cli.main import app
+
+    r = CliRunner().invoke(app, ["serve", "--port", "1", *args])
+    assert r.exit_code != 0
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and named in lines[0], r.stderr
