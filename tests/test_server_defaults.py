@@ -88,3 +88,19 @@ def test_bad_server_defaults_are_one_line(args, named):
     assert r.exit_code != 0
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and named in lines[0], r.stderr
+
+
+def test_long_prefill_is_logged(native, caplog, monkeypatch):
+    import logging
+
+    from tinygpt_mlx.server import worker
+
+    monkeypatch.setattr(worker.PrefillLog, "every", 0.0)
+    long = "In the beginning God created the heaven and the earth. " * 20   # several 64-token chunks
+    with caplog.at_level(logging.INFO, logger="posttrainllm.server"), Live(native, default_max_tokens=2) as s:
+        r = s.ollama.generate(native.name, long, options={"temperature": 0})
+    lines = [rec.getMessage() for rec in caplog.records if "prefill:" in rec.getMessage()]
+    assert len(lines) >= 3, lines
+    total = r.prompt_eval_count
+    assert lines[-1].startswith("slot ") and f"{total}/{total} tokens" in lines[-1]
+    assert all("tok/s, ETA" in ln for ln in lines)

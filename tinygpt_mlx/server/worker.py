@@ -78,6 +78,26 @@ class Job:
         self.cancelled.set()
 
 
+class PrefillLog:
+    """A long prefill is logged as it goes (tokens, tok/s, ETA), every `every` seconds and at
+    its end, so a multi-minute first message is not silent."""
+
+    every = 5.0
+
+    def __init__(self, slot: int, total: int):
+        self.slot, self.total = slot, total
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last < self.every and done < total:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-9)
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        log.info("slot %d prefill: %d/%d tokens, %.1f tok/s, ETA %.0f s", self.slot, done, total, rate, eta)
+
+
 class Worker:
     def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk):
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
@@ -195,8 +215,9 @@ class Worker:
         out: list[str] = []
         chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
                                                slot.cache.current_length + len(tail))
+        progress = PrefillLog(slot.index, len(tail)) if len(tail) > chunk else None
         for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, chunk,
-                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set):
+                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set, progress=progress):
             slot.tokens.extend(step.fed)
             if step.token is None:
                 continue
