@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from tinygpt_mlx.cli.main import app
 from tests.conftest import TEXT, build_llama_dir
 from tinygpt_mlx import chat_template as ch
 from tinygpt_mlx.config import CacheConfig, SampleConfig
@@ -104,8 +104,8 @@ def test_template_ids_are_mlx_lm_s(chat_llama_dir, tmp_path):
 
 
 def sample_ids(loaded, ids, n, capsys) -> str:
-    """`posttrainllm sample`'s streaming (cli.sample.run) on token ids, greedy: its stdout."""
-    from cli.sample import run as sample_run
+    """`posttrainllm sample`'s streaming (tinygpt_mlx.cli.sample.run) on token ids, greedy: its stdout."""
+    from tinygpt_mlx.cli.sample import run as sample_run
     capsys.readouterr()
     sample_run(loaded, ids, CacheConfig(), SampleConfig(max_tokens=n, temperature=0.0), None, None)
     return capsys.readouterr().out
@@ -230,7 +230,7 @@ def test_prefix_and_fallback_rules(tmp_path):
 def test_ctrl_c_stops_the_answer_not_the_session(chat_llama_dir, tmp_path):
     out = tmp_path / "c.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    p = subprocess.Popen([sys.executable, "-m", "cli.main", "chat", str(chat_llama_dir), "--temperature", "0",
+    p = subprocess.Popen([sys.executable, "-m", "tinygpt_mlx.cli.main", "chat", str(chat_llama_dir), "--temperature", "0",
                           "--tokens", "3000", "--streaming-llm-sink", "4", "--streaming-llm-window", "64",
                           "--report-json", str(out)],
                          cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -280,7 +280,7 @@ def test_save_feeds_the_last_token_and_the_file_continues_like_the_session(nativ
     """/save after an answer cut at --tokens (its last sampled token not fed yet): that token is
     fed first, the file holds the whole transcript, and a run continued from the file answers
     the next message exactly as the session does."""
-    from cli.chat import save
+    from tinygpt_mlx.cli.chat import save
     from tinygpt_mlx.cache.persist import load_prompt_cache
     from tinygpt_mlx.chat import ChatSession
     from tinygpt_mlx.generate import steps
@@ -329,7 +329,7 @@ def test_stats_say_what_streaming_evicted(native_path):
 
 def test_chat_help_loads_no_model_code():
     from tests.test_cli_imports import HEAVY, _loaded_after
-    loaded = _loaded_after("from typer.testing import CliRunner\nfrom cli.main import app\n"
+    loaded = _loaded_after("from typer.testing import CliRunner\nfrom tinygpt_mlx.cli.main import app\n"
                            "r = CliRunner().invoke(app, ['chat', '--help'])\nassert r.exit_code == 0, r.output")
     assert not [m for m in HEAVY if m in loaded]
 

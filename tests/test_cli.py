@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from tinygpt_mlx.cli.main import app
 
 runner = CliRunner()
 
@@ -124,7 +124,7 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
     plain `open()` would give it (0666 less the umask), so others can read a --json report."""
     import os
 
-    from cli.common import write_atomic
+    from tinygpt_mlx.cli.common import write_atomic
     old = os.umask(0o022)
     try:
         write_atomic(tmp_path / "a.json", "{}")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from tinygpt_mlx.cli.main import app
 from tinygpt_mlx.evaluate import inputs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ class Spy:
 @pytest.fixture
 def no_load(monkeypatch):
     spy = Spy()
-    # the commands import the loader when they run (cli/main.py), so the spy replaces it at its source
+    # the commands import the loader when they run (tinygpt_mlx/cli/main.py), so the spy replaces it at its source
     monkeypatch.setattr("tinygpt_mlx.loading.load", spy)
     return spy
 
@@ -193,7 +193,7 @@ def test_plot_without_matplotlib_fails_at_once_naming_the_extra(tmp_path, monkey
 def test_cache_report_piped_prints_stage_lines_on_stderr_only():
     """stderr is a pipe (not a terminal): a start line, a line per policy and length, a done line."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, "-m", "cli.main", "cache-report", str(SHIPPED_MODEL),
+    p = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "cache-report", str(SHIPPED_MODEL),
                         "--length", "8", "--length", "16", "--prefill-chunk", "8"],
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert p.returncode == 0, p.stderr

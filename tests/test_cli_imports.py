@@ -1,7 +1,7 @@
 """`posttrainllm --help` and flag errors answer without loading MLX's model code.
 
 mlx-lm's package imports transformers (and torch where installed): seconds of start-up. The CLI
-modules import the library inside each command (cli/main.py), and `tinygpt_mlx` exports its
+modules import the library inside each command (tinygpt_mlx/cli/main.py), and `tinygpt_mlx` exports its
 names lazily; this checks the import graph rather than a time (no timed tests)."""
 
 import subprocess
@@ -20,8 +20,8 @@ def _loaded_after(code: str) -> set:
 
 
 def test_cli_import_and_help_load_no_model_code():
-    for code in ("import cli.main",
-                 "from typer.testing import CliRunner\nfrom cli.main import app\n"
+    for code in ("import tinygpt_mlx.cli.main",
+                 "from typer.testing import CliRunner\nfrom tinygpt_mlx.cli.main import app\n"
                  "r = CliRunner().invoke(app, ['sample', '--help'])\nassert r.exit_code == 0, r.output"):
         loaded = _loaded_after(code)
         assert not [m for m in HEAVY if m in loaded], [m for m in HEAVY if m in loaded]
@@ -40,6 +40,23 @@ def test_info_and_sample_run_without_the_training_extra():
     `info` and a short `sample` on the shipped model still run."""
     for args in (["info"], ["sample", "-n", "2", "-p", "hi", "--seed", "0"]):
         code = ("import sys\nsys.modules['torch'] = None\nsys.argv = ['posttrainllm', *%r]\n"
-                "from cli.main import app\napp()" % (args,))
+                "from tinygpt_mlx.cli.main import app\napp()" % (args,))
         out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_the_wheel_installs_only_the_project_namespace():
+    """No top-level `cli` (or other generic) package lands in site-packages: the commands live in
+    tinygpt_mlx.cli, and the wheel's package list is what pyproject's find rule gives."""
+    import tomllib
+    from pathlib import Path
+
+    from setuptools import find_packages
+
+    root = Path(__file__).resolve().parent.parent
+    rule = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = find_packages(str(root), include=rule["include"])
+    assert "tinygpt_mlx.cli" in packages
+    assert {p.split(".")[0] for p in packages} == {"tinygpt_mlx"}, packages
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"posttrainllm": "tinygpt_mlx.cli.main:app"}

@@ -14,8 +14,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cli.common import CONFIG_FLAGS
-from cli.main import app
+from tinygpt_mlx.cli.common import CONFIG_FLAGS
+from tinygpt_mlx.cli.main import app
 from tinygpt_mlx.config import CacheConfig, ConfigError, SampleConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,7 +199,7 @@ def test_long_prompt_shows_prefill_progress_and_stdout_is_only_text(native, nati
     assert 64 < n_prompt < CONTEXT - 20
     args = ["-p", prompt, "-n", 12, "--temperature", 0, "--prefill-chunk", 64]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "cli.main", "sample", str(native_path), *map(str, args)],
+    p = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native_path), *map(str, args)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     expected = "".join(ch.text for ch in stream_generate(

@@ -156,10 +156,10 @@ def sample_args(*extra: str) -> list[str]:
 
 
 def test_cli_sample_under_mlx_launch(tmp_path):
-    one = subprocess.run([sys.executable, "-m", "cli.main", *sample_args("--report-json", str(tmp_path / "one.json"))],
+    one = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", *sample_args("--report-json", str(tmp_path / "one.json"))],
                          capture_output=True, text=True, timeout=120, env=env(), cwd=ROOT)
     assert one.returncode == 0, one.stderr
-    two = launch(2, [sys.executable, "-m", "cli.main", *sample_args("--report-json", str(tmp_path / "two.json"))])
+    two = launch(2, [sys.executable, "-m", "tinygpt_mlx.cli.main", *sample_args("--report-json", str(tmp_path / "two.json"))])
     assert two.stdout == one.stdout and one.stdout.strip(), (one.stdout, two.stdout, two.stderr[-2000:])
     assert two.stderr.count("posttrainllm ·") == 1 and two.stderr.count("report:") == 1, two.stderr
     assert "ranks: 2 (tensor parallel" in two.stderr and "error" not in two.stderr.lower(), two.stderr
@@ -180,7 +180,7 @@ def _start_long_run(tmp_path, extra_env: dict | None = None) -> list[subprocess.
             ports.append(sock.getsockname()[1])
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
-    cmd = [sys.executable, "-m", "cli.main", "sample", str(SHIPPED), "--prompt", "And God said", "-n", "100000",
+    cmd = [sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(SHIPPED), "--prompt", "And God said", "-n", "100000",
            "--ignore-eos", "--streaming-llm-window", "64"]
     procs = []
     for rank in range(2):
@@ -257,14 +257,14 @@ def test_refusals_one_line(tmp_path):
     hostfile.write_text(json.dumps([["127.0.0.1:1"], ["127.0.0.1:2"]]))
     e = env()
     e.update(MLX_RANK="0", MLX_HOSTFILE=str(hostfile))
-    p = subprocess.run([sys.executable, "-m", "cli.main", "serve", str(SHIPPED)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "serve", str(SHIPPED)], capture_output=True, text=True,
                        timeout=60, env=e, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
     assert "'serve' does not run under several ranks (2 launched by mlx.launch)" in p.stderr
 
 
 def test_three_ranks_refuse_four_kv_heads_with_one_line():
-    p = launch(3, [sys.executable, "-m", "cli.main", "sample", str(SHIPPED), "--prompt", "x", "-n", "2"], timeout=120)
+    p = launch(3, [sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(SHIPPED), "--prompt", "x", "-n", "2"], timeout=120)
     ours = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(ours) == 1 and "4 KV heads (8 query heads), which 3 ranks do not divide" in ours[0], p.stderr
     assert not p.stdout.strip() and "posttrainllm ·" not in p.stderr

@@ -182,7 +182,7 @@ def test_bench_rows(wide, native):
 # ----- CLI ------------------------------------------------------------------------------------
 
 def _run(*args):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
     return CliRunner().invoke(app, [str(a) for a in args])
 
 

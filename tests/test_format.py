@@ -198,7 +198,7 @@ def test_file_saved_before_checksums_still_loads(native_path, tmp_path):
 def test_cli_info_shows_the_checksum_state(native_path, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
     old = _strip_checksum(native_path, tmp_path / "old.tinygpt")
     r = CliRunner().invoke(app, ["info", str(old)])
     assert r.exit_code == 0, r.output
@@ -222,7 +222,7 @@ def test_cli_refuses_a_corrupted_file_in_one_line(big_path, tmp_path, command):
     bad = tmp_path / "zeroed.tinygpt"
     bad.write_bytes(bytes(raw))
     root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "-m", "cli.main", command[0], str(bad), *command[1:]],
+    r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", command[0], str(bad), *command[1:]],
                        cwd=root, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()

@@ -185,7 +185,7 @@ def test_tokenizer_from_gguf_encodes_like_source(tiny):
 
 
 def test_gguf_info_names_what_was_loaded(tiny):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     _, path = tiny["qwen2"]
     r = CliRunner().invoke(app, ["info", str(path), "--json"])
@@ -198,7 +198,7 @@ def test_gguf_info_names_what_was_loaded(tiny):
 # -- bad GGUF files ------------------------------------------------------------------------
 
 def _run(args):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
     return CliRunner().invoke(app, args)
 
 
@@ -310,7 +310,7 @@ def httpx_get(url):
 
 
 def test_serve_refuses_an_unknown_second_model_before_loading(tmp_path, monkeypatch):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
     r = CliRunner().invoke(app, ["serve", "models/tinygpt-base.tinygpt", "nosuch:7b", "--port", "1"])

@@ -258,7 +258,7 @@ def test_sdpa_never_receives_integer_tensors(native32, monkeypatch):
 def test_cli_sample_kv_quantize_int4(native32_path, native_path, tmp_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     runner = CliRunner()
     prompt = "The quick brown fox jumps over the lazy dog. " * 8
@@ -295,7 +295,7 @@ def test_cli_sample_kv_quantize_int4(native32_path, native_path, tmp_path):
 def test_cli_cache_report(native32_path):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     r = CliRunner().invoke(app, ["cache-report", str(native32_path), "-l", "64", "-l", "200"])
     assert r.exit_code == 0, r.output

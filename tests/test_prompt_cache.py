@@ -36,7 +36,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from tinygpt_mlx.cli.main import app
 from conftest import TEXT, build_native
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.persist import FORMAT_VERSION, PromptCacheError, load_prompt_cache, save_prompt_cache

@@ -47,7 +47,7 @@ def test_readme_first_command_prints_what_readme_shows():
     shown = _blocks("text")[0]
     blank = shown.index("")
     banner, text, report = shown[:3], shown[3:blank], shown[blank + 1:]
-    run = subprocess.run([sys.executable, "-m", "cli.main", *args], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", *args], cwd=ROOT, capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.rstrip("\n").split("\n") == text

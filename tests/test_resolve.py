@@ -158,7 +158,7 @@ def test_missing_models(tmp_path, monkeypatch, spec, message):
 
 
 def test_cli_bad_model_is_one_line(tmp_path, monkeypatch):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
     r = CliRunner().invoke(app, ["sample", "llama3.2:1b", "--prompt", "x"])

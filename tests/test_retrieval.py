@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from cli.main import app
+from tinygpt_mlx.cli.main import app
 from tinygpt_mlx.cache import KVCache, make_cache
 from tinygpt_mlx.cache.arrays import GrowingArray
 from tinygpt_mlx.cache.cold import ColdStore
@@ -349,7 +349,7 @@ def test_needle_prefill_report_lines(capsys):
     """Long prefills report tokens, rate, ETA, memory and disk bytes; a new cell starts a new rate."""
     import time
 
-    from cli.needle import PrefillReport
+    from tinygpt_mlx.cli.needle import PrefillReport
 
     class Cache:
         disk_nbytes = 3 * 2**20

@@ -317,7 +317,7 @@ def test_text_splice_extends_an_untrimmable_slot(native):
 def test_serve_command(native_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
@@ -457,7 +457,7 @@ def test_slot_dir_file_of_another_policy_is_skipped(native, tmp_path):
 def test_serve_command_slot_dir(native_path, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(app))
     r = CliRunner().invoke(app, ["serve", str(native_path), "--slot-dir", str(tmp_path / "new")])
@@ -478,7 +478,7 @@ def test_prewarmed_file_of_another_policy_or_model_fails_at_startup(native, nati
                                                                     monkeypatch):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
     from conftest import build_native
 
     _ptc(native, CacheConfig(key_bits=4), tmp_path / "int4.ptc")
@@ -504,7 +504,7 @@ def _doc(tmp_path):
 def test_serve_command_prewarms(native_path, native, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     r = CliRunner().invoke(app, ["cache-prompt", str(native_path), "--prompt-file", str(_doc(tmp_path)),
                                  "--out", str(tmp_path / "doc.ptc"), "--kv-quantize-keys", "int4"])

@@ -82,7 +82,7 @@ def test_name_serves_under_another_name(native_path):
     (["--name", "a", "--name", "b"], "--name given 2 times for 1 model"),
 ])
 def test_bad_server_defaults_are_one_line(args, named):
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     r = CliRunner().invoke(app, ["serve", "--port", "1", *args])
     assert r.exit_code != 0

@@ -83,7 +83,7 @@ def test_packed_weights_match_dense(smollm2_gguf, smollm2):
 def test_cli_sample_by_ollama_name_and_hf_id(tmp_path, monkeypatch, smollm2_gguf):
     """`sample` answers Paris by ollama name (an ollama store) and by repo id (a hub cache, offline),
     with int4 + sink 4 + window 256, as a user types it."""
-    from cli.main import app
+    from tinygpt_mlx.cli.main import app
 
     make_ollama_store(tmp_path / "ollama", smollm2_gguf, "smollm2", "135m", link=True)
     make_hf_cache(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", {"smollm2.gguf": smollm2_gguf})

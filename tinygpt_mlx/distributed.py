@@ -58,7 +58,7 @@ class DistributedError(PosttrainError):
         self.everywhere = everywhere
 
 
-#: the commands that run under several ranks; every other one refuses (cli/main.py)
+#: the commands that run under several ranks; every other one refuses (tinygpt_mlx/cli/main.py)
 COMMANDS = ("sample",)
 
 

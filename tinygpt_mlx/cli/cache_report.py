@@ -27,7 +27,7 @@ def cache_report(
 ) -> None:
     """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches with random tokens and print their bytes."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     lengths = lengths or list(DEFAULT_LENGTHS)
     if any(n < 1 for n in lengths):

@@ -41,7 +41,7 @@ def cache_prompt(
     `posttrainllm sample MODEL --prompt-cache FILE --prompt "question"`.
     """
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
     from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415
     from tinygpt_mlx.generate import check_context, prefill  # noqa: PLC0415
 

@@ -91,7 +91,7 @@ def bench(
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     c.check_writable(json_path, "--json")
     c.check_writable(plot_path, "--plot")

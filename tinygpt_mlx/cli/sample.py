@@ -90,7 +90,7 @@ class Ranks:
         """Refuse a model the ranks cannot split (every rank finds the same, rank 0 says it),
         shard it, then start the bounded waits (`distributed.Guard`): before that, a rank
         that mlx.launch stops ends silently, after it with one line."""
-        from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
+        from tinygpt_mlx import distributed  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
         from tinygpt_mlx.cache.arrays import remove_private_dirs  # noqa: PLC0415
         distributed.shard(loaded, self.group)
         # a rank that ends at once (a lost or hung peer, SIGTERM) still removes its disk stores
@@ -120,7 +120,7 @@ def ranks():
     """The ranks of this run (`Ranks`), joined when `mlx.launch` started the process: ranks
     other than 0 write nothing but their own error line; a lost peer, a hung one (the
     watchdog) or mlx.launch's SIGTERM ends the rank with one line (`distributed.Guard`)."""
-    from tinygpt_mlx import distributed  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx import distributed  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     if not distributed.launched():
         yield Ranks()
@@ -288,8 +288,8 @@ def sample(
     c.check_writable(report_json, "--report-json")
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
-    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
+    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
     from tinygpt_mlx.generate import check_context  # noqa: PLC0415
 
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
@@ -420,7 +420,7 @@ def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: Sample
     several ranks (`world`), every rank runs this and only rank 0's output is shown. `cache`:
     one to continue (a loaded prompt cache, with `first_logits` when `ids` is empty); `done` is
     called with the stats at the end (before the cache is released)."""
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
     from tinygpt_mlx.generate import stream_generate  # noqa: PLC0415
 
     world = world or Ranks()

@@ -75,7 +75,7 @@ def serve(
     # every name resolved before anything heavy is imported or loaded
     specs = [c.resolve_model(spec) for spec in (model or [None])]
     with c.guarded():
-        # The library and the web stack are imported here (see cli/main.py).
+        # The library and the web stack are imported here (see tinygpt_mlx/cli/main.py).
         import uvicorn  # noqa: PLC0415
 
         from tinygpt_mlx.server.app import create_app  # noqa: PLC0415

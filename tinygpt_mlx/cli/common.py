@@ -379,7 +379,7 @@ def resolve_model(model):
     None (the shipped model) passes through as it is."""
     if model is None or not isinstance(model, (str, Path)):
         return model
-    from tinygpt_mlx.resolve import resolve  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.resolve import resolve  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     with guarded():
         return resolve(model)

@@ -118,7 +118,7 @@ def needle(
     The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
     StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import needle as nd  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.evaluate import needle as nd  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)

@@ -113,7 +113,7 @@ def stats_lines(session) -> list[str]:
 
 
 def save(session, path: str) -> str:
-    from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     logits = session.flush()     # the last answer's final token goes into the cache first
     conv = session.conversation
@@ -177,7 +177,7 @@ def chat(
     StreamingLLM evicts is gone; retrieval keeps it reachable). See docs/chat.md.
     """
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.chat import ChatSession  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.chat import ChatSession  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(

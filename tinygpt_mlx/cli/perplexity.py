@@ -55,7 +55,7 @@ def perplexity(
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     config = cache_config
     flags_given = config != CacheConfig()

@@ -52,7 +52,7 @@ def compare(
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import compare as cmp  # noqa: PLC0415 (see cli/main.py)
+    from tinygpt_mlx.evaluate import compare as cmp  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
 
     c.check_writable(json_path, "--json")
     with c.guarded():

@@ -80,7 +80,7 @@ app = typer.Typer(
 COMMANDS = ("sample", "cache_prompt", "chat", "info", "train", "compare", "perplexity", "bench", "cache_report",
             "needle", "serve")
 for _name in COMMANDS:
-    importlib.import_module(f"cli.{_name}").register(app)
+    importlib.import_module(f"tinygpt_mlx.cli.{_name}").register(app)
 COMMAND_NAMES = frozenset(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
 
 if __name__ == "__main__":
