@@ -104,3 +104,24 @@ def test_long_prefill_is_logged(native, caplog, monkeypatch):
     total = r.prompt_eval_count
     assert lines[-1].startswith("slot ") and f"{total}/{total} tokens" in lines[-1]
     assert all("tok/s, ETA" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("cold_store", ["ram", "disk"])
+def test_ps_and_log_show_the_cold_store(native, caplog, cold_store, tmp_path):
+    """Under retrieval /api/ps breaks the slots' caches down (the cold store's share included) and
+    counts a memory-mapped cold store in `size` but not in `size_vram`; the slot's log line says
+    what the cold store holds."""
+    import logging
+
+    cfg = CacheConfig(sink=4, hot_budget=32, cold_store=cold_store, cold_path=str(tmp_path))
+    long = "In the beginning God created the heaven and the earth. " * 12
+    with caplog.at_level(logging.INFO, logger="posttrainllm.server"), Live(native, cfg, default_max_tokens=2) as s:
+        s.ollama.generate(native.name, long, options={"temperature": 0})
+        ps = httpx.get(s.url + "/api/ps").json()["models"][0]
+    mem = ps["posttrainllm"]
+    cold = sum(v for k, v in mem["cache_bytes_breakdown"].items() if k.startswith("cold"))
+    assert cold > 0 and mem["cache_bytes"] == sum(mem["cache_bytes_breakdown"].values())
+    assert ps["size"] - ps["size_vram"] == mem["cache_disk_bytes"]
+    assert (mem["cache_disk_bytes"] > 0) == (cold_store == "disk")
+    line = next(r.getMessage() for r in caplog.records if "generated" in r.getMessage())
+    assert "cold store" in line and ("on disk" in line)

@@ -123,11 +123,15 @@ def listed_entry(name: str, size: int, modified: float, details: dict) -> dict:
             "digest": hashlib.sha256(name.encode()).hexdigest(), "details": details}
 
 
-def ps_entry(loaded: Any, name: str, cache_bytes: int, context_length: Optional[int]) -> dict:
+def ps_entry(loaded: Any, name: str, memory: dict, context_length: Optional[int]) -> dict:
+    """An /api/ps row: `size` is the weights plus every slot's cache, `size_vram` what of it is in
+    memory (a retrieval cold store or KIVI shadow on disk is memory-mapped, not resident);
+    `posttrainllm` breaks the caches down (the cold store's share included)."""
     e = model_entry(loaded, name)
     e.pop("modified_at")
-    size = e["size"] + cache_bytes
-    e.update(size=size, size_vram=size, expires_at=FAR_FUTURE, context_length=context_length or 0)
+    size = e["size"] + memory["cache_bytes"]
+    e.update(size=size, size_vram=size - memory["cache_disk_bytes"], expires_at=FAR_FUTURE,
+             context_length=context_length or 0, posttrainllm=memory)
     return e
 
 

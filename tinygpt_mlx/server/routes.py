@@ -84,7 +84,7 @@ def register(app: FastAPI, models: Models) -> None:
     async def ps():
         srv = models.resident
         limit = srv.context_limit(None)
-        return {"models": [ol.ps_entry(srv.loaded, srv.names[1], srv.pool.cache_bytes,
+        return {"models": [ol.ps_entry(srv.loaded, srv.names[1], srv.pool.memory(),
                                        limit if limit is not None else ol.UNBOUNDED_ACCEPTS)]}
 
     @app.get("/api/slots")

@@ -262,10 +262,25 @@ class SlotPool:
                 if s.source is not None:
                     d["prompt_cache"] = s.source.path
                 if s.cache is not None:
-                    d.update(stored=s.cache.stored_count, cache_bytes=s.cache.nbytes)
+                    d.update(stored=s.cache.stored_count, cache_bytes=s.cache.nbytes,
+                             cache_bytes_breakdown=s.cache.nbytes_breakdown(),
+                             cache_disk_bytes=s.cache.disk_nbytes)
                 out.append(d)
             return out
 
     @property
     def cache_bytes(self) -> int:
         return sum(d.get("cache_bytes", 0) for d in self.describe())
+
+    def memory(self) -> dict:
+        """Bytes the slots' caches hold, all slots together: total, memory-mapped on disk, in RAM,
+        and per part (sink, body, residual, cold, cold_summary...; "_disk" parts are mapped)."""
+        parts: dict[str, int] = {}
+        total = disk = 0
+        for d in self.describe():
+            total += d.get("cache_bytes", 0)
+            disk += d.get("cache_disk_bytes", 0)
+            for k, v in d.get("cache_bytes_breakdown", {}).items():
+                parts[k] = parts.get(k, 0) + v
+        return {"cache_bytes": total, "cache_disk_bytes": disk, "cache_ram_bytes": total - disk,
+                "cache_bytes_breakdown": parts}

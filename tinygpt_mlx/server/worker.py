@@ -181,6 +181,7 @@ class Worker:
         r.load_ns = int((time.perf_counter() - t_start) * 1e9)
         try:
             stats = self._decode(job, slot, ids[lease.reused:], r)
+            held = slot.cache.nbytes, slot.cache.nbytes_breakdown(), slot.cache.disk_nbytes
         except BaseException:
             self.pool.invalidate(slot)
             raise
@@ -189,9 +190,12 @@ class Worker:
         r.done_reason = stats.finish_reason
         r.prompt_eval_ns, r.eval_ns = int(stats.prefill_seconds * 1e9), int(stats.decode_seconds * 1e9)
         r.total_ns = int((time.perf_counter() - job.created) * 1e9)
-        log.info("slot %d %s: prompt %d tokens (reused %d, prefilled %d), generated %d (%s)",
+        total, parts, disk = held
+        cold = sum(v for k, v in parts.items() if k.startswith("cold"))
+        log.info("slot %d %s: prompt %d tokens (reused %d, prefilled %d), generated %d (%s); cache %.1f MiB%s",
                  r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, r.prefilled_tokens,
-                 len(r.tokens), r.done_reason)
+                 len(r.tokens), r.done_reason, total / 2**20,
+                 f" (cold store {cold / 2**20:.1f} MiB, {disk / 2**20:.1f} MiB memory-mapped on disk)" if cold else "")
         return r
 
     def _prompt_ids(self, job: Job) -> list[int]:
