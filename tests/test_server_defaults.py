@@ -125,3 +125,31 @@ def test_ps_and_log_show_the_cold_store(native, caplog, cold_store, tmp_path):
     assert (mem["cache_disk_bytes"] > 0) == (cold_store == "disk")
     line = next(r.getMessage() for r in caplog.records if "generated" in r.getMessage())
     assert "cold store" in line and ("on disk" in line)
+
+
+def test_looping():
+    from tinygpt_mlx.server.worker import looping
+
+    assert looping([1, 2, 3] + [7, 8] * 8, 16)
+    assert looping([5] * 16, 16)
+    assert not looping([7, 8] * 7 + [7, 9], 16)
+    assert not looping([7, 8] * 4, 16)                  # shorter than the span
+    assert looping(list(range(40)) * 3, 100)            # a 40-token sentence said again and again
+    assert not looping(list(range(40)) * 3, 100, max_period=32)
+
+
+def test_stop_loops_stops_where_the_loop_is_found(native):
+    """--stop-loops N stops a greedy reply at the first multiple of 8 tokens whose last N loop;
+    without it the same reply runs on (the model's output is left alone by default)."""
+    from tinygpt_mlx.server.worker import looping
+
+    name, opts = native.name, {"temperature": 0, "num_predict": 160}
+    with Live(native) as s:
+        r = s.ollama.generate(name, "the the the", options=opts)
+    answer = r.context[-r.eval_count:]
+    first = next((k for k in range(8, len(answer) + 1, 8) if looping(answer[:k], 24)), None)
+    assert first is not None and first < r.eval_count, "the tiny model should fall into a loop here"
+    with Live(native, stop_loops=24) as s:
+        stopped = s.ollama.generate(name, "the the the", options=opts)
+    assert stopped.eval_count == first and stopped.done_reason == "stop"
+    assert stopped.context[-first:] == answer[:first]

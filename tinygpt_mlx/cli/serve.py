@@ -61,6 +61,9 @@ def serve(
         "--default-num-ctx", help="Context of a request without num_ctx (ollama's OLLAMA_CONTEXT_LENGTH). "
         "Default: the model's trained context for a full cache, unlimited under StreamingLLM or retrieval.",
         show_default=False)] = None,
+    stop_loops: Annotated[Optional[int], typer.Option(
+        "--stop-loops", help="Stop a reply once its last N tokens repeat one n-gram (of up to 64 tokens), "
+        "e.g. 256; 0 = never (the default: a loop is the model's output).", show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
@@ -69,7 +72,7 @@ def serve(
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
             prefill_chunk=prefill_chunk, default_max_tokens=default_max_tokens,
-            default_num_ctx=default_num_ctx).items() if v is not None})
+            default_num_ctx=default_num_ctx, stop_loops=stop_loops).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
@@ -85,7 +88,7 @@ def serve(
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
-                         default_num_ctx=cfg.default_num_ctx, names=name or ())
+                         default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops)
         names = app.state.server.names
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
                   f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "

@@ -25,10 +25,13 @@ class ServerConfig:
     # The context of a request without num_ctx (ollama's OLLAMA_CONTEXT_LENGTH); None = the
     # model's trained context for a full cache, unlimited under StreamingLLM or retrieval.
     default_num_ctx: Optional[int] = None
+    # Stop a reply whose last N tokens repeat one n-gram (of up to 64 tokens); 0 = off (a loop is
+    # the model's output, and stopping it is the user's choice).
+    stop_loops: int = 0
 
     def __post_init__(self) -> None:
         for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1),
-                          ("default_max_tokens", 0)):
+                          ("default_max_tokens", 0), ("stop_loops", 0)):
             _positive(name, getattr(self, name), low)
         if self.default_num_ctx is not None:
             _positive("default_num_ctx", self.default_num_ctx, 2)

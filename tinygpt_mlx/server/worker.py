@@ -98,9 +98,20 @@ class PrefillLog:
         log.info("slot %d prefill: %d/%d tokens, %.1f tok/s, ETA %.0f s", self.slot, done, total, rate, eta)
 
 
+def looping(tokens: list[int], span: int, max_period: int = 64) -> bool:
+    """Whether the last `span` tokens repeat one n-gram of at most `max_period` tokens (a reply
+    caught in a loop: "the the the", or a sentence said over and over)."""
+    if len(tokens) < span:
+        return False
+    tail = tokens[-span:]
+    return any(tail[p:] == tail[:-p] for p in range(1, min(max_period, span // 2) + 1))
+
+
 class Worker:
-    def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk):
+    def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk,
+                 stop_loops: int = 0):
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
+        self.stop_loops = stop_loops      # 0: off; else stop a reply whose last N tokens loop
         self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
         self.busy = False
         self.current: Optional[Job] = None
@@ -232,6 +243,11 @@ class Worker:
                 job.emit("text", piece)
             if text.stopped:
                 stats.finish_reason = "stop"
+                break
+            if self.stop_loops and len(r.tokens) % 8 == 0 and looping(r.tokens, self.stop_loops):
+                stats.finish_reason = "stop"
+                log.info("slot %d: reply stopped after %d tokens: its last %d tokens repeat one n-gram "
+                         "(--stop-loops)", slot.index, len(r.tokens), self.stop_loops)
                 break
             if job.max_context is not None and len(slot.tokens) + 1 >= job.max_context:
                 break           # prompt + reply fill the context (the last token is never fed)
