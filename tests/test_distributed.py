@@ -89,10 +89,10 @@ def launch(n: int, command: list[str], timeout: float = LAUNCH_TIMEOUT, **extra)
                           cwd=ROOT, **extra)
 
 
-def run_worker(model: Path, tmp: Path, prompt: str) -> tuple[dict, dict]:
+def run_worker(model: Path, tmp: Path, prompt: str, policies=POLICIES) -> tuple[dict, dict]:
     (tmp / "prompt.txt").write_text(prompt)
     out = tmp / "out"
-    p = launch(2, [sys.executable, str(WORKER), str(model), str(out), str(tmp / "prompt.txt"), *POLICIES])
+    p = launch(2, [sys.executable, str(WORKER), str(model), str(out), str(tmp / "prompt.txt"), *policies])
     files = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
     assert all(f.exists() for f in files), f"worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
     return tuple(json.loads(f.read_text()) for f in files)
@@ -108,6 +108,20 @@ def llama_runs(tmp_path_factory, tokenizer_json):
     # head dim 32 (KIVI's value groups run along it), 2 KV heads: one per rank
     d = build_llama_dir(tmp_path_factory.mktemp("dist-llama") / "llama", tokenizer_json, hidden_size=128)
     return run_worker(d, tmp_path_factory.mktemp("dist-llama-run"), TEXT[:900])
+
+
+GGUF_POLICIES = ("fp32", "int4+sink4/window60")
+
+
+@pytest.fixture(scope="module")
+def gguf_runs(tmp_path_factory, tokenizer_json):
+    """The same tiny Llama written as a GGUF (Q8_0 block weights, dense on the CPU backend): a
+    GGUF model shards by KV head like the directory it came from."""
+    from tests.gguf_writer import write_gguf
+
+    d = build_llama_dir(tmp_path_factory.mktemp("dist-gguf") / "llama", tokenizer_json, hidden_size=128)
+    path = write_gguf(d, d.parent / "llama.Q8_0.gguf", "llama", quant="Q8_0")
+    return run_worker(path, tmp_path_factory.mktemp("dist-gguf-run"), TEXT[:900], GGUF_POLICIES)
 
 
 def check_policy(runs: tuple[dict, dict], spec: str) -> None:
@@ -137,6 +151,11 @@ def test_two_ranks_equal_one_rank_shipped_model(shipped_runs, spec):
 @pytest.mark.parametrize("spec", POLICIES)
 def test_two_ranks_equal_one_rank_mlx_lm_llama(llama_runs, spec):
     check_policy(llama_runs, spec)
+
+
+@pytest.mark.parametrize("spec", GGUF_POLICIES)
+def test_two_ranks_equal_one_rank_gguf(gguf_runs, spec):
+    check_policy(gguf_runs, spec)
 
 
 def test_policies_exercise_what_they_claim(shipped_runs):
