@@ -1,7 +1,8 @@
 """posttrainllm's library: TinyGPT on MLX and one KV cache whose policies compose
 (StreamingLLM eviction x KIVI quantisation x tiered retrieval).
 
-    load(path=None)                         a .tinygpt file or an mlx-lm model directory
+    load(model=None, weights="auto")        a .tinygpt file, a GGUF file, an mlx-lm model directory,
+                                            an ollama name or a Hugging Face repo id
                                             (None: the shipped model) -> LoadedModel
     generate_text(loaded, prompt, ...)      the generated text, for either model kind
     stream_text(loaded, prompt, ...)        the same, piece by piece
