@@ -353,3 +353,11 @@ def test_sentencepiece_tokenizer_from_gguf_metadata(tmp_path):
     assert any(sp.is_byte(i) for i in ids)   # byte fallback was exercised (the newline)
     assert ours.encode(text)[0] == 1         # llama.cpp adds BOS to a SentencePiece vocabulary
     assert ours.decode(ids) == sp.decode(ids) == text
+
+
+def test_bad_weights_mode_is_one_line(tiny):
+    _, path = tiny["llama"]
+    r = _run(["info", str(path), "--weights", "fast"])
+    assert r.exit_code == 1
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert lines == ["error: --weights 'fast': choose one of auto, packed, dense"], r.stderr

@@ -17,7 +17,7 @@ from mlx_lm.utils import load as mlx_load
 from . import attention
 from . import format as tinygpt_format
 from .errors import ModelFormatError
-from .ggml.load import WEIGHT_MODES, load_gguf_model
+from .ggml.load import load_gguf_model, resolve_weights_mode
 from .ggml.tokenizer import tokenizer_from_metadata
 from .model import count_parameters
 from .resolve import DEFAULT_MODEL_NAME, MODELS_DIR, Resolved, default_model_path, resolve  # noqa: F401
@@ -105,8 +105,7 @@ def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") 
     repo id. `weights` says how a GGUF's block-quantised tensors are held: auto, packed or dense
     (`tinygpt_mlx.ggml.load`); other formats ignore it.
     """
-    if weights not in WEIGHT_MODES:
-        raise ModelFormatError(f"--weights {weights!r}: choose one of {', '.join(WEIGHT_MODES)}")
+    resolve_weights_mode(weights)     # a bad mode fails before anything is read
     resolved = model if isinstance(model, Resolved) else resolve(model)
     path = resolved.path
     if resolved.format == "gguf":

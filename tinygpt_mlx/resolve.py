@@ -123,8 +123,12 @@ def _ollama(text: str) -> Optional[Resolved]:
     blob = root / "blobs" / digests[0].replace(":", "-")
     if not blob.is_file():
         raise ModelFormatError(f"{text}: the manifest names {blob.name}, which is missing from {root / 'blobs'}")
-    label = f"{m['name']}:{tag}" if ns == "library" and host == OLLAMA_HOST else f"{ns}/{m['name']}:{tag}"
-    return Resolved(blob, "gguf", "ollama", label, f"ollama {manifest}")
+    return Resolved(blob, "gguf", "ollama", _ollama_label(host, ns, m["name"], tag), f"ollama {manifest}")
+
+
+def _ollama_label(host: str, ns: str, name: str, tag: str) -> str:
+    """How ollama prints a name: the default host and namespace left out."""
+    return f"{name}:{tag}" if (host, ns) == (OLLAMA_HOST, "library") else f"{ns}/{name}:{tag}"
 
 
 def ollama_names(root: Optional[Path] = None) -> list[str]:
@@ -133,9 +137,7 @@ def ollama_names(root: Optional[Path] = None) -> list[str]:
     names = []
     for manifest in sorted(base.glob("*/*/*/*")) if base.is_dir() else []:
         if manifest.is_file():
-            host, ns, name, tag = manifest.relative_to(base).parts
-            short = f"{name}:{tag}" if (host, ns) == (OLLAMA_HOST, "library") else f"{ns}/{name}:{tag}"
-            names.append(short)
+            names.append(_ollama_label(*manifest.relative_to(base).parts))
     return names
 
 

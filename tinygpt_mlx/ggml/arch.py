@@ -85,12 +85,9 @@ def arch_for(md: dict, source: str) -> Arch:
 
 
 def scalar(v: Any) -> Any:
-    """A metadata value as plain Python (MLX's reader gives 0-d arrays for numbers)."""
-    if hasattr(v, "item") and getattr(v, "size", 2) == 1:
-        return v.item()
-    if hasattr(v, "tolist"):
-        return v.tolist()
-    return v
+    """A metadata value as plain Python: MLX's reader gives 0-d arrays for numbers and arrays
+    for lists, ggml's reader numpy values; strings and lists pass through."""
+    return v.tolist() if hasattr(v, "tolist") else v
 
 
 def config_from_metadata(md: dict, arch: Arch, tensor_names: set, source: str) -> dict:

@@ -26,6 +26,17 @@ GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8:
               35: "TQ2_0", 39: "MXFP4"}
 
 
+FLOAT_TYPES = ("F32", "F16", "BF16", "F64")   # the tensor types that are not block-quantised
+
+
+def main_type(counts: dict) -> str:
+    """The block type most tensors have (ollama's quantization_level), else F16 / F32."""
+    blocks = {t: n for t, n in counts.items() if t not in FLOAT_TYPES}
+    if blocks:
+        return max(blocks, key=blocks.get)
+    return "F16" if "F16" in counts else "F32"
+
+
 @dataclass
 class Header:
     version: int
@@ -42,11 +53,7 @@ class Header:
 
     @property
     def main_type(self) -> str:
-        """The block type most tensors have (ollama's quantization_level), else F16 / F32."""
-        counts = {t: n for t, n in self.type_counts.items() if t not in ("F32", "F16", "BF16")}
-        if counts:
-            return max(counts, key=counts.get)
-        return "F16" if "F16" in self.type_counts else "F32"
+        return main_type(self.type_counts)
 
 
 class _Reader:

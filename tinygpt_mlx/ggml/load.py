@@ -26,7 +26,7 @@ from mlx.utils import tree_flatten
 
 from ..errors import ModelFormatError
 from .arch import Arch, arch_for, config_from_metadata, llama3_rope_scaling, scalar
-from .header import read_header
+from .header import FLOAT_TYPES, read_header
 from .tensors import GGUFContents, Packed, read
 
 WEIGHT_MODES = ("auto", "packed", "dense")
@@ -38,8 +38,10 @@ def compute_dtype() -> mx.Dtype:
 
 
 def resolve_weights_mode(mode: str) -> str:
+    """"packed" or "dense" for `mode` (auto: by backend); a mode not in WEIGHT_MODES is a
+    one-line error naming what was given."""
     if mode not in WEIGHT_MODES:
-        raise ModelFormatError(f"weights mode {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
+        raise ModelFormatError(f"--weights {mode!r}: choose one of {', '.join(WEIGHT_MODES)}")
     if mode == "auto":
         return "dense" if mx.default_device() == mx.cpu else "packed"
     return mode
@@ -48,10 +50,10 @@ def resolve_weights_mode(mode: str) -> str:
 def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict, dict, dict]:
     """(model, config, info, metadata) for a GGUF file; info says how each tensor type is held."""
     mode = resolve_weights_mode(weights)
-    arch_for(read_header(path).metadata, str(path))   # an unsupported architecture fails before any tensor is read
+    header = read_header(path)    # exact tensor types; an unsupported architecture fails before any tensor is read
+    arch = arch_for(header.metadata, str(path))
     contents = read(path)
     md = contents.metadata
-    arch = arch_for(md, str(path))
     config = config_from_metadata(md, arch, set(contents.tensors), str(path))
     if "rope_freqs.weight" in contents.tensors:
         freqs = np.array(_dense(contents.tensors["rope_freqs.weight"], mx.float32))
@@ -77,15 +79,11 @@ def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict,
     held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {dtype_name}"
     info = {"format": "gguf", "architecture": arch.gguf, "model_type": arch.model_type,
             "weights": mode, "reader": contents.reader,
-            "tensor_types": {t: {"count": n, "held": held if _is_block(t) else dtype_name}
-                             for t, n in sorted(contents.types.items())},
+            "tensor_types": {t: {"count": n, "held": dtype_name if t in FLOAT_TYPES else held}
+                             for t, n in sorted(header.type_counts.items())},
             "gguf_name": scalar(md.get("general.name", "")),
             "file_type": scalar(md.get("general.file_type", -1))}
     return model, config, info, md
-
-
-def _is_block(type_name: str) -> bool:
-    return type_name not in ("F32", "F16", "BF16", "F64")
 
 
 def _dense(t: Any, dtype) -> mx.array:
@@ -121,7 +119,7 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
             out[f"{base}.weight"] = t.weight
             out[f"{base}.scales"], out[f"{base}.biases"] = t.scales.astype(dtype), t.biases.astype(dtype)
         else:
-            out[pname] = _dense(t, dtype if "norm" not in base else mx.float32).astype(dtype)
+            out[pname] = _dense(t, dtype)
     return out
 
 

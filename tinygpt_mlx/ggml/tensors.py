@@ -10,8 +10,7 @@ Two readers, each for what it does best:
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Union
 
@@ -19,7 +18,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import ModelFormatError
-from .header import read_header
 
 GGUF_MAGIC = b"GGUF"
 GROUP = 32   # every GGML block format MLX reads has 32 weights per block
@@ -62,8 +60,7 @@ Tensor = Union[mx.array, Packed]
 class GGUFContents:
     tensors: dict[str, Tensor]
     metadata: dict
-    types: Counter = field(default_factory=Counter)   # GGML type name -> tensor count
-    reader: str = "mlx"
+    reader: str = "mlx"     # which reader read the tensors: "mlx" or "gguf"
 
 
 def read(path: Path) -> GGUFContents:
@@ -81,7 +78,7 @@ def read(path: Path) -> GGUFContents:
             tensors[name] = Packed(arr, flat[f"{base}.scales"], flat[f"{base}.biases"])
         else:
             tensors[name] = arr
-    return GGUFContents(tensors, dict(md), read_header(path).type_counts, "mlx")
+    return GGUFContents(tensors, dict(md), "mlx")
 
 
 def _read_with_gguf(path: Path) -> GGUFContents:
@@ -98,10 +95,8 @@ def _read_with_gguf(path: Path) -> GGUFContents:
             continue
         md[name] = _field_value(f, gguf)
     tensors: dict[str, Tensor] = {}
-    types: Counter = Counter()
     for t in reader.tensors:
         qtype = t.tensor_type
-        types[qtype.name] += 1
         shape = tuple(int(x) for x in reversed(t.shape))   # GGUF lists dimensions fastest first
         try:
             if qtype in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
@@ -112,7 +107,7 @@ def _read_with_gguf(path: Path) -> GGUFContents:
             raise ModelFormatError(f"{path}: tensor {t.name} has type {qtype.name}, which cannot be "
                                    "dequantised here") from None
         tensors[t.name] = mx.array(arr.astype(np.float32) if arr.dtype != np.float16 else arr)
-    return GGUFContents(tensors, md, types, "gguf")
+    return GGUFContents(tensors, md, "gguf")
 
 
 def _field_value(f, gguf):

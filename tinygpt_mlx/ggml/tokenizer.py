@@ -31,7 +31,7 @@ def tokenizer_from_metadata(md: dict, source: str):
 
     if "tokenizer.ggml.tokens" not in md:
         raise ModelFormatError(f"{source}: the GGUF holds no tokenizer (no tokenizer.ggml.tokens)")
-    values = {k: _plain(v) for k, v in md.items() if k.startswith("tokenizer.")}
+    values = {k: scalar(v) for k, v in md.items() if k.startswith("tokenizer.")}
     groups = {group: {name: values[f"tokenizer.{key}"] for key, name in renames.items()
                       if f"tokenizer.{key}" in values}
               for group, renames in GGUF_TOKENIZER_MAPPING.items()}
@@ -60,10 +60,3 @@ def tokenizer_from_metadata(md: dict, source: str):
     elif tu._is_bpe_decoder(decoder):
         detok = tu.BPEStreamingDetokenizer
     return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos)
-
-
-def _plain(v):
-    """MLX metadata values (0-d or 1-d arrays) as Python numbers and lists."""
-    if hasattr(v, "tolist"):
-        return v.tolist()
-    return v

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ..ggml.header import read_header
 from ..resolve import Resolved
+from .ollama import quant_level
 from .state import ApiError, Server, names_for
 
 log = logging.getLogger("posttrainllm.server")
@@ -47,10 +48,8 @@ def describe(resolved: Resolved) -> Entry:
         size = path.stat().st_size
     elif resolved.format == "mlx-lm":
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
-        quant = config.get("quantization")
         details = {"format": "mlx", "family": config.get("model_type", ""), "parameter_size": "",
-                   "quantization_level": f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant
-                   else "F32"}
+                   "quantization_level": quant_level(config)}
         size = sum(p.stat().st_size for p in path.glob("*.safetensors"))
     else:
         details = {"format": "tinygpt", "family": "tinygpt", "parameter_size": "", "quantization_level": "F32"}
@@ -64,7 +63,6 @@ class Models:
 
     def __init__(self, first: Server, others: Sequence[Resolved], make: Callable[[Resolved], Server]):
         self.resident = first
-        self.first_name = first.names[1]
         self.entries = [describe(first.loaded.resolved)] if first.loaded.resolved else []
         seen = set(first.names)
         for r in others:

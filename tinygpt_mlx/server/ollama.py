@@ -13,6 +13,7 @@ import datetime as _dt
 import hashlib
 from typing import Any, Optional
 
+from ..ggml.header import main_type
 from .worker import Result
 
 VERSION = "0.6.0"        # the ollama API version we mirror (clients gate features on it)
@@ -93,18 +94,22 @@ def _modified(loaded: Any) -> str:
     return t.isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
+def quant_level(config: dict) -> str:
+    """ollama's quantization_level of an mlx-lm config: Q<bits> if quantised, else F32."""
+    quant = config.get("quantization")
+    return f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant else "F32"
+
+
 def details(loaded: Any) -> dict:
     n = loaded.info.get("parameters", 0)
     size = f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
     family = loaded.info.get("model_type") or ("tinygpt" if loaded.kind == "tinygpt" else loaded.kind)
     fmt = "tinygpt" if loaded.kind == "tinygpt" else "mlx"
-    quant = loaded.info.get("config", {}).get("quantization")
-    qlevel = f"Q{quant['bits']}" if isinstance(quant, dict) and "bits" in quant else "F32"
+    qlevel = quant_level(loaded.info.get("config", {}))
     if loaded.info.get("format") == "gguf":
         # ollama's words: format gguf, the architecture as family, the file's main tensor type
         fmt, family = "gguf", loaded.info["architecture"]
-        types = {t: v["count"] for t, v in loaded.info["tensor_types"].items() if t not in ("F32", "F16")}
-        qlevel = max(types, key=types.get) if types else ("F16" if "F16" in loaded.info["tensor_types"] else "F32")
+        qlevel = main_type({t: v["count"] for t, v in loaded.info["tensor_types"].items()})
     return {"parent_model": "", "format": fmt, "family": family, "families": [family],
             "parameter_size": size, "quantization_level": qlevel}
 

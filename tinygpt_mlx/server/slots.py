@@ -90,6 +90,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
+def held_bytes(cache: Any) -> dict:
+    """A cache's bytes from one walk of its stores: total, per part, and memory-mapped on disk
+    (the parts ending in "_disk"; `KVCache.nbytes` and `disk_nbytes` each walk them again)."""
+    parts = cache.nbytes_breakdown()
+    return {"cache_bytes": sum(parts.values()), "cache_bytes_breakdown": parts,
+            "cache_disk_bytes": sum(v for k, v in parts.items() if k.endswith("_disk"))}
+
+
 class SlotPool:
     def __init__(self, model: Any, cache_config: Any, max_slots: int = _DEFAULTS.max_slots,
                  small_tokens: int = _DEFAULTS.small_request, loader: Any = None):
@@ -262,9 +270,7 @@ class SlotPool:
                 if s.source is not None:
                     d["prompt_cache"] = s.source.path
                 if s.cache is not None:
-                    d.update(stored=s.cache.stored_count, cache_bytes=s.cache.nbytes,
-                             cache_bytes_breakdown=s.cache.nbytes_breakdown(),
-                             cache_disk_bytes=s.cache.disk_nbytes)
+                    d.update(stored=s.cache.stored_count, **held_bytes(s.cache))
                 out.append(d)
             return out
 

@@ -166,14 +166,6 @@ class Server:
         return pr.context_limit(self.loaded, self.cache_config,
                                 num_ctx if num_ctx is not None else self.default_num_ctx)
 
-    def check_model(self, body: dict) -> str:
-        name = body.get("model")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, "model is required")
-        if name not in self.names:
-            raise ApiError(404, f"model '{name}' not found")
-        return name
-
     def job(self, p: "pr.Fitted", s: dict, unbounded_default: int) -> Job:
         if not p.ids:
             raise ApiError(400, "the prompt is empty")

@@ -24,7 +24,7 @@ from ..generate import GenerationStats, steps
 from ..sampling import make_sampler
 from ..textstream import TextStream
 from .config import ServerConfig
-from .slots import SlotPool
+from .slots import SlotPool, held_bytes
 
 log = logging.getLogger("posttrainllm.server")
 
@@ -84,8 +84,8 @@ class PrefillLog:
 
     every = 5.0
 
-    def __init__(self, slot: int, total: int):
-        self.slot, self.total = slot, total
+    def __init__(self, slot: int):
+        self.slot = slot
         self.start = self.last = time.perf_counter()
 
     def __call__(self, done: int, total: int) -> None:
@@ -192,7 +192,7 @@ class Worker:
         r.load_ns = int((time.perf_counter() - t_start) * 1e9)
         try:
             stats = self._decode(job, slot, ids[lease.reused:], r)
-            held = slot.cache.nbytes, slot.cache.nbytes_breakdown(), slot.cache.disk_nbytes
+            held = held_bytes(slot.cache)
         except BaseException:
             self.pool.invalidate(slot)
             raise
@@ -201,8 +201,8 @@ class Worker:
         r.done_reason = stats.finish_reason
         r.prompt_eval_ns, r.eval_ns = int(stats.prefill_seconds * 1e9), int(stats.decode_seconds * 1e9)
         r.total_ns = int((time.perf_counter() - job.created) * 1e9)
-        total, parts, disk = held
-        cold = sum(v for k, v in parts.items() if k.startswith("cold"))
+        total, disk = held["cache_bytes"], held["cache_disk_bytes"]
+        cold = sum(v for k, v in held["cache_bytes_breakdown"].items() if k.startswith("cold"))
         log.info("slot %d %s: prompt %d tokens (reused %d, prefilled %d), generated %d (%s); cache %.1f MiB%s",
                  r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, r.prefilled_tokens,
                  len(r.tokens), r.done_reason, total / 2**20,
@@ -230,7 +230,7 @@ class Worker:
         out: list[str] = []
         chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
                                                slot.cache.current_length + len(tail))
-        progress = PrefillLog(slot.index, len(tail)) if len(tail) > chunk else None
+        progress = PrefillLog(slot.index) if len(tail) > chunk else None
         for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, chunk,
                           stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set, progress=progress):
             slot.tokens.extend(step.fed)
