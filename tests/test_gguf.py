@@ -104,7 +104,7 @@ def test_f32_gguf_equals_source_directory(tiny, arch):
     with load(src) as ref, load(path) as ours:
         assert ours.format == "gguf" and ours.info["architecture"] == arch
         a, b = _logits(ref, PROMPT), _logits(ours, PROMPT)
-        assert float(mx.abs(a - b).max()) < 2e-4   # F32 round trip: the same model
+        assert float(mx.abs(a - b).max()) < 1e-5   # F32 round trip: the same model (measured 0.0)
         greedy = dict(max_tokens=24, temperature=0.0)
         if arch == "gemma2":
             # mlx-lm's Gemma 2 computes its soft-capped attention itself, so our caches cannot
@@ -156,7 +156,8 @@ def test_block_quantised_gguf_packed_and_dense(tmp_path, tiny, quant):
                 packed_layers = [m for _, m in ours.model.named_modules() if hasattr(m, "bits")]
                 # Q5_0 is read by ggml's reader and always dequantised; the rest stay packed if asked
                 assert bool(packed_layers) == (mode == "packed" and quant != "Q5_0")
-                assert float(mx.abs(_logits(ours, PROMPT) - want).max()) < 2e-3, (quant, mode)
+                # measured 0.0 for every format and mode on the CPU backend
+                assert float(mx.abs(_logits(ours, PROMPT) - want).max()) < 1e-5, (quant, mode)
 
 
 def test_gguf_runs_under_our_caches(tiny):

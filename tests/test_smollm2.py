@@ -76,7 +76,7 @@ def test_packed_weights_match_dense(smollm2_gguf, smollm2):
         assert packed.info["weights"] == "packed"
         a = smollm2.model(mx.array([ids]))[0, -1]
         b = packed.model(mx.array([ids]))[0, -1]
-        assert float(mx.abs(a - b).max()) < 2e-3
+        assert float(mx.abs(a - b).max()) < 1e-4     # measured 0.0 on the CPU backend
         assert int(mx.argmax(a)) == int(mx.argmax(b))
 
 
