@@ -328,3 +328,18 @@ def test_perplexity_segments_and_score_chunk(native):
     assert abs(one["win"].perplexity - many["win"].perplexity) > 1e-3
     with pytest.raises(ValueError, match="score_chunk"):
         perplexities(native.model, ids, {"full": full}, None, 16, score_chunk=0)
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--segment", "0"], "Invalid value for '--segment': Input should be greater than or equal to 1"),
+    (["--score-chunk", "0"], "Invalid value for '--score-chunk': Input should be greater than or equal to 1"),
+])
+def test_cli_perplexity_bad_segment_and_chunk_are_one_line(native_path, args, named):
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    r = CliRunner().invoke(app, ["perplexity", str(native_path), "--max-tokens", "40", *args])
+    assert r.exit_code == 2       # a usage error, before the model loads
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and named in lines[0], r.stderr

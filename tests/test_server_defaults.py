@@ -78,6 +78,7 @@ def test_name_serves_under_another_name(native_path):
 @pytest.mark.parametrize("args, named", [
     (["--default-max-tokens", "-1"], "--default-max-tokens"),
     (["--default-num-ctx", "1"], "--default-num-ctx"),
+    (["--stop-loops", "-1"], "--stop-loops"),
     (["--name", "two words"], "--name 'two words'"),
     (["--name", "a", "--name", "b"], "--name given 2 times for 1 model"),
 ])

@@ -44,11 +44,11 @@ def perplexity(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
     segment: Annotated[Optional[int], typer.Option(
         "--segment", help="Also report the perplexity of each run of N scored tokens (e.g. 2048: the "
-        "StreamingLLM curve past the trained context).", show_default=False)] = None,
+        "StreamingLLM curve past the trained context).", show_default=False, min=1)] = None,
     score_chunk: Annotated[int, typer.Option(
         "--score-chunk", help="After the prefill chunk, tokens fed per model call: 1 feeds them as decoding "
         "does; more is the same for a full cache and faster, but lets an evicting cache attend over a "
-        "whole chunk before it evicts.")] = 1,
+        "whole chunk before it evicts.", min=1)] = 1,
     past_context: Annotated[bool, typer.Option(
         "--past-context", help="Let a full cache score past the model's trained context (to show how it "
         "degrades there; refused otherwise).")] = False,
