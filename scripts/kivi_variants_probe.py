@@ -14,6 +14,9 @@ prefix match against the fp32 cache per variant:
     k4had, v4had    a Hadamard rotation of the head dimension before quantising (QuaRot)
     k4out2          the 2 largest-norm tokens of each key block kept exact (dense-and-sparse)
     k4L3, v4L0 ...  only layer i quantised (the others exact)
+    clip            each group's range shrunk about its middle to the least-MSE of 7 ratios
+    sink4           the first 4 tokens of the sequence kept exact (left out of their block's ranges)
+    exact0.29       layers 0 and 29 kept exact (the others quantised as the spec says)
     +topN           exact top-N refinement (what `--kv-exact-topk N` does)
 
     python scripts/kivi_variants_probe.py models/tinygpt-base.tinygpt \\
@@ -23,15 +26,18 @@ prefix match against the fp32 cache per variant:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import re
 
 import mlx.core as mx
 import numpy as np
 
-from tinygpt_mlx.cache import kivi
+from tinygpt_mlx.cache import kivi, make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.compare import greedy_tokens, prefix_match, read_prompts
+from tinygpt_mlx.evaluate.bench import make_policy
+from tinygpt_mlx.generate import forward
 from tinygpt_mlx.loading import load
 
 
@@ -43,8 +49,21 @@ def fake_quant(x: mx.array, bits: int, group: int, axis: int) -> mx.array:
     *lead, n = x.shape
     g = x.reshape(*lead, n // group, group)
     lo, hi = g.min(-1, keepdims=True), g.max(-1, keepdims=True)
-    step = mx.maximum((hi - lo) / (2 ** bits - 1), 1e-8)
-    out = (mx.clip(mx.round((g - lo) / step), 0, 2 ** bits - 1) * step + lo).reshape(*lead, n)
+
+    def qdq(lo, hi):
+        step = mx.maximum((hi - lo) / (2 ** bits - 1), 1e-8)
+        return mx.clip(mx.round((g - lo) / step), 0, 2 ** bits - 1) * step + lo
+
+    out = qdq(lo, hi)
+    if ACTIVE.get("clip"):      # per group, the range shrunk about its middle that gives the least MSE
+        best = ((out - g) ** 2).sum(-1, keepdims=True)
+        mid = (lo + hi) / 2
+        for r in (0.95, 0.9, 0.85, 0.8, 0.75, 0.7):
+            cand = qdq(mid - (mid - lo) * r, mid + (hi - mid) * r)
+            err = ((cand - g) ** 2).sum(-1, keepdims=True)
+            out = mx.where(err < best, cand, out)
+            best = mx.minimum(err, best)
+    out = out.reshape(*lead, n)
     return mx.swapaxes(out, -1, -2) if axis == -2 else out
 
 
@@ -83,7 +102,7 @@ def value_quantiser(bits: int, group: int, how: str):
     return f
 
 
-_PART = re.compile(r"(k|v)(\d)(g\d+|pre|had|out\d+)?(L\d)?")
+_PART = re.compile(r"(k|v)(\d)(g\d+|pre|had|out\d+)?(L\d+)?")
 
 
 def parse(spec: str) -> dict:
@@ -93,7 +112,16 @@ def parse(spec: str) -> dict:
         if part.startswith("top"):
             out["topk"] = int(part[3:])
             continue
-        for m in re.finditer(r"[kv]\d(?:g\d+|pre|had|out\d+)?(?:L\d)?", part):
+        if part == "clip":
+            out["clip"] = True
+            continue
+        if part.startswith("sink"):
+            out["sink"] = int(part[4:])
+            continue
+        if part.startswith("exact"):
+            out["exact"] = {int(i) for i in part[5:].split(".")}
+            continue
+        for m in re.finditer(r"[kv]\d(?:g\d+|pre|had|out\d+)?(?:L\d+)?", part):
             side, bits, how, layer = _PART.fullmatch(m[0]).groups()
             how = how or ""
             group = int(how[1:]) if how.startswith("g") else 32
@@ -113,17 +141,42 @@ def _freeze(self, n: int) -> None:
     k, v = k.astype(mx.float32), v.astype(mx.float32)
     if self.shadow is not None:
         self.shadow.append(k, v)
+    sink = max(0, min(ACTIVE.get("sink", 0) - self.frozen, n))
+    exact_k, exact_v = k[:, :, :sink], v[:, :, :sink]
+    if sink:    # left out of the block's ranges: stand in the block's mean there
+        k = mx.concatenate([mx.broadcast_to(k[:, :, sink:].mean(2, keepdims=True), exact_k.shape), k[:, :, sink:]], 2)
     for side in ("k", "v"):
         layer = ACTIVE["layers"].get(side)
+        if self.layer_index in ACTIVE.get("exact", ()):
+            continue
         if side in ACTIVE and (layer is None or layer == self.layer_index):
             if side == "k":
                 k = ACTIVE["k"](k, self)
             else:
                 v = ACTIVE["v"](v, self)
+    if sink:
+        k = mx.concatenate([exact_k, k[:, :, sink:]], 2)
+        v = mx.concatenate([exact_v, v[:, :, sink:]], 2)
     self.keys = kivi._concat(self.keys, (k,), (-2,))
     self.values = kivi._concat(self.values, (v,), (-2,))
     self.n_packed += n
     self.frozen += n
+
+
+def teacher_forced(model, ids: list[int], config: CacheConfig, chunk: int, skip: int = 256) -> mx.array:
+    """Log-probabilities [T - skip, V] of every position after the first `skip`, the prompt fed
+    through a cache under `config` in chunks of `chunk` tokens."""
+    out = []
+    cache = make_policy(config, model).make() if isinstance(config, str) else make_cache(model, config)
+    with contextlib.nullcontext(cache) if isinstance(config, str) else cache:
+        for i in range(0, len(ids), chunk):
+            logits = forward(model, mx.array(ids[i:i + chunk])[None], cache)[0].astype(mx.float32)
+            logits = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+            lo = max(0, skip - i)
+            if lo < logits.shape[0]:
+                out.append(logits[lo:])
+                mx.eval(out[-1])
+    return mx.concatenate(out)
 
 
 def main() -> None:
@@ -133,12 +186,37 @@ def main() -> None:
     ap.add_argument("--variants", default="k4v4,k4,v4,k4g16,k4g8,v4g16,v4g8,k4pre,k4had,v4had,k4out2,"
                                           "k4L0,k4L1,k4L2,k4L3,v4L0,v4L1,v4L2,v4L3,k4v4+top16,k4v4+top64")
     ap.add_argument("--tokens", type=int, default=60)
+    ap.add_argument("--every", type=int, default=1, help="use every n-th prompt (a quick screen)")
+    ap.add_argument("--kl", type=int, default=0, metavar="CHUNK",
+                    help="instead of greedy decoding, feed each prompt in chunks of CHUNK tokens and "
+                         "report KL(fp32 || variant) and top-1 agreement over its positions after the "
+                         "first 256 (smoother than a greedy prefix; CHUNK 32 = the residual's size)")
+    ap.add_argument("--real", action="store_true",
+                    help="with --kl: variants are policy specs run through the real caches "
+                         "(int4+rot+esink4, mlx-q4, ...), not fake-quantised blocks")
+    ap.add_argument("--max-len", type=int, default=0, help="cut prompts to this many tokens (0: as given)")
     a = ap.parse_args()
     loaded = load(a.model)
     n_layers = len(loaded.model.layers)
-    prompts = [loaded.tokenizer.encode(p) for p in read_prompts(a.prompts)]
-    refs = [greedy_tokens(loaded.model, ids, CacheConfig(), a.tokens) for ids in prompts]
+    prompts = [loaded.tokenizer.encode(p) for p in read_prompts(a.prompts)[::a.every]]
+    if a.max_len:
+        prompts = [ids[:a.max_len] for ids in prompts]
+    if a.kl:
+        refs = [teacher_forced(loaded.model, ids, CacheConfig(), a.kl) for ids in prompts]
+    else:
+        refs = [greedy_tokens(loaded.model, ids, CacheConfig(), a.tokens) for ids in prompts]
 
+    if a.real:      # the caches as they are: each variant a policy spec (ours or mlx-lm's)
+        for spec in a.variants.split(","):
+            cfg = spec if spec.startswith("mlx-") else CacheConfig.from_spec(spec)
+            kl = agree = n = 0.0
+            for ref, ids in zip(refs, prompts):
+                got = teacher_forced(loaded.model, ids, cfg, a.kl)
+                kl += (mx.exp(ref) * (ref - got)).sum().item()
+                agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+                n += ref.shape[0]
+            print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+        return
     count = [0]
     init = kivi.KiviStore.__init__
 
@@ -155,6 +233,16 @@ def main() -> None:
         ACTIVE.update(parse(spec))
         topk = ACTIVE.get("topk", 0)
         cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=topk, shadow_store="ram" if topk else "disk")
+        if a.kl:
+            kl = agree = n = 0.0
+            for ref, ids in zip(refs, prompts):
+                count[0] = 0
+                got = teacher_forced(loaded.model, ids, cfg, a.kl)
+                kl += (mx.exp(ref) * (ref - got)).sum().item()
+                agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+                n += ref.shape[0]
+            print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+            continue
         matched = []
         for ref, ids in zip(refs, prompts):
             count[0] = 0

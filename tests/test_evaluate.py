@@ -343,3 +343,19 @@ def test_cli_perplexity_bad_segment_and_chunk_are_one_line(native_path, args, na
     assert r.exit_code == 2       # a usage error, before the model loads
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and named in lines[0], r.stderr
+
+
+def test_read_prompts_jsonl_keeps_newlines_and_names_a_bad_line(tmp_path):
+    from tinygpt_mlx.evaluate.compare import read_prompts
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps("def f():\n    return 1\n") + "\n\n" + json.dumps("Line one.\nLine two.") + "\n")
+    assert read_prompts(good) == ["def f():\n    return 1\n", "Line one.\nLine two."]
+    plain = tmp_path / "p.txt"      # the same text as a plain file: a prompt per line, as before
+    plain.write_text(good.read_text())
+    assert read_prompts(plain) == [json.dumps("def f():\n    return 1\n"), json.dumps("Line one.\nLine two.")]
+    for body, what in ((json.dumps("ok") + "\n{not json\n", "p.jsonl:2: not JSON"),
+                       (json.dumps({"prompt": "x"}) + "\n", "p.jsonl:1: a .jsonl prompt file holds one"),
+                       (json.dumps("  ") + "\n", "p.jsonl:1: a .jsonl prompt file holds one")):
+        good.write_text(body)
+        with pytest.raises(ValueError, match=what):
+            read_prompts(good)

@@ -601,8 +601,10 @@ def test_extended_cold_store_keeps_the_window_in_place(native):
 
 @pytest.mark.parametrize("bits, rebase_every", [(dict(key_bits=None, value_bits=8), None),
                                                  (dict(key_bits=None, value_bits=8), 23),
-                                                 (dict(key_bits=4, value_bits=4), None)],
-                         ids=["k-exact-v8", "k-exact-v8-rebased", "int4"])
+                                                 (dict(key_bits=4, value_bits=4), None),
+                                                 (dict(key_bits=4, value_bits=4, rotate=True), None),
+                                                 (dict(key_bits=None, value_bits=8, rotate=True), 23)],
+                         ids=["k-exact-v8", "k-exact-v8-rebased", "int4", "int4-rotated", "k-exact-v8-rotated-rebased"])
 def test_kivi_with_shifted_retrieval_equals_the_full_kivi_cache_when_everything_comes_back(native32, bits,
                                                                                             rebase_every):
     """KIVI under shifted retrieval (frame positions: the body's keys quantised as the model

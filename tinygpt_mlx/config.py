@@ -134,6 +134,11 @@ class CacheConfig:
     exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
+    kivi_sink    KIVI without StreamingLLM or retrieval: the first N tokens kept exact (attention
+                 sinks: their keys are outliers of their block, and heads attend to them most);
+                 under StreamingLLM and retrieval the `sink` is exact already
+    rotate       KIVI: quantise keys and values in a randomized Hadamard basis of the head
+                 dimension (queries turned alike, the output turned back; cache/kivi.py)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
                  window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled
@@ -164,6 +169,8 @@ class CacheConfig:
     residual: int = 32
     exact_topk: int = 0
     shadow_store: str = "disk"
+    kivi_sink: int = 0
+    rotate: bool = False
     sink: int = 0
     window: Optional[int] = None
     rope_mode: Optional[str] = None
@@ -204,6 +211,7 @@ class CacheConfig:
             raise ConfigError("shadow_store", f"must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
         if self.shadow_store != "disk" and not self.exact_topk:
             raise ConfigError("shadow_store", "only applies with {exact_topk}", ("exact_topk",))
+        _positive("kivi_sink", self.kivi_sink, 0)
         _positive("sink", self.sink, 0)
         if self.window is not None:
             _positive("window", self.window)
@@ -251,6 +259,14 @@ class CacheConfig:
     @property
     def quantised(self) -> bool:
         return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def held_sink(self) -> int:
+        """Tokens at the front kept exact in the cache's sink store: StreamingLLM's or
+        retrieval's `sink`, or a KIVI cache's exact `kivi_sink` (only without either)."""
+        if self.streaming or self.retrieval:
+            return self.sink
+        return self.kivi_sink if self.quantised else 0
 
     @property
     def streaming(self) -> bool:
@@ -321,6 +337,7 @@ class CacheConfig:
             fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
             k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
             g64, r128                                  KIVI group size G, residual R
+            esink4, rot | norot                        KIVI: first 4 tokens exact, rotated basis
             top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
             sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
             [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
@@ -359,6 +376,7 @@ class CacheConfig:
         if self.quantised:
             d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
                            "group_size": self.group_size, "residual": self.residual})
+            d["kivi"].update(exact_sink=self.held_sink, rotate=self.rotate)
             if self.exact_topk:
                 d["kivi"].update(exact_topk=self.exact_topk, shadow_store=self.shadow_store)
         if self.streaming:
@@ -384,6 +402,10 @@ class CacheConfig:
             if self.exact_topk:
                 where = "" if self.shadow_store == "disk" else f", {self.shadow_store} shadow"
                 prec += f" (exact top-{self.exact_topk}{where})"
+            if self.rotate:
+                prec += ", rotated"
+            if not (self.streaming or self.retrieval) and self.kivi_sink:
+                prec += f", first {self.kivi_sink} exact"
         else:
             prec = self.storage
         parts = [prec]
@@ -397,7 +419,7 @@ class CacheConfig:
 
 
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, "
+             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
              "colddisk (retrieval's cold store on disk), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
              "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
@@ -428,6 +450,8 @@ _SPEC_PARTS = (
     (re.compile(r"(no)?sticky"), lambda m: {"sticky": not m[1]}),
     (re.compile(r"expand(\d+)"), lambda m: {"index_expand": int(m[1])}),
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
+    (re.compile(r"esink(\d+)"), lambda m: {"kivi_sink": int(m[1])}),
+    (re.compile(r"(no)?rot"), lambda m: {"rotate": not m[1]}),
     (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
 )
 

@@ -123,7 +123,7 @@ class _TracedKivi:
         from .segments import DenseSegment, attend
         cfg = self.config
         body = SimpleNamespace(keys=self.packed[0], values=self.packed[1], key_bits=cfg.key_bits,
-                               value_bits=cfg.value_bits, group=cfg.group_size, positions=self.positions,
+                               value_bits=cfg.value_bits, rotate=cfg.rotate, group=cfg.group_size, positions=self.positions,
                                evicted=0, shadow=None)
         # the live tokens and the new one, read back from the written buffers (so the buffers are
         # part of the logits' graph); the live views' shapes give the length, a shape of the trace

@@ -21,6 +21,14 @@ placed, so a decode step un-rotates, places and turns nothing. Every 65,536 toke
 turns the body back by the base's growth: the residual exactly, the frozen blocks (at most a
 window's worth) dequantised, turned and quantised again.
 
+Rotation (`CacheConfig.rotate`, QuaRot's idea for the KV cache): a quantised side is stored in a
+randomized Hadamard basis of the head dimension, k R and v R with R = diag(s) H / sqrt(D)
+orthogonal. Scores are (q R)(k R)^T = q k^T and the packed output P (v R) is turned back by R^T,
+so attention is unchanged while every channel of a rotated vector mixes all of the original
+ones: an outlier channel no longer sets the range of its group alone. No bytes are added; a
+decode step adds two [rows, D] x [D, D] matmuls per layer. The exact residual, sink and shadow
+are never rotated; `_dense` (and everything that reads dequantised blocks) turns them back.
+
 Exact top-k refinement (`CacheConfig.exact_topk` = K): a full-precision shadow copy of the frozen
 tokens is kept outside the packed body (memory-mapped on disk by default, so RAM still holds only
 the packed cache). Attention scores the packed body as usual, takes for every query head the K
@@ -35,7 +43,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import functools
+
 import mlx.core as mx
+import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
@@ -49,6 +60,23 @@ Side = tuple
 #: dtype of the frozen blocks' scales and zeros: float16 halves their bytes (int4 body 0.31x of
 #: bf16 instead of 0.38x) at no measured cost in fidelity (docs/kivi.md)
 PARAMS = mx.float16
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(dim: int) -> mx.array:
+    """The orthogonal [dim, dim] float32 matrix R a rotated side is stored in (x R; back: y R^T):
+    a Sylvester Hadamard matrix scaled by 1/sqrt(dim) with its rows' signs flipped by a fixed
+    random draw (seed 0, so every cache and every saved file agree), for a power-of-two head
+    dimension; otherwise the Q of a seeded Gaussian's QR (a random orthogonal matrix)."""
+    rng = np.random.default_rng(0)
+    if dim & (dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        m = rng.choice([-1.0, 1.0], size=dim)[:, None] * h / np.sqrt(dim)
+    else:
+        m, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    return mx.array(m.astype(np.float32))
 
 
 class KiviStore:
@@ -67,6 +95,7 @@ class KiviStore:
         self.codec = codec
         self.positions = positions
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
+        self.rotate = config.rotate     # quantised sides stored as x R (`rotation`)
         self.group = config.group_size
         self.keep = config.residual
         self.residual = DenseStore(storage, label="residual", step=self.group)
@@ -108,6 +137,7 @@ class KiviStore:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
+        k, v = self._turn(k, v, back=False)
         # keys per channel (groups of G tokens along K^T's last axis), values per token
         kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS) if self.key_bits
                  else (k.astype(self.storage),))
@@ -194,6 +224,7 @@ class KiviStore:
         vs = self._slice(self.values, self.value_bits, False, lo, hi)
         k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
         v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
+        k, v = self._turn(k, v, back=True)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
@@ -213,9 +244,24 @@ class KiviStore:
             return
         if self.key_bits:
             k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
-            self.keys = self.codec.quantise_affine(mx.swapaxes(turn(k), -1, -2), self.key_bits, self.group, PARAMS)
+            if self.rotate:
+                r = rotation(k.shape[-1])
+                k = turn(k.astype(mx.float32) @ r.T) @ r
+            else:
+                k = turn(k)
+            self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
         else:
             self.keys = (turn(self.keys[0]).astype(self.storage),)
+
+    def _turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
+        """The quantised sides into the rotated basis (x R) or back from it (x R^T); exact
+        sides as they are."""
+        if not self.rotate:
+            return k, v
+        r = rotation(k.shape[-1])
+        r = r.T if back else r
+        return (k.astype(mx.float32) @ r if self.key_bits else k,
+                v.astype(mx.float32) @ r if self.value_bits else v)
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
@@ -298,6 +344,8 @@ class PackedSegment:
         B, H, rep, L, D = q.shape
         rows = q.reshape(B, H, rep * L, D)      # a KV head's query group as rows: no broadcast copy
         if s.key_bits:
+            if s.rotate:     # the keys are stored as k R: (q R)(k R)^T = q k^T
+                rows = rows @ rotation(D)
             scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group)
         else:
             scores = rows @ s.keys[0].astype(mx.float32).swapaxes(-1, -2)
@@ -328,6 +376,8 @@ class PackedSegment:
         rows = p.reshape(B, H, rep * L, T)
         if s.value_bits:
             out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.group)
+            if s.rotate:     # the values are stored as v R: turned back by R^T
+                out = out @ rotation(out.shape[-1]).T
         else:
             out = rows @ s.values[0].astype(mx.float32)
         out = out.reshape(B, H, rep, L, -1)

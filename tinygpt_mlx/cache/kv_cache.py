@@ -162,7 +162,7 @@ class LayerCache:
         self.evict_middle_if_needed(pending=L)
         if self.dtype is None:
             self.dtype = keys.dtype
-        n_sink = max(0, min(L, self.config.sink - self.n_sink))
+        n_sink = max(0, min(L, self.config.held_sink - self.n_sink))
         if n_sink and self._window_len() == 0:
             self.start = self.seen + n_sink
         if self.sink_store is None:     # a ring: it places the sink itself (the keys' frame position)

@@ -300,6 +300,10 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
     return header, meta, data_start, path.stat().st_size
 
 
+#: fields a file written before they existed lacks, with the behaviour that file was saved under
+_OLDER_FILES = {"kivi_sink": 0, "rotate": False}
+
+
 def _json(path: Path, meta: dict, key: str) -> Any:
     try:
         return json.loads(meta[key])
@@ -312,7 +316,8 @@ def read_prompt_cache_info(path: Union[str, Path]) -> PromptCacheInfo:
     path = Path(path)
     _, meta, _, size = _open(path)
     try:
-        config = CacheConfig(**_json(path, meta, "cache_config"))
+        # files written before KIVI's exact sink and rotation existed hold neither
+        config = CacheConfig(**{**_OLDER_FILES, **_json(path, meta, "cache_config")})
     except (TypeError, ValueError) as e:
         raise PromptCacheError(f"{path}: corrupt prompt cache (cache config: {e})") from None
     tokens = _json(path, meta, "tokens")

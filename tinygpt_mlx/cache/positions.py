@@ -62,7 +62,7 @@ class Positions:
         self.pre_rope = self.shifted and not self.frame
         self.base = 0
         self.rebase_every = self.REBASE_EVERY
-        self.sink = config.sink
+        self.sink = config.held_sink
         self.rule = config.retrieved_position
         self.fixed = self.rule == "fixed"
         #: the most slots retrieved tokens ever take (shifted mode)

@@ -51,6 +51,15 @@ KvExactTopk = Annotated[Optional[int], typer.Option(
 KvShadow = Annotated[Optional[str], typer.Option(
     "--kv-shadow", help="KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds "
     f"only the packed cache) or in ram. Default {field_default(_C, 'shadow_store')}.", show_default=False)]
+KvExactSink = Annotated[Optional[int], typer.Option(
+    "--kv-exact-sink", help="KIVI without a StreamingLLM window or retrieval: keep the first N tokens exact "
+    "(attention sinks; N x 2 x head dim x 4 bytes per KV head and layer, once). Under StreamingLLM and retrieval "
+    f"the --streaming-llm-sink tokens are exact instead. Default {field_default(_C, 'kivi_sink')}.",
+    show_default=False)]
+KvRotate = Annotated[Optional[bool], typer.Option(
+    "--kv-rotate/--no-kv-rotate", help="KIVI: quantise keys and values in a randomized Hadamard basis of the "
+    "head dimension (queries are turned alike and the output turned back: no extra bytes, two small matmuls "
+    f"per layer and step). Default {'on' if field_default(_C, 'rotate') else 'off'}.", show_default=False)]
 Sink = Annotated[Optional[int], typer.Option(
     "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window, or "
     "--kiv-hot-budget for retrieval).",
@@ -147,6 +156,8 @@ CACHE_OPTIONS = {
     "kv_residual": (KvResidual, "residual"),
     "kv_exact_topk": (KvExactTopk, "exact_topk"),
     "kv_shadow": (KvShadow, "shadow_store"),
+    "kv_exact_sink": (KvExactSink, "kivi_sink"),
+    "kv_rotate": (KvRotate, "rotate"),
     "streaming_llm_sink": (Sink, "sink"),
     "streaming_llm_window": (Window, "window"),
     "streaming_llm_rope": (RopeMode, "rope_mode"),

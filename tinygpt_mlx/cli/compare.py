@@ -38,7 +38,7 @@ def compare(
     model: c.ModelArg = None,
     weights: c.Weights = "auto",
     prompts: Annotated[Optional[Path], typer.Option(
-        "--prompts", help="UTF-8 text, one prompt per line (default: the prompt set shipped with the package).",
+        "--prompts", help="UTF-8 text, one prompt per line, or a .jsonl file of one JSON string per line (prompts with newlines); default: the prompt set shipped with the package.",
         show_default=False)] = None,
     tokens: Annotated[Optional[int], typer.Option(
         "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {defaults.COMPARE_TOKENS}.",

@@ -8,6 +8,7 @@ not stop the runs, so every run generates exactly `tokens` tokens and the rates 
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 from typing import Callable, Optional, Sequence
 
@@ -42,9 +43,23 @@ def default_prompts() -> list[str]:
 
 
 def read_prompts(path) -> list[str]:
-    """One prompt per non-blank line; a missing or non-UTF-8 file is one error naming it."""
-    prompts = [line.strip() for line in read_text(path).splitlines()]
-    prompts = [p for p in prompts if p]
+    """One prompt per non-blank line, or in a `.jsonl` file one JSON string per line (a prompt
+    that keeps its newlines: code, licences); a missing or non-UTF-8 file, or a line that is not
+    a JSON string, is one error naming it."""
+    lines = [(i, line.strip()) for i, line in enumerate(read_text(path).splitlines(), 1)]
+    lines = [(i, line) for i, line in lines if line]
+    if str(path).endswith(".jsonl"):
+        prompts = []
+        for i, line in lines:
+            try:
+                prompt = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON ({e.msg})") from None
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise ValueError(f"{path}:{i}: a .jsonl prompt file holds one non-empty JSON string per line")
+            prompts.append(prompt)
+    else:
+        prompts = [line for _, line in lines]
     if not prompts:
         raise ValueError(f"{path}: no prompts (one per line)")
     return prompts
