@@ -45,7 +45,7 @@ def test_kivi_store_rounds_through_the_cards_methods(model32, monkeypatch):
     spies = _spies(monkeypatch)
     freezes = Spy(KiviStore._freeze)
     monkeypatch.setattr(KiviStore, "_freeze", lambda self, n: freezes(self, n))
-    cache = make_cache(model32, CacheConfig(key_bits=4, value_bits=4))
+    cache = make_cache(model32, CacheConfig(key_bits=4, value_bits=4, rotate=False, kivi_sink=0))
     prefill(model32, TOKENS, cache, 48)
     body = cache.owned[0].body
     assert body.n_packed > 0 and freezes.calls >= len(cache.owned)

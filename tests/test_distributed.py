@@ -136,7 +136,11 @@ def check_policy(runs: tuple[dict, dict], spec: str) -> None:
     # 1-rank run's top-2 margins (docs/distributed.md lists both)
     # (exact top-k picks discrete tokens: where two packed scores nearly tie, the other summation
     # order can swap which one is refined; measured 2.4e-3 on the tiny Llama with fp16 scales)
-    assert r0["policies"][spec]["max_logit_diff"] < (5e-3 if "top" in spec else 1e-3)
+    # (KIVI: a last-bit difference on a rounding boundary flips a code; with the exact 4-token sink
+    # the blocks start 4 tokens later and one such flip on this data moves a logit by 0.029 on the
+    # tiny Llama, whose int4 logits sit up to 11 from fp32's: test_policies.py)
+    kivi = spec.startswith("int")
+    assert r0["policies"][spec]["max_logit_diff"] < (5e-3 if "top" in spec else 6e-2 if kivi else 1e-3)
     # every byte of every policy is per KV head: each rank holds exactly half
     for key in ("cache_bytes", "disk_bytes"):
         assert s0[key] == s1[key] and 2 * s0[key] == single[key], (key, single[key], s0[key], s1[key])

@@ -100,6 +100,26 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: CacheConfig(**kw).label())
+def test_packed_attention_equals_the_reference_on_the_same_stored_data(native32, kw):
+    """Each layer's packed attention (after a prefill and decode steps, every segment kind held)
+    against dense SDPA over its `fetch()` (blocks dequantised and turned back), for one query and
+    for three: the property the end-to-end test below checks, without its sensitivity to a code
+    that an upstream 1e-7 difference flips."""
+    model = native32.model
+    cache = make_cache(model, CacheConfig(**kw))
+    run(model, cache, tokens(220), prefill=120)
+    for i, layer in enumerate(cache.owned):
+        assert layer.body.n_packed > 0
+        for L in (1, 3):
+            q = mx.random.normal((1, 4, L, 32), key=mx.random.key(10 * i + L))
+            k, v = layer.fetch()
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5, mask=None)
+            got = layer.attend(q, 32 ** -0.5, None)
+            assert mx.abs(got - want).max().item() < 1e-5
+
+
+@pytest.mark.parametrize("kw", [kw for kw in CONFIGS if "rotate" not in kw and "kivi_sink" not in kw],
+                         ids=lambda kw: CacheConfig(**kw).label())
 def test_packed_attention_equals_dequantised_reference(native32, kw):
     """Installed attention scores packed data; the reference path dequantises every block and
     runs dense SDPA (mx.fast) over it. Same stored data, so the logits agree to rounding.
@@ -107,6 +127,7 @@ def test_packed_attention_equals_dequantised_reference(native32, kw):
     sits on a rounding boundary: seen once, K fp32 / V int4 rotated with a 3-token sink, one
     code word of 1,280 and 1.5e-3 in the logits, while each layer's attention agreed to 1e-7.)"""
     model, toks = native32.model, tokens(220)
+    kw = {"rotate": False, "kivi_sink": 0, **kw}      # the storage before both (the test above has them)
     outs = []
     for installed in (True, False):
         cache = make_cache(model, CacheConfig(**kw))
@@ -143,7 +164,7 @@ def test_exact_byte_counts(native32):
     model = native32.model
     n_layers, H, D = 2, 2, 32
     for kb, vb in ((8, 8), (4, 4), (2, 2), (8, 4), (4, None)):
-        cache = make_cache(model, CacheConfig(key_bits=kb, value_bits=vb))
+        cache = make_cache(model, CacheConfig(key_bits=kb, value_bits=vb, kivi_sink=0))
         run(model, cache, tokens(150), prefill=100)
         body = cache.owned[0].body
         P, r = body.n_packed, len(body.residual)
@@ -211,7 +232,7 @@ def test_composes_with_streaming_llm(native32):
 def test_clear_error_when_group_does_not_divide_head_dim(native):
     # the session fixture has head dim 16; value groups of 32 channels cannot fit
     with pytest.raises(ValueError, match="head dim 16"):
-        run(native.model, make_cache(native.model, CacheConfig(key_bits=4, value_bits=4)), tokens(4))
+        run(native.model, make_cache(native.model, CacheConfig(key_bits=4, value_bits=4)), tokens(8))
     # a group size outside MLX's set is the config's error, before any store (test_config.py)
     with pytest.raises(ValueError, match="group_size must be one of 32, 64, 128.*got 48"):
         CacheConfig(key_bits=4, value_bits=4, group_size=48, residual=48)
@@ -380,7 +401,7 @@ def test_exact_topk_matches_a_dense_reference():
     those tokens' values by exact values; checked against the same rule in numpy."""
     B, H, rep, D, T, K = 1, 2, 2, 32, 200, 8
     rng = np.random.RandomState(6)
-    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=K, shadow_store="ram")
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=K, shadow_store="ram", kivi_sink=0)
     layer = layer_cache(cfg, rope=None)
     k = rng.randn(B, H, T, D).astype(np.float32)
     v = rng.randn(B, H, T, D).astype(np.float32)
@@ -670,7 +691,8 @@ def test_rotation_and_exact_sink_parse_and_bad_values_name_the_flag(native32_pat
     from typer.testing import CliRunner
     from tinygpt_mlx.cli.main import app
     cfg = CacheConfig.from_spec("int4+rot+esink4")
-    assert cfg.rotate and cfg.kivi_sink == 4 and "rotated" in cfg.label() and "first 4 exact" in cfg.label()
+    assert cfg.rotate and cfg.kivi_sink == 4 and cfg.label() == "int4"
+    assert CacheConfig.from_spec("int4+norot+esink0").label() == "int4, unrotated, no exact sink"
     assert not CacheConfig.from_spec("int4+norot").rotate
     r = CliRunner().invoke(app, ["sample", str(native32_path), "-p", "hi", "--kv-quantize", "int4",
                                  "--kv-exact-sink", "-1"])
@@ -687,3 +709,14 @@ def test_frame_rebase_turns_rotated_blocks_in_the_model_basis(native32):
     err = mx.abs(rebased4 - plain4).max().item()
     print(f"rotated int4 re-based every 23 tokens vs not: {err:.3f}")
     assert err < 0.5
+
+
+def test_exact_sink_bytes_are_its_tokens_in_the_storage_dtype(native32):
+    """The exact sink holds its 4 tokens' K and V in fp32 (2 x 2 heads x 32 dims x 4 bytes each,
+    per layer), and the cache's bytes are the sink's plus the body's."""
+    model = native32.model
+    cache = make_cache(model, CacheConfig(key_bits=4, value_bits=4))
+    run(model, cache, tokens(150), prefill=100)
+    for layer in cache.owned:
+        assert layer.sink_store.nbytes == 4 * 2 * 2 * 32 * 4
+    assert cache.nbytes == sum(layer.sink_store.nbytes + layer.body.nbytes for layer in cache.owned)

@@ -67,6 +67,7 @@ POLICIES: dict[str, CacheConfig] = {
     "bf16": parse_policy("bf16"),
     "int8": parse_policy("int8"),
     "int4": parse_policy("int4"),
+    "int4+esink0": parse_policy("int4+esink0"),
     "int2": parse_policy("int2"),
     "k8v4": parse_policy("k8v4"),
     f"sink{S}/window{W}:shifted": parse_policy(f"sink{S}/window{W}:shifted"),
@@ -347,10 +348,11 @@ def test_window_longer_than_text_equals_full(models, runs, model_name, mode):
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("mode", ["shifted", "absolute"])
 def test_int4_window_longer_than_text_equals_int4_full(models, runs, model_name, mode):
-    """Without a sink the KIVI blocks are those of the plain int4 cache (a sink is stored
-    exact and moves every block by S tokens, so int4+sink differs from int4 by design)."""
+    """Without a sink the KIVI blocks are those of the plain int4 cache without its exact sink
+    (a sink is stored exact and moves every block by S tokens, so int4+sink differs from int4 by
+    design; the full int4 cache's own 4 exact tokens likewise)."""
     got, cache, _ = run(models[model_name], parse_policy(f"int4+window{BIG}:{mode}"))
-    ref, _, _ = runs(model_name, "int4")
+    ref, _, _ = runs(model_name, "int4+esink0")
     assert cache.stored_count == N and cache.owned[0].body.n_packed > 0
     assert_close(got, ref, INT4_LONG_WINDOW_TOL[model_name, mode])
 

@@ -169,8 +169,8 @@ class CacheConfig:
     residual: int = 32
     exact_topk: int = 0
     shadow_store: str = "disk"
-    kivi_sink: int = 0
-    rotate: bool = False
+    kivi_sink: int = 4
+    rotate: bool = True
     sink: int = 0
     window: Optional[int] = None
     rope_mode: Optional[str] = None
@@ -376,7 +376,9 @@ class CacheConfig:
         if self.quantised:
             d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
                            "group_size": self.group_size, "residual": self.residual})
-            d["kivi"].update(exact_sink=self.held_sink, rotate=self.rotate)
+            d["kivi"]["rotate"] = self.rotate
+            if not (self.streaming or self.retrieval):
+                d["kivi"]["exact_sink"] = self.kivi_sink
             if self.exact_topk:
                 d["kivi"].update(exact_topk=self.exact_topk, shadow_store=self.shadow_store)
         if self.streaming:
@@ -402,10 +404,11 @@ class CacheConfig:
             if self.exact_topk:
                 where = "" if self.shadow_store == "disk" else f", {self.shadow_store} shadow"
                 prec += f" (exact top-{self.exact_topk}{where})"
-            if self.rotate:
-                prec += ", rotated"
-            if not (self.streaming or self.retrieval) and self.kivi_sink:
-                prec += f", first {self.kivi_sink} exact"
+            # the defaults (rotated, the first 4 tokens exact) go unnamed; a departure is named
+            if not self.rotate:
+                prec += ", unrotated"
+            if not (self.streaming or self.retrieval) and self.kivi_sink != field_default(CacheConfig, "kivi_sink"):
+                prec += f", first {self.kivi_sink} exact" if self.kivi_sink else ", no exact sink"
         else:
             prec = self.storage
         parts = [prec]
