@@ -720,3 +720,18 @@ def test_exact_sink_bytes_are_its_tokens_in_the_storage_dtype(native32):
     for layer in cache.owned:
         assert layer.sink_store.nbytes == 4 * 2 * 2 * 32 * 4
     assert cache.nbytes == sum(layer.sink_store.nbytes + layer.body.nbytes for layer in cache.owned)
+
+
+@pytest.mark.parametrize("n", [150, 256, 1024])
+def test_exact_sink_counts_toward_the_residual_so_bytes_are_unchanged(native32, n):
+    """The exact sink's tokens count toward the R exact ones: the same blocks freeze as without
+    it, so the cache holds the same bytes at every length (the 4 sink tokens in place of the
+    residual's 4 oldest); without that rule 256 tokens held 28 more exact tokens (+40% at int4)."""
+    model = native32.model
+    sizes = []
+    for sink in (0, 4):
+        cache = make_cache(model, CacheConfig(key_bits=4, value_bits=4, kivi_sink=sink))
+        run(model, cache, tokens(n, vocab=300, seed=1), prefill=n - 20)
+        layer = cache.owned[0]
+        sizes.append((cache.nbytes, layer.body.n_packed, layer.n_sink + len(layer.body.residual)))
+    assert sizes[0] == sizes[1]

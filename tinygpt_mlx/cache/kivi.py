@@ -88,7 +88,8 @@ class KiviStore:
     the model rotated them; the pre-RoPE path rotates them once, as they freeze).
     """
 
-    def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any):
+    def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any,
+                 exact_before: int = 0):
         # `CacheConfig` has checked the group size (MLX's set) and refused shifted retrieval.
         self.config = config
         self.storage = storage
@@ -97,7 +98,11 @@ class KiviStore:
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.rotate = config.rotate     # quantised sides stored as x R (`rotation`)
         self.group = config.group_size
-        self.keep = config.residual
+        # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
+        # toward the R exact tokens: the blocks then freeze where they would without it, and the
+        # cache holds the same bytes at every length (the sink's tokens instead of the residual's
+        # oldest)
+        self.keep = max(0, config.residual - exact_before)
         self.residual = DenseStore(storage, label="residual", step=self.group)
         self.keys: Optional[Side] = None
         self.values: Optional[Side] = None
