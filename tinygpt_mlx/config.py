@@ -136,7 +136,8 @@ class CacheConfig:
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
     kivi_sink    KIVI without StreamingLLM or retrieval: the first N tokens kept exact (attention
                  sinks: their keys are outliers of their block, and heads attend to them most);
-                 under StreamingLLM and retrieval the `sink` is exact already
+                 they count toward `residual` (same bytes); under StreamingLLM and retrieval the
+                 `sink` is exact already
     rotate       KIVI: quantise keys and values in a randomized Hadamard basis of the head
                  dimension (queries turned alike, the output turned back; cache/kivi.py)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens

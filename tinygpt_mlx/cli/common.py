@@ -53,7 +53,8 @@ KvShadow = Annotated[Optional[str], typer.Option(
     f"only the packed cache) or in ram. Default {field_default(_C, 'shadow_store')}.", show_default=False)]
 KvExactSink = Annotated[Optional[int], typer.Option(
     "--kv-exact-sink", help="KIVI without a StreamingLLM window or retrieval: keep the first N tokens exact "
-    "(attention sinks; N x 2 x head dim x 4 bytes per KV head and layer, once). Under StreamingLLM and retrieval "
+    "(attention sinks). They count toward --kv-residual, so the cache holds the same bytes (the newest R - N "
+    "tokens stay exact instead of R). Under StreamingLLM and retrieval "
     f"the --streaming-llm-sink tokens are exact instead. Default {field_default(_C, 'kivi_sink')}.",
     show_default=False)]
 KvRotate = Annotated[Optional[bool], typer.Option(
