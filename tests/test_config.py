@@ -107,6 +107,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int4': ('int4',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+    'int2+norot+esink0': ('int2, unrotated, no exact sink',
+        '{"storage":"fp32","kivi":{"key_bits":2,"value_bits":2,"group_size":32,"residual":32,"rotate":false,"exact_sink":0}}'),
     'int4+norot+esink0': ('int4, unrotated, no exact sink',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":false,"exact_sink":0}}'),
     'int2': ('int2',
