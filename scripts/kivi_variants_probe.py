@@ -179,6 +179,19 @@ def teacher_forced(model, ids: list[int], config: CacheConfig, chunk: int, skip:
     return mx.concatenate(out)
 
 
+def print_kl(spec: str, model, config, refs: list, prompts: list, chunk: int, before=lambda: None) -> None:
+    """One line: mean KL(fp32 || variant) and top-1 agreement over every prompt's positions
+    (`before` runs ahead of each prompt's cache)."""
+    kl = agree = n = 0.0
+    for ref, ids in zip(refs, prompts):
+        before()
+        got = teacher_forced(model, ids, config, chunk)
+        kl += (mx.exp(ref) * (ref - got)).sum().item()
+        agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
+        n += ref.shape[0]
+    print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -201,6 +214,9 @@ def main() -> None:
     prompts = [loaded.tokenizer.encode(p) for p in read_prompts(a.prompts)[::a.every]]
     if a.max_len:
         prompts = [ids[:a.max_len] for ids in prompts]
+    if a.kl and min(map(len, prompts)) <= 256:
+        raise SystemExit(f"kivi_variants_probe: --kl scores positions after the first 256 tokens; "
+                         f"{a.prompts} has a prompt of {min(map(len, prompts))} tokens")
     if a.kl:
         refs = [teacher_forced(loaded.model, ids, CacheConfig(), a.kl) for ids in prompts]
     else:
@@ -209,13 +225,7 @@ def main() -> None:
     if a.real:      # the caches as they are: each variant a policy spec (ours or mlx-lm's)
         for spec in a.variants.split(","):
             cfg = spec if spec.startswith("mlx-") else CacheConfig.from_spec(spec)
-            kl = agree = n = 0.0
-            for ref, ids in zip(refs, prompts):
-                got = teacher_forced(loaded.model, ids, cfg, a.kl)
-                kl += (mx.exp(ref) * (ref - got)).sum().item()
-                agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
-                n += ref.shape[0]
-            print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+            print_kl(spec, loaded.model, cfg, refs, prompts, a.kl)
         return
     count = [0]
     init = kivi.KiviStore.__init__
@@ -234,14 +244,7 @@ def main() -> None:
         topk = ACTIVE.get("topk", 0)
         cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=topk, shadow_store="ram" if topk else "disk")
         if a.kl:
-            kl = agree = n = 0.0
-            for ref, ids in zip(refs, prompts):
-                count[0] = 0
-                got = teacher_forced(loaded.model, ids, cfg, a.kl)
-                kl += (mx.exp(ref) * (ref - got)).sum().item()
-                agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
-                n += ref.shape[0]
-            print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+            print_kl(spec, loaded.model, cfg, refs, prompts, a.kl, before=lambda: count.__setitem__(0, 0))
             continue
         matched = []
         for ref, ids in zip(refs, prompts):

@@ -576,12 +576,15 @@ def test_frame_rebase_turns_the_body_back(native32):
     layer = cache.owned[0]
     assert layer.positions.base >= 23 * 11 and 0 <= layer.offset < 23
     assert mx.abs(rebased - plain).max().item() < 1e-4
-    kw4 = dict(key_bits=4, value_bits=4, **FRAME)
-    plain4, _ = _frame_run(native32.model, kw4)
-    rebased4, _ = _frame_run(native32.model, kw4, rebase_every=23)
-    err = mx.abs(rebased4 - plain4).max().item()
-    print(f"int4 re-based every 23 tokens vs not: {err:.3f}")
-    assert err < 0.5
+    # rotated blocks too: dequantised, turned back to the model's basis (R^T), their RoPE angle
+    # turned, stored rotated again (turning RoPE pairs in the rotated basis would scramble them)
+    for rotate in (False, True):
+        kw4 = dict(key_bits=4, value_bits=4, rotate=rotate, **FRAME)
+        plain4, _ = _frame_run(native32.model, kw4)
+        rebased4, _ = _frame_run(native32.model, kw4, rebase_every=23)
+        err = mx.abs(rebased4 - plain4).max().item()
+        print(f"int4 (rotated: {rotate}) re-based every 23 tokens vs not: {err:.3f}")
+        assert err < 0.5
 
 
 def test_frame_decode_step_runs_no_rope_in_the_cache(native32):
@@ -697,18 +700,6 @@ def test_rotation_and_exact_sink_parse_and_bad_values_name_the_flag(native32_pat
     r = CliRunner().invoke(app, ["sample", str(native32_path), "-p", "hi", "--kv-quantize", "int4",
                                  "--kv-exact-sink", "-1"])
     assert r.exit_code == 2 and "--kv-exact-sink" in r.output and "-1" in r.output
-
-
-def test_frame_rebase_turns_rotated_blocks_in_the_model_basis(native32):
-    """A re-base dequantises the rotated keys, turns them back to the model's basis (R^T), turns
-    their RoPE angle, and stores them rotated again: within int4's error of the un-rebased path,
-    as for plain blocks (turning RoPE pairs in the rotated basis would scramble every key)."""
-    kw4 = dict(key_bits=4, value_bits=4, rotate=True, **FRAME)
-    plain4, _ = _frame_run(native32.model, kw4)
-    rebased4, _ = _frame_run(native32.model, kw4, rebase_every=23)
-    err = mx.abs(rebased4 - plain4).max().item()
-    print(f"rotated int4 re-based every 23 tokens vs not: {err:.3f}")
-    assert err < 0.5
 
 
 def test_exact_sink_bytes_are_its_tokens_in_the_storage_dtype(native32):

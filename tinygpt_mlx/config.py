@@ -262,12 +262,16 @@ class CacheConfig:
         return self.key_bits is not None or self.value_bits is not None
 
     @property
+    def exact_prefix(self) -> int:
+        """A full KIVI cache's exact first tokens: `kivi_sink`, 0 under StreamingLLM or retrieval
+        (their `sink` plays that part) and for an exact cache."""
+        return 0 if self.streaming or self.retrieval or not self.quantised else self.kivi_sink
+
+    @property
     def held_sink(self) -> int:
         """Tokens at the front kept exact in the cache's sink store: StreamingLLM's or
-        retrieval's `sink`, or a KIVI cache's exact `kivi_sink` (only without either)."""
-        if self.streaming or self.retrieval:
-            return self.sink
-        return self.kivi_sink if self.quantised else 0
+        retrieval's `sink`, or a full KIVI cache's `exact_prefix`."""
+        return self.sink if self.streaming or self.retrieval else self.exact_prefix
 
     @property
     def streaming(self) -> bool:

@@ -51,8 +51,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
         raise ValueError("KIVI with shifted retrieval runs on frame positions only (no pre-RoPE path, ring=False: "
                          "the retrieval slots would move the frozen body's slots)")
     sink = DenseStore(storage, label="sink")
-    exact_sink = 0 if config.streaming or config.retrieval else config.held_sink
-    body = (KiviStore(config, storage, positions, KVCache, exact_sink) if config.quantised
+    body = (KiviStore(config, storage, positions, KVCache, config.exact_prefix) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
     cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None
     return LayerCache(config, positions, sink, body, cold)

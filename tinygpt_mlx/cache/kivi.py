@@ -249,24 +249,22 @@ class KiviStore:
             return
         if self.key_bits:
             k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
-            if self.rotate:
-                r = rotation(k.shape[-1])
-                k = turn(k.astype(mx.float32) @ r.T) @ r
-            else:
-                k = turn(k)
+            k = self._basis(turn(self._basis(k, self.key_bits, back=True)), self.key_bits, back=False)
             self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
         else:
             self.keys = (turn(self.keys[0]).astype(self.storage),)
 
     def _turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
-        """The quantised sides into the rotated basis (x R) or back from it (x R^T); exact
-        sides as they are."""
-        if not self.rotate:
-            return k, v
-        r = rotation(k.shape[-1])
-        r = r.T if back else r
-        return (k.astype(mx.float32) @ r if self.key_bits else k,
-                v.astype(mx.float32) @ r if self.value_bits else v)
+        """Both sides into the stored basis or back from it (`_basis`)."""
+        return self._basis(k, self.key_bits, back), self._basis(v, self.value_bits, back)
+
+    def _basis(self, x: mx.array, bits: Optional[int], back: bool) -> mx.array:
+        """A quantised side into the rotated basis (x R) or back from it (x R^T); an exact side,
+        or any side without rotation, as it is."""
+        if not (self.rotate and bits):
+            return x
+        r = rotation(x.shape[-1])
+        return x.astype(mx.float32) @ (r.T if back else r)
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
