@@ -280,8 +280,9 @@ def test_protocol(runs, model_name, policy):
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_trim(models, uncached, model_name, policy):
-    """Plain full caches trim the newest tokens (and decode on as if they were never seen);
-    every other policy refuses (returns 0 and changes nothing)."""
+    """Plain full caches trim the newest tokens (and decode on as if they were never seen); a
+    full KIVI cache trims its exact residual only (`trimmable`, test_checkpoint.py); every other
+    policy refuses (returns 0 and changes nothing)."""
     model, cfg = models[model_name], POLICIES[policy]
     cache = make_cache(model, cfg)
     forward(model, mx.array([TOKS[:80]]), cache)
@@ -291,8 +292,12 @@ def test_trim(models, uncached, model_name, policy):
     plain = not (cfg.quantised or cfg.streaming or cfg.retrieval)
     assert trimmable[0] == plain
     before = [(c.current_length, c.stored_count, c.nbytes) for c in layers]
+    if not plain and cfg.quantised and not (cfg.streaming or cfg.retrieval):
+        assert all(c.trimmable() == len(c.body.residual) >= 5 for c in layers)
+        assert all(c.trim(5) == 5 and c.current_length == 75 for c in layers)
+        return
     if not plain:
-        assert all(c.trim(5) == 0 for c in layers)
+        assert all(c.trimmable() == 0 and c.trim(5) == 0 for c in layers)
         assert [(c.current_length, c.stored_count, c.nbytes) for c in layers] == before
         return
     assert all(c.trim(5) == 5 for c in layers)

@@ -522,6 +522,27 @@ class ColdStore:
             recent = [np.asarray(row, dtype=np.int64) for row in meta["recent"]]
             self._recent = lambda: recent
 
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def mark(self) -> dict:
+        """This append-only store's extent, to cut it back to (`rewind`): every array's row count,
+        the exact keys of the unfinished page (fewer than a page) and (sticky) the last picks."""
+        if self.G is None:
+            return {"n": 0}
+        tail = np.concatenate(self._tail_keys, axis=0) if self._tail_keys else None
+        return {"n": self.n, "rows": {name: len(a) for name, a in self._row_arrays().items()},
+                "tail": tail, "recent": self._recent}
+
+    def rewind(self, mark: dict) -> None:
+        """Cut the store back to what it held at `mark` (rows appended since are forgotten)."""
+        if self.G is None:
+            return
+        rows = mark.get("rows", {})
+        for name, arr in self._row_arrays().items():
+            arr.truncate(rows.get(name, 0))
+        self.n = mark["n"]
+        self._tail_keys = [mark["tail"]] if mark.get("tail") is not None else []
+        self._recent = mark.get("recent")
+
     def close(self) -> None:
         """Drop the arrays (and the disk store's files)."""
         self.keys = self.values = None

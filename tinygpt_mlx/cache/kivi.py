@@ -50,6 +50,7 @@ import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
+from .checkpoint import Held
 from .positions import Positions
 from .segments import DenseSegment, Reading
 from .shadow import ShadowStore, by_query_slices, top_k_indices
@@ -314,6 +315,22 @@ class KiviStore:
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
         if self.shadow is not None:
             self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
+
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def mark(self) -> dict:
+        """A full (never evicted, never re-based) body's extent: its frozen blocks only grow, so
+        they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
+        arrays, meta = self.residual.state()
+        return {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
+
+    def rewind(self, mark: dict) -> None:
+        """Back to `mark`: blocks frozen since are cut off (at their block boundary), the
+        residual is restored."""
+        if self.n_packed < mark["n_packed"] or self.evicted != mark["evicted"]:
+            raise ValueError("a KIVI body can only be rewound to a mark it has grown from")
+        self.truncate(mark["n_packed"])      # (`frozen` moves back with the blocks)
+        arrays, meta = mark["residual"]
+        self.residual.load_state(arrays, meta)
 
     # ----- bytes ----------------------------------------------------------------------------
     @property

@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from .. import quant
 from ..config import CacheConfig
+from .checkpoint import Held, held_nbytes
 from .positions import Positions
 from .segments import Reading, attend
 from .store import DenseStore, Evictable
@@ -341,16 +342,63 @@ class LayerCache:
         return self.seen == 0
 
     def is_trimmable(self) -> bool:
+        """mlx-lm's protocol: whether `trim` can roll back any number of tokens (plain full
+        caches). `trimmable()` says how far every policy can."""
         return not (self.config.streaming or self.config.quantised or self.cold is not None)
 
-    def trim(self, n: int) -> int:
-        """Forget the newest `n` tokens (only for plain full caches)."""
-        if not self.is_trimmable():
+    def trimmable(self) -> int:
+        """How many of the newest tokens `trim` can forget, leaving what a cache fed only the
+        rest would hold: every body token of a plain full cache; a full KIVI cache's exact
+        residual (frozen blocks cannot be cut back token by token); nothing for a window, a
+        hot window or a cache holding a cold store (what they evicted is gone or moved; a
+        checkpoint restores them, `checkpoint`)."""
+        if self.config.streaming or self.cold is not None:
             return 0
-        n = min(n, len(self.body))
+        if self.config.quantised:
+            return len(self.body.residual)
+        return len(self.body)
+
+    def trim(self, n: int) -> int:
+        """Forget the newest `n` tokens, at most `trimmable()`; returns how many were forgotten."""
+        n = min(n, self.trimmable())
+        if n <= 0:
+            return 0
         self.body.truncate(len(self.body) - n)
         self.seen -= n
         return n
+
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def _full_body(self) -> bool:
+        """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
+        return not self.config.streaming and self.cold is None
+
+    def checkpoint(self) -> dict:
+        """This layer's state now, for `restore`: its counters, the sink and a bounded body held
+        in memory, a full body and the cold store as marks (lengths to cut back to)."""
+        cp: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base, "dtype": self.dtype}
+        for name, store in self._stores().items():
+            if name == "cold" or (name == "body" and self._full_body()):
+                cp[name] = ("mark", store.mark() if hasattr(store, "mark") else len(store))
+            else:
+                arrays, meta = store.state()
+                cp[name] = ("held", Held.of(arrays), meta)
+        return cp
+
+    def restore(self, cp: dict) -> None:
+        """Back to the state `checkpoint` returned (taken on this cache, which has only grown or
+        been restored to an earlier checkpoint since)."""
+        for name, store in self._stores().items():
+            kind, *rest = cp[name]
+            if kind == "held":
+                store.load_state(*rest)
+            elif hasattr(store, "rewind"):
+                store.rewind(rest[0])
+            else:
+                store.truncate(rest[0])
+        self.seen, self.start, self.positions.base, self.dtype = cp["seen"], cp["start"], cp["base"], cp["dtype"]
+        self._step_masks.clear()
+        if self.telemetry is not None:
+            self.telemetry.reset()
 
     @property
     def nbytes(self) -> int:
@@ -399,6 +447,14 @@ class LayerCache:
             store.load_state(arrays.scope(f"{name}."), meta[name])
         if self.telemetry is not None:
             self.telemetry.reset()
+
+
+class Checkpoint:
+    """A whole cache's state at `length` tokens (`KVCache.checkpoint`); `nbytes`: what it holds."""
+
+    def __init__(self, length: int, layers: list):
+        self.length, self.layers = length, layers
+        self.nbytes = held_nbytes(layers)
 
 
 class KVCache(list):
@@ -493,14 +549,35 @@ class KVCache(list):
         return max((c.evict_middle_if_needed() for c in self._owned), default=0)
 
     def is_trimmable(self) -> bool:
-        """Whether `trim` can roll tokens back (plain full caches, ours or the model's own)."""
+        """Whether `trim` can roll any number of tokens back (plain full caches, ours or the
+        model's own): mlx-lm's protocol."""
         return all(c.is_trimmable() for c in self._distinct())
 
+    def trimmable(self) -> int:
+        """How many of the newest tokens `trim` can forget in every layer (`LayerCache.trimmable`;
+        a model-owned layer: all of them if it is trimmable, else none)."""
+        return min((c.trimmable() if isinstance(c, LayerCache)
+                    else (c.offset if c.is_trimmable() else 0) for c in self._distinct()), default=0)
+
     def trim(self, n: int) -> int:
-        """Forget the newest `n` tokens of every layer; returns how many were forgotten."""
-        if not self.is_trimmable():
+        """Forget the newest `n` tokens of every layer, at most `trimmable()`; returns how many
+        were forgotten."""
+        n = min(n, self.trimmable())
+        if n <= 0:
             return 0
         return max((c.trim(n) for c in self._distinct()), default=0)
+
+    def checkpoint(self) -> Optional["Checkpoint"]:
+        """The whole cache's state now (`LayerCache.checkpoint`), or None where a layer is the
+        model's own (its cache cannot be checkpointed here)."""
+        if len(self._owned) != len(self._distinct()):
+            return None
+        return Checkpoint(self.current_length, [c.checkpoint() for c in self._owned])
+
+    def restore(self, cp: "Checkpoint") -> None:
+        """Back to checkpoint `cp` (taken on this cache; later checkpoints are no longer valid)."""
+        for c, layer in zip(self._owned, cp.layers):
+            c.restore(layer)
 
     def set_truth(self, positions: Optional[list[int]]) -> None:
         """Tell the retrieval telemetry the absolute positions of a ground-truth needle."""

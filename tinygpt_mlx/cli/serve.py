@@ -64,6 +64,12 @@ def serve(
     stop_loops: Annotated[Optional[int], typer.Option(
         "--stop-loops", help="Stop a reply once its last N tokens repeat one n-gram (of up to 64 tokens), "
         "e.g. 256; 0 = never (the default: a loop is the model's output).", show_default=False)] = None,
+    slot_checkpoints: Annotated[Optional[int], typer.Option(
+        "--slot-checkpoints", help="Checkpoints kept per slot for caches that cannot roll back (StreamingLLM, "
+        "KIVI, retrieval): the cache at the end of each of the last N prompts, so that a regenerated or edited "
+        "reply restores one instead of prefilling the whole conversation again. Each costs at most the window "
+        "(or hot budget) plus KIVI's residual, per layer (shown in /api/ps); 0 = off. "
+        f"Default {field_default(_V, 'slot_checkpoints')}.", show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
@@ -72,7 +78,8 @@ def serve(
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
             prefill_chunk=prefill_chunk, default_max_tokens=default_max_tokens,
-            default_num_ctx=default_num_ctx, stop_loops=stop_loops).items() if v is not None})
+            default_num_ctx=default_num_ctx, stop_loops=stop_loops,
+            slot_checkpoints=slot_checkpoints).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
@@ -88,7 +95,8 @@ def serve(
         app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
-                         default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops)
+                         default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops,
+                         slot_checkpoints=cfg.slot_checkpoints)
         names = app.state.server.names
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
                   f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "

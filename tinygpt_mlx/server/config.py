@@ -28,10 +28,15 @@ class ServerConfig:
     # Stop a reply whose last N tokens repeat one n-gram (of up to 64 tokens); 0 = off (a loop is
     # the model's output, and stopping it is the user's choice).
     stop_loops: int = 0
+    # Checkpoints per slot for caches that cannot roll back (StreamingLLM, KIVI, retrieval): the
+    # slot's state at the end of each of its last N prompts, so that a regenerated or edited reply
+    # restores one instead of prefilling the conversation again. Each costs at most the window (or
+    # hot budget) plus KIVI's residual and the cold store's open page; 0 = off.
+    slot_checkpoints: int = 4
 
     def __post_init__(self) -> None:
         for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1),
-                          ("default_max_tokens", 0), ("stop_loops", 0)):
+                          ("default_max_tokens", 0), ("stop_loops", 0), ("slot_checkpoints", 0)):
             _positive(name, getattr(self, name), low)
         if self.default_num_ctx is not None:
             _positive("default_num_ctx", self.default_num_ctx, 2)

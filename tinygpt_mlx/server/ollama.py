@@ -134,7 +134,7 @@ def ps_entry(loaded: Any, name: str, memory: dict, context_length: Optional[int]
     `posttrainllm` breaks the caches down (the cold store's share included)."""
     e = model_entry(loaded, name)
     e.pop("modified_at")
-    size = e["size"] + memory["cache_bytes"]
+    size = e["size"] + memory["cache_bytes"] + memory.get("checkpoint_bytes", 0)
     e.update(size=size, size_vram=size - memory["cache_disk_bytes"], expires_at=FAR_FUTURE,
              context_length=context_length or 0, posttrainllm=memory)
     return e
@@ -161,7 +161,9 @@ def _final_fields(r: Result, truncated: Optional[dict]) -> dict:
            "total_duration": r.total_ns, "load_duration": r.load_ns,
            "prompt_eval_count": r.prefilled_tokens, "prompt_eval_duration": r.prompt_eval_ns,
            "eval_count": len(r.tokens), "eval_duration": r.eval_ns,
-           "prompt_tokens": r.prompt_tokens}
+           "prompt_tokens": r.prompt_tokens,
+           # posttrainllm's own: how the prompt was served (warm slot, checkpoint, prefill)
+           "prompt_cached_tokens": r.reused_tokens, "prompt_restored_tokens": r.restored_tokens}
     if truncated:
         out["truncated"] = truncated
     return out

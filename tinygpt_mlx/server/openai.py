@@ -1,7 +1,8 @@
 """OpenAI-compatible schemas: request parsing and response / SSE chunk objects (no I/O here).
 
 `usage.prompt_tokens` is the whole prompt; `usage.prompt_tokens_details.cached_tokens` the part
-served by a warm slot (prompt_tokens - cached_tokens were prefilled for this request).
+served by a warm slot (prompt_tokens - cached_tokens were prefilled for this request), and
+`restored_tokens` (ours) the part of those a slot checkpoint restored.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ def finish_reason(r: Result) -> str:
 def usage(r: Result) -> dict:
     return {"prompt_tokens": r.prompt_tokens, "completion_tokens": len(r.tokens),
             "total_tokens": r.prompt_tokens + len(r.tokens),
-            "prompt_tokens_details": {"cached_tokens": r.reused_tokens}}
+            "prompt_tokens_details": {"cached_tokens": r.reused_tokens,
+                                      "restored_tokens": r.restored_tokens}}   # posttrainllm's own
 
 
 def chat_completion(cid: str, model: str, r: Result, text: str) -> dict:

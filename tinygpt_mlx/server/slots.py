@@ -5,9 +5,11 @@ minus the last sampled token, which is never fed). For a new prompt the pool pic
 
 1. **extend** — a slot whose tokens are a prefix of the prompt: only the new tail is prefilled.
 2. **roll back** — a slot sharing a prefix of at least `MIN_REUSE` tokens with the prompt
-   (regenerate, edited last message): a trimmable cache is trimmed to the shared prefix and
-   only the rest is prefilled, when the rollback discards no more than it reuses (the prefix
-   covers >= half the slot, `ROLLBACK_KEEP`). A request that only shares a chat-template
+   (regenerate, edited last message): the cache is trimmed to the shared prefix where it can
+   be (`KVCache.trimmable`: a full cache, KIVI's exact residual), else it is **restored** from
+   its latest checkpoint within the shared prefix (StreamingLLM, KIVI, retrieval: see below),
+   and only the rest is prefilled, when the rollback discards no more than it reuses (what is
+   kept covers >= half the slot, `ROLLBACK_KEEP`). A request that only shares a chat-template
    header therefore never destroys a long conversation.
 3. **new** — otherwise a free slot.
 4. With no free slot, a request that is mostly one slot's conversation (prefix >= half of the
@@ -28,11 +30,17 @@ minus the last sampled token, which is never fed). For a new prompt the pool pic
    slot back when that reuses more than the file holds (trimmable caches), else reloads the
    document's slot from the file (`reload`: one file load, no prefill of the document).
 
-Policies whose cache cannot be trimmed (StreamingLLM, KIVI, retrieval) only extend; a
-request that diverges from such a slot is prefilled in a free, scratch or evicted slot, never
-in place of the conversation it diverged from.
+**Checkpoints.** A cache that cannot be trimmed that far (a window or hot window has evicted
+what it held; KIVI's frozen blocks cannot be cut token by token) keeps checkpoints instead:
+at the end of each prompt the slot takes `KVCache.checkpoint()` (the bounded parts held in
+memory, append-only parts as lengths: cache/checkpoint.py) with the logits after the prompt, the
+last `checkpoints` of them. A request that diverges after one restores it and prefills only from
+there; a request equal to a checkpointed prompt (regenerate) restores it and samples from its
+logits with nothing prefilled. A request that diverges from a slot with no checkpoint to restore
+is prefilled in a free, scratch or evicted slot, never in place of the conversation it diverged
+from.
 
-At least one prompt token is always prefilled (the logits for the first new token come from
+Otherwise at least one prompt token is prefilled (the logits for the first new token come from
 it), so a prompt equal to a slot's tokens rolls back one token (or rebuilds).
 All methods run on the single generation worker; `describe` may be read from other threads.
 """
@@ -61,6 +69,13 @@ class Slot:
     last_used: float = 0.0
     uses: int = 0
     source: Optional["Source"] = None   # a pre-warmed slot's file: the slot is reserved for it
+    # (KVCache.checkpoint(), logits after its last token), oldest first, at most the pool's
+    # `checkpoints`; each at a length where `tokens` has not changed since it was taken
+    checkpoints: list = field(default_factory=list)
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return sum(cp.nbytes for cp, _ in self.checkpoints)
 
     @property
     def free(self) -> bool:
@@ -79,7 +94,9 @@ class Lease:
     """What `acquire` decided: the slot, how many prompt tokens its cache already holds."""
     slot: Slot
     reused: int
-    action: str                      # "extend", "rollback", "reload", "new", "evict", "scratch", "rebuild"
+    action: str                      # "extend", "rollback", "restore", "reload", "new", "evict", "scratch"
+    restored: int = 0                # of `reused`, the tokens a checkpoint restored
+    logits: Any = None               # restored with the whole prompt: sample from these, prefill nothing
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -100,13 +117,15 @@ def held_bytes(cache: Any) -> dict:
 
 class SlotPool:
     def __init__(self, model: Any, cache_config: Any, max_slots: int = _DEFAULTS.max_slots,
-                 small_tokens: int = _DEFAULTS.small_request, loader: Any = None):
+                 small_tokens: int = _DEFAULTS.small_request, loader: Any = None,
+                 checkpoints: int = _DEFAULTS.slot_checkpoints):
         if max_slots < 1:
             raise ValueError(f"max_slots must be >= 1, got {max_slots}")
         self.model, self.cache_config = model, cache_config
         self.small_tokens = small_tokens
         self.slots = [Slot(i) for i in range(max_slots)]
         self.loader = loader             # path -> (cache, tokens): reloads a pre-warmed slot
+        self.checkpoints = checkpoints   # kept per slot (module doc); 0: none
         self._lock = threading.Lock()
 
     def prewarm(self, path: str, cache: Any, tokens: list[int]) -> Slot:
@@ -150,7 +169,7 @@ class SlotPool:
     def _drop(slot: Slot) -> None:
         if slot.cache is not None:
             slot.cache.close()
-        slot.cache, slot.tokens = None, []
+        slot.cache, slot.tokens, slot.checkpoints = None, [], []
 
     def _touch(self, slot: Slot) -> None:
         slot.last_used = time.monotonic()
@@ -180,8 +199,9 @@ class SlotPool:
                    and len(s.source.tokens) <= limit and tuple(prompt[:len(s.source.tokens)]) == s.source.tokens),
                   key=lambda s: len(s.source.tokens), default=None)
         if best is not None and keep >= MIN_REUSE and (src is None or keep > len(src.source.tokens)):
-            if keep >= ROLLBACK_KEEP * len(best.tokens) and self._rollback(best, keep):
-                return Lease(best, keep, "rollback")
+            lease = self._roll_back(best, best_n, prompt, ROLLBACK_KEEP * len(best.tokens))
+            if lease is not None:
+                return lease
         if src is not None:
             self._drop(src)
             src.cache, tokens = self.loader(src.source.path)
@@ -193,9 +213,10 @@ class SlotPool:
             return Lease(free, 0, "new")
         # no free slot: a request that is mostly this slot's conversation (regenerate after a long
         # answer) rolls it back rather than evicting another conversation
-        if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt) \
-                and self._rollback(best, keep):
-            return Lease(best, keep, "rollback")
+        if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt):
+            lease = self._roll_back(best, best_n, prompt, ROLLBACK_KEEP * len(prompt))
+            if lease is not None:
+                return lease
         open_ = [s for s in self.slots if s.source is None]       # pre-warmed slots are reserved
         victims = sorted(open_, key=lambda s: s.last_used)
         if len(open_) > 1:
@@ -211,15 +232,41 @@ class SlotPool:
         self._fresh(victim)
         return Lease(victim, 0, "evict")
 
-    def _rollback(self, slot: Slot, keep: int) -> bool:
+    def _roll_back(self, slot: Slot, common: int, prompt: list[int], least: float) -> Optional[Lease]:
+        """Roll `slot` back to reuse what it shares with `prompt` (`common` tokens), keeping at
+        least `least` tokens: trimmed where its cache can forget that many (`trimmable`), else
+        restored from its latest checkpoint within the shared prefix. None when neither can."""
+        keep = min(common, len(prompt) - 1)
         n = len(slot.tokens) - keep
-        if n > 0 and not slot.cache.is_trimmable():
-            return False
-        if n > 0 and slot.cache.trim(n) != n:   # not expected: its state is unknown now
-            self._drop(slot)
-            return False
-        del slot.tokens[keep:]
-        return True
+        fits = [c for c in slot.checkpoints if c[0].length <= min(common, len(prompt))]
+        # a checkpoint that reuses as much as trimming would is restored instead (it is the
+        # slot's exact state then, where a trimmed KIVI residual froze differently)
+        if keep >= max(least, MIN_REUSE) and n <= slot.cache.trimmable() and not (fits and fits[-1][0].length >= keep):
+            if n > 0 and slot.cache.trim(n) != n:   # not expected: its state is unknown now
+                self._drop(slot)
+                return None
+            del slot.tokens[keep:]
+            slot.checkpoints = [c for c in slot.checkpoints if c[0].length <= keep]
+            return Lease(slot, keep, "rollback")
+        if not fits or fits[-1][0].length < max(least, MIN_REUSE):
+            return None
+        cp, logits = fits[-1]
+        slot.cache.restore(cp)
+        del slot.tokens[cp.length:]
+        slot.checkpoints = fits
+        return Lease(slot, cp.length, "restore", cp.length, logits if cp.length == len(prompt) else None)
+
+    def checkpoint(self, slot: Slot, logits: Any) -> None:
+        """`slot`'s cache holds exactly its prompt now (with `logits` after it): keep a checkpoint
+        of it when its cache could not be rolled back here otherwise (module doc)."""
+        if self.checkpoints <= 0 or slot.index < 0 or slot.cache.trimmable() >= len(slot.tokens):
+            return
+        cp = slot.cache.checkpoint()
+        if cp is None:
+            return
+        with self._lock:
+            kept = [c for c in slot.checkpoints if c[0].length < cp.length] + [(cp, logits)]
+            slot.checkpoints = kept[-self.checkpoints:]
 
     def splice(self, text: str, tokenizer: Any) -> Optional[list[int]]:
         """Prompt ids that extend a slot: its own tokens + the encoding of the rest of `text`.
@@ -271,6 +318,8 @@ class SlotPool:
                     d["prompt_cache"] = s.source.path
                 if s.cache is not None:
                     d.update(stored=s.cache.stored_count, **held_bytes(s.cache))
+                if s.checkpoints:
+                    d.update(checkpoints=[cp.length for cp, _ in s.checkpoints], checkpoint_bytes=s.checkpoint_bytes)
                 out.append(d)
             return out
 
@@ -280,13 +329,15 @@ class SlotPool:
 
     def memory(self) -> dict:
         """Bytes the slots' caches hold, all slots together: total, memory-mapped on disk, in RAM,
-        and per part (sink, body, residual, cold, cold_summary...; "_disk" parts are mapped)."""
+        and per part (sink, body, residual, cold, cold_summary...; "_disk" parts are mapped); and
+        what the slots' checkpoints hold besides (in RAM)."""
         parts: dict[str, int] = {}
-        total = disk = 0
+        total = disk = checkpoints = 0
         for d in self.describe():
             total += d.get("cache_bytes", 0)
             disk += d.get("cache_disk_bytes", 0)
+            checkpoints += d.get("checkpoint_bytes", 0)
             for k, v in d.get("cache_bytes_breakdown", {}).items():
                 parts[k] = parts.get(k, 0) + v
         return {"cache_bytes": total, "cache_disk_bytes": disk, "cache_ram_bytes": total - disk,
-                "cache_bytes_breakdown": parts}
+                "cache_bytes_breakdown": parts, "checkpoint_bytes": checkpoints}

@@ -88,14 +88,16 @@ class Server:
 
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
                  small_tokens: int, prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
-                 default_max_tokens: int = 0, default_num_ctx: Optional[int] = None, stop_loops: int = 0):
+                 default_max_tokens: int = 0, default_num_ctx: Optional[int] = None, stop_loops: int = 0,
+                 slot_checkpoints: int = 0):
         self.loaded, self.cache_config = loaded, cache_config
         self.default_max_tokens, self.default_num_ctx = default_max_tokens, default_num_ctx
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
         probe(loaded, cache_config)
         self.names = names_for(loaded.name)
         self.pool = SlotPool(loaded.model, cache_config, max_slots, small_tokens,
-                             loader=lambda path: load_for_server(path, loaded, cache_config))
+                             loader=lambda path: load_for_server(path, loaded, cache_config),
+                             checkpoints=slot_checkpoints)
         if len(prompt_caches) > max_slots:
             raise PromptCacheError(f"{prompt_caches[max_slots]}: {len(prompt_caches)} prompt caches but {max_slots} "
                                    "slot(s); each file takes one slot (raise --max-slots)")

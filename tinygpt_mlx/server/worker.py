@@ -34,6 +34,7 @@ class Result:
     prompt_tokens: int = 0           # the whole prompt
     prefilled_tokens: int = 0        # only the tokens prefilled for this request
     reused_tokens: int = 0           # prompt tokens served from a warm slot
+    restored_tokens: int = 0         # of those, the tokens a slot checkpoint restored
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as fed (see Job.text)
     tokens: list[int] = field(default_factory=list)   # generated ids (stop/eos excluded)
     text: str = ""
@@ -188,10 +189,11 @@ class Worker:
         lease = self.pool.acquire(ids)
         slot = lease.slot
         r.slot, r.slot_action, r.reused_tokens = slot.index, lease.action, lease.reused
+        r.restored_tokens = lease.restored
         r.prefilled_tokens = len(ids) - lease.reused
         r.load_ns = int((time.perf_counter() - t_start) * 1e9)
         try:
-            stats = self._decode(job, slot, ids[lease.reused:], r)
+            stats = self._decode(job, slot, ids[lease.reused:], r, lease.logits)
             held = held_bytes(slot.cache)
         except BaseException:
             self.pool.invalidate(slot)
@@ -203,10 +205,13 @@ class Worker:
         r.total_ns = int((time.perf_counter() - job.created) * 1e9)
         total, disk = held["cache_bytes"], held["cache_disk_bytes"]
         cold = sum(v for k, v in held["cache_bytes_breakdown"].items() if k.startswith("cold"))
-        log.info("slot %d %s: prompt %d tokens (reused %d, prefilled %d), generated %d (%s); cache %.1f MiB%s",
-                 r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, r.prefilled_tokens,
+        restored = " restored from a checkpoint" if r.restored_tokens else ""
+        kept = slot.checkpoint_bytes
+        log.info("slot %d %s: prompt %d tokens (reused %d%s, prefilled %d), generated %d (%s); cache %.1f MiB%s%s",
+                 r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, restored, r.prefilled_tokens,
                  len(r.tokens), r.done_reason, total / 2**20,
-                 f" (cold store {cold / 2**20:.1f} MiB, {disk / 2**20:.1f} MiB memory-mapped on disk)" if cold else "")
+                 f" (cold store {cold / 2**20:.1f} MiB, {disk / 2**20:.1f} MiB memory-mapped on disk)" if cold else "",
+                 f"; {len(slot.checkpoints)} checkpoint(s) {kept / 2**20:.1f} MiB" if slot.checkpoints else "")
         return r
 
     def _prompt_ids(self, job: Job) -> list[int]:
@@ -221,8 +226,11 @@ class Worker:
             return job.ids
         return spliced
 
-    def _decode(self, job: Job, slot: Any, tail: list[int], r: Result) -> GenerationStats:
-        """Prefill `tail` into the slot and generate; the slot's tokens follow what is fed."""
+    def _decode(self, job: Job, slot: Any, tail: list[int], r: Result,
+                logits: Optional[mx.array] = None) -> GenerationStats:
+        """Prefill `tail` into the slot and generate; the slot's tokens follow what is fed. With
+        an empty `tail`, `logits` (a restored checkpoint's) give the first token. Once the whole
+        prompt is in the cache the pool may checkpoint it (SlotPool.checkpoint)."""
         tok = self.loaded.tokenizer
         sampler = make_sampler(job.temperature, job.top_p, job.top_k, job.seed)
         text = TextStream(tok, job.stop)
@@ -231,9 +239,14 @@ class Worker:
         chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
                                                slot.cache.current_length + len(tail))
         progress = PrefillLog(slot.index) if len(tail) > chunk else None
+        prompt_len, checkpointed = len(slot.tokens) + len(tail), not tail
         for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, chunk,
-                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set, progress=progress):
+                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set, progress=progress,
+                          first_logits=None if tail else logits):
             slot.tokens.extend(step.fed)
+            if not checkpointed and len(slot.tokens) == prompt_len:    # the prompt, and nothing yet
+                self.pool.checkpoint(slot, step.logits)
+                checkpointed = True
             if step.token is None:
                 continue
             r.tokens.append(step.token)
