@@ -222,6 +222,37 @@ def test_client_disconnect_cancels(server, client, name, monkeypatch):
     assert client.generate(name, "Still there?", options=GREEDY).done
 
 
+def test_a_silent_prefill_keeps_the_stream_alive(server, client, oai, name, monkeypatch):
+    """While the worker is silent (here: each model call slowed to 0.3 s), a streamed response
+    sends empty text chunks every KEEPALIVE_S; the text is unchanged, for ollama and OpenAI."""
+    from tinygpt_mlx import generate as engine
+    from tinygpt_mlx.server import streams
+
+    messages = [{"role": "user", "content": "Keep me alive"}]
+    want = client.chat(name, messages=messages, options=GREEDY).message.content
+    want_oai = oai.chat.completions.create(model=name, messages=messages, temperature=0,
+                                           max_tokens=8).choices[0].message.content
+    real = engine.forward
+
+    def slow(*a, **k):
+        time.sleep(0.3)
+        return real(*a, **k)
+
+    monkeypatch.setattr(engine, "forward", slow)
+    monkeypatch.setattr(streams, "KEEPALIVE_S", 0.05)
+    body = {"model": name, "messages": messages, "stream": True, "options": GREEDY}
+    with httpx.stream("POST", server + "/api/chat", json=body, timeout=60) as r:
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    parts = [d["message"]["content"] for d in lines if not d["done"]]
+    first = next(i for i, p in enumerate(parts) if p)
+    assert first >= 3 and not any(parts[:first])            # empty chunks while the prompt ran
+    assert "".join(parts) == want and lines[-1]["done"]
+    chunks = list(oai.chat.completions.create(model=name, messages=messages, temperature=0, max_tokens=8,
+                                              stream=True))
+    contents = [c.choices[0].delta.content for c in chunks if c.choices]
+    assert contents.count("") >= 3 and "".join(x or "" for x in contents) == want_oai
+
+
 def test_twenty_concurrent_requests(server, name):
     def one(i):
         c = ollama.Client(host=server)

@@ -20,12 +20,24 @@ class GenerationFailed(Exception):
     """The worker reported an error for this job."""
 
 
+#: a streamed response with nothing to send for this long (a long prefill, a slow step) sends an
+#: empty text chunk, so that clients and proxies with read timeouts keep the connection open
+KEEPALIVE_S = 10.0
+
+
 async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result], list[dict]],
                  error: Callable[[str], dict]) -> AsyncIterator[dict]:
-    """The job's events as response objects; closing this generator cancels the job."""
+    """The job's events as response objects; closing this generator cancels the job. While the
+    job is silent for `KEEPALIVE_S` (a multi-minute prefill of a long document), an empty text
+    chunk (`text("")`) is sent each time: valid for ollama's NDJSON and OpenAI's SSE alike,
+    and visible progress to a client that would otherwise time out."""
     try:
         while True:
-            kind, payload = await job.events.get()
+            try:
+                kind, payload = await asyncio.wait_for(job.events.get(), timeout=KEEPALIVE_S)
+            except asyncio.TimeoutError:
+                yield text("")
+                continue
             if kind == "text":
                 yield text(payload)
                 continue
