@@ -8,7 +8,8 @@ HTTP with ollama's /api/chat, streamed (Open WebUI's requests):
   (b)    the reply edited in its last words + a new question
   (c)    a follow-up to (b)
 
-TTFT is measured at the client (request sent -> first streamed line). The final line gives the
+TTFT is measured at the client (request sent -> first streamed text; the empty keep-alive
+chunks a long prefill sends are not text). The final line gives the
 tokens prefilled (prompt_eval_count) and restored from a checkpoint; /api/ps the bytes the slot's
 checkpoints hold. One JSON line per policy on stdout; a table on stderr.
 
@@ -47,9 +48,10 @@ def chat(url: str, model: str, messages: list, num_predict: int) -> dict:
         for line in r.iter_lines():
             if not line:
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
             d = json.loads(line)
+            # the first text (or the end): not a keep-alive chunk (empty text, sent every 10 s)
+            if ttft is None and (d.get("done") or d.get("message", {}).get("content")):
+                ttft = time.perf_counter() - t0
             if d.get("done"):
                 final = d
             else:
