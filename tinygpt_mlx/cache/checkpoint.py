@@ -32,7 +32,7 @@ class HeldEntry:
         self.shape = tuple(self.array.shape)
 
     def mx(self) -> mx.array:
-        return mx.array(self.array) if isinstance(self.array, mx.array) else mx.array(self.array)
+        return mx.array(self.array)     # a new array object each time (see __init__)
 
     def np(self) -> np.ndarray:
         return np.array(self.array, copy=True)

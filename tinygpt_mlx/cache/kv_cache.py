@@ -378,7 +378,7 @@ class LayerCache:
         cp: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base, "dtype": self.dtype}
         for name, store in self._stores().items():
             if name == "cold" or (name == "body" and self._full_body()):
-                cp[name] = ("mark", store.mark() if hasattr(store, "mark") else len(store))
+                cp[name] = ("mark", store.mark())
             else:
                 arrays, meta = store.state()
                 cp[name] = ("held", Held.of(arrays), meta)
@@ -391,10 +391,8 @@ class LayerCache:
             kind, *rest = cp[name]
             if kind == "held":
                 store.load_state(*rest)
-            elif hasattr(store, "rewind"):
-                store.rewind(rest[0])
             else:
-                store.truncate(rest[0])
+                store.rewind(rest[0])
         self.seen, self.start, self.positions.base, self.dtype = cp["seen"], cp["start"], cp["base"], cp["dtype"]
         self._step_masks.clear()
         if self.telemetry is not None:

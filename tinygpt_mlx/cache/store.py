@@ -11,6 +11,9 @@ rules, first slot, and for retrieval the queries); no store sees the layer cache
   stored token dense, in position order: the reference path that attention is tested against).
 
 The cold store (cold.py) is a `Store` whose `append` also takes the first token's position.
+Stores that only grow where they are used that way (a full body: `DenseStore`, `KiviStore`; the
+cold store) also offer `mark()` and `rewind(mark)`: a checkpoint's length to cut back to
+(cache/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -116,6 +119,14 @@ class DenseStore:
         """Keep only the first `n` tokens (roll back a generation)."""
         self.n = min(self.n, n)
         self.version += 1
+
+    def mark(self) -> int:
+        """A full (only growing) store's extent, for a checkpoint (cache/checkpoint.py)."""
+        return self.n
+
+    def rewind(self, mark: int) -> None:
+        """Back to `mark`: the tokens appended since are forgotten."""
+        self.truncate(mark)
 
     def rotate(self, turn) -> None:
         """Replace the live keys by `turn(keys)` (a re-base turns them back by RoPE)."""

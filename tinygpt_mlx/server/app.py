@@ -46,8 +46,8 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     this run's are saved there at shutdown (`Server.save_slots`).
     `others`: more models to offer (`resolve.Resolved`), listed from their files and loaded on
     demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held.
-    `default_max_tokens`, `default_num_ctx`, `stop_loops`, `slot_checkpoints`: see `ServerConfig`. `names`: what to call the models,
-    in order (the rest keep their own names)."""
+    `default_max_tokens`, `default_num_ctx`, `stop_loops`, `slot_checkpoints`: see `ServerConfig`.
+    `names`: what to call the models, in order (the rest keep their own names)."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens, default_max_tokens=default_max_tokens,
                                                  default_num_ctx=default_num_ctx,

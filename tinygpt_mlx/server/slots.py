@@ -213,7 +213,7 @@ class SlotPool:
             return Lease(free, 0, "new")
         # no free slot: a request that is mostly this slot's conversation (regenerate after a long
         # answer) rolls it back rather than evicting another conversation
-        if best is not None and keep >= MIN_REUSE and keep >= ROLLBACK_KEEP * len(prompt):
+        if best is not None:
             lease = self._roll_back(best, best_n, prompt, ROLLBACK_KEEP * len(prompt))
             if lease is not None:
                 return lease
