@@ -143,9 +143,10 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
         out["cold"] = 0                               # nothing went cold yet
     elif layer.cold is not None:
         cold = layer.cold
-        out["cold"] = len(cold) * per_token * 4       # fp32 rows, RAM store
-        out["cold_summary"] = sum(a.nbytes for a in (cold.smin, cold.smax, cold.smean,
-                                                     cold.bmin, cold.bmax, cold.bmean) if a is not None)
+        disk = "_disk" if cfg.cold_store == "disk" else ""   # everything that grows goes to disk
+        out["cold" + disk] = len(cold) * per_token * 4       # fp32 rows
+        out["cold_summary" + disk] = len(cold) * 8 + sum(     # int64 positions, then the summaries
+            a.nbytes for a in (cold.smin, cold.smax, cold.smean, cold.bmin, cold.bmax, cold.bmean) if a is not None)
     return out
 
 

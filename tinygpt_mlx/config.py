@@ -180,7 +180,7 @@ class CacheConfig:
     page_size: int = 8
     top_pages: int = 64
     summary: str = "minmax"
-    cold_store: str = "ram"
+    cold_store: str = "disk"
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
@@ -346,7 +346,7 @@ class CacheConfig:
             top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
             sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
             [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
-            colddisk                                   retrieval's cold store on disk
+            colddisk | coldram                         retrieval's cold store on disk (default) or in RAM
             spans | tokens, page                       what retrieval fetches; page RoPE slots
             block8                                     retrieval: pages per block of the page index
             minmax | mean | hybrid                     retrieval: the page summary
@@ -429,7 +429,7 @@ class CacheConfig:
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk (retrieval's cold store on disk), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
+             "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
              "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
@@ -449,7 +449,7 @@ _SPEC_PARTS = (
      lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)}),
     (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
      lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
-    (re.compile(r"colddisk"), lambda m: {"cold_store": "disk"}),
+    (re.compile(r"cold(disk|ram)"), lambda m: {"cold_store": m[1]}),
     (re.compile(r"spans|tokens"), lambda m: {"retrieve_unit": m[0]}),
     (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
     (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),

@@ -151,18 +151,15 @@ class ColdStore:
         else:
             self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"), self.codec)
             self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"), self.codec)
-        self.positions = GrowingArray((), np.int64, None)
-        if self.summary in ("minmax", "hybrid"):
-            self.smin = GrowingArray((G, Dk), np.float32, None, initial=16)
-            self.smax = GrowingArray((G, Dk), np.float32, None, initial=16)
-        if self.summary in ("mean", "hybrid"):
-            self.smean = GrowingArray((G, Dk), np.float32, None, initial=16)
-        if self.config.index_block:
-            if self.smin is not None:
-                self.bmin = GrowingArray((G, Dk), np.float32, None, initial=16)
-                self.bmax = GrowingArray((G, Dk), np.float32, None, initial=16)
-            if self.smean is not None:
-                self.bmean = GrowingArray((G, Dk), np.float32, None, initial=16)
+        # a disk store maps everything that grows with the document (positions and summaries
+        # too), so its anonymous memory stays bounded by the hot window and the open page
+        self.positions = GrowingArray((), np.int64, self._path("positions"))
+        wanted = {"minmax": ("smin", "smax"), "mean": ("smean",), "hybrid": ("smin", "smax", "smean")}
+        blocks = {"smin": "bmin", "smax": "bmax", "smean": "bmean"}
+        for name in wanted[self.summary]:
+            setattr(self, name, GrowingArray((G, Dk), np.float32, self._path(name), initial=16))
+            if self.config.index_block:
+                setattr(self, blocks[name], GrowingArray((G, Dk), np.float32, self._path(blocks[name]), initial=16))
         self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
 
     def append(self, keys: mx.array, values: mx.array, start_position: int) -> None:
@@ -469,10 +466,12 @@ class ColdStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         if self.G is None:
             return {"cold": 0}
-        summ = sum(a.nbytes for a in (self.smin, self.smax, self.smean, self.bmin, self.bmax, self.bmean)
-                   if a is not None)
-        where = "cold_disk" if self.directory is not None else "cold"
-        return {where: self.keys.nbytes + self.values.nbytes, "cold_summary": summ}
+        # rows under "cold", positions and summaries under "cold_summary"; "_disk" where mapped
+        out: dict[str, int] = {}
+        for name, array in self._row_arrays().items():
+            part = ("cold_summary" if name in self._SUMMARIES else "cold") + ("_disk" if array.path else "")
+            out[part] = out.get(part, 0) + array.nbytes
+        return out
 
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
     _SUMMARIES = ("positions", "smin", "smax", "smean", "bmin", "bmax", "bmean")

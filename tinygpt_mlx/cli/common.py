@@ -91,7 +91,8 @@ KivSummary = Annotated[Optional[str], typer.Option(
     "--kiv-summary", help=f"Retrieval: page summary, minmax (Quest's per-channel key bounds), mean (KIV) "
     f"or hybrid (a page kept by its better rank in either). Default {field_default(_C, 'summary')}.", show_default=False)]
 KivColdStore = Annotated[Optional[str], typer.Option(
-    "--kiv-cold-store", help=f"Retrieval: cold store in ram or on disk (memory-mapped). "
+    "--kiv-cold-store", help=f"Retrieval: cold store in ram or on disk (memory-mapped files: evicted "
+    f"tokens, page summaries and positions, so RAM stays bounded by the hot window). "
     f"Default {field_default(_C, 'cold_store')}.", show_default=False)]
 KivColdPath = Annotated[Optional[str], typer.Option(
     "--kiv-cold-path", help="Directory for disk stores: retrieval's cold store, KIVI's exact shadow "

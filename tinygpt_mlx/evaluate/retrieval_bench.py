@@ -96,12 +96,13 @@ def _row(cache: KVCache, prompt_tokens: int, prefill_s: float, times: list[float
          progress: Optional[Callable[[dict], None]]) -> dict:
     parts = cache.nbytes_breakdown()
     hot = parts.get("sink", 0) + parts.get("body", 0)
-    cold = sum(v for k, v in parts.items() if k.startswith("cold") and k != "cold_summary")
+    cold = sum(v for k, v in parts.items() if k.startswith("cold") and not k.startswith("cold_summary"))
     row = {"context": cache.current_length, "prompt_tokens": prompt_tokens,
            "prefill_s": round(prefill_s, 2),
            "decode_ms_per_token": round(1000 * float(np.median(times)), 2),
            "decode_ms_min": round(1000 * float(np.min(times)), 2),
-           "hot_bytes": hot, "cold_bytes": cold, "summary_bytes": parts.get("cold_summary", 0),
+           "hot_bytes": hot, "cold_bytes": cold,
+           "summary_bytes": parts.get("cold_summary", 0) + parts.get("cold_summary_disk", 0),
            "bytes": parts, "telemetry": cache.retrieval_report(last_steps=decode_steps)}
     if progress is not None:
         progress(row)
