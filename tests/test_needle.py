@@ -177,3 +177,39 @@ def test_as_chat_puts_the_question_in_a_user_turn(native):
     assert chat == tok.chat_prompt([{"role": "user", "content": prompt[:q + 1]}]) + prompt[q + 1:].strip()
     assert chat.endswith("The pass key is") and prompt[:q + 1] in chat
     assert needle_positions(tok.encode, chat, answer)     # the needle is still in the document
+
+
+def test_lead_in_replaces_the_answer_s_lead_in(native):
+    """--lead-in ends every prompt, raw or in the chat template, with the given words instead of
+    the question's own, and the document before it is untouched."""
+    from tinygpt_mlx.evaluate.needle import as_chat, cell_document, with_lead_in
+
+    tok = native.tokenizer
+    prompt, _ = cell_document(tok, "In the beginning God created the heaven. " * 80, 300, 0.5, 0)
+    q = prompt.rfind("?")
+    assert with_lead_in(prompt, None) == prompt
+    assert with_lead_in(prompt, "The pass key is number") == prompt[:q + 1] + " The pass key is number"
+    chat = as_chat(tok, prompt, "The pass key is number")
+    assert chat == as_chat(tok, prompt)[:-len("The pass key is")] + "The pass key is number"
+
+
+def test_lead_in_reaches_the_grid_and_blank_is_refused(native, native_path, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+    from tinygpt_mlx.evaluate.inputs import read_text
+    from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, cell_document, with_lead_in
+
+    out = tmp_path / "grid.json"
+    args = ["needle", str(native_path), "--contexts", "128", "--depths", "0.5", "--seeds", "1",
+            "--policies", "full", "--kiv-hot-budget", "64"]
+    r = CliRunner().invoke(app, args + ["--lead-in", "The number is", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    cell, = json.loads(out.read_text())["cells"]
+    prompt, _ = cell_document(native.tokenizer, read_text(DEFAULT_FILLER), 128, 0.5, 0)
+    assert cell["prompt_tokens"] == len(native.tokenizer.encode(with_lead_in(prompt, "The number is")))
+    assert cell["prompt_tokens"] != len(native.tokenizer.encode(prompt))
+    bad = CliRunner().invoke(app, args + ["--lead-in", "  "])
+    assert bad.exit_code != 0 and "--lead-in" in bad.output

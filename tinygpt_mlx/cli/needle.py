@@ -107,6 +107,10 @@ def needle(
     chat: Annotated[bool, typer.Option(
         "--chat", help="Ask each document through the model's chat template (an instruct model): the "
         "document and question as a user message, the answer's lead-in starting the reply.")] = False,
+    lead_in: Annotated[Optional[str], typer.Option(
+        "--lead-in", help="The answer's lead-in that ends each prompt, in place of the question's own "
+        "('The pass key is'); e.g. 'The pass key is number' for a small instruct model that otherwise "
+        "explains the phrase.", show_default=False)] = None,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
@@ -126,6 +130,8 @@ def needle(
         raise typer.BadParameter("--contexts must be at least 16 tokens")
     if any(not 0 <= d <= 1 for d in depth_list):
         raise typer.BadParameter("--depths must lie in [0, 1]")
+    if lead_in is not None and not lead_in.strip():
+        raise typer.BadParameter(f"--lead-in {lead_in!r}: give the words that start the answer")
     if seeds < 1 or digits < 1 or prefill_chunk < 1:
         raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
     from tinygpt_mlx.corpus import NAMES, TASKS  # noqa: PLC0415
@@ -166,7 +172,7 @@ def needle(
         with c.Progress("needle grid", total=n_cells, unit="cells") as bar:
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
-                                    on_chunk=PrefillReport(), partial=partial, chat=chat)
+                                    on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -125,13 +125,27 @@ def cell_document(tok: Any, filler_text: str, context: int, depth: float, seed: 
                                               template=template), rng, tok.encode, context)
 
 
-def as_chat(tok: Any, prompt: str) -> str:
-    """A cell's document as an instruct model is asked: the document and its question as one user
-    message in the model's chat template, the answer's lead-in ("The pass key is") starting the
-    assistant's turn, so the same `passed` check reads the reply."""
+def split_question(prompt: str) -> tuple[str, str]:
+    """A cell's prompt as (document and question, the answer's lead-in): "... What is the pass
+    key?" and "The pass key is"."""
     q = prompt.rfind("?")
-    user, lead = (prompt[:q + 1], prompt[q + 1:].strip()) if q >= 0 else (prompt, "")
-    return tok.chat_prompt([{"role": "user", "content": user}]) + lead
+    return (prompt[:q + 1], prompt[q + 1:].strip()) if q >= 0 else (prompt, "")
+
+
+def as_chat(tok: Any, prompt: str, lead_in: Optional[str] = None) -> str:
+    """A cell's document as an instruct model is asked: the document and its question as one user
+    message in the model's chat template, the answer's lead-in ("The pass key is", or `lead_in`)
+    starting the assistant's turn, so the same `passed` check reads the reply."""
+    user, lead = split_question(prompt)
+    return tok.chat_prompt([{"role": "user", "content": user}]) + (lead if lead_in is None else lead_in)
+
+
+def with_lead_in(prompt: str, lead_in: Optional[str]) -> str:
+    """The raw prompt with its answer's lead-in replaced by `lead_in` (None: kept)."""
+    if lead_in is None:
+        return prompt
+    user, _ = split_question(prompt)
+    return f"{user} {lead_in}"
 
 
 def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths: list[float],
@@ -139,12 +153,15 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 digits: int = 5, template: Optional[int] = None, task: str = "passkey", facts: int = 4,
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
-                partial: Optional[Callable[[dict], None]] = None, chat: bool = False) -> dict:
+                partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
+                lead_in: Optional[str] = None) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
     after each cell (to save a long grid as it goes). `chat`: each document is asked through the
-    model's chat template (`as_chat`), as an instruct model is used."""
+    model's chat template (`as_chat`), as an instruct model is used. `lead_in` replaces the
+    answer's lead-in that ends the prompt ("The pass key is"): a small model may need another
+    ("The pass key is number") before even the full cache answers."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -153,8 +170,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
         for depth in depths:
             for seed in range(seeds):
                 prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
-                if chat:
-                    prompt = as_chat(tok, prompt)
+                prompt = as_chat(tok, prompt, lead_in) if chat else with_lead_in(prompt, lead_in)
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
