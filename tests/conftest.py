@@ -26,6 +26,17 @@ def train_tokenizer(vocab_size: int = 320):
     return tok
 
 
+@pytest.fixture(autouse=True)
+def no_trace_failure():
+    """A compiled decode step whose trace fails falls back to eager in production (counted and
+    logged, cache/compiled.py); in the tests it is an error."""
+    from tinygpt_mlx.cache import compiled
+
+    before = len(compiled.trace_failures)
+    yield
+    assert compiled.trace_failures[before:] == [], "a compiled decode step's trace failed"
+
+
 @pytest.fixture(scope="session")
 def tokenizer_json() -> str:
     return train_tokenizer().to_str()

@@ -31,13 +31,13 @@ yet, a re-base due, a chunk of several tokens, other policies, the reference pat
 sharded over ranks. An mlx-lm model is traced the same way (its code sees the position as an
 array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
 something else of its cache, fails in the trace, before anything is changed, and runs eager from
-then on. `POSTTRAINLLM_COMPILE=0` in the environment, or `cache.compile_decode = False`, turns
-it off.
+then on. One switch turns it off: `cache.compile_decode = False`, whose default
+`POSTTRAINLLM_COMPILE=0` in the environment sets (`kv_cache.compile_by_default`).
 """
 
 from __future__ import annotations
 
-import os
+import logging
 from types import SimpleNamespace
 from typing import Any, Optional
 
@@ -49,11 +49,6 @@ from .ring import RingStore
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
 _ATTR = "_posttrainllm_compiled_steps"
-
-
-def enabled() -> bool:
-    """Whether compiled decode steps are allowed in this process (`POSTTRAINLLM_COMPILE`)."""
-    return os.environ.get("POSTTRAINLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class _TracedRing:
@@ -88,6 +83,17 @@ class _TracedRing:
 
 #: a model's entry for a layout whose trace failed (module doc): it runs eager
 _FAILED = "failed"
+#: every trace failure in this process, (layout, error), each also logged once: a fallback is
+#: counted, never silent, and the tests fail on any (tests/conftest.py)
+trace_failures: list[tuple[Any, str]] = []
+log = logging.getLogger("posttrainllm.compiled")
+
+
+def _failed(steps: dict, key: Any, error: BaseException) -> None:
+    """Mark `key`'s layout eager from now on, count and log why."""
+    steps[key] = _FAILED
+    trace_failures.append((key, repr(error)))
+    log.warning("compiled decode step: tracing layout %r failed (%r); it runs eager from now on", key, error)
 
 
 class _TracedKivi:
@@ -226,7 +232,7 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
     (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
     if (not isinstance(cache, KVCache) or not cache.compile_decode or tokens.ndim != 2
-            or tokens.shape[1] != 1 or attention.reading_reference() or not enabled()):
+            or tokens.shape[1] != 1 or attention.reading_reference()):
         return None
     steps = _steps_of(model)
     if not _traceable(model, steps):
@@ -257,11 +263,11 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     try:
         logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
                            buffers, rows)
-    except Exception:
+    except Exception as e:
         # the model's code cannot be traced (module doc): this layout runs eager from now on,
         # where a real error shows itself. No counter has moved (a shifted sink block may have
         # been advanced to this step's slot, as the eager step would advance it).
-        steps[key] = _FAILED
+        _failed(steps, key, e)
         return None
     for c, (k, v) in zip(layers, new):      # the eager hot path's bookkeeping, exactly
         body = c.body
@@ -302,8 +308,8 @@ def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners:
     try:
         logits, new = step(tokens, mx.array(first.offset, mx.int32), sinks, packed, residuals,
                            mx.array([res0.head], mx.int32), mx.array([res0.head + res0.n], mx.int32), mask if mask is not None else mx.zeros((0,), mx.bool_))
-    except Exception:     # as in `decode`: eager from now on for this layout; nothing has moved
-        steps[key] = _FAILED
+    except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
+        _failed(steps, key, e)
         return None
     for c, (k, v) in zip(layers, new):    # `KiviStore.append`'s bookkeeping (no freeze), exactly
         res = c.body.residual

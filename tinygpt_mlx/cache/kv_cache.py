@@ -16,6 +16,7 @@ Naming, for readers who know mlx-lm: mlx-lm's `KVCache` is ONE layer's cache; he
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -27,6 +28,11 @@ from .positions import Positions
 from .segments import Reading, attend
 from .store import DenseStore, Evictable
 from .telemetry import RetrievalTelemetry, summarise
+
+
+def compile_by_default() -> bool:
+    """A new cache's `compile_decode`: on unless `POSTTRAINLLM_COMPILE` is 0/false/no/off."""
+    return os.environ.get("POSTTRAINLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class LayerCache:
@@ -470,8 +476,9 @@ class KVCache(list):
         super().__init__(layers)
         self.config = config
         self._owned = [c for c in self._distinct() if isinstance(c, LayerCache)]
-        #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py)
-        self.compile_decode = True
+        #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py);
+        #: the one switch, its default from the environment
+        self.compile_decode = compile_by_default()
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod
