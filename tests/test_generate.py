@@ -40,3 +40,36 @@ def test_sampler_greedy_topk_topp():
     a = [make_sampler(1.0, seed=3)(logits).item() for _ in range(5)]
     b = [make_sampler(1.0, seed=3)(logits).item() for _ in range(5)]
     assert a == b
+
+
+def test_reply_is_the_text_front_end(native):
+    """`Reply` (stream_generate's, the worker's and the chat session's front end): its texts join
+    to the greedy tokens' text; a stop string ends it at the text before the string with
+    finish_reason "stop"; a consumer's `stop()` is a stop; otherwise it runs to the length."""
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.generate import Reply, greedy_tokens
+
+    tok, model = native.tokenizer, native.model
+    prompt = tok.encode("The quick brown fox")
+    want = tok.decode(greedy_tokens(model, prompt, make_cache(model, CacheConfig()), 24, 8))
+
+    def run(**kw):
+        reply = Reply(model, tok, prompt, make_cache(model, CacheConfig()), 24, 8, **kw)
+        texts, calls = [], 0
+        for step, piece in reply:
+            calls += 1
+            texts.append(piece)
+        return "".join(texts) + reply.finish(), reply, calls
+
+    text, reply, calls = run(ignore_eos=True)
+    assert text == want and reply.stats.finish_reason == "length" and reply.stats.generated_tokens == 24
+    assert calls == 24 + (len(prompt) - 1) // 8   # every prefill chunk but the last is a step of its own
+    cut = want[len(want) // 2:len(want) // 2 + 3]
+    text, reply, _ = run(ignore_eos=True, stop=(cut,))
+    assert text == want[:want.index(cut)] and reply.stats.finish_reason == "stop"
+    reply = Reply(model, tok, prompt, make_cache(model, CacheConfig()), 24, 8, ignore_eos=True)
+    for n, (step, piece) in enumerate(reply):
+        if n == 3:
+            reply.stop()
+            break
+    assert reply.stats.finish_reason == "stop"

@@ -24,9 +24,7 @@ from typing import Any, Callable, Iterator, Optional
 from .cache import make_cache
 from .chat_template import encode_fragment, has_template, prompt_ids, stop_strings, turn_text
 from .errors import ContextLengthError
-from .generate import GenerationStats, prefill, steps
-from .sampling import make_sampler
-from .textstream import TextStream
+from .generate import Reply, prefill
 
 
 @dataclass
@@ -198,11 +196,6 @@ class ChatSession:
         turn = Turn(len(self.turns) + 1, rule, len(ids), len(self.conversation.fed) + len(ids))
         self.turns.append(turn)
         start = cache.current_length
-        stats = GenerationStats(cache=cache)
-        sampler = make_sampler(s.temperature, s.top_p, s.top_k, s.seed)
-        stops = tuple(s.stop) + stop_strings(tok, self.use_template)
-        text = TextStream(tok, stops)
-        eos = frozenset() if s.ignore_eos else frozenset(tok.eos_ids)
         generated: list[int] = []
         fed, shown = 0, []
 
@@ -211,21 +204,20 @@ class ChatSession:
             if progress is not None:
                 progress(done, total)
 
+        reply = Reply(self.loaded.model, tok, ids, cache, max_tokens, self._chunk(len(ids)), s.temperature, s.top_p,
+                      s.top_k, s.seed, tuple(s.stop) + stop_strings(tok, self.use_template), s.ignore_eos,
+                      prefilled, should_stop)
+        stats = reply.stats
         try:
-            for step in steps(self.loaded.model, ids, cache, sampler, max_tokens, self._chunk(len(ids)), stats,
-                              eos, prefilled, should_stop):
+            for step, piece in reply:
                 fed += len(step.fed)
                 if step.token is None:
                     continue
                 generated.append(step.token)
-                piece = text.add(step.token)
                 if piece:
                     shown.append(piece)
                     yield piece
-                if text.stopped:
-                    stats.finish_reason = "stop"
-                    break
-            tail = text.finish()
+            tail = reply.finish()
             if tail:
                 shown.append(tail)
                 yield tail

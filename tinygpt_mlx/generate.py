@@ -1,11 +1,10 @@
 """Generation against any cache: chunked prefill, then decode, yielding tokens and stats.
 
 `steps` is the one generation loop (a `Step` per model call: prefill chunks, then sampled
-tokens; hooks `progress` and `should_stop`); `generate_step` yields its token ids, and every
-front end drives one of the two: `sample` and the API (`stream_generate`), the server worker,
-compare, needle, the pass-key probe, bench and the retrieval bench. `stream_generate` adds the
-tokenizer, detokenization with stop strings (`textstream.TextStream`, shared with the server)
-and the report. Teacher-forced scoring (perplexity) is not generation and does not use it.
+tokens; hooks `progress` and `should_stop`); `generate_step` yields its token ids (compare,
+needle, the pass-key probe, bench and the retrieval bench). `Reply` is the one text front end
+over it (sampler, EOS, detokenization with stop strings, stats), which `sample` and the API
+(`stream_generate`), the server's worker and the chat session all drive. Teacher-forced scoring (perplexity) is not generation and does not use it.
 No printing here.
 """
 
@@ -213,6 +212,48 @@ def prefill(model: Any, tokens: list[int], cache: Any, chunk: int,
     return step.logits
 
 
+class Reply:
+    """One reply's front end over `steps`, shared by `stream_generate` (`sample`, the API), the
+    server's worker and the chat session: the sampler, the EOS set, detokenization with stop
+    strings (`TextStream`) and the stats. Iterating gives `(step, text)` per model call, `text`
+    the reply's text that step released (often ""); a stop string ends it with finish_reason
+    "stop". A consumer may also stop early (`stop()` says why it was a stop); `finish()` then
+    gives the text held back for a possible stop string."""
+
+    def __init__(self, model: Any, tokenizer: Any, prompt: list[int], cache: Any, max_tokens: int,
+                 prefill_chunk: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 seed: Optional[int] = None, stop: tuple = (), ignore_eos: bool = False,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 should_stop: Optional[Callable[[], bool]] = None, first_logits: Optional[mx.array] = None):
+        self.stats = GenerationStats(cache=cache)
+        self.text = TextStream(tokenizer, tuple(stop))
+        eos = frozenset() if ignore_eos else frozenset(tokenizer.eos_ids)
+        self._steps = steps(model, prompt, cache, make_sampler(temperature, top_p, top_k, seed), max_tokens,
+                            prefill_chunk, self.stats, eos, progress, should_stop, first_logits)
+
+    def __iter__(self) -> Iterator[tuple[Step, str]]:
+        for step in self._steps:
+            piece = self.text.add(step.token) if step.token is not None else ""
+            if self.stopped:
+                self.stop()
+            yield step, piece
+            if self.stopped:
+                return
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has ended the text (the last step's text is what precedes it)."""
+        return self.text.stopped
+
+    def stop(self) -> None:
+        """The consumer ends the reply as a stop (a stop string, a loop), not a length."""
+        self.stats.finish_reason = "stop"
+
+    def finish(self) -> str:
+        """The text held back at the end (none after a stop string)."""
+        return self.text.finish()
+
+
 @dataclass
 class Chunk:
     """A piece of streamed output: `text` (may be empty), and `stats` once `done`."""
@@ -234,21 +275,13 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
     check_context(len(ids) + (cache.current_length if cache is not None else 0), loaded.context_length,
                   cache_config)
     cache = cache if cache is not None else make_cache(loaded.model, cache_config)
-    stats = GenerationStats(cache=cache)
-    sampler = make_sampler(sample_config.temperature, sample_config.top_p,
-                           sample_config.top_k, sample_config.seed)
-    text = TextStream(tok, sample_config.stop)
-    eos = frozenset() if sample_config.ignore_eos else frozenset(tok.eos_ids)
-    for token in generate_step(loaded.model, ids, cache, sampler, sample_config.max_tokens,
-                               sample_config.prefill_chunk, stats, eos, progress,
-                               first_logits=first_logits):
-        piece = text.add(token)
+    s = sample_config
+    reply = Reply(loaded.model, tok, ids, cache, s.max_tokens, s.prefill_chunk, s.temperature, s.top_p, s.top_k,
+                  s.seed, s.stop, s.ignore_eos, progress, first_logits=first_logits)
+    for step, piece in reply:
         if piece:
-            yield Chunk(piece, token)
-        if text.stopped:
-            stats.finish_reason = "stop"
-            break
-    tail = text.finish()
+            yield Chunk(piece, step.token)
+    tail = reply.finish()
     if tail:
         yield Chunk(tail)
-    yield Chunk("", done=True, stats=stats)
+    yield Chunk("", done=True, stats=reply.stats)

@@ -20,9 +20,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..generate import GenerationStats, steps
-from ..sampling import make_sampler
-from ..textstream import TextStream
+from ..generate import GenerationStats, Reply
 from .config import ServerConfig
 from .slots import SlotPool, held_bytes
 
@@ -231,18 +229,15 @@ class Worker:
         """Prefill `tail` into the slot and generate; the slot's tokens follow what is fed. With
         an empty `tail`, `logits` (a restored checkpoint's) give the first token. Once the whole
         prompt is in the cache the pool may checkpoint it (SlotPool.checkpoint)."""
-        tok = self.loaded.tokenizer
-        sampler = make_sampler(job.temperature, job.top_p, job.top_k, job.seed)
-        text = TextStream(tok, job.stop)
-        stats = GenerationStats(cache=slot.cache)
         out: list[str] = []
         chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
                                                slot.cache.current_length + len(tail))
         progress = PrefillLog(slot.index) if len(tail) > chunk else None
         prompt_len, checkpointed = len(slot.tokens) + len(tail), not tail
-        for step in steps(self.loaded.model, tail, slot.cache, sampler, job.max_tokens, chunk,
-                          stats, frozenset(tok.eos_ids), should_stop=job.cancelled.is_set, progress=progress,
-                          first_logits=None if tail else logits):
+        reply = Reply(self.loaded.model, self.loaded.tokenizer, tail, slot.cache, job.max_tokens, chunk,
+                      job.temperature, job.top_p, job.top_k, job.seed, job.stop, progress=progress,
+                      should_stop=job.cancelled.is_set, first_logits=None if tail else logits)
+        for step, piece in reply:
             slot.tokens.extend(step.fed)
             if not checkpointed and len(slot.tokens) == prompt_len:    # the prompt, and nothing yet
                 self.pool.checkpoint(slot, step.logits)
@@ -250,23 +245,21 @@ class Worker:
             if step.token is None:
                 continue
             r.tokens.append(step.token)
-            piece = text.add(step.token)
             if piece:
                 out.append(piece)
                 job.emit("text", piece)
-            if text.stopped:
-                stats.finish_reason = "stop"
+            if reply.stopped:
                 break
             if self.stop_loops and len(r.tokens) % 8 == 0 and looping(r.tokens, self.stop_loops):
-                stats.finish_reason = "stop"
+                reply.stop()
                 log.info("slot %d: reply stopped after %d tokens: its last %d tokens repeat one n-gram "
                          "(--stop-loops)", slot.index, len(r.tokens), self.stop_loops)
                 break
             if job.max_context is not None and len(slot.tokens) + 1 >= job.max_context:
                 break           # prompt + reply fill the context (the last token is never fed)
-        piece = text.finish()
+        piece = reply.finish()
         if piece:
             out.append(piece)
             job.emit("text", piece)
         r.text = "".join(out)
-        return stats
+        return reply.stats
