@@ -49,7 +49,11 @@ def run(model, ids: list[int], config: CacheConfig) -> dict:
             logits.append(step.logits)
     seconds = time.perf_counter() - t0
     top2 = [mx.sort(lg)[-2:] for lg in logits]
+    parts = cache.nbytes_breakdown()
     out = {"tokens": tokens, "cache_bytes": cache.nbytes, "disk_bytes": cache.disk_nbytes,
+           # a cold store's token positions: one per token, held whole by every rank
+           "replicated": {"cache_bytes": sum(v for k, v in parts.items() if k.startswith("cold_positions")),
+                          "disk_bytes": parts.get("cold_positions_disk", 0)},
            "stored": cache.stored_count, "seconds": seconds,
            "margin": min(float(t[1] - t[0]) for t in top2)}
     cache.close()

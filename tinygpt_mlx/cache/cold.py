@@ -466,10 +466,12 @@ class ColdStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         if self.G is None:
             return {"cold": 0}
-        # rows under "cold", positions and summaries under "cold_summary"; "_disk" where mapped
+        # rows under "cold", page summaries under "cold_summary", the token positions (one per
+        # token, not per head) under "cold_positions"; "_disk" where mapped
         out: dict[str, int] = {}
         for name, array in self._row_arrays().items():
-            part = ("cold_summary" if name in self._SUMMARIES else "cold") + ("_disk" if array.path else "")
+            part = ("cold_positions" if name == "positions" else "cold_summary" if name in self._SUMMARIES
+                    else "cold") + ("_disk" if array.path else "")
             out[part] = out.get(part, 0) + array.nbytes
         return out
 

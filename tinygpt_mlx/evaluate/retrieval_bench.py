@@ -96,7 +96,7 @@ def _row(cache: KVCache, prompt_tokens: int, prefill_s: float, times: list[float
          progress: Optional[Callable[[dict], None]]) -> dict:
     parts = cache.nbytes_breakdown()
     hot = parts.get("sink", 0) + parts.get("body", 0)
-    cold = sum(v for k, v in parts.items() if k.startswith("cold") and not k.startswith("cold_summary"))
+    cold = sum(v for k, v in parts.items() if k.startswith("cold") and not k.startswith(("cold_summary", "cold_positions")))
     row = {"context": cache.current_length, "prompt_tokens": prompt_tokens,
            "prefill_s": round(prefill_s, 2),
            "decode_ms_per_token": round(1000 * float(np.median(times)), 2),
