@@ -60,15 +60,17 @@ def citations() -> dict[str, dict]:
     out: dict[str, dict] = {f: {"pages": [], "commands": []} for f in files}
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        tokens = set(re.findall(r"[\w.{},*/-]+\.(?:json|txt|png|jsonl)\b|[\w/-]*kiv_limits[\w/-]*|needle_ablation",
-                                text))
+        tokens = set(re.findall(r"[\w.{},*/-]+\.(?:json|txt|png|jsonl)\b", text))
+        # a folder of results is cited whole by its path (`docs/results/kiv_limits/`)
+        folders = {f.split("/")[0] for f in files if "/" in f}
+        cited_folders = {d for d in folders if re.search(rf"results/{re.escape(d)}(?!\w)", text)}
         cmds = _commands(text)
         name = str(page.relative_to(ROOT))
         for f in files:
             base = os.path.basename(f)
-            hit = any((fnmatch.fnmatch(f, pat) or fnmatch.fnmatch(base, os.path.basename(pat))) and _specific(pat)
-                      or (f.startswith(pat.rstrip("/").split("/")[-1] + "/") and "." not in pat)
-                      for tok in tokens for pat in _expand(tok))
+            hit = f.split("/")[0] in cited_folders and "/" in f or any(
+                (fnmatch.fnmatch(f, pat) or fnmatch.fnmatch(base, os.path.basename(pat))) and _specific(pat)
+                for tok in tokens for pat in _expand(tok))
             if hit:
                 out[f]["pages"].append(name)
                 stem = base.rsplit(".", 1)[0]

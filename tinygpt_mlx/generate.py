@@ -4,8 +4,8 @@
 tokens; hooks `progress` and `should_stop`); `generate_step` yields its token ids (compare,
 needle, the pass-key probe, bench and the retrieval bench). `Reply` is the one text front end
 over it (sampler, EOS, detokenization with stop strings, stats), which `sample` and the API
-(`stream_generate`), the server's worker and the chat session all drive. Teacher-forced scoring (perplexity) is not generation and does not use it.
-No printing here.
+(`stream_generate`), the server's worker and the chat session all drive. Teacher-forced
+scoring (perplexity) is not generation and does not use it. No printing here.
 """
 
 from __future__ import annotations

@@ -347,10 +347,14 @@ class LayerCache:
     def empty(self) -> bool:
         return self.seen == 0
 
+    def _full_body(self) -> bool:
+        """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
+        return not self.config.streaming and self.cold is None
+
     def is_trimmable(self) -> bool:
         """mlx-lm's protocol: whether `trim` can roll back any number of tokens (plain full
         caches). `trimmable()` says how far every policy can."""
-        return not (self.config.streaming or self.config.quantised or self.cold is not None)
+        return self._full_body() and not self.config.quantised
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can forget, leaving what a cache fed only the
@@ -358,7 +362,7 @@ class LayerCache:
         residual (frozen blocks cannot be cut back token by token); nothing for a window, a
         hot window or a cache holding a cold store (what they evicted is gone or moved; a
         checkpoint restores them, `checkpoint`)."""
-        if self.config.streaming or self.cold is not None:
+        if not self._full_body():
             return 0
         if self.config.quantised:
             return len(self.body.residual)
@@ -374,10 +378,6 @@ class LayerCache:
         return n
 
     # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
-    def _full_body(self) -> bool:
-        """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
-        return not self.config.streaming and self.cold is None
-
     def checkpoint(self) -> dict:
         """This layer's state now, for `restore`: its counters, the sink and a bounded body held
         in memory, a full body and the cold store as marks (lengths to cut back to)."""
