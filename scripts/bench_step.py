@@ -40,12 +40,10 @@ def median_step_ms(model, config: CacheConfig, context: int, steps: int, chunk: 
     ids = [1 + i % 4000 for i in range(context)]
     for i in range(0, context, chunk):
         mx.eval(model(mx.array([ids[i:i + chunk]]), cache=cache))
-        cache.evict_middle_if_needed()
     token = mx.array([[5]])
 
     def step():
         out = model(token, cache=cache)
-        cache.evict_middle_if_needed()
         mx.eval(out)
     for _ in range(10):
         step()

@@ -138,7 +138,6 @@ def kernels(model_path: str) -> dict[str, float]:
             mx.eval(m.model(mx.array([toks[i:i + 128]]), cache=cache))
         for i in range(384, 400):
             mx.eval(m.model(mx.array([toks[i:i + 1]]), cache=cache))
-            cache.evict_middle_if_needed()
         out[label] = step_ops(m.model, cache, n=32)["kernels"]
     return out
 

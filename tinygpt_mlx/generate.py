@@ -88,13 +88,16 @@ def rss_bytes() -> dict[str, int]:
 
 
 def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
-    """One model call on [1, L] tokens; a `KVCache` is trimmed to its policy afterwards (mlx-lm's
-    own per-layer caches, which the bench compares against, evict inside their own update). A
-    decode step over full StreamingLLM rings runs as one compiled function (cache/compiled.py)."""
+    """One model call on [1, L] tokens, the product's only one: each layer cache evicts what its
+    policy drops as it takes the tokens (cache/plan.py), and a `KVCache` is then trimmed to hold
+    exactly what its policy keeps between calls (a call of L > 1 tokens leaves a window's layers
+    `window - 1 + L`: what reports, checkpoints and prompt-cache files see). A decode step over
+    full StreamingLLM rings or KIVI's quiet steps runs as one compiled function
+    (cache/compiled.py)."""
     logits = compiled.decode(model, tokens, cache)
     if logits is None:
         logits = model(tokens, cache=cache)
-    if isinstance(cache, KVCache):
+    if isinstance(cache, KVCache) and tokens.shape[1] > 1:
         cache.evict_middle_if_needed()
     return logits
 

@@ -24,9 +24,11 @@ shape, so those steps stay eager.
 None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
 model's own `__call__` with stand-in layer caches (`_TracedRing`, `_TracedKivi`) that follow the same
 protocol as `LayerCache` (offset, make_mask, update_and_fetch, attend): the same code path as
-eager, so the two agree to the last bit here (tests/test_compiled.py). Afterwards it moves
-the real rings' counters exactly as their eager hot path does (`LayerCache.update_and_fetch`'s
-ring branch and `RingStore.attention_kv`; KIVI: `KiviStore.append`). Anything else runs eager: a ring that is not full
+eager, so the two agree to the last bit here (tests/test_compiled.py). The layers' plans
+(cache/plan.py) decide whether the step can run (no eviction of a KIVI block, no re-base due) and
+give the position it takes; afterwards each layer runs the same `commit` of its plan as the eager
+step, with the token the trace wrote into its buffers (the store's `took`). Anything else runs
+eager: a ring that is not full
 yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model
 sharded over ranks. An mlx-lm model is traced the same way (its code sees the position as an
 array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
@@ -44,8 +46,11 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from .. import attention
+from ..model import Model
+from .kivi import KiviStore, PackedSegment
 from .kv_cache import KVCache, LayerCache
 from .ring import RingStore
+from .segments import DenseSegment, attend
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
 _ATTR = "_posttrainllm_compiled_steps"
@@ -125,8 +130,6 @@ class _TracedKivi:
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        from .kivi import PackedSegment
-        from .segments import DenseSegment, attend
         cfg = self.config
         body = SimpleNamespace(keys=self.packed[0], values=self.packed[1], key_bits=cfg.key_bits,
                                value_bits=cfg.value_bits, rotate=cfg.rotate, group=cfg.group_size, positions=self.positions,
@@ -144,27 +147,26 @@ def _traceable(model: Any, steps: dict) -> bool:
     """The native model or a routed mlx-lm model, not sharded over ranks (its projections
     all-sum: not traced here); decided once per model."""
     if "traceable" not in steps:
-        from ..model import Model
         sharded = any("Sharded" in type(m).__name__ for _, m in model.named_modules())
         steps["traceable"] = not sharded and (type(model) is Model or attention.routes(model))
     return steps["traceable"]
 
 
-def _ready(layer: Any) -> bool:
-    """Whether this layer's next decode step is the ring's steady hot path."""
+def _ready(layer: Any, plan: Any) -> bool:
+    """Whether this layer's next decode step, planned as `plan`, is the ring's steady hot path:
+    a full ring (the step evicts its oldest window token and writes over it), no re-base."""
     if not isinstance(layer, LayerCache) or layer.sink_store is not None or layer.dtype is None:
         return False
     body = layer.body
     return (isinstance(body, RingStore) and body.ring and body.n == layer.config.window
-            and body.n_sink == layer.config.sink and not layer.positions.rebase_due(layer.seen))
+            and body.n_sink == layer.config.sink and plan.rebase == 0)
 
 
-def _kivi_ready(layer: Any) -> bool:
-    """Whether this layer's next decode step is a quiet step of KIVI under StreamingLLM on frame
-    positions: the window full (blocks evicted before), the sink full, and neither a block to
-    evict before the token nor one to freeze after it, nor a residual buffer to grow, nor a
-    re-base."""
-    from .kivi import KiviStore
+def _kivi_ready(layer: Any, plan: Any) -> bool:
+    """Whether this layer's next decode step, planned as `plan`, is a quiet step of KIVI under
+    StreamingLLM on frame positions: the window full (blocks evicted before), the sink full,
+    and neither a block to evict before the token (`plan.drop`) nor one to freeze after it, nor
+    a residual buffer to grow, nor a re-base."""
     if not isinstance(layer, LayerCache) or layer.sink_store is None or layer.dtype is None:
         return False
     body, cfg = layer.body, layer.config
@@ -176,7 +178,7 @@ def _kivi_ready(layer: Any) -> bool:
     # G steps and each trace is reused; while the body grows every step would be a new trace
     return (layer.start > cfg.sink and len(layer.sink_store) == cfg.sink and body.n_packed > 0 and res.keys is not None
             and len(res) + 1 < max(body.keep, 1) + body.group and res.head + res.n + 1 <= res.keys.shape[2]
-            and layer._pending_drop(1) == 0 and not layer.positions.rebase_due(layer.seen))
+            and plan.drop == 0 and plan.rebase == 0)
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
@@ -238,13 +240,14 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     if not _traceable(model, steps):
         return None
     layers = cache.owned
-    if not layers or len(layers) != len(cache._distinct()):
+    if not layers or len(layers) != len(cache.distinct()):
         return None
     index = {id(c): i for i, c in enumerate(layers)}
     owners = tuple(index[id(c)] for c in cache)
-    if all(_kivi_ready(c) for c in layers):
-        return _kivi_decode(model, tokens, cache, layers, owners, steps)
-    if not all(_ready(c) for c in layers):
+    plans = [c.plan() for c in layers]      # the step's plans: the trace's inputs, then its commits
+    if all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
+        return _kivi_decode(model, tokens, layers, plans, owners, steps)
+    if not all(_ready(c, p) for c, p in zip(layers, plans)):
         return None
     first = layers[0]
     if any(c.seen != first.seen or c.body.ptr != first.body.ptr or c.positions.base != first.positions.base
@@ -254,14 +257,13 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     key = (owners, shifted, first.dtype)
     if steps.get(key) is _FAILED:
         return None
-    S, W = first.config.sink, first.config.window
-    # the frame position of sink slot 0 once this step's token is stored (`LayerCache._sink_slot0`)
-    first_slot = first.seen + 1 - first.positions.base - (S + W)
+    S = first.config.sink
+    first_slot = first.sink_slot_during(plans[0])   # the same in every layer (one seen, base and ring)
     buffers = [(c.body.keys, c.body.values) for c in layers]
-    rows = [c.body._placed_sink(first_slot) for c in layers] if shifted else []   # may advance a block
+    rows = [c.body.placed_sink(first_slot) for c in layers] if shifted else []   # may advance a block
     step = _step_fn(model, steps, key)
     try:
-        logits, new = step(tokens, mx.array(first.offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
+        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
                            buffers, rows)
     except Exception as e:
         # the model's code cannot be traced (module doc): this layout runs eager from now on,
@@ -269,18 +271,12 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
         # been advanced to this step's slot, as the eager step would advance it).
         _failed(steps, key, e)
         return None
-    for c, (k, v) in zip(layers, new):      # the eager hot path's bookkeeping, exactly
-        body = c.body
-        body.keys, body.values = k, v
-        body.ptr = (body.ptr + 1) % W
-        c.start += 1
-        c.seen += 1
-        if shifted:
-            body._sink_in_buffer = first_slot
+    for c, p, (k, v) in zip(layers, plans, new):      # the eager step's commit, the token written
+        c.commit(p, None, None, written=(k, v, first_slot if shifted else None))
     return logits
 
 
-def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners: tuple, steps: dict
+def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                  ) -> Optional[mx.array]:
     """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
     eager step would read them, the new tokens come out and join each residual, eagerly."""
@@ -298,7 +294,7 @@ def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners:
         return None
     sinks, packed, residuals = [], [], []
     for c in layers:
-        sink_reading, _ = c._readings()
+        sink_reading, _ = c.readings()
         k, v = c.sink_store.fetch(c.dtype)
         sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
         packed.append((c.body.keys, c.body.values))
@@ -306,15 +302,11 @@ def _kivi_decode(model: Any, tokens: mx.array, cache: Any, layers: list, owners:
         residuals.append((res.keys, res.values, *res.fetch()))
     step = _kivi_step_fn(model, steps, key)
     try:
-        logits, new = step(tokens, mx.array(first.offset, mx.int32), sinks, packed, residuals,
+        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, residuals,
                            mx.array([res0.head], mx.int32), mx.array([res0.head + res0.n], mx.int32), mask if mask is not None else mx.zeros((0,), mx.bool_))
     except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
         _failed(steps, key, e)
         return None
-    for c, (k, v) in zip(layers, new):    # `KiviStore.append`'s bookkeeping (no freeze), exactly
-        res = c.body.residual
-        res.keys, res.values = k, v
-        res.n += 1
-        res.version += 1
-        c.seen += 1
+    for c, p, (k, v) in zip(layers, plans, new):    # the eager step's commit (nothing frozen), the token written
+        c.commit(p, None, None, written=(k, v))
     return logits

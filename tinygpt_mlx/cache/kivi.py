@@ -137,6 +137,11 @@ class KiviStore:
         if n > 0:
             self._freeze(n)
 
+    def took(self, keys: mx.array, values: mx.array) -> None:
+        """`append` of one token that freezes nothing, already written into the residual's
+        buffers `keys`, `values` (a compiled step's quiet step, compiled.py)."""
+        self.residual.took(keys, values)
+
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
         if self.positions.pre_rope:

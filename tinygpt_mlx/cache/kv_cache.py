@@ -24,6 +24,7 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held, held_nbytes
+from .plan import Plan
 from .positions import Positions
 from .segments import Reading, attend
 from .store import DenseStore, Evictable
@@ -73,100 +74,51 @@ class LayerCache:
         """Whether attention must run inside the cache (packed keys, retrieval)."""
         return self.config.quantised or self.cold is not None
 
-    def _cold_tokens(self, pending: int = 0) -> int:
-        """Tokens in the cold store, once `pending` tokens are appended (and the body evicted)."""
-        if self.cold is None:
-            return 0
-        return len(self.cold) + (self._pending_drop(pending) if pending else 0)
+    def _cold_tokens(self) -> int:
+        """Tokens in the cold store now."""
+        return len(self.cold) if self.cold is not None else 0
 
-    def _recent_limit(self, pending: int) -> Optional[int]:
-        """Body tokens to keep so that the next `pending` tokens each see exactly `window`
+    def _drop_to(self, pending: bool) -> int:
+        """Body tokens to evict so that the next call's tokens each see exactly `window` (with
+        `pending`: keep `window - 1`), or, between calls, so that exactly `window` are held
         (retrieval: the hot window `hot_budget` plays the window's part, also during prefill)."""
         limit = self.config.window if self.config.streaming else self.config.hot_budget
         if limit is None:
-            return None
-        return limit - 1 if pending else limit
-
-    def _pending_drop(self, pending: int) -> int:
-        limit = self._recent_limit(pending)
-        held = self._window_len()
-        if limit is None or held <= limit:
             return 0
-        return self.body.droppable(held - limit)
+        limit -= 1 if pending else 0
+        held = self._window_len()
+        return self.body.droppable(held - limit) if held > limit else 0
 
-    def evict_middle_if_needed(self, pending: int = 0) -> int:
-        """StreamingLLM eviction: drop body tokens [sink, len - window) of this layer.
+    def plan(self) -> Plan:
+        """What the next model call (of any length) does to this layer (plan.py)."""
+        rebase = self.positions.rebase_due(self.seen)
+        drop = self._drop_to(pending=True)
+        stored = self.stored_count - drop
+        if self.positions.frame:    # the re-base is done by the commit; the query gets the new base
+            offset = self.seen - self.positions.base - rebase
+        else:
+            offset = self.positions.query_offset(self.seen, stored, self._cold_after(drop))
+        return Plan(rebase, drop, self.start + drop, stored, offset)
 
-        With `pending` new tokens about to be appended, keep `window - 1` old tokens, the
-        ones the first new token can still see (attention inside a chunk is windowed by the
-        mask); after a step (`pending == 0`) keep `window`. Retrieval hands what it drops to
-        the cold store. Returns the tokens dropped.
-        """
-        if not pending and self.sink_store is None and self.body.ring:
-            return 0        # a ring holds at most the window between steps
-        n = self._pending_drop(pending)
-        if n:
-            k, v = self.body.drop_front(n)
-            if self.cold is not None:
-                if self.positions.frame:    # a frame hot window: the cold store keeps keys before RoPE
-                    k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
-                self.cold.append(k, v, self.start)
-            self.start += n
-        return n
+    def _cold_after(self, drop: int) -> int:
+        """Tokens in the cold store once `drop` more are evicted to it."""
+        return self._cold_tokens() + drop if self.cold is not None else 0
 
-    def extend_cold(self, keys: mx.array, values: mx.array) -> None:
-        """Take `keys`/`values` [B, H, n, D] (before RoPE) as already seen and evicted: they join
-        the cold store at positions after its last one, and the hot window moves n positions on
-        (a benchmark's way to reach long contexts fast). On frame positions the base moves on
-        with it, so the window's keys keep their frame positions and are never turned."""
-        n = keys.shape[2]
-        positions = self.cold.positions.view()
-        self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
-        if self.positions.frame:
-            self.positions.base += n
-        self.start += n
-        self.seen += n
-
-    # ----- mlx-lm protocol ------------------------------------------------------------------
-    @property
-    def offset(self) -> int:
-        if self.positions.frame:    # a re-base due is done by the next update (`rebase_due`)
-            return self.seen - self.positions.base - self.positions.rebase_due(self.seen)
-        return self.positions.query_offset(self.seen, self.stored_count - self._pending_drop(1),
-                                           self._cold_tokens(1))
-
-    @property
-    def current_length(self) -> int:
-        return self.seen
-
-    @property
-    def stored_count(self) -> int:
-        return len(self.body) + (len(self.sink_store) if self.sink_store is not None else 0)
-
-    #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
-    reads_own_segments = True
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """Store the new tokens [B, H, L, D] and return them as given, whatever the policy:
-        attention reads the stored tokens itself (`attend`), and `fetch()` assembles them
-        dense for the reference path."""
-        L = keys.shape[2]
-        body = self.body
-        if (L == 1 and self.sink_store is None and body.ring and body.n_sink == self.config.sink
-                and not self.positions.rebase_due(self.seen)):
-            # the hot path: a decode step on a ring evicts its oldest window token if it must
-            # and writes the new one in its place
-            if body.n >= self.config.window:
-                body.drop_front(1)
-                self.start += 1
-            body.write_one(keys, values)
+    def commit(self, plan: Plan, keys: Optional[mx.array], values: Optional[mx.array],
+               written: Optional[tuple] = None) -> None:
+        """Apply `plan` with the new tokens [B, H, L, D]: re-base, evict, append. `written`
+        instead of keys and values: a compiled decode step's one token (compiled.py), already
+        written by the trace into the body's buffers, which go to the body's `took` (with what
+        else it needs to know of them) in place of the append."""
+        if plan.rebase:
+            self.body.rebase(plan.rebase)
+            self.positions.base += plan.rebase
+        self._evict(plan.drop)
+        if written is not None:     # one token, and a layer that has seen tokens (a dtype)
+            self.body.took(*written)
             self.seen += 1
-            return keys, values
-        by = self.positions.rebase_due(self.seen)
-        if by:      # `offset` gave these keys the new base already
-            self.body.rebase(by)
-            self.positions.base += by
-        self.evict_middle_if_needed(pending=L)
+            return
+        L = keys.shape[2]
         if self.dtype is None:
             self.dtype = keys.dtype
         n_sink = max(0, min(L, self.config.held_sink - self.n_sink))
@@ -185,14 +137,76 @@ class LayerCache:
                 self.sink_store.append(sink, values[..., :n_sink, :])
             self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
         self.seen += L
+
+    def _evict(self, n: int) -> None:
+        """Drop the body's oldest `n` tokens (`droppable` ones); retrieval hands them to the
+        cold store."""
+        if not n:
+            return
+        k, v = self.body.drop_front(n)
+        if self.cold is not None:
+            if self.positions.frame:    # a frame hot window: the cold store keeps keys before RoPE
+                k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
+            self.cold.append(k, v, self.start)
+        self.start += n
+
+    def evict_middle_if_needed(self) -> int:
+        """StreamingLLM eviction between model calls: drop body tokens [sink, len - window) of
+        this layer, so that it holds exactly its window (a call of L > 1 tokens leaves
+        `window - 1 + L`, which the next call's commit evicts anyway: plan.py). Retrieval hands
+        what it drops to the cold store. Returns the tokens dropped."""
+        n = self._drop_to(pending=False)
+        self._evict(n)
+        return n
+
+    def extend_cold(self, keys: mx.array, values: mx.array) -> None:
+        """Take `keys`/`values` [B, H, n, D] (before RoPE) as already seen and evicted: they join
+        the cold store at positions after its last one, and the hot window moves n positions on
+        (a benchmark's way to reach long contexts fast). On frame positions the base moves on
+        with it, so the window's keys keep their frame positions and are never turned."""
+        n = keys.shape[2]
+        positions = self.cold.positions.view()
+        self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
+        if self.positions.frame:
+            self.positions.base += n
+        self.start += n
+        self.seen += n
+
+    # ----- mlx-lm protocol ------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.plan().offset
+
+    @property
+    def current_length(self) -> int:
+        return self.seen
+
+    @property
+    def stored_count(self) -> int:
+        return len(self.body) + (len(self.sink_store) if self.sink_store is not None else 0)
+
+    #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
+    reads_own_segments = True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the new tokens [B, H, L, D] (`commit` of this call's `plan`) and return them as
+        given, whatever the policy: attention reads the stored tokens itself (`attend`), and
+        `fetch()` assembles them dense for the reference path."""
+        self.commit(self.plan(), keys, values)
         return keys, values
 
     def _body_slot(self) -> int:
         return self.positions.body_slot(self.n_sink, self._cold_tokens())
 
-    def _readings(self) -> tuple[Reading, Reading]:
+    def readings(self) -> tuple[Reading, Reading]:
+        """How the sink and the body are read now (compute dtype, positions, first slot)."""
         slot0 = self._slot0()
         return (Reading(self.dtype, self.positions, slot0), Reading(self.dtype, self.positions, slot0 + self._body_slot()))
+
+    def sink_slot_during(self, plan: Plan, L: int = 1) -> int:
+        """Frame mode: where sink slot 0 sits in the query's frame while a call of `L` tokens
+        planned as `plan` attends (after its commit)."""
+        return self.positions.frame_slot0(self.seen + L, plan.stored + L, self._cold_after(plan.drop)) - plan.rebase
 
     def _slot0(self) -> int:
         """Where slot 0 sits in the query's RoPE frame: 0, or in frame mode its frame position."""
@@ -212,7 +226,7 @@ class LayerCache:
                 return z, z
             return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
         parts = []
-        sink, body = self._readings()
+        sink, body = self.readings()
         for store, reading, placed in ((self.sink_store, sink, self.positions.shifted),
                                        (self.body, body, self.positions.pre_rope)):
             if len(store):
@@ -225,19 +239,17 @@ class LayerCache:
             return parts[0]
         return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
 
-    def key_positions(self, pending: int = 0) -> mx.array:
-        """Absolute positions of the stored tokens (after the next update of `pending`)."""
-        drop = self._pending_drop(pending) if pending else 0
-        sink = mx.arange(self.n_sink)
-        body = mx.arange(self.start + drop, self.seen + pending)
-        return mx.concatenate([sink, body])
+    def key_positions(self, pending: int = 0, plan: Optional[Plan] = None) -> mx.array:
+        """Absolute positions of the stored tokens (after the next call's `pending` tokens, by
+        its `plan`)."""
+        first = (plan or self.plan()).first if pending else self.start
+        return mx.concatenate([mx.arange(self.n_sink), mx.arange(first, self.seen + pending)])
 
-    def _window_limits(self, N: int) -> bool:
+    def _window_limits(self, N: int, plan: Plan) -> bool:
         """Whether some of the next `N` queries may not see some stored key (StreamingLLM)."""
         if not self.config.streaming:
             return False
-        drop = self._pending_drop(N)
-        first_body = self.start + drop if self._window_len() > drop else max(self.seen, self.config.sink)
+        first_body = plan.first if self._window_len() > plan.drop else max(self.seen, self.config.sink)
         return (self.seen + N - 1) - first_body >= self.config.window
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -249,7 +261,8 @@ class LayerCache:
         """
         if N == 1 and window_size is None and self.sink_store is None:
             return None     # a ring: one query sees every stored token
-        if not self._window_limits(N) and window_size is None:
+        plan = self.plan()
+        if not self._window_limits(N, plan) and window_size is None:
             if N == 1:
                 return None
             if not return_array:
@@ -258,11 +271,10 @@ class LayerCache:
         if N == 1 and window_size is None:
             # a decode step's mask depends only on the sink held and the body's distances to the
             # query (a KIVI body hides its oldest < G tokens): built once per shape, reused
-            first = self.start + self._pending_drop(1)
-            step_key = (self.n_sink, self.seen - first)
+            step_key = (self.n_sink, self.seen - plan.first)
             if step_key in self._step_masks:
                 return self._step_masks[step_key]
-        kpos = self.key_positions(pending=N)[None]
+        kpos = self.key_positions(N, plan)[None]
         qpos = mx.arange(self.seen, self.seen + N)[:, None]
         mask = kpos <= qpos
         if self.config.streaming:
@@ -280,7 +292,7 @@ class LayerCache:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
         if self.sink_store is None:
             return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))
-        sink, body = self._readings()
+        sink, body = self.readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
     #: a chunk of at least this many queries over a KIVI body attends over it dequantised
@@ -319,7 +331,7 @@ class LayerCache:
             turned = self.positions.rotate_to(queries.astype(mx.float32), -(self._slot0() + slot))
             retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, 0, turned, scale))
             sink = self.sink_store.segments(Reading(self.dtype, self.positions, -slot))
-            segments = retrieved + sink + self.body.segments(self._readings()[1])
+            segments = retrieved + sink + self.body.segments(self.readings()[1])
             n_turned = len(retrieved) + len(sink)
         else:
             turned, n_turned = None, 0
@@ -475,7 +487,7 @@ class KVCache(list):
     def __init__(self, layers: list, config: CacheConfig):
         super().__init__(layers)
         self.config = config
-        self._owned = [c for c in self._distinct() if isinstance(c, LayerCache)]
+        self._owned = [c for c in self.distinct() if isinstance(c, LayerCache)]
         #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py);
         #: the one switch, its default from the environment
         self.compile_decode = compile_by_default()
@@ -510,7 +522,8 @@ class KVCache(list):
         """The distinct caches of ours (shared layers counted once)."""
         return self._owned
 
-    def _distinct(self) -> list:
+    def distinct(self) -> list:
+        """Each layer's cache once (layers may share one), ours or the model's own."""
         seen, out = set(), []
         for c in self:
             if c is not None and id(c) not in seen:
@@ -520,7 +533,7 @@ class KVCache(list):
 
     @property
     def layers_with_kv(self) -> int:
-        return len(self._distinct())
+        return len(self.distinct())
 
     # ----- counts and bytes -----------------------------------------------------------------
     @property
@@ -533,7 +546,7 @@ class KVCache(list):
 
     @property
     def nbytes(self) -> int:
-        return sum(c.nbytes for c in self._distinct())
+        return sum(c.nbytes for c in self.distinct())
 
     @property
     def disk_nbytes(self) -> int:
@@ -542,7 +555,7 @@ class KVCache(list):
 
     def nbytes_breakdown(self) -> dict[str, int]:
         total: dict[str, int] = {}
-        for c in self._distinct():
+        for c in self.distinct():
             parts = c.nbytes_breakdown() if isinstance(c, LayerCache) else {"model-owned": c.nbytes}
             for k, v in parts.items():
                 total[k] = total.get(k, 0) + v
@@ -550,19 +563,20 @@ class KVCache(list):
 
     # ----- whole-cache operations -----------------------------------------------------------
     def evict_middle_if_needed(self) -> int:
-        """Trim every layer to its policy after a step; returns tokens dropped per layer."""
+        """Trim every layer to exactly its policy between model calls (a call of several tokens
+        leaves a window's layers `window - 1 + L`, plan.py); returns tokens dropped per layer."""
         return max((c.evict_middle_if_needed() for c in self._owned), default=0)
 
     def is_trimmable(self) -> bool:
         """Whether `trim` can roll any number of tokens back (plain full caches, ours or the
         model's own): mlx-lm's protocol."""
-        return all(c.is_trimmable() for c in self._distinct())
+        return all(c.is_trimmable() for c in self.distinct())
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can forget in every layer (`LayerCache.trimmable`;
         a model-owned layer: all of them if it is trimmable, else none)."""
         return min((c.trimmable() if isinstance(c, LayerCache)
-                    else (c.offset if c.is_trimmable() else 0) for c in self._distinct()), default=0)
+                    else (c.offset if c.is_trimmable() else 0) for c in self.distinct()), default=0)
 
     def trim(self, n: int) -> int:
         """Forget the newest `n` tokens of every layer, at most `trimmable()`; returns how many
@@ -570,12 +584,12 @@ class KVCache(list):
         n = min(n, self.trimmable())
         if n <= 0:
             return 0
-        return max((c.trim(n) for c in self._distinct()), default=0)
+        return max((c.trim(n) for c in self.distinct()), default=0)
 
     def checkpoint(self) -> Optional["Checkpoint"]:
         """The whole cache's state now (`LayerCache.checkpoint`), or None where a layer is the
         model's own (its cache cannot be checkpointed here)."""
-        if len(self._owned) != len(self._distinct()):
+        if len(self._owned) != len(self.distinct()):
             return None
         return Checkpoint(self.current_length, [c.checkpoint() for c in self._owned])
 

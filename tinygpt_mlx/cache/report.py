@@ -53,10 +53,8 @@ def fill_and_measure(model: Any, config: CacheConfig, lengths: Iterable[int], vo
         while done < n - 1:
             step = min(chunk, n - 1 - done)
             mx.eval(model(tokens[:, done:done + step], cache=cache))
-            cache.evict_middle_if_needed()
             done += step
         mx.eval(model(tokens[:, done:done + 1], cache=cache))
-        cache.evict_middle_if_needed()
         done += 1
         out.append(CacheBytes(label or config.label(), n, cache.stored_count, cache.nbytes,
                               cache.nbytes_breakdown()))

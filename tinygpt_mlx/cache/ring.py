@@ -103,6 +103,16 @@ class RingStore:
         self.ptr = (self.ptr + 1) % self.window
         self.n += 1
 
+    def took(self, keys: mx.array, values: mx.array, sink_at: Optional[int]) -> None:
+        """`write_one`'s bookkeeping for buffers [B, H, S + W, D] that already hold the new token
+        at the pointer (a compiled step wrote it, compiled.py), with the sink placed for sink
+        slot 0 at `sink_at` (shifted mode; None: unplaced)."""
+        self.keys, self.values = keys, values
+        self.ptr = (self.ptr + 1) % self.window
+        self.n += 1
+        if sink_at is not None:
+            self._sink_in_buffer = sink_at
+
     def _to_ring(self, like: mx.array) -> None:
         """Lay the tokens out as a ring (sink slots, then the window from slot 0) if they are not."""
         if self.n >= self.window:
@@ -163,7 +173,7 @@ class RingStore:
         self.keys[..., S:, :] = self.positions.rebased(self.keys[..., S:, :], by).astype(self.dtype)
 
     # ----- reading --------------------------------------------------------------------------
-    def _placed_sink(self, at: int) -> Optional[mx.array]:
+    def placed_sink(self, at: int) -> Optional[mx.array]:
         """Shifted mode: the sink's keys rotated to their slots in the query's frame (sink slot 0
         at frame position `at`), from a block computed for SINK_STEPS consecutive slots."""
         if not self.positions.frame or not self.n_sink:
@@ -224,14 +234,14 @@ class RingStore:
         in position order (`ordered`: what a mask's columns index)."""
         if self.ring and not ordered and (self.n == self.window or self.ptr == self.n):
             if self.positions.frame and self.n_sink and self._sink_in_buffer != first_slot:
-                self.keys[..., :self.n_sink, :] = self._placed_sink(first_slot)
+                self.keys[..., :self.n_sink, :] = self.placed_sink(first_slot)
                 self._sink_in_buffer = first_slot
             k, v = self.keys, self.values
             if self.n < self.window:      # not wrapped yet: the window is slots [0, n)
                 k, v = k[..., :len(self), :], v[..., :len(self), :]
         else:                             # position order (or a ring evicted between steps)
             k, v = self._ordered()
-            placed = self._placed_sink(first_slot)
+            placed = self.placed_sink(first_slot)
             if placed is not None:
                 k = mx.concatenate([placed, k[..., self.n_sink:, :]], axis=2)
         if dtype is not None and dtype != self.dtype:

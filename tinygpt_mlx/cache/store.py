@@ -101,6 +101,13 @@ class DenseStore:
         self.n += L
         self.version += 1
 
+    def took(self, keys: mx.array, values: mx.array) -> None:
+        """`append`'s bookkeeping for one token already written at `head + n` of buffers `keys`,
+        `values` (a compiled step wrote it, compiled.py), which replace this store's."""
+        self.keys, self.values = keys, values
+        self.n += 1
+        self.version += 1
+
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Remove the oldest `n` tokens; returns them (the cold store may keep them)."""
         n = min(n, self.n)
