@@ -20,7 +20,7 @@
    slows with tokens seen;
 5. retrieval's decode step (sink 4 + hot window 252, the default search) after a
    `--retrieval-context`-token prefill, interleaved: the shifted hot window on frame positions
-   (kept as the model rotated it), the pre-RoPE window it replaced (`make_cache(..., ring=False)`:
+   (kept as the model rotated it), the pre-RoPE window it replaced (tests/prerope.py, `ring=False`:
    placed after the retrieval slots on every read) and absolute positions (nothing rotated), and
    the same with a KIVI int4 hot window (shifted on frame positions, and absolute).
 
@@ -41,6 +41,7 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # prerope: the reference paths
 
 from _timing import ms_per_call  # noqa: E402 (this folder)
 from tinygpt_mlx import quant  # noqa: E402
@@ -117,7 +118,7 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
 
 
 def kernels(model_path: str) -> dict[str, float]:
-    from tinygpt_mlx.cache import make_cache
+    from prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.evaluate.bench import step_ops
     from tinygpt_mlx.loading import load
@@ -159,7 +160,7 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
 
 
 def retrieval_window(model_path: str, steps: int, context: int) -> dict[str, float]:
-    from tinygpt_mlx.cache import make_cache
+    from prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.generate import prefill
     from tinygpt_mlx.loading import load

@@ -10,7 +10,8 @@ import pytest
 import contextlib
 
 from tinygpt_mlx import attention
-from tinygpt_mlx.cache import KVCache, LayerCache, layer_cache, make_cache
+from prerope import make_cache
+from tinygpt_mlx.cache import KVCache, LayerCache, layer_cache
 from tinygpt_mlx.cache.kivi import KiviStore
 from tinygpt_mlx.cache.positions import Positions
 from tinygpt_mlx.config import CacheConfig

@@ -9,7 +9,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tinygpt_mlx.cli.main import app
-from tinygpt_mlx.cache import KVCache, make_cache
+from prerope import make_cache
+from tinygpt_mlx.cache import KVCache
 from tinygpt_mlx.cache.arrays import GrowingArray
 from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.config import CacheConfig

@@ -7,7 +7,7 @@ import dataclasses
 import mlx.core as mx
 import pytest
 
-from tinygpt_mlx.cache import make_cache
+from prerope import make_cache
 from tinygpt_mlx.cache.ring import RingStore
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.bench import step_ops

@@ -27,29 +27,27 @@ def find_rope(layer: Any) -> Optional[Callable]:
     return None
 
 
-def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0,
-                ring: bool = True) -> LayerCache:
+def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
     """One layer's cache under `config`: its position rules and its stores. An exact
-    StreamingLLM cache is a ring (ring.py); a KIVI one and a shifted retrieval hot window keep
-    frame positions (kivi.py, kv_cache.py); `ring=False` builds the simple paths they replaced
-    (sink and window as two position-ordered stores, shifted keys re-rotated on every read;
-    KIVI's keys before RoPE, frozen at virtual slots, the query turned; the hot window before
-    RoPE, placed after the retrieval slots on every read), which tests compare them against."""
+    StreamingLLM cache is a ring (ring.py); KIVI under StreamingLLM (without an exact top-k
+    shadow) and the exact hot window of retrieval keep the frame positions the ring uses, so no
+    key of the window is placed or turned per step (kivi.py; a retrieval window un-rotates only
+    what it hands the cold store, kv_cache.py). KIVI with an exact top-k shadow keeps its keys
+    before RoPE (positions.py), and `CacheConfig` refuses it with shifted retrieval. The
+    pre-RoPE paths that frame positions replaced are built by the tests, which hold these to
+    them (tests/prerope.py)."""
     storage = DTYPES[config.storage]
-    if ring and config.streaming and not config.quantised and not config.retrieval:
+    if config.streaming and not config.quantised and not config.retrieval:
         positions = Positions(config, rope, frame=True)
         return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
-    # KIVI under StreamingLLM (no exact top-k shadow) and the exact hot window of retrieval keep
-    # the frame positions the ring uses, so no key of the window is placed or turned per step
-    # (kivi.py; a retrieval window un-rotates only what it hands the cold store, kv_cache.py);
-    # `ring=False` builds the pre-RoPE paths that frame positions replaced (not for KIVI with
-    # shifted retrieval, which frame positions made possible; `CacheConfig` refuses it with an
-    # exact top-k shadow, whose keys stay before RoPE).
-    frame = ring and not config.exact_topk and ((config.streaming and config.quantised) or config.retrieval)
-    positions = Positions(config, rope, frame=frame)
-    if config.quantised and config.retrieval and positions.shifted and not positions.frame:
-        raise ValueError("KIVI with shifted retrieval runs on frame positions only (no pre-RoPE path, ring=False: "
-                         "the retrieval slots would move the frozen body's slots)")
+    frame = not config.exact_topk and ((config.streaming and config.quantised) or config.retrieval)
+    return segmented_layer(config, Positions(config, rope, frame=frame), layer_index)
+
+
+def segmented_layer(config: CacheConfig, positions: Positions, layer_index: int = 0) -> LayerCache:
+    """A layer cache of separate stores, the sink, the body (exact or KIVI) and for retrieval
+    the cold store, under the position rules `positions`."""
+    storage = DTYPES[config.storage]
     sink = DenseStore(storage, label="sink")
     body = (KiviStore(config, storage, positions, KVCache, config.exact_prefix) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
@@ -57,7 +55,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
     return LayerCache(config, positions, sink, body, cold)
 
 
-def make_cache(model: Any, config: Optional[CacheConfig] = None, ring: bool = True) -> KVCache:
+def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable = layer_cache) -> KVCache:
     """Per-layer caches for `model` under `config`, usable as `cache=` / `prompt_cache=`.
 
     Starts from the caches the model itself makes (mlx-lm's `make_prompt_cache`; the native
@@ -69,7 +67,8 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None, ring: bool = Tr
     through `tinygpt_mlx.attention` (the native model always is; `loading.load` routes an
     mlx-lm model, `attention.install(model)` does it by hand): a model that is not is refused
     here, whatever the policy, rather than silently attending to the new tokens only.
-    `ring`: see `layer_cache`.
+    `layer(config, rope, layer_index)` builds each layer's cache (`layer_cache`; the tests
+    build reference paths with their own).
     """
     config = config or CacheConfig()
     own = make_prompt_cache(model)
@@ -79,12 +78,13 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None, ring: bool = Tr
                          "(or call tinygpt_mlx.attention.install(model))")
     out: list = []
     made: dict[int, LayerCache] = {}
-    for i, (layer, c) in enumerate(zip(model.layers, own)):
+    build = layer
+    for i, (model_layer, c) in enumerate(zip(model.layers, own)):
         if type(c) is not MlxLayerCache:
             out.append(c)
         elif id(c) in made:
             out.append(made[id(c)])
         else:
-            made[id(c)] = layer_cache(config, find_rope(layer), i, ring)
+            made[id(c)] = build(config, find_rope(model_layer), i)
             out.append(made[id(c)])
     return KVCache(out, config)

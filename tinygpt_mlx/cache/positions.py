@@ -6,7 +6,7 @@ Two modes (`CacheConfig.rope_mode`, only meaningful under StreamingLLM or retrie
   query sits at its own position (tokens seen). Beyond the trained context this is out of range.
 * shifted (StreamingLLM's paper): positions are cache slots. Keys are stored before RoPE and
   rotated to their slot when read, the query at the slot after the stored tokens (`pre_rope`:
-  the reference paths, `make_cache(..., ring=False)`, and KIVI with an exact top-k shadow); on
+  the reference paths the tests build, tests/prerope.py, and KIVI with an exact top-k shadow); on
   frame positions (`frame` below: a ring, KIVI under StreamingLLM, a retrieval hot window) only
   the sink and retrieved keys are kept before RoPE and placed, the window keeps its rotation
   and the query sits at its position minus a base, at the same distances. Slots:
