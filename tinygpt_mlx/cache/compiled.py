@@ -47,9 +47,8 @@ import mlx.core as mx
 
 from .. import attention
 from ..model import Model
-from .kivi import KiviStore, PackedSegment
-from .kv_cache import KVCache, LayerCache
-from .ring import RingStore
+from .kivi import PackedSegment
+from .kv_cache import KVCache, LayerCache, RingLayer
 from .segments import DenseSegment, attend
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
@@ -155,10 +154,10 @@ def _traceable(model: Any, steps: dict) -> bool:
 def _ready(layer: Any, plan: Any) -> bool:
     """Whether this layer's next decode step, planned as `plan`, is the ring's steady hot path:
     a full ring (the step evicts its oldest window token and writes over it), no re-base."""
-    if not isinstance(layer, LayerCache) or layer.sink_store is not None or layer.dtype is None:
+    if not isinstance(layer, RingLayer) or layer.dtype is None:
         return False
     body = layer.body
-    return (isinstance(body, RingStore) and body.ring and body.n == layer.config.window
+    return (body.ring and body.n == layer.config.window
             and body.n_sink == layer.config.sink and plan.rebase == 0)
 
 
@@ -167,11 +166,10 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
     StreamingLLM on frame positions: the window full (blocks evicted before), the sink full,
     and neither a block to evict before the token (`plan.drop`) nor one to freeze after it, nor
     a residual buffer to grow, nor a re-base."""
-    if not isinstance(layer, LayerCache) or layer.sink_store is None or layer.dtype is None:
+    if not isinstance(layer, LayerCache) or isinstance(layer, RingLayer) or layer.dtype is None:
         return False
     body, cfg = layer.body, layer.config
-    if not (isinstance(body, KiviStore) and layer.positions.frame and cfg.streaming and body.shadow is None
-            and layer.cold is None):
+    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk and layer.cold is None):
         return False
     res = body.residual
     # only once the window is full and blocks are evicted: then the step's shapes come back every

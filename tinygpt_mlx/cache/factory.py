@@ -12,7 +12,7 @@ from .. import attention
 from ..config import CacheConfig
 from .cold import ColdStore
 from .kivi import KiviStore
-from .kv_cache import KVCache, LayerCache
+from .kv_cache import KVCache, LayerCache, RingLayer
 from .positions import Positions
 from .ring import RingStore
 from .store import DTYPES, DenseStore
@@ -39,7 +39,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
     storage = DTYPES[config.storage]
     if config.streaming and not config.quantised and not config.retrieval:
         positions = Positions(config, rope, frame=True)
-        return LayerCache(config, positions, None, RingStore(storage, config.sink, config.window, positions))
+        return RingLayer(config, positions, RingStore(storage, config.sink, config.window, positions))
     frame = not config.exact_topk and ((config.streaming and config.quantised) or config.retrieval)
     return segmented_layer(config, Positions(config, rope, frame=frame), layer_index)
 

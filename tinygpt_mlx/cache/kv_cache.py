@@ -50,7 +50,7 @@ class LayerCache:
                  cold: Optional[Any] = None):
         self.config = config
         self.positions = positions
-        self.sink_store = sink   # None: the body holds the sink too (a StreamingLLM ring, ring.py)
+        self.sink_store = sink   # None in a `RingLayer`: the ring holds the sink too (ring.py)
         self.body = body
         self.cold = cold
         self.telemetry = RetrievalTelemetry() if cold is not None else None
@@ -63,11 +63,11 @@ class LayerCache:
     @property
     def n_sink(self) -> int:
         """Sink tokens held."""
-        return len(self.sink_store) if self.sink_store is not None else self.body.n_sink
+        return len(self.sink_store)
 
     def _window_len(self) -> int:
         """Tokens held after the sink (the window, or KIVI's body, or the hot window)."""
-        return len(self.body) if self.sink_store is not None else self.body.n
+        return len(self.body)
 
     @property
     def needs_query(self) -> bool:
@@ -124,19 +124,20 @@ class LayerCache:
         n_sink = max(0, min(L, self.config.held_sink - self.n_sink))
         if n_sink and self._window_len() == 0:
             self.start = self.seen + n_sink
-        if self.sink_store is None:     # a ring: it places the sink itself (the keys' frame position)
-            self.body.append(keys, values, self.seen - self.positions.base)
-        else:
-            stored = keys
-            if self.positions.pre_rope:
-                stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
-            if n_sink:
-                sink = stored[..., :n_sink, :]
-                if self.positions.frame:    # only the sink is kept before RoPE (placed when read)
-                    sink = self.positions.unrotate(sink, self.seen - self.positions.base)
-                self.sink_store.append(sink, values[..., :n_sink, :])
-            self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
+        self._append(keys, values, n_sink)
         self.seen += L
+
+    def _append(self, keys: mx.array, values: mx.array, n_sink: int) -> None:
+        """The new tokens into the stores, the first `n_sink` of them into the sink."""
+        stored = keys
+        if self.positions.pre_rope:
+            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
+        if n_sink:
+            sink = stored[..., :n_sink, :]
+            if self.positions.frame:    # only the sink is kept before RoPE (placed when read)
+                sink = self.positions.unrotate(sink, self.seen - self.positions.base)
+            self.sink_store.append(sink, values[..., :n_sink, :])
+        self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
 
     def _evict(self, n: int) -> None:
         """Drop the body's oldest `n` tokens (`droppable` ones); retrieval hands them to the
@@ -183,7 +184,7 @@ class LayerCache:
 
     @property
     def stored_count(self) -> int:
-        return len(self.body) + (len(self.sink_store) if self.sink_store is not None else 0)
+        return len(self.body) + len(self.sink_store)
 
     #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
     reads_own_segments = True
@@ -220,11 +221,6 @@ class LayerCache:
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
         the reference path (packed blocks dequantised; attention tests compare against it)."""
-        if self.sink_store is None:
-            if not len(self.body):
-                z = mx.zeros((0,), self.dtype or mx.float32)
-                return z, z
-            return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
         parts = []
         sink, body = self.readings()
         for store, reading, placed in ((self.sink_store, sink, self.positions.shifted),
@@ -259,8 +255,6 @@ class LayerCache:
         [N, stored] array over absolute positions: causal, and for StreamingLLM limited to the
         sink plus the last `window` positions of each query.
         """
-        if N == 1 and window_size is None and self.sink_store is None:
-            return None     # a ring: one query sees every stored token
         plan = self.plan()
         if not self._window_limits(N, plan) and window_size is None:
             if N == 1:
@@ -290,8 +284,6 @@ class LayerCache:
 
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
-        if self.sink_store is None:
-            return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))
         sink, body = self.readings()
         return self.sink_store.segments(sink) + self.body.segments(body)
 
@@ -305,16 +297,13 @@ class LayerCache:
         where many queries share the keys; decode steps score the packed codes directly. Not
         with exact top-k (it refines the packed scores) nor retrieval (no dense reference)."""
         return (L >= self.DENSE_PREFILL and self.cold is None and self.config.quantised
-                and getattr(self.body, "shadow", None) is None)
+                and not self.config.exact_topk)
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores (and a
         KIVI prefill chunk, `_dense_prefill`): the fused dense kernel over `fetch()`. Packed or
         retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
         every segment's scores (segments.attend)."""
-        if self.sink_store is None:     # a ring: the buffer as it lies for one unmasked query
-            keys, values = self.body.attention_kv(self._sink_slot0(), mask is not None, self.dtype)
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not self.needs_query or self._dense_prefill(queries.shape[2]):
             keys, values = self.fetch()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
@@ -421,7 +410,7 @@ class LayerCache:
         return sum(self.nbytes_breakdown().values())
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        out = dict(self.sink_store.nbytes_breakdown()) if self.sink_store is not None else {}
+        out = dict(self.sink_store.nbytes_breakdown())
         out.update(self.body.nbytes_breakdown())
         if self.cold is not None:
             out.update(self.cold.nbytes_breakdown())
@@ -429,14 +418,13 @@ class LayerCache:
 
     def close(self) -> None:
         """Release every store (a disk store's files are removed)."""
-        for store in (self.sink_store, self.body, self.cold):
-            if store is not None:
-                store.close()
+        for store in self._stores().values():
+            store.close()
 
     # ----- prompt-cache files (cache/persist.py) --------------------------------------------
     def _stores(self) -> dict:
-        stores = {"sink": self.sink_store, "body": self.body, "cold": self.cold}
-        return {k: v for k, v in stores.items() if v is not None}
+        """The stores by name (as prompt-cache files and checkpoints call them)."""
+        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
 
     def saved_state(self) -> tuple[dict, dict]:
         """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
@@ -463,6 +451,53 @@ class LayerCache:
             store.load_state(arrays.scope(f"{name}."), meta[name])
         if self.telemetry is not None:
             self.telemetry.reset()
+
+
+class RingLayer(LayerCache):
+    """An exact StreamingLLM layer: the sink and the window in one ring (ring.py), on frame
+    positions; the body holds the sink too, placing it itself, and no cold store."""
+
+    def __init__(self, config: CacheConfig, positions: Positions, ring: Any):
+        super().__init__(config, positions, None, ring)
+
+    @property
+    def n_sink(self) -> int:
+        return self.body.n_sink
+
+    def _window_len(self) -> int:
+        return self.body.n
+
+    @property
+    def stored_count(self) -> int:
+        return len(self.body)
+
+    def _append(self, keys: mx.array, values: mx.array, n_sink: int) -> None:
+        self.body.append(keys, values, self.seen - self.positions.base)   # the keys' frame position
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        if not len(self.body):
+            z = mx.zeros((0,), self.dtype or mx.float32)
+            return z, z
+        return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if N == 1 and window_size is None:
+            return None     # one query sees every stored token
+        return super().make_mask(N, return_array, window_size)
+
+    def segments(self) -> list:
+        return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """The buffer as it lies for one unmasked query (ring.py), else in position order."""
+        keys, values = self.body.attention_kv(self._sink_slot0(), mask is not None, self.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        return dict(self.body.nbytes_breakdown())
+
+    def _stores(self) -> dict:
+        return {"body": self.body}
 
 
 class Checkpoint:

@@ -1,0 +1,106 @@
+"""Structure metrics of the package, as issue #30 states its targets (docs/architecture.md).
+
+    python scripts/structure.py [--json FILE] [--package tinygpt_mlx]
+
+For cache/: each class's length in lines (target <= 200), reads of another object's private
+attribute (`x._name` where x is not `self`/`cls`), and probes of which store a layer holds
+(`isinstance(..., <Store class>)`, `getattr(<store>, ...)`, `sink_store is None`); for the whole
+package: modules over 450 lines and function-level imports of the package's own modules.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STORES = {"DenseStore", "RingStore", "KiviStore", "ColdStore", "ShadowStore"}
+
+
+def _private_reads(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+            out.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return out
+
+
+def _store_probes(tree: ast.AST) -> list[str]:
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "isinstance":
+            if any(isinstance(n, ast.Name) and n.id in STORES for n in ast.walk(node.args[1])):
+                out.append(f"{ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
+            target = ast.unparse(node.args[0])
+            if any(s in target for s in ("body", "sink_store", "cold", "store")):
+                out.append(f"{ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
+            if "sink_store" in ast.unparse(node.left):
+                out.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return out
+
+
+def _local_imports(tree: ast.AST, package: str) -> list[str]:
+    out = []
+    for fn in ast.walk(tree):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(package)):
+                out.append(f"{fn.name}: from {'.' * node.level}{node.module or ''} (line {node.lineno})")
+            elif isinstance(node, ast.Import) and any(a.name.startswith(package) for a in node.names):
+                out.append(f"{fn.name}: import {', '.join(a.name for a in node.names)} (line {node.lineno})")
+    return out
+
+
+def measure(package: str) -> dict:
+    pkg = ROOT / package
+    out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
+                 "function_level_imports": {}}
+    for path in sorted(pkg.rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        text = path.read_text()
+        tree = ast.parse(text)
+        lines = len(text.splitlines())
+        if lines > 450:
+            out["modules_over_450"][rel] = lines
+        local = _local_imports(tree, package)
+        if local:
+            out["function_level_imports"][rel] = local
+        if path.parent.name != "cache":
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 200:
+                out["classes_over_200"][f"{rel}:{node.name}"] = node.end_lineno - node.lineno + 1
+        for key, found in (("private_reads", _private_reads(tree)), ("store_probes", _store_probes(tree))):
+            if found:
+                out[key][rel] = found
+    out["counts"] = {k: sum(len(v) if isinstance(v, list) else 1 for v in d.values())
+                     for k, d in out.items() if k != "counts"}
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--package", default="tinygpt_mlx")
+    args = ap.parse_args()
+    m = measure(args.package)
+    for key, n in m["counts"].items():
+        print(f"{key}: {n}")
+        for where, what in m[key].items():
+            print(f"    {where}: {what}")
+    if args.json:
+        tmp = args.json.with_suffix(".tmp")
+        tmp.write_text(json.dumps(m, indent=1) + "\n")
+        tmp.replace(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
