@@ -37,7 +37,7 @@ def _store_probes(tree: ast.AST) -> list[str]:
                 out.append(f"{ast.unparse(node)} (line {node.lineno})")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr":
             target = ast.unparse(node.args[0])
-            if any(s in target for s in ("body", "sink_store", "cold", "store")):
+            if any(s in target for s in ("body", "sink_store", ".cold")):     # a layer's stores
                 out.append(f"{ast.unparse(node)} (line {node.lineno})")
         elif isinstance(node, ast.Compare) and any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops):
             if "sink_store" in ast.unparse(node.left):

@@ -1,0 +1,20 @@
+"""The structure the cache core's redesign reached stays reached (scripts/structure.py,
+docs/architecture.md): no private attribute of another object read in cache/, and no layer
+code probing which store it holds."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
+    out = tmp_path / "structure.json"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "structure.py"), "--json", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())
+    assert m["private_reads"] == {} and m["store_probes"] == {}
+    assert m["counts"]["private_reads"] == 0 and m["counts"]["store_probes"] == 0
