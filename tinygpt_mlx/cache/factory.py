@@ -78,13 +78,12 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable
                          "(or call tinygpt_mlx.attention.install(model))")
     out: list = []
     made: dict[int, LayerCache] = {}
-    build = layer
     for i, (model_layer, c) in enumerate(zip(model.layers, own)):
         if type(c) is not MlxLayerCache:
             out.append(c)
         elif id(c) in made:
             out.append(made[id(c)])
         else:
-            made[id(c)] = build(config, find_rope(model_layer), i)
+            made[id(c)] = layer(config, find_rope(model_layer), i)
             out.append(made[id(c)])
     return KVCache(out, config)

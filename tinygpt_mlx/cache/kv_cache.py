@@ -229,11 +229,15 @@ class LayerCache:
                 k, v = store.fetch(self.dtype)
                 parts.append((self.positions.place(k, reading.first_slot) if placed else k, v))
         if not parts:
-            z = mx.zeros((0,), self.dtype or mx.float32)
-            return z, z
+            return self._nothing()
         if len(parts) == 1:
             return parts[0]
         return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
+
+    def _nothing(self) -> tuple[mx.array, mx.array]:
+        """`fetch` of a layer that holds no token."""
+        z = mx.zeros((0,), self.dtype or mx.float32)
+        return z, z
 
     def key_positions(self, pending: int = 0, plan: Optional[Plan] = None) -> mx.array:
         """Absolute positions of the stored tokens (after the next call's `pending` tokens, by
@@ -476,8 +480,7 @@ class RingLayer(LayerCache):
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         if not len(self.body):
-            z = mx.zeros((0,), self.dtype or mx.float32)
-            return z, z
+            return self._nothing()
         return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):

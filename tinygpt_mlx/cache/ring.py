@@ -100,8 +100,7 @@ class RingStore:
         i = self.sink + self.ptr
         self.keys[..., i:i + 1, :] = keys if keys.dtype == self.dtype else keys.astype(self.dtype)
         self.values[..., i:i + 1, :] = values if values.dtype == self.dtype else values.astype(self.dtype)
-        self.ptr = (self.ptr + 1) % self.window
-        self.n += 1
+        self.took(self.keys, self.values, None)
 
     def took(self, keys: mx.array, values: mx.array, sink_at: Optional[int]) -> None:
         """`write_one`'s bookkeeping for buffers [B, H, S + W, D] that already hold the new token
