@@ -60,6 +60,8 @@ def _local_imports(tree: ast.AST, package: str) -> list[str]:
 
 def measure(package: str) -> dict:
     pkg = ROOT / package
+    if not pkg.is_dir():
+        raise SystemExit(f"structure.py: no package folder {package!r} under {ROOT}")
     out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
                  "function_level_imports": {}}
     for path in sorted(pkg.rglob("*.py")):

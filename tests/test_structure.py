@@ -18,3 +18,12 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     m = json.loads(out.read_text())
     assert m["private_reads"] == {} and m["store_probes"] == {}
     assert m["counts"]["private_reads"] == 0 and m["counts"]["store_probes"] == 0
+
+
+def test_measurement_scripts_refuse_bad_arguments():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "structure.py"), "--package", "nope"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and r.stderr.strip() == f"structure.py: no package folder 'nope' under {ROOT}"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_mutations.py"), "--fields", "width"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "invalid choice: 'width'" in r.stderr
