@@ -92,6 +92,8 @@ def test_from_flags_uses_the_precision_table():
 SPEC_LABELS = {
     'fp32': ('fp32',
         '{"storage":"fp32"}'),
+    'sink4/hot252': ('fp32 + retrieval hot 252 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":252,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'int8+sink4/window252': ('int8 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true},"streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),
     'int4+sink4/window252': ('int4 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
