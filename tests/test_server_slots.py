@@ -4,13 +4,16 @@ Through the HTTP API (ollama's /api/chat, as Open WebUI and the `ollama` client 
 policy: a long first message and its reply, then (a) the same request again (regenerate),
 (b) the reply edited in its last words plus a new question, (c) a follow-up. None of them
 prefills the first message again (`prompt_eval_count`, the tokens prefilled for the request);
-the regenerated answer is the first answer, and with exact storage each answer equals the
-answer of a fresh server fed the same conversation (greedy; KIVI: see the test). The
+the regenerated answer is the first answer; with exact storage each answer equals the answer of
+a fresh server fed the same conversation (greedy), and for every policy its token
+log-probabilities equal the fresh server's within the policy's own chunk-pattern error
+(measured in the test). The
 slot's checkpoints and their bytes are reported in /api/ps and /api/slots-style fields.
 
 Mutations checked to fail here (one at a time, then reverted): the worker never taking a
 checkpoint (every (a)/(b) re-prefills the document); a restored lease not handing its logits on
-(regenerate then prefills nothing and samples from nothing: an error).
+(regenerate then prefills nothing and samples from nothing: an error); one layer left
+unrestored (KIVI: its log-probabilities 0.37 off against a bound of 0.056).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ def _stop(srv, thread):
 
 def _chat(url, name, messages):
     r = httpx.post(url + "/api/chat", json={"model": name, "messages": messages, "stream": False,
-                                            "options": OPTIONS}, timeout=120)
+                                            "logprobs": True, "top_logprobs": 4, "options": OPTIONS},
+                   timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -87,19 +91,44 @@ def test_regenerate_edit_and_follow_up_never_prefill_the_document_again(native32
             assert ps["checkpoint_bytes"] > 0
     finally:
         _stop(srv, thread)
-    # each answer equals a fresh server's answer to the same conversation. Not for KIVI: which of
-    # its newest tokens are still exact while a prefill chunk runs depends on where the chunks
-    # fall (a fresh server prefills the conversation from 0, the restored slot from the
-    # checkpoint), so the two are equal only within KIVI's own error; test_checkpoint.py shows a
-    # restored cache bit-identical to one fed the same chunks
-    for messages, got in ((second, two), (third, three)) if not cfg.quantised else ():
-        srv, thread, url = _serve(native32, cfg)
-        try:
-            fresh = _chat(url, name, messages)
-        finally:
-            _stop(srv, thread)
+    # each answer equals a fresh server's answer to the same conversation, within the policy's own
+    # chunk-pattern error: a restored slot prefills from its checkpoint, a fresh one from 0, and
+    # a window, KIVI's residual or retrieval's page choice depend on where the chunks fall. That
+    # error is measured here as two fresh servers' difference at prefill chunks of 64 and 48;
+    # test_checkpoint.py shows a restored cache bit-identical to one fed the same chunks
+    errors, chunking = [], [1e-4]
+    for messages, got in ((second, two), (third, three)):
+        fresh, other = (_fresh(native32, cfg, messages, chunk) for chunk in (64, 48))
         assert fresh["prompt_eval_count"] == fresh["prompt_tokens"]
-        assert got["message"]["content"] == fresh["message"]["content"], policy
+        if not cfg.quantised:                              # exact storage: the same greedy answer
+            assert got["message"]["content"] == fresh["message"]["content"], policy
+        errors.append(_logprob_error(got["logprobs"], fresh["logprobs"]))
+        chunking.append(_logprob_error(other["logprobs"], fresh["logprobs"]))
+    # measured: the restored answer's largest difference is at most 1.5x the larger chunking
+    # difference (int4+sink+window: 0.035 vs 0.024; retrieval: 0.27 vs 0.37; full: 0 and 0)
+    assert max(errors) <= 3 * max(chunking), (policy, errors, chunking)
+
+
+def _fresh(loaded, cfg, messages, chunk):
+    srv, thread, url = serve_in_thread(create_app(loaded, cfg, prefill_chunk=chunk, max_slots=1))
+    try:
+        return _chat(url, loaded.name, messages)
+    finally:
+        _stop(srv, thread)
+
+
+def _logprob_error(got: list[dict], fresh: list[dict]) -> float:
+    """The largest difference between two replies' top log-probabilities, over the positions up
+    to and including the first token on which they differ (after it they condition on different
+    text)."""
+    worst = 0.0
+    for a, b in zip(got, fresh):
+        top_a = {t["token"]: t["logprob"] for t in a["top_logprobs"]}
+        top_b = {t["token"]: t["logprob"] for t in b["top_logprobs"]}
+        worst = max([worst] + [abs(top_a[t] - top_b[t]) for t in top_a.keys() & top_b.keys()])
+        if a["token"] != b["token"]:
+            break
+    return worst
 
 
 def test_no_checkpoints_means_a_full_prefill(native32):

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from . import logprobs as lp
 from . import ollama as ol
 from . import openai as oa
 from . import prompt as pr
@@ -102,20 +103,29 @@ def register(app: FastAPI, models: Models) -> None:
         srv = await models.server(body)
         return ol.show(srv.loaded, srv.cache_config.label(), pr.template_text(srv.loaded))
 
-    def _submit(srv: Server, body: dict, p: pr.Fitted, opts: dict, stream_default: bool):
+    def _submit(srv: Server, body: dict, p: pr.Fitted, opts: dict, stream_default: bool, legacy: bool = False):
         """Queue the job; (stream?, job, truncation record, response headers)."""
+        stream = _stream_flag(body, stream_default)
+        try:
+            opts["logprobs"] = lp.parse(body, legacy)
+        except lp.LogprobError as e:
+            raise ApiError(400, str(e)) from None
+        if stream and opts["logprobs"] is not None:
+            raise ApiError(400, "logprobs are given with stream: false only")
         job = srv.job(p, opts, ol.UNBOUNDED_PREDICT)
         srv.submit(job)
-        return _stream_flag(body, stream_default), job, p.truncated, truncation_headers(p.truncated)
+        return stream, job, p.truncated, truncation_headers(p.truncated)
 
     async def _ollama_run(srv: Server, request: Request, body: dict, model: str, opts: dict, p: pr.Fitted,
                           chat: bool):
         stream, job, truncated, headers = _submit(srv, body, p, opts, True)
 
         def final(r, text):
-            if chat:
-                return ol.chat_final(model, r, text, truncated)
-            return ol.generate_final(model, r, text, r.prompt_ids + r.tokens, truncated)
+            out = (ol.chat_final(model, r, text, truncated) if chat
+                   else ol.generate_final(model, r, text, r.prompt_ids + r.tokens, truncated))
+            if job.logprobs is not None:
+                out["logprobs"] = lp.ollama(r.logprobs, srv.loaded.tokenizer)
+            return out
 
         if stream:
             chunk = ol.chat_chunk if chat else ol.generate_chunk
@@ -171,7 +181,7 @@ def register(app: FastAPI, models: Models) -> None:
 
     async def _openai_run(srv: Server, request: Request, body: dict, model: str, s: dict, p: pr.Fitted,
                           chat: bool):
-        stream, job, truncated, headers = _submit(srv, body, p, s, False)
+        stream, job, truncated, headers = _submit(srv, body, p, s, False, legacy=not chat)
         cid = oa.new_id("chatcmpl" if chat else "cmpl")
         if stream:
             opts = body.get("stream_options") or {}
@@ -193,6 +203,10 @@ def register(app: FastAPI, models: Models) -> None:
             return sse(gen, headers)
         r = await _wait(job, request)
         out = oa.chat_completion(cid, model, r, r.text) if chat else oa.completion(cid, model, r, r.text)
+        if job.logprobs is not None:
+            tok = srv.loaded.tokenizer
+            out["choices"][0]["logprobs"] = (lp.openai_chat(r.logprobs, tok) if chat
+                                             else lp.openai_completion(r.logprobs, tok))
         if truncated:
             out["truncated"] = truncated
         return JSONResponse(out, headers=headers)

@@ -177,7 +177,7 @@ class Server:
         seed = None if seed is None or seed < 0 else seed % 2**64     # -1: random (llama.cpp's convention)
         return Job(p.ids, max_tokens, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"],
                    seed=seed, stop=tuple(s["stop"]), max_context=p.limit, max_prompt=p.budget, text=p.text,
-                   loop=asyncio.get_running_loop(), events=asyncio.Queue())
+                   logprobs=s.get("logprobs"), loop=asyncio.get_running_loop(), events=asyncio.Queue())
 
     def submit(self, job: Job) -> None:
         self.worker.submit(job)

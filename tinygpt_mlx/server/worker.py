@@ -21,6 +21,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..generate import GenerationStats, Reply
+from . import logprobs as lp
 from .config import ServerConfig
 from .slots import SlotPool, held_bytes
 
@@ -35,6 +36,7 @@ class Result:
     restored_tokens: int = 0         # of those, the tokens a slot checkpoint restored
     prompt_ids: list[int] = field(default_factory=list)  # the prompt as fed (see Job.text)
     tokens: list[int] = field(default_factory=list)   # generated ids (stop/eos excluded)
+    logprobs: list[lp.TokenLogprob] = field(default_factory=list)   # per token, when asked for
     text: str = ""
     done_reason: str = "length"      # "stop" or "length" ("cancel" internally)
     slot: int = -1
@@ -60,6 +62,7 @@ class Job:
     # The prompt's text, when `ids` is its plain encoding: a slot whose decoded tokens begin the
     # text is extended with its own tokens (see SlotPool.splice) instead of the re-encoding.
     text: Optional[str] = None
+    logprobs: Optional[int] = None      # report each token's log-probability and this many alternatives
     loop: Optional[asyncio.AbstractEventLoop] = None
     events: Optional[asyncio.Queue] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -245,6 +248,8 @@ class Worker:
             if step.token is None:
                 continue
             r.tokens.append(step.token)
+            if job.logprobs is not None:
+                r.logprobs.append(lp.of(step.logits, step.token, job.logprobs))
             if piece:
                 out.append(piece)
                 job.emit("text", piece)
