@@ -118,6 +118,11 @@ def parse(spec: str) -> dict:
         if part.startswith("sink"):
             out["sink"] = int(part[4:])
             continue
+        if part.startswith("tier"):     # tierN or tierN.B: the newest N frozen tokens at B bits (8); tierk: keys only
+            keys_only = part.startswith("tierk")
+            n, _, b = part[5 if keys_only else 4:].partition(".")
+            out["tier"], out["tier_bits"], out["tier_keys_only"] = int(n), int(b or 8), keys_only
+            continue
         if part.startswith("exact"):
             out["exact"] = {int(i) for i in part[5:].split(".")}
             continue
@@ -135,6 +140,19 @@ def parse(spec: str) -> dict:
 ACTIVE: dict = {}
 
 
+def _quantise_block(self, k: mx.array, v: mx.array) -> tuple:
+    for side in ("k", "v"):
+        layer = ACTIVE["layers"].get(side)
+        if self.layer_index in ACTIVE.get("exact", ()):
+            continue
+        if side in ACTIVE and (layer is None or layer == self.layer_index):
+            if side == "k":
+                k = ACTIVE["k"](k, self)
+            else:
+                v = ACTIVE["v"](v, self)
+    return k, v
+
+
 def _freeze(self, n: int) -> None:
     """KiviStore._freeze, storing fake-quantised dense blocks (and the exact shadow if asked)."""
     k, v = self.residual.drop_front(n)
@@ -145,20 +163,32 @@ def _freeze(self, n: int) -> None:
     exact_k, exact_v = k[:, :, :sink], v[:, :, :sink]
     if sink:    # left out of the block's ranges: stand in the block's mean there
         k = mx.concatenate([mx.broadcast_to(k[:, :, sink:].mean(2, keepdims=True), exact_k.shape), k[:, :, sink:]], 2)
-    for side in ("k", "v"):
-        layer = ACTIVE["layers"].get(side)
-        if self.layer_index in ACTIVE.get("exact", ()):
-            continue
-        if side in ACTIVE and (layer is None or layer == self.layer_index):
-            if side == "k":
-                k = ACTIVE["k"](k, self)
-            else:
-                v = ACTIVE["v"](v, self)
+    raw_k, raw_v = k, v
+    k, v = _quantise_block(self, k, v)
     if sink:
         k = mx.concatenate([exact_k, k[:, :, sink:]], 2)
         v = mx.concatenate([exact_v, v[:, :, sink:]], 2)
-    self.keys = kivi._concat(self.keys, (k,), (-2,))
-    self.values = kivi._concat(self.values, (v,), (-2,))
+    if ACTIVE.get("tier"):      # the newest blocks at more bits: re-quantise the block leaving the tier
+        blocks = self.__dict__.setdefault("_tier_blocks", [])
+        blocks.append((raw_k, raw_v, sink, exact_k, exact_v))
+        edge = len(blocks) - max(1, ACTIVE["tier"] // n)
+        parts = []
+        for i, (bk, bv, s_, ek, ev) in enumerate(blocks):
+            if i < edge:
+                qk, qv = _quantise_block(self, bk, bv)
+            else:
+                qk, qv = _quantise_block(self, bk, bv)
+                qk = fake_quant(bk, ACTIVE["tier_bits"], 32, -2)
+                if not ACTIVE["tier_keys_only"]:
+                    qv = fake_quant(bv, ACTIVE["tier_bits"], 32, -1)
+            if s_:
+                qk, qv = mx.concatenate([ek, qk[:, :, s_:]], 2), mx.concatenate([ev, qv[:, :, s_:]], 2)
+            parts.append((qk, qv))
+        self.keys = (mx.concatenate([p[0] for p in parts], 2),)
+        self.values = (mx.concatenate([p[1] for p in parts], 2),)
+    else:
+        self.keys = kivi._concat(self.keys, (k,), (-2,))
+        self.values = kivi._concat(self.values, (v,), (-2,))
     self.n_packed += n
     self.frozen += n
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import functools
+from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
@@ -113,9 +114,17 @@ class KiviStore:
         self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
                                                           self.value_bits is not None)
                                               if config.exact_topk else None)
+        # the newest frozen tokens at more bits (`CacheConfig.near`): blocks freeze into it and
+        # move on to the body, re-quantised, once more than `near` tokens are frozen after them
+        self.near: Optional[NearTier] = NearTier(self, config.near, config.near_bits) if config.near else None
 
     def __len__(self) -> int:
-        return self.n_packed + len(self.residual)
+        return self.held + len(self.residual)
+
+    @property
+    def held(self) -> int:
+        """Frozen tokens held: the body's and the near tier's."""
+        return self.n_packed + (self.near.n if self.near is not None else 0)
 
     # ----- storage --------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
@@ -149,15 +158,35 @@ class KiviStore:
         if self.shadow is not None:
             self.shadow.append(k, v)
         k, v = self._turn(k, v, back=False)
-        # keys per channel (groups of G tokens along K^T's last axis), values per token
-        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS) if self.key_bits
-                 else (k.astype(self.storage),))
-        vpart = (self.codec.quantise_affine(v, self.value_bits, self.group, PARAMS) if self.value_bits
-                 else (v.astype(self.storage),))
-        self.keys = _concat(self.keys, kpart, self._axes(self.key_bits, keys=True))
-        self.values = _concat(self.values, vpart, self._axes(self.value_bits, keys=False))
-        self.n_packed += n
         self.frozen += n
+        if self.near is not None:
+            self.near.add(k, v)
+            over = self.near.n - self.near.cap
+            if over <= 0:
+                return
+            k, v = self.near.take_front(over)
+        self.keys, self.values = self._pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
+        self.n_packed += k.shape[2]
+
+    def _pack(self, keys: Optional[Side], values: Optional[Side], k: mx.array, v: mx.array,
+              key_bits: Optional[int], value_bits: Optional[int]) -> tuple[Side, Side]:
+        """`keys`, `values` with the tokens k, v (in the stored basis) quantised and appended:
+        keys per channel (groups of G tokens along K^T's last axis), values per token."""
+        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), key_bits, self.group, PARAMS) if key_bits
+                 else (k.astype(self.storage),))
+        vpart = (self.codec.quantise_affine(v, value_bits, self.group, PARAMS) if value_bits
+                 else (v.astype(self.storage),))
+        return (_concat(keys, kpart, self._axes(key_bits, keys=True)),
+                _concat(values, vpart, self._axes(value_bits, keys=False)))
+
+    def _unpack(self, keys: Side, values: Side, key_bits: Optional[int], value_bits: Optional[int],
+                lo: int, hi: Optional[int]) -> tuple[mx.array, mx.array]:
+        """Tokens [lo, hi) of packed sides, dequantised, in the stored basis."""
+        ks = self._slice(keys, key_bits, True, lo, hi)
+        vs = self._slice(values, value_bits, False, lo, hi)
+        k = self.codec.dequantise_k(*ks, key_bits, self.group) if key_bits else ks[0]
+        v = self.codec.dequantise_v(*vs, value_bits, self.group) if value_bits else vs[0]
+        return k, v
 
     @staticmethod
     def _axes(bits: Optional[int], keys: bool) -> tuple[int, ...]:
@@ -168,7 +197,7 @@ class KiviStore:
 
     def droppable(self, n: int) -> int:
         """Eviction takes whole frozen blocks only: `n` rounded down to G, at most the body."""
-        return min(n // self.group, self.n_packed // self.group) * self.group
+        return min(n // self.group, self.held // self.group) * self.group
 
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Evict the oldest whole blocks (`droppable(n)` tokens); returns them dequantised
@@ -181,9 +210,13 @@ class KiviStore:
         if self.shadow is not None and not self.positions.pre_rope:   # hand on exact rows (a cold store keeps them)
             k = self.shadow.front(0, m) if self.shadow.has(0) else k
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
-        self.keys = self._slice(self.keys, self.key_bits, True, m, None)
-        self.values = self._slice(self.values, self.value_bits, False, m, None)
-        self.n_packed -= m
+        body = min(m, self.n_packed)
+        if m > body:                        # the body is gone: the rest from the near tier's front
+            self.near.take_front(m - body)
+        if body:
+            self.keys = self._slice(self.keys, self.key_bits, True, body, None)
+            self.values = self._slice(self.values, self.value_bits, False, body, None)
+            self.n_packed -= body
         self.evicted += m
         if self.shadow is not None:
             self.shadow.drop_front(m)
@@ -191,15 +224,18 @@ class KiviStore:
 
     def truncate(self, n: int) -> None:
         """Keep only the first `n` tokens; frozen blocks can only be cut at a block boundary."""
-        if n >= self.n_packed:
-            self.residual.truncate(n - self.n_packed)
+        if n >= self.held:
+            self.residual.truncate(n - self.held)
             return
         if n % self.group:
             raise ValueError(f"cannot truncate a KIVI body inside a frozen block ({n} tokens, G={self.group})")
-        self.keys = self._slice(self.keys, self.key_bits, True, 0, n)
-        self.values = self._slice(self.values, self.value_bits, False, 0, n)
-        self.frozen -= self.n_packed - n
-        self.n_packed = n
+        self.frozen -= self.held - n
+        if self.near is not None:
+            self.near.keep_front(max(0, n - self.n_packed))
+        if n < self.n_packed:
+            self.keys = self._slice(self.keys, self.key_bits, True, 0, n)
+            self.values = self._slice(self.values, self.value_bits, False, 0, n)
+            self.n_packed = n
         if self.shadow is not None:
             self.shadow.truncate(n)
         self.residual = DenseStore(self.storage, label="residual", step=self.group)
@@ -218,8 +254,8 @@ class KiviStore:
         """Every stored token, dense: frozen blocks dequantised, then the residual (reference path)."""
         dtype = dtype or self.storage
         parts = []
-        if self.n_packed:
-            parts.append(self._dense(0, self.n_packed, dtype))
+        if self.held:
+            parts.append(self._dense(0, self.held, dtype))
         if len(self.residual):
             parts.append(self.residual.fetch(dtype))
         if not parts:
@@ -230,11 +266,14 @@ class KiviStore:
                 mx.concatenate([p[1] for p in parts], axis=2))
 
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
-        """Frozen tokens [lo, hi), dequantised; keys pre-RoPE on the pre-RoPE path."""
-        ks = self._slice(self.keys, self.key_bits, True, lo, hi)
-        vs = self._slice(self.values, self.value_bits, False, lo, hi)
-        k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
-        v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
+        """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
+        on the pre-RoPE path."""
+        P = self.n_packed
+        parts = [self._unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, min(hi, P))] if lo < P else []
+        if hi > P:
+            parts.append(self.near.dense(max(lo, P) - P, hi - P))
+        k, v = parts[0] if len(parts) == 1 else (mx.concatenate([parts[0][0], parts[1][0]], axis=2),
+                                                  mx.concatenate([parts[0][1], parts[1][1]], axis=2))
         k, v = self._turn(k, v, back=True)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
@@ -251,6 +290,8 @@ class KiviStore:
         def turn(k: mx.array) -> mx.array:
             return self.positions.rebased(k, by)
         self.residual.rotate(turn)
+        if self.near is not None:
+            self.near.rebase(turn)
         if not self.n_packed:
             return
         if self.key_bits:
@@ -282,16 +323,20 @@ class KiviStore:
         segs: list = []
         if self.n_packed:
             segs.append(PackedSegment(self))
+        if self.near is not None and self.near.n:
+            segs.append(PackedSegment(self.near.view()))
         if len(self.residual):
             k, v = self.residual.fetch(reading.dtype)
             if self.positions.pre_rope:
-                k = self.positions.place(k, reading.first_slot + self.n_packed)
+                k = self.positions.place(k, reading.first_slot + self.held)
             segs.append(DenseSegment(k, v))
         return segs
 
     def close(self) -> None:
         self.keys = self.values = None
         self.n_packed = 0
+        if self.near is not None:
+            self.near.clear()
         self.residual.close()
         if self.shadow is not None:
             self.shadow.close()
@@ -308,6 +353,9 @@ class KiviStore:
                 arrays[f"{name}.{i}"] = a
         ra, meta["residual"] = self.residual.state()
         arrays.update({f"residual.{k}": v for k, v in ra.items()})
+        if self.near is not None:
+            na, meta["near"] = self.near.state()
+            arrays.update({f"near.{k}": v for k, v in na.items()})
         if self.shadow is not None:
             sa, meta["shadow"] = self.shadow.state()
             arrays.update({f"shadow.{k}": v for k, v in sa.items()})
@@ -318,6 +366,8 @@ class KiviStore:
         self.values = tuple(arrays[f"v.{i}"].mx() for i in range(meta["v_parts"])) or None
         self.n_packed, self.frozen, self.evicted = int(meta["n_packed"]), int(meta["frozen"]), int(meta["evicted"])
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
+        if self.near is not None:
+            self.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0}))
         if self.shadow is not None:
             self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
 
@@ -326,7 +376,11 @@ class KiviStore:
         """A full (never evicted, never re-based) body's extent: its frozen blocks only grow, so
         they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
         arrays, meta = self.residual.state()
-        return {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
+        mark = {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
+        if self.near is not None:       # bounded (at most `near` tokens): held
+            arrays, meta = self.near.state()
+            mark["near"] = (Held.of(arrays), meta)
+        return mark
 
     def rewind(self, mark: dict) -> None:
         """Back to `mark`: blocks frozen since are cut off (at their block boundary), the
@@ -336,6 +390,9 @@ class KiviStore:
         self.truncate(mark["n_packed"])      # (`frozen` moves back with the blocks)
         arrays, meta = mark["residual"]
         self.residual.load_state(arrays, meta)
+        if self.near is not None:
+            self.near.load_state(*mark["near"])
+            self.frozen += self.near.n
 
     # ----- bytes ----------------------------------------------------------------------------
     @property
@@ -347,9 +404,91 @@ class KiviStore:
         side if any) and the residual's stored tokens."""
         packed = sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
         out = {"body_packed": packed, "residual": self.residual.nbytes}
+        if self.near is not None:
+            out["body_near"] = self.near.nbytes
         if self.shadow is not None:
             out[self.shadow.label] = self.shadow.nbytes
         return out
+
+
+class NearTier:
+    """KIVI's near tier (`CacheConfig.near`, `near_bits`): the newest `cap` frozen tokens of a
+    `KiviStore`, packed at `bits` (8) instead of the body's. Attention reads recent tokens most,
+    so their quantisation error costs most (docs/kivi.md); a block leaving the tier is
+    dequantised and packed again at the body's bits (from 8-bit codes: the second rounding adds
+    ~1/16 of a 4-bit step). Tokens are held in the store's basis (rotated where it rotates); an
+    exact side of the store stays exact here."""
+
+    def __init__(self, store: KiviStore, cap: int, bits: int):
+        self.store, self.cap = store, cap
+        self.key_bits = bits if store.key_bits else None
+        self.value_bits = bits if store.value_bits else None
+        self.keys: Optional[Side] = None
+        self.values: Optional[Side] = None
+        self.n = 0
+
+    def add(self, k: mx.array, v: mx.array) -> None:
+        self.keys, self.values = self.store._pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
+        self.n += k.shape[2]
+
+    def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        return self.store._unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, hi)
+
+    def take_front(self, m: int) -> tuple[mx.array, mx.array]:
+        """Remove the oldest `m` tokens (whole blocks); returns them dequantised (stored basis)."""
+        k, v = self.dense(0, m)
+        self._cut(m, None)
+        return k, v
+
+    def keep_front(self, m: int) -> None:
+        if m:
+            self._cut(0, m)
+        else:
+            self.clear()
+
+    def _cut(self, lo: int, hi: Optional[int]) -> None:
+        s = self.store
+        self.keys = s._slice(self.keys, self.key_bits, True, lo, hi)
+        self.values = s._slice(self.values, self.value_bits, False, lo, hi)
+        self.n = (self.n if hi is None else hi) - lo
+        if not self.n:
+            self.clear()
+
+    def clear(self) -> None:
+        self.keys = self.values = None
+        self.n = 0
+
+    def rebase(self, turn: Any) -> None:
+        """Frame mode: keys turned back by the base's growth (dequantised, turned, re-packed)."""
+        if not self.n:
+            return
+        s = self.store
+        k, v = self.dense(0, self.n)
+        k = s._basis(turn(s._basis(k, self.key_bits, back=True)), self.key_bits, back=False)
+        self.clear()
+        self.add(k, v)
+
+    def view(self) -> Any:
+        """What `PackedSegment` reads of a store, for this tier (no shadow: `near` refuses one)."""
+        s = self.store
+        return SimpleNamespace(keys=self.keys, values=self.values, key_bits=self.key_bits,
+                               value_bits=self.value_bits, rotate=s.rotate, group=s.group,
+                               positions=s.positions, evicted=s.evicted, shadow=None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
+
+    def state(self) -> tuple[dict, dict]:
+        arrays = {f"{name}.{i}": a for name, side in (("k", self.keys), ("v", self.values)) for i, a in enumerate(side or ())}
+        return arrays, {"n": self.n, "k_parts": len(self.keys or ()), "v_parts": len(self.values or ())}
+
+    def load_state(self, arrays: Any, meta: dict) -> None:
+        self.clear()
+        if meta["n"]:
+            self.keys = tuple(arrays[f"k.{i}"].mx() for i in range(meta["k_parts"]))
+            self.values = tuple(arrays[f"v.{i}"].mx() for i in range(meta["v_parts"]))
+            self.n = int(meta["n"])
 
 
 class PackedSegment:

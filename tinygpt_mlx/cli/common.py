@@ -61,6 +61,14 @@ KvRotate = Annotated[Optional[bool], typer.Option(
     "--kv-rotate/--no-kv-rotate", help="KIVI: quantise keys and values in a randomized Hadamard basis of the "
     "head dimension (queries are turned alike and the output turned back: no extra bytes, two small matmuls "
     f"per layer and step). Default {'on' if field_default(_C, 'rotate') else 'off'}.", show_default=False)]
+KvNear = Annotated[Optional[int], typer.Option(
+    "--kv-near", help="KIVI near tier: hold the newest N frozen tokens (a multiple of G) at --kv-near-bits "
+    "and pack them again at the body's bits as they age (attention reads recent tokens most). Costs "
+    "N x (near bits - body bits) more bits per channel per layer, e.g. +2.5% of an int4 cache at 8K tokens "
+    f"for N = 256 (see docs/kivi.md). Default {field_default(_C, 'near')} (off).", show_default=False)]
+KvNearBits = Annotated[Optional[int], typer.Option(
+    "--kv-near-bits", help=f"KIVI near tier's bits, 8 or 4 (above the body's). Default {field_default(_C, 'near_bits')}.",
+    show_default=False)]
 Sink = Annotated[Optional[int], typer.Option(
     "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window, or "
     "--kiv-hot-budget for retrieval).",
@@ -160,6 +168,8 @@ CACHE_OPTIONS = {
     "kv_shadow": (KvShadow, "shadow_store"),
     "kv_exact_sink": (KvExactSink, "kivi_sink"),
     "kv_rotate": (KvRotate, "rotate"),
+    "kv_near": (KvNear, "near"),
+    "kv_near_bits": (KvNearBits, "near_bits"),
     "streaming_llm_sink": (Sink, "sink"),
     "streaming_llm_window": (Window, "window"),
     "streaming_llm_rope": (RopeMode, "rope_mode"),
