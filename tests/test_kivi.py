@@ -798,3 +798,25 @@ def test_near_tier_bad_values_are_one_line(native32_path, flags, words):
     assert CacheConfig.from_spec("int4+near256b8").near == 256
     with pytest.raises(ValueError, match="near_bits"):
         CacheConfig.from_spec("int4+near256b2")
+
+
+@pytest.mark.parametrize("spec, near_bits, body_bits", [("int4+near64", 8, 4), ("int2+near64b4", 4, 2)])
+def test_near_tier_costs_its_tokens_extra_bits_and_nothing_else(native32, native32_path, spec, near_bits, body_bits):
+    """Measured bytes (`cache-report`'s fill): a near tier of N tokens adds exactly N tokens x
+    (near bits - body bits) per channel, keys and values, per layer; the scales and zeros are
+    the same count at either width. `cache-report --policies` prints the same rows."""
+    from tinygpt_mlx.cache.report import bytes_table
+    from tinygpt_mlx.evaluate.modes import parse_policies
+
+    body_spec = spec.split("+")[0]
+    rows = bytes_table(native32.model, 300, [256, 400], policies=parse_policies(f"{body_spec},{spec}"))
+    H, D = native32.model.config.n_kv_heads, native32.model.config.head_dim
+    layers = len(native32.model.layers)
+    extra = layers * 2 * 64 * H * D * (near_bits - body_bits) // 8
+    for plain, near in zip(*rows):
+        assert near.nbytes - plain.nbytes == extra, (near.nbytes, plain.nbytes, extra)
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+    r = CliRunner().invoke(app, ["cache-report", str(native32_path), "-l", "256", "--policies", f"{body_spec},{spec}"])
+    assert r.exit_code == 0 and spec in r.output and "fp32" not in r.output, r.output

@@ -6,6 +6,7 @@ mistake in packing, scales or residual bookkeeping shows up here.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
@@ -67,11 +68,13 @@ def bytes_table(model: Any, vocab_size: int, lengths: Iterable[int],
                 policies: Optional[dict[str, dict]] = None, chunk: int = 512,
                 progress: Optional[Callable[[str, int], None]] = None, **flags: Any
                 ) -> list[list[CacheBytes]]:
-    """One row per policy (flags as for `CacheConfig.from_flags`, e.g. group_size), one
-    `CacheBytes` per length."""
+    """One row per policy (flags as for `CacheConfig.from_flags`, or a `CacheConfig`; `flags`
+    such as group_size apply to each), one `CacheBytes` per length."""
     rows = []
     for label, pflags in (policies or REPORT_POLICIES).items():
-        config = CacheConfig.from_flags(**pflags, **flags)
+        given = {k: v for k, v in flags.items() if v is not None}
+        config = (dataclasses.replace(pflags, **given) if isinstance(pflags, CacheConfig)
+                  else CacheConfig.from_flags(**pflags, **flags))
         rows.append(fill_and_measure(model, config, lengths, vocab_size, chunk, label=label,
                                      progress=progress))
     return rows

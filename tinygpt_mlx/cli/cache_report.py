@@ -23,23 +23,29 @@ def cache_report(
     lengths: Annotated[Optional[list[int]], typer.Option(
         "--length", "-l", help=f"Stored length to measure (repeatable). Default {', '.join(map(str, DEFAULT_LENGTHS))}.",
         show_default=False)] = None,
+    policies: Annotated[Optional[str], typer.Option(
+        "--policies", help="Comma-separated policy specs to measure instead of the default rows, e.g. "
+        "int4,int4+near256 (see `posttrainllm compare --help` for the spec's parts).", show_default=False)] = None,
     kv_group_size: c.KvGroup = None,
     kv_residual: c.KvResidual = None,
     prefill_chunk: c.PrefillChunk = None,
 ) -> None:
-    """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches with random tokens and print their bytes."""
+    """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches (or --policies) with random tokens and print
+    their bytes."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
+    from tinygpt_mlx.evaluate.modes import parse_policies  # noqa: PLC0415
 
     lengths = lengths or list(DEFAULT_LENGTHS)
     if any(n < 1 for n in lengths):
         raise typer.BadParameter("--length must be positive")
     c.cache_config(group_size=kv_group_size, residual=kv_residual)  # flag errors before loading
     with c.guarded():
+        chosen = parse_policies(policies) if policies else None
         loaded = c.load_model(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
         err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
-                  f"({len(REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")
+                  f"({len(chosen or REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")
         longest, policies_done = max(lengths), []
 
         def measured(label: str, n: int) -> None:  # after each (policy, length)
@@ -50,8 +56,8 @@ def cache_report(
             if not bar.live:
                 err.print(f"  {label}: {n} tokens measured")
 
-        with c.Progress("cache-report: filling caches", total=len(REPORT_POLICIES) * longest, unit="tok") as bar:
-            rows = bytes_table(loaded.model, vocab, lengths, chunk=prefill_chunk or 512,
+        with c.Progress("cache-report: filling caches", total=len(chosen or REPORT_POLICIES) * longest, unit="tok") as bar:
+            rows = bytes_table(loaded.model, vocab, lengths, policies=chosen, chunk=prefill_chunk or 512,
                                group_size=kv_group_size, residual=kv_residual, progress=measured)
     table = Table(title=f"KV cache bytes, {loaded.name} (measured: cache.nbytes after filling)")
     table.add_column("policy")
