@@ -165,10 +165,10 @@ class KiviStore:
             if over <= 0:
                 return
             k, v = self.near.take_front(over)
-        self.keys, self.values = self._pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
+        self.keys, self.values = self.pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
         self.n_packed += k.shape[2]
 
-    def _pack(self, keys: Optional[Side], values: Optional[Side], k: mx.array, v: mx.array,
+    def pack(self, keys: Optional[Side], values: Optional[Side], k: mx.array, v: mx.array,
               key_bits: Optional[int], value_bits: Optional[int]) -> tuple[Side, Side]:
         """`keys`, `values` with the tokens k, v (in the stored basis) quantised and appended:
         keys per channel (groups of G tokens along K^T's last axis), values per token."""
@@ -179,11 +179,11 @@ class KiviStore:
         return (_concat(keys, kpart, self._axes(key_bits, keys=True)),
                 _concat(values, vpart, self._axes(value_bits, keys=False)))
 
-    def _unpack(self, keys: Side, values: Side, key_bits: Optional[int], value_bits: Optional[int],
+    def unpack(self, keys: Side, values: Side, key_bits: Optional[int], value_bits: Optional[int],
                 lo: int, hi: Optional[int]) -> tuple[mx.array, mx.array]:
         """Tokens [lo, hi) of packed sides, dequantised, in the stored basis."""
-        ks = self._slice(keys, key_bits, True, lo, hi)
-        vs = self._slice(values, value_bits, False, lo, hi)
+        ks = self.slice_side(keys, key_bits, True, lo, hi)
+        vs = self.slice_side(values, value_bits, False, lo, hi)
         k = self.codec.dequantise_k(*ks, key_bits, self.group) if key_bits else ks[0]
         v = self.codec.dequantise_v(*vs, value_bits, self.group) if value_bits else vs[0]
         return k, v
@@ -214,8 +214,8 @@ class KiviStore:
         if m > body:                        # the body is gone: the rest from the near tier's front
             self.near.take_front(m - body)
         if body:
-            self.keys = self._slice(self.keys, self.key_bits, True, body, None)
-            self.values = self._slice(self.values, self.value_bits, False, body, None)
+            self.keys = self.slice_side(self.keys, self.key_bits, True, body, None)
+            self.values = self.slice_side(self.values, self.value_bits, False, body, None)
             self.n_packed -= body
         self.evicted += m
         if self.shadow is not None:
@@ -233,14 +233,14 @@ class KiviStore:
         if self.near is not None:
             self.near.keep_front(max(0, n - self.n_packed))
         if n < self.n_packed:
-            self.keys = self._slice(self.keys, self.key_bits, True, 0, n)
-            self.values = self._slice(self.values, self.value_bits, False, 0, n)
+            self.keys = self.slice_side(self.keys, self.key_bits, True, 0, n)
+            self.values = self.slice_side(self.values, self.value_bits, False, 0, n)
             self.n_packed = n
         if self.shadow is not None:
             self.shadow.truncate(n)
         self.residual = DenseStore(self.storage, label="residual", step=self.group)
 
-    def _slice(self, side: Side, bits: Optional[int], keys: bool, lo: int, hi: Optional[int]) -> Side:
+    def slice_side(self, side: Side, bits: Optional[int], keys: bool, lo: int, hi: Optional[int]) -> Side:
         """Tokens [lo, hi) of a frozen side, as contiguous arrays."""
         out = []
         for a, axis in zip(side, self._axes(bits, keys)):
@@ -269,7 +269,7 @@ class KiviStore:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
         on the pre-RoPE path."""
         P = self.n_packed
-        parts = [self._unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, min(hi, P))] if lo < P else []
+        parts = [self.unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, min(hi, P))] if lo < P else []
         if hi > P:
             parts.append(self.near.dense(max(lo, P) - P, hi - P))
         k, v = parts[0] if len(parts) == 1 else (mx.concatenate([parts[0][0], parts[1][0]], axis=2),
@@ -296,16 +296,16 @@ class KiviStore:
             return
         if self.key_bits:
             k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
-            k = self._basis(turn(self._basis(k, self.key_bits, back=True)), self.key_bits, back=False)
+            k = self.basis(turn(self.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
             self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
         else:
             self.keys = (turn(self.keys[0]).astype(self.storage),)
 
     def _turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
         """Both sides into the stored basis or back from it (`_basis`)."""
-        return self._basis(k, self.key_bits, back), self._basis(v, self.value_bits, back)
+        return self.basis(k, self.key_bits, back), self.basis(v, self.value_bits, back)
 
-    def _basis(self, x: mx.array, bits: Optional[int], back: bool) -> mx.array:
+    def basis(self, x: mx.array, bits: Optional[int], back: bool) -> mx.array:
         """A quantised side into the rotated basis (x R) or back from it (x R^T); an exact side,
         or any side without rotation, as it is."""
         if not (self.rotate and bits):
@@ -428,11 +428,11 @@ class NearTier:
         self.n = 0
 
     def add(self, k: mx.array, v: mx.array) -> None:
-        self.keys, self.values = self.store._pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
+        self.keys, self.values = self.store.pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
         self.n += k.shape[2]
 
     def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
-        return self.store._unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, hi)
+        return self.store.unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, hi)
 
     def take_front(self, m: int) -> tuple[mx.array, mx.array]:
         """Remove the oldest `m` tokens (whole blocks); returns them dequantised (stored basis)."""
@@ -448,8 +448,8 @@ class NearTier:
 
     def _cut(self, lo: int, hi: Optional[int]) -> None:
         s = self.store
-        self.keys = s._slice(self.keys, self.key_bits, True, lo, hi)
-        self.values = s._slice(self.values, self.value_bits, False, lo, hi)
+        self.keys = s.slice_side(self.keys, self.key_bits, True, lo, hi)
+        self.values = s.slice_side(self.values, self.value_bits, False, lo, hi)
         self.n = (self.n if hi is None else hi) - lo
         if not self.n:
             self.clear()
@@ -464,7 +464,7 @@ class NearTier:
             return
         s = self.store
         k, v = self.dense(0, self.n)
-        k = s._basis(turn(s._basis(k, self.key_bits, back=True)), self.key_bits, back=False)
+        k = s.basis(turn(s.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
         self.clear()
         self.add(k, v)
 
