@@ -764,8 +764,7 @@ def test_near_tier_holds_the_newest_frozen_tokens_at_more_bits():
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     """Under a window the tier is evicted from (its front, once the body is gone) and re-based
     with the body: exact keys and 8-bit values in the tier, re-based every 23 tokens, give the
-    un-rebased logits, and so does the pre-RoPE path (keys turn exactly; the tier's values are packed again at the same bits:
-    measured 4.3e-6)."""
+    un-rebased logits, and so does the pre-RoPE path (keys turn exactly, values are not touched)."""
     kw = dict(key_bits=None, value_bits=4, near=32, **FRAME)
     plain, _ = _frame_run(native32.model, kw)
     rebased, cache = _frame_run(native32.model, kw, rebase_every=23)

@@ -42,8 +42,8 @@ POLICIES = {
 }
 
 
-def _serve(loaded, cfg, **kw):
-    return serve_in_thread(create_app(loaded, cfg, prefill_chunk=64, max_slots=2, **kw))
+def _serve(loaded, cfg, prefill_chunk=64, **kw):
+    return serve_in_thread(create_app(loaded, cfg, prefill_chunk=prefill_chunk, max_slots=2, **kw))
 
 
 def _stop(srv, thread):
@@ -110,7 +110,7 @@ def test_regenerate_edit_and_follow_up_never_prefill_the_document_again(native32
 
 
 def _fresh(loaded, cfg, messages, chunk):
-    srv, thread, url = serve_in_thread(create_app(loaded, cfg, prefill_chunk=chunk, max_slots=1))
+    srv, thread, url = _serve(loaded, cfg, prefill_chunk=chunk)
     try:
         return _chat(url, loaded.name, messages)
     finally:

@@ -258,12 +258,7 @@ class KiviStore:
             parts.append(self._dense(0, self.held, dtype))
         if len(self.residual):
             parts.append(self.residual.fetch(dtype))
-        if not parts:
-            return self._empty()
-        if len(parts) == 1:
-            return parts[0]
-        return (mx.concatenate([p[0] for p in parts], axis=2),
-                mx.concatenate([p[1] for p in parts], axis=2))
+        return _join(parts) if parts else self._empty()
 
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
@@ -272,9 +267,7 @@ class KiviStore:
         parts = [self.unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, min(hi, P))] if lo < P else []
         if hi > P:
             parts.append(self.near.dense(max(lo, P) - P, hi - P))
-        k, v = parts[0] if len(parts) == 1 else (mx.concatenate([parts[0][0], parts[1][0]], axis=2),
-                                                  mx.concatenate([parts[0][1], parts[1][1]], axis=2))
-        k, v = self._turn(k, v, back=True)
+        k, v = self._turn(*_join(parts), back=True)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
@@ -292,14 +285,17 @@ class KiviStore:
         self.residual.rotate(turn)
         if self.near is not None:
             self.near.rebase(turn)
-        if not self.n_packed:
-            return
-        if self.key_bits:
-            k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
-            k = self.basis(turn(self.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
-            self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
-        else:
-            self.keys = (turn(self.keys[0]).astype(self.storage),)
+        if self.n_packed:
+            self.keys = self.rebased_keys(self.keys, self.key_bits, turn)
+
+    def rebased_keys(self, keys: Side, key_bits: Optional[int], turn: Any) -> Side:
+        """A frozen key side with every key's RoPE angle turned by `turn` (in the model's basis):
+        dequantised, turned and quantised again, or an exact side turned."""
+        if not key_bits:
+            return (turn(keys[0]).astype(self.storage),)
+        k = self.codec.dequantise_k(*keys, key_bits, self.group)
+        k = self.basis(turn(self.basis(k, key_bits, back=True)), key_bits, back=False)
+        return self.codec.quantise_affine(mx.swapaxes(k, -1, -2), key_bits, self.group, PARAMS)
 
     def _turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
         """Both sides into the stored basis or back from it (`_basis`)."""
@@ -345,12 +341,8 @@ class KiviStore:
     def state(self) -> tuple[dict, dict]:
         """Frozen blocks as stored (packed codes, scales, zeros, or the exact side), the residual,
         the shadow, and the counters (n_packed, frozen, evicted: E of the module doc)."""
-        arrays: dict = {}
-        meta: dict = {"n_packed": self.n_packed, "frozen": self.frozen, "evicted": self.evicted}
-        for name, side in (("k", self.keys), ("v", self.values)):
-            meta[f"{name}_parts"] = 0 if side is None else len(side)
-            for i, a in enumerate(side or ()):
-                arrays[f"{name}.{i}"] = a
+        arrays, meta = _sides_state(self.keys, self.values)
+        meta.update(n_packed=self.n_packed, frozen=self.frozen, evicted=self.evicted)
         ra, meta["residual"] = self.residual.state()
         arrays.update({f"residual.{k}": v for k, v in ra.items()})
         if self.near is not None:
@@ -362,8 +354,7 @@ class KiviStore:
         return arrays, meta
 
     def load_state(self, arrays, meta: dict) -> None:
-        self.keys = tuple(arrays[f"k.{i}"].mx() for i in range(meta["k_parts"])) or None
-        self.values = tuple(arrays[f"v.{i}"].mx() for i in range(meta["v_parts"])) or None
+        self.keys, self.values = _sides_load(arrays, meta)
         self.n_packed, self.frozen, self.evicted = int(meta["n_packed"]), int(meta["frozen"]), int(meta["evicted"])
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
         if self.near is not None:
@@ -402,8 +393,7 @@ class KiviStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
         side if any) and the residual's stored tokens."""
-        packed = sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
-        out = {"body_packed": packed, "residual": self.residual.nbytes}
+        out = {"body_packed": _sides_bytes(self.keys, self.values), "residual": self.residual.nbytes}
         if self.near is not None:
             out["body_near"] = self.near.nbytes
         if self.shadow is not None:
@@ -459,14 +449,9 @@ class NearTier:
         self.n = 0
 
     def rebase(self, turn: Any) -> None:
-        """Frame mode: keys turned back by the base's growth (dequantised, turned, re-packed)."""
-        if not self.n:
-            return
-        s = self.store
-        k, v = self.dense(0, self.n)
-        k = s.basis(turn(s.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
-        self.clear()
-        self.add(k, v)
+        """Frame mode: keys turned back by the base's growth (`KiviStore.rebased_keys`)."""
+        if self.n:
+            self.keys = self.store.rebased_keys(self.keys, self.key_bits, turn)
 
     def view(self) -> Any:
         """What `PackedSegment` reads of a store, for this tier (no shadow: `near` refuses one)."""
@@ -477,18 +462,18 @@ class NearTier:
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
+        return _sides_bytes(self.keys, self.values)
 
     def state(self) -> tuple[dict, dict]:
-        arrays = {f"{name}.{i}": a for name, side in (("k", self.keys), ("v", self.values)) for i, a in enumerate(side or ())}
-        return arrays, {"n": self.n, "k_parts": len(self.keys or ()), "v_parts": len(self.values or ())}
+        arrays, meta = _sides_state(self.keys, self.values)
+        return arrays, dict(meta, n=self.n)
 
     def load_state(self, arrays: Any, meta: dict) -> None:
-        self.clear()
-        if meta["n"]:
-            self.keys = tuple(arrays[f"k.{i}"].mx() for i in range(meta["k_parts"]))
-            self.values = tuple(arrays[f"v.{i}"].mx() for i in range(meta["v_parts"]))
-            self.n = int(meta["n"])
+        if not meta["n"]:
+            self.clear()
+            return
+        self.keys, self.values = _sides_load(arrays, meta)
+        self.n = int(meta["n"])
 
 
 class PackedSegment:
@@ -546,6 +531,31 @@ class PackedSegment:
             out = rows @ s.values[0].astype(mx.float32)
         out = out.reshape(B, H, rep, L, -1)
         return out if exact is None else out + exact
+
+
+def _join(parts: list) -> tuple[mx.array, mx.array]:
+    """(keys, values) pairs, oldest first, as one pair along the token axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))
+
+
+def _sides_state(keys: Optional[Side], values: Optional[Side]) -> tuple[dict, dict]:
+    """Packed sides as a prompt-cache file holds them: arrays `k.i`, `v.i` and their counts."""
+    arrays, meta = {}, {}
+    for name, side in (("k", keys), ("v", values)):
+        meta[f"{name}_parts"] = len(side or ())
+        arrays.update({f"{name}.{i}": a for i, a in enumerate(side or ())})
+    return arrays, meta
+
+
+def _sides_load(arrays: Any, meta: dict) -> tuple[Optional[Side], Optional[Side]]:
+    return tuple(tuple(arrays[f"{name}.{i}"].mx() for i in range(meta[f"{name}_parts"])) or None
+                 for name in ("k", "v"))
+
+
+def _sides_bytes(keys: Optional[Side], values: Optional[Side]) -> int:
+    return sum(a.nbytes for side in (keys, values) if side for a in side)
 
 
 def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:

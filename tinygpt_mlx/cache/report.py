@@ -71,8 +71,8 @@ def bytes_table(model: Any, vocab_size: int, lengths: Iterable[int],
     """One row per policy (flags as for `CacheConfig.from_flags`, or a `CacheConfig`; `flags`
     such as group_size apply to each), one `CacheBytes` per length."""
     rows = []
+    given = {k: v for k, v in flags.items() if v is not None}
     for label, pflags in (policies or REPORT_POLICIES).items():
-        given = {k: v for k, v in flags.items() if v is not None}
         config = (dataclasses.replace(pflags, **given) if isinstance(pflags, CacheConfig)
                   else CacheConfig.from_flags(**pflags, **flags))
         rows.append(fill_and_measure(model, config, lengths, vocab_size, chunk, label=label,

@@ -67,9 +67,8 @@ def _piece(tokenizer: Any, token: int) -> dict:
 
 
 def openai_chat(entries: list[TokenLogprob], tokenizer: Any) -> dict:
-    return {"content": [dict(_piece(tokenizer, e.token), logprob=e.logprob,
-                             top_logprobs=[dict(_piece(tokenizer, t), logprob=v) for t, v in e.top])
-                        for e in entries], "refusal": None}
+    """OpenAI chat's `logprobs`: the same per-token entries as ollama's, under `content`."""
+    return {"content": ollama(entries, tokenizer), "refusal": None}
 
 
 def openai_completion(entries: list[TokenLogprob], tokenizer: Any) -> dict:
