@@ -22,7 +22,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinygpt_mlx.cache import kivi, make_cache  # noqa: E402
+from tinygpt_mlx.cache import make_cache, packed as packed_runs  # noqa: E402
 from tinygpt_mlx.config import CacheConfig  # noqa: E402
 from tinygpt_mlx.generate import forward  # noqa: E402
 from tinygpt_mlx.loading import load  # noqa: E402
@@ -41,12 +41,12 @@ def main() -> None:
     ids = [1 + i % 4000 for i in range(a.context)]
     caches = {}
     for name, params in (("int4, fp16 params", mx.float16), ("int4, fp32 params", mx.float32), ("fp32 cache", None)):
-        kivi.PARAMS = params or mx.float32
+        packed_runs.PARAMS = params or mx.float32
         cache = make_cache(model, CacheConfig() if params is None else CacheConfig.from_flags("int4"))
         for i in range(0, a.context, 512):
             mx.eval(forward(model, mx.array([ids[i:i + 512]]), cache))
         caches[name] = cache
-    kivi.PARAMS = mx.float16
+    packed_runs.PARAMS = mx.float16
     token, times = mx.array([[5]]), {name: [] for name in caches}
     for _ in range(a.steps):
         for name, cache in caches.items():

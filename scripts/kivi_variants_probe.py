@@ -184,12 +184,13 @@ def _freeze(self, n: int) -> None:
             if s_:
                 qk, qv = mx.concatenate([ek, qk[:, :, s_:]], 2), mx.concatenate([ev, qv[:, :, s_:]], 2)
             parts.append((qk, qv))
-        self.keys = (mx.concatenate([p[0] for p in parts], 2),)
-        self.values = (mx.concatenate([p[1] for p in parts], 2),)
+        self.packed.keys = (mx.concatenate([p[0] for p in parts], 2),)
+        self.packed.values = (mx.concatenate([p[1] for p in parts], 2),)
     else:
-        self.keys = kivi._concat(self.keys, (k,), (-2,))
-        self.values = kivi._concat(self.values, (v,), (-2,))
-    self.n_packed += n
+        run = self.packed
+        run.keys = (k,) if run.keys is None else (mx.concatenate([run.keys[0], k], 2),)
+        run.values = (v,) if run.values is None else (mx.concatenate([run.values[0], v], 2),)
+    self.packed.n += n
     self.frozen += n
 
 
@@ -219,7 +220,8 @@ def print_kl(spec: str, model, config, refs: list, prompts: list, chunk: int, be
         kl += (mx.exp(ref) * (ref - got)).sum().item()
         agree += (ref.argmax(-1) == got.argmax(-1)).sum().item()
         n += ref.shape[0]
-    print(f"{spec:14s} KL {kl / n:.5f}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
+    kl_text = f"{kl / n:.5f}" if kl / n >= 1e-3 else f"{kl / n:.2e}"
+    print(f"{spec:14s} KL {kl_text}  top-1 agreement {agree / n:.4f}  ({int(n)} positions)", flush=True)
 
 
 def main() -> None:
@@ -265,6 +267,7 @@ def main() -> None:
         self.layer_index = count[0] % n_layers
         count[0] += 1
         self.key_bits = self.value_bits = None   # blocks are stored dense (fake-quantised)
+        self.packed.key_bits = self.packed.value_bits = None
 
     kivi.KiviStore.__init__ = tagged_init
     kivi.KiviStore._freeze = _freeze

@@ -186,7 +186,7 @@ def test_exact_byte_counts(native32):
                     "residual": n_layers * r * H * D * 2 * 4}
         assert cache.nbytes_breakdown() == expected
         assert cache.nbytes == sum(expected.values())
-        held = sum(a.nbytes for layer in cache.owned for s in (layer.body.keys, layer.body.values) for a in s)
+        held = sum(a.nbytes for layer in cache.owned for s in (layer.body.packed.keys, layer.body.packed.values) for a in s)
         assert held == expected["body_packed"]
 
 
@@ -207,7 +207,7 @@ def test_bytes_per_token_against_bf16_at_4k(spec, bound):
     bf16_per_token = 2 * 32 * 2 * 2          # heads x (K + V) x head dim x 2 bytes
     ratio = store.nbytes / (len(store) * bf16_per_token)
     assert len(store) == i and store.n_packed == i - R and ratio <= bound
-    assert all(a.dtype == mx.float16 for side in (store.keys, store.values) for a in side[1:])
+    assert all(a.dtype == mx.float16 for side in (store.packed.keys, store.packed.values) for a in side[1:])
 
 
 def test_composes_with_streaming_llm(native32):
@@ -758,7 +758,7 @@ def test_near_tier_holds_the_newest_frozen_tokens_at_more_bits():
     parts = store.nbytes_breakdown()
     assert parts["body_near"] == store.near.nbytes > 0
     # the codes as packed: the tier at 8 bits, 4 codes per uint32 word (the body: 8 per word)
-    assert store.near.keys[0].shape[-1] == 64 * 8 // 32 and store.keys[0].shape[-1] == P * 4 // 32
+    assert store.near.keys[0].shape[-1] == 64 * 8 // 32 and store.packed.keys[0].shape[-1] == P * 4 // 32
 
 
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):

@@ -142,7 +142,7 @@ class CacheConfig:
                  dimension (queries turned alike, the output turned back; cache/kivi.py)
     near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8 or 4, above
                  the body's) and packed again at the body's bits as they age (0 = off;
-                 cache/kivi.py NearTier)
+                 cache/kivi.py: KiviStore.near, a second PackedRun)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
                  window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled

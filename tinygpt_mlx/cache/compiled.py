@@ -47,7 +47,7 @@ import mlx.core as mx
 
 from .. import attention
 from ..model import Model
-from .kivi import PackedSegment
+from .packed import PackedRun, PackedSegment
 from .kv_cache import KVCache, LayerCache, RingLayer
 from .segments import DenseSegment, attend
 
@@ -130,15 +130,13 @@ class _TracedKivi:
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         cfg = self.config
-        body = SimpleNamespace(keys=self.packed[0], values=self.packed[1], key_bits=cfg.key_bits,
-                               value_bits=cfg.value_bits, rotate=cfg.rotate, group=cfg.group_size, positions=self.positions,
-                               evicted=0, shadow=None)
+        body = PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)
         # the live tokens and the new one, read back from the written buffers (so the buffers are
         # part of the logits' graph); the live views' shapes give the length, a shape of the trace
         res_k, res_v = (mx.slice(b, self.head, (2,), (*live.shape[:2], live.shape[2] + 1, live.shape[3]))
                         for b, live in zip(self.buffers, self.live))
         dt = self.compute_dtype
-        segments = [DenseSegment(*self.sink), PackedSegment(body), DenseSegment(res_k.astype(dt), res_v.astype(dt))]
+        segments = [DenseSegment(*self.sink), body, DenseSegment(res_k.astype(dt), res_v.astype(dt))]
         return attend(segments, 0, queries, scale, mask)
 
 
@@ -296,7 +294,7 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
         sink_reading, _ = c.readings()
         k, v = c.sink_store.fetch(c.dtype)
         sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
-        packed.append((c.body.keys, c.body.values))
+        packed.append((c.body.packed.keys, c.body.packed.values))
         res = c.body.residual
         residuals.append((res.keys, res.values, *res.fetch()))
     step = _kivi_step_fn(model, steps, key)

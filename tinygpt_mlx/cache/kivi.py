@@ -43,51 +43,27 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import functools
-from types import SimpleNamespace
-
 import mlx.core as mx
-import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held
+from .packed import PackedRun, PackedSegment, rotation
 from .positions import Positions
 from .segments import DenseSegment, Reading
-from .shadow import ShadowStore, by_query_slices, top_k_indices
+from .shadow import ShadowStore, top_k_indices
 from .store import DenseStore
 
-# Each side of the frozen body: (packed, scale, zero) when quantised, (dense,) when exact.
-Side = tuple
-#: dtype of the frozen blocks' scales and zeros: float16 halves their bytes (int4 body 0.31x of
-#: bf16 instead of 0.38x) at no measured cost in fidelity (docs/kivi.md)
-PARAMS = mx.float16
-
-
-@functools.lru_cache(maxsize=None)
-def rotation(dim: int) -> mx.array:
-    """The orthogonal [dim, dim] float32 matrix R a rotated side is stored in (x R; back: y R^T):
-    a Sylvester Hadamard matrix scaled by 1/sqrt(dim) with its rows' signs flipped by a fixed
-    random draw (seed 0, so every cache and every saved file agree), for a power-of-two head
-    dimension; otherwise the Q of a seeded Gaussian's QR (a random orthogonal matrix)."""
-    rng = np.random.default_rng(0)
-    if dim & (dim - 1) == 0:
-        h = np.ones((1, 1))
-        while h.shape[0] < dim:
-            h = np.block([[h, h], [h, -h]])
-        m = rng.choice([-1.0, 1.0], size=dim)[:, None] * h / np.sqrt(dim)
-    else:
-        m, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
-    return mx.array(m.astype(np.float32))
+__all__ = ["KiviStore", "PackedSegment", "rotation", "top_k_indices"]
 
 
 class KiviStore:
     """The body store of a KIVI cache: frozen packed blocks of G tokens + an exact residual.
 
     An `Evictable` store (store.py). Bit widths are `key_bits` / `value_bits` (None = exact
-    side). Quantisation rounds through `codec` (the `KVCache` class: `quantise_affine`,
-    `dequantise_k`, `dequantise_v`); positions come from `positions` (frame mode keeps keys as
-    the model rotated them; the pre-RoPE path rotates them once, as they freeze).
+    side). Frozen blocks are a `PackedRun` (packed.py), and with a near tier (`CacheConfig.near`)
+    the newest of them a second run at more bits; positions come from `positions` (frame mode
+    keeps keys as the model rotated them; the pre-RoPE path rotates them once, as they freeze).
     """
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any,
@@ -95,10 +71,8 @@ class KiviStore:
         # `CacheConfig` has checked the group size (MLX's set) and refused shifted retrieval.
         self.config = config
         self.storage = storage
-        self.codec = codec
         self.positions = positions
         self.key_bits, self.value_bits = config.key_bits, config.value_bits
-        self.rotate = config.rotate     # quantised sides stored as x R (`rotation`)
         self.group = config.group_size
         # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
         # toward the R exact tokens: the blocks then freeze where they would without it, and the
@@ -106,25 +80,33 @@ class KiviStore:
         # oldest)
         self.keep = max(0, config.residual - exact_before)
         self.residual = DenseStore(storage, label="residual", step=self.group)
-        self.keys: Optional[Side] = None
-        self.values: Optional[Side] = None
-        self.n_packed = 0   # tokens in frozen blocks
+        self.packed = PackedRun(self.key_bits, self.value_bits, self.group, storage, codec, config.rotate)
         self.frozen = 0     # tokens ever frozen (monotonic)
         self.evicted = 0    # frozen tokens dropped from the front (E in the module doc)
         self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
                                                           self.value_bits is not None)
                                               if config.exact_topk else None)
         # the newest frozen tokens at more bits (`CacheConfig.near`): blocks freeze into it and
-        # move on to the body, re-quantised, once more than `near` tokens are frozen after them
-        self.near: Optional[NearTier] = NearTier(self, config.near, config.near_bits) if config.near else None
+        # move on to the body, re-quantised, once more than `near` tokens are frozen after them (a
+        # block leaving it is dequantised from its 8-bit codes and packed again at the body's bits:
+        # the second rounding adds ~1/16 of a 4-bit step). An exact side stays exact there.
+        bits = config.near_bits
+        self.near: Optional[PackedRun] = (PackedRun(bits if self.key_bits else None, bits if self.value_bits else None,
+                                                    self.group, storage, codec, config.rotate)
+                                          if config.near else None)
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
 
     @property
+    def n_packed(self) -> int:
+        """Tokens in the body's frozen blocks (the near tier's not counted)."""
+        return self.packed.n
+
+    @property
     def held(self) -> int:
         """Frozen tokens held: the body's and the near tier's."""
-        return self.n_packed + (self.near.n if self.near is not None else 0)
+        return self.packed.n + (self.near.n if self.near is not None else 0)
 
     # ----- storage --------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
@@ -157,43 +139,15 @@ class KiviStore:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
-        k, v = self._turn(k, v, back=False)
+        k, v = self.packed.turn(k, v, back=False)
         self.frozen += n
         if self.near is not None:
             self.near.add(k, v)
-            over = self.near.n - self.near.cap
+            over = self.near.n - self.config.near
             if over <= 0:
                 return
             k, v = self.near.take_front(over)
-        self.keys, self.values = self.pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
-        self.n_packed += k.shape[2]
-
-    def pack(self, keys: Optional[Side], values: Optional[Side], k: mx.array, v: mx.array,
-              key_bits: Optional[int], value_bits: Optional[int]) -> tuple[Side, Side]:
-        """`keys`, `values` with the tokens k, v (in the stored basis) quantised and appended:
-        keys per channel (groups of G tokens along K^T's last axis), values per token."""
-        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), key_bits, self.group, PARAMS) if key_bits
-                 else (k.astype(self.storage),))
-        vpart = (self.codec.quantise_affine(v, value_bits, self.group, PARAMS) if value_bits
-                 else (v.astype(self.storage),))
-        return (_concat(keys, kpart, self._axes(key_bits, keys=True)),
-                _concat(values, vpart, self._axes(value_bits, keys=False)))
-
-    def unpack(self, keys: Side, values: Side, key_bits: Optional[int], value_bits: Optional[int],
-                lo: int, hi: Optional[int]) -> tuple[mx.array, mx.array]:
-        """Tokens [lo, hi) of packed sides, dequantised, in the stored basis."""
-        ks = self.slice_side(keys, key_bits, True, lo, hi)
-        vs = self.slice_side(values, value_bits, False, lo, hi)
-        k = self.codec.dequantise_k(*ks, key_bits, self.group) if key_bits else ks[0]
-        v = self.codec.dequantise_v(*vs, value_bits, self.group) if value_bits else vs[0]
-        return k, v
-
-    @staticmethod
-    def _axes(bits: Optional[int], keys: bool) -> tuple[int, ...]:
-        """The token axis of each array of a side: K^T packs tokens along its last axis."""
-        if bits is None:
-            return (-2,)
-        return (-1, -1, -1) if keys else (-2, -2, -2)
+        self.packed.add(k, v)
 
     def droppable(self, n: int) -> int:
         """Eviction takes whole frozen blocks only: `n` rounded down to G, at most the body."""
@@ -210,13 +164,11 @@ class KiviStore:
         if self.shadow is not None and not self.positions.pre_rope:   # hand on exact rows (a cold store keeps them)
             k = self.shadow.front(0, m) if self.shadow.has(0) else k
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
-        body = min(m, self.n_packed)
+        body = min(m, self.packed.n)
         if m > body:                        # the body is gone: the rest from the near tier's front
             self.near.take_front(m - body)
         if body:
-            self.keys = self.slice_side(self.keys, self.key_bits, True, body, None)
-            self.values = self.slice_side(self.values, self.value_bits, False, body, None)
-            self.n_packed -= body
+            self.packed.cut(body, None)
         self.evicted += m
         if self.shadow is not None:
             self.shadow.drop_front(m)
@@ -231,23 +183,12 @@ class KiviStore:
             raise ValueError(f"cannot truncate a KIVI body inside a frozen block ({n} tokens, G={self.group})")
         self.frozen -= self.held - n
         if self.near is not None:
-            self.near.keep_front(max(0, n - self.n_packed))
-        if n < self.n_packed:
-            self.keys = self.slice_side(self.keys, self.key_bits, True, 0, n)
-            self.values = self.slice_side(self.values, self.value_bits, False, 0, n)
-            self.n_packed = n
+            self.near.cut(0, max(0, n - self.packed.n))
+        if n < self.packed.n:
+            self.packed.cut(0, n)
         if self.shadow is not None:
             self.shadow.truncate(n)
         self.residual = DenseStore(self.storage, label="residual", step=self.group)
-
-    def slice_side(self, side: Side, bits: Optional[int], keys: bool, lo: int, hi: Optional[int]) -> Side:
-        """Tokens [lo, hi) of a frozen side, as contiguous arrays."""
-        out = []
-        for a, axis in zip(side, self._axes(bits, keys)):
-            per = 1 if bits is None or not keys else (32 // bits if a.dtype == mx.uint32 else self.group)
-            a = mx.swapaxes(a, axis, -1)[..., lo // per: None if hi is None else hi // per]
-            out.append(mx.contiguous(mx.swapaxes(a, axis, -1)))
-        return tuple(out)
 
     # ----- reading --------------------------------------------------------------------------
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
@@ -263,11 +204,11 @@ class KiviStore:
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
         on the pre-RoPE path."""
-        P = self.n_packed
-        parts = [self.unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, min(hi, P))] if lo < P else []
+        P = self.packed.n
+        parts = [self.packed.dense(lo, min(hi, P))] if lo < P else []
         if hi > P:
             parts.append(self.near.dense(max(lo, P) - P, hi - P))
-        k, v = self._turn(*_join(parts), back=True)
+        k, v = self.packed.turn(*_join(parts), back=True)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
@@ -283,44 +224,23 @@ class KiviStore:
         def turn(k: mx.array) -> mx.array:
             return self.positions.rebased(k, by)
         self.residual.rotate(turn)
-        if self.near is not None:
-            self.near.rebase(turn)
-        if self.n_packed:
-            self.keys = self.rebased_keys(self.keys, self.key_bits, turn)
+        for run in self._runs():
+            run.rebase(turn)
 
-    def rebased_keys(self, keys: Side, key_bits: Optional[int], turn: Any) -> Side:
-        """A frozen key side with every key's RoPE angle turned by `turn` (in the model's basis):
-        dequantised, turned and quantised again, or an exact side turned."""
-        if not key_bits:
-            return (turn(keys[0]).astype(self.storage),)
-        k = self.codec.dequantise_k(*keys, key_bits, self.group)
-        k = self.basis(turn(self.basis(k, key_bits, back=True)), key_bits, back=False)
-        return self.codec.quantise_affine(mx.swapaxes(k, -1, -2), key_bits, self.group, PARAMS)
-
-    def _turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
-        """Both sides into the stored basis or back from it (`_basis`)."""
-        return self.basis(k, self.key_bits, back), self.basis(v, self.value_bits, back)
-
-    def basis(self, x: mx.array, bits: Optional[int], back: bool) -> mx.array:
-        """A quantised side into the rotated basis (x R) or back from it (x R^T); an exact side,
-        or any side without rotation, as it is."""
-        if not (self.rotate and bits):
-            return x
-        r = rotation(x.shape[-1])
-        return x.astype(mx.float32) @ (r.T if back else r)
+    def _runs(self) -> list:
+        return [self.packed] + ([self.near] if self.near is not None else [])
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
         return z, z
 
     def segments(self, reading: Reading) -> list:
-        """Attention segments, oldest first: the packed body, then the exact residual (its first
-        token sits right after the packed ones)."""
-        segs: list = []
-        if self.n_packed:
-            segs.append(PackedSegment(self))
-        if self.near is not None and self.near.n:
-            segs.append(PackedSegment(self.near.view()))
+        """Attention segments, oldest first: the packed body, the near tier, then the exact
+        residual (its first token sits right after the frozen ones)."""
+        segs: list = [PackedSegment(self.packed, self.positions, self.evicted, self.shadow, self.config.exact_topk)
+                      ] if self.packed.n else []
+        if self.near is not None and self.near.n:      # (no shadow: `near` refuses one)
+            segs.append(PackedSegment(self.near, self.positions, self.evicted))
         if len(self.residual):
             k, v = self.residual.fetch(reading.dtype)
             if self.positions.pre_rope:
@@ -329,10 +249,8 @@ class KiviStore:
         return segs
 
     def close(self) -> None:
-        self.keys = self.values = None
-        self.n_packed = 0
-        if self.near is not None:
-            self.near.clear()
+        for run in self._runs():
+            run.clear()
         self.residual.close()
         if self.shadow is not None:
             self.shadow.close()
@@ -340,25 +258,23 @@ class KiviStore:
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
     def state(self) -> tuple[dict, dict]:
         """Frozen blocks as stored (packed codes, scales, zeros, or the exact side), the residual,
-        the shadow, and the counters (n_packed, frozen, evicted: E of the module doc)."""
-        arrays, meta = _sides_state(self.keys, self.values)
-        meta.update(n_packed=self.n_packed, frozen=self.frozen, evicted=self.evicted)
-        ra, meta["residual"] = self.residual.state()
-        arrays.update({f"residual.{k}": v for k, v in ra.items()})
-        if self.near is not None:
-            na, meta["near"] = self.near.state()
-            arrays.update({f"near.{k}": v for k, v in na.items()})
-        if self.shadow is not None:
-            sa, meta["shadow"] = self.shadow.state()
-            arrays.update({f"shadow.{k}": v for k, v in sa.items()})
+        the near tier, the shadow, and the counters (n_packed, frozen, evicted: E of the module
+        doc)."""
+        arrays, meta = self.packed.state()
+        meta["n_packed"] = meta.pop("n")
+        meta.update(frozen=self.frozen, evicted=self.evicted)
+        for name, part in (("residual", self.residual), ("near", self.near), ("shadow", self.shadow)):
+            if part is not None:
+                pa, meta[name] = part.state()
+                arrays.update({f"{name}.{k}": v for k, v in pa.items()})
         return arrays, meta
 
     def load_state(self, arrays, meta: dict) -> None:
-        self.keys, self.values = _sides_load(arrays, meta)
-        self.n_packed, self.frozen, self.evicted = int(meta["n_packed"]), int(meta["frozen"]), int(meta["evicted"])
+        self.packed.load_state(arrays, dict(meta, n=meta["n_packed"]))
+        self.frozen, self.evicted = int(meta["frozen"]), int(meta["evicted"])
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
         if self.near is not None:
-            self.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0}))
+            self.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0, "k_parts": 0, "v_parts": 0}))
         if self.shadow is not None:
             self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
 
@@ -367,7 +283,7 @@ class KiviStore:
         """A full (never evicted, never re-based) body's extent: its frozen blocks only grow, so
         they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
         arrays, meta = self.residual.state()
-        mark = {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
+        mark = {"n_packed": self.packed.n, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
         if self.near is not None:       # bounded (at most `near` tokens): held
             arrays, meta = self.near.state()
             mark["near"] = (Held.of(arrays), meta)
@@ -376,7 +292,7 @@ class KiviStore:
     def rewind(self, mark: dict) -> None:
         """Back to `mark`: blocks frozen since are cut off (at their block boundary), the
         residual is restored."""
-        if self.n_packed < mark["n_packed"] or self.evicted != mark["evicted"]:
+        if self.packed.n < mark["n_packed"] or self.evicted != mark["evicted"]:
             raise ValueError("a KIVI body can only be rewound to a mark it has grown from")
         self.truncate(mark["n_packed"])      # (`frozen` moves back with the blocks)
         arrays, meta = mark["residual"]
@@ -393,7 +309,7 @@ class KiviStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
         side if any) and the residual's stored tokens."""
-        out = {"body_packed": _sides_bytes(self.keys, self.values), "residual": self.residual.nbytes}
+        out = {"body_packed": self.packed.nbytes, "residual": self.residual.nbytes}
         if self.near is not None:
             out["body_near"] = self.near.nbytes
         if self.shadow is not None:
@@ -401,167 +317,11 @@ class KiviStore:
         return out
 
 
-class NearTier:
-    """KIVI's near tier (`CacheConfig.near`, `near_bits`): the newest `cap` frozen tokens of a
-    `KiviStore`, packed at `bits` (8) instead of the body's. Attention reads recent tokens most,
-    so their quantisation error costs most (docs/kivi.md); a block leaving the tier is
-    dequantised and packed again at the body's bits (from 8-bit codes: the second rounding adds
-    ~1/16 of a 4-bit step). Tokens are held in the store's basis (rotated where it rotates); an
-    exact side of the store stays exact here."""
-
-    def __init__(self, store: KiviStore, cap: int, bits: int):
-        self.store, self.cap = store, cap
-        self.key_bits = bits if store.key_bits else None
-        self.value_bits = bits if store.value_bits else None
-        self.keys: Optional[Side] = None
-        self.values: Optional[Side] = None
-        self.n = 0
-
-    def add(self, k: mx.array, v: mx.array) -> None:
-        self.keys, self.values = self.store.pack(self.keys, self.values, k, v, self.key_bits, self.value_bits)
-        self.n += k.shape[2]
-
-    def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
-        return self.store.unpack(self.keys, self.values, self.key_bits, self.value_bits, lo, hi)
-
-    def take_front(self, m: int) -> tuple[mx.array, mx.array]:
-        """Remove the oldest `m` tokens (whole blocks); returns them dequantised (stored basis)."""
-        k, v = self.dense(0, m)
-        self._cut(m, None)
-        return k, v
-
-    def keep_front(self, m: int) -> None:
-        if m:
-            self._cut(0, m)
-        else:
-            self.clear()
-
-    def _cut(self, lo: int, hi: Optional[int]) -> None:
-        s = self.store
-        self.keys = s.slice_side(self.keys, self.key_bits, True, lo, hi)
-        self.values = s.slice_side(self.values, self.value_bits, False, lo, hi)
-        self.n = (self.n if hi is None else hi) - lo
-        if not self.n:
-            self.clear()
-
-    def clear(self) -> None:
-        self.keys = self.values = None
-        self.n = 0
-
-    def rebase(self, turn: Any) -> None:
-        """Frame mode: keys turned back by the base's growth (`KiviStore.rebased_keys`)."""
-        if self.n:
-            self.keys = self.store.rebased_keys(self.keys, self.key_bits, turn)
-
-    def view(self) -> Any:
-        """What `PackedSegment` reads of a store, for this tier (no shadow: `near` refuses one)."""
-        s = self.store
-        return SimpleNamespace(keys=self.keys, values=self.values, key_bits=self.key_bits,
-                               value_bits=self.value_bits, rotate=s.rotate, group=s.group,
-                               positions=s.positions, evicted=s.evicted, shadow=None)
-
-    @property
-    def nbytes(self) -> int:
-        return _sides_bytes(self.keys, self.values)
-
-    def state(self) -> tuple[dict, dict]:
-        arrays, meta = _sides_state(self.keys, self.values)
-        return arrays, dict(meta, n=self.n)
-
-    def load_state(self, arrays: Any, meta: dict) -> None:
-        if not meta["n"]:
-            self.clear()
-            return
-        self.keys, self.values = _sides_load(arrays, meta)
-        self.n = int(meta["n"])
-
-
-class PackedSegment:
-    """The frozen body as an attention segment: scores and outputs straight from packed data
-    with `mx.quantized_matmul`; a singleton axis broadcasts each KV head over its query group."""
-
-    def __init__(self, store: KiviStore):
-        self.store = store
-        first = store.keys[0]
-        self.n_heads = first.shape[1]
-        self.chosen: Optional[mx.array] = None   # indices of the refined tokens [B, Hkv, rep, L, k]
-
-    def scores(self, q: mx.array) -> mx.array:
-        s = self.store
-        if s.positions.pre_rope and s.evicted:
-            q = s.positions.rotate_rows(q, s.evicted, 0)
-        B, H, rep, L, D = q.shape
-        rows = q.reshape(B, H, rep * L, D)      # a KV head's query group as rows: no broadcast copy
-        if s.key_bits:
-            if s.rotate:     # the keys are stored as k R: (q R)(k R)^T = q k^T
-                rows = rows @ rotation(D)
-            scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group)
-        else:
-            scores = rows @ s.keys[0].astype(mx.float32).swapaxes(-1, -2)
-        scores = scores.reshape(B, H, rep, L, -1)
-        if s.shadow is not None:
-            scores = self._refine_scores(q, scores)
-        return scores
-
-    def _refine_scores(self, q: mx.array, scores: mx.array) -> mx.array:
-        """Replace the top-k packed scores of every query by exact ones (module doc)."""
-        s = self.store
-        idx = top_k_indices(scores, s.config.exact_topk, s.group)
-        self.chosen = idx
-        if not s.shadow.has(0):
-            return scores
-        exact = by_query_slices(idx, s.shadow, 0, lambda keys, lo, hi: (keys @ q[..., lo:hi, :, None])[..., 0])
-        return mx.put_along_axis(scores, idx, exact, axis=-1)
-
-    def output(self, p: mx.array) -> mx.array:
-        s = self.store
-        exact = None
-        if self.chosen is not None and s.shadow.has(1):
-            idx = self.chosen
-            pk = mx.take_along_axis(p, idx, axis=-1)
-            p = mx.put_along_axis(p, idx, mx.zeros_like(pk), axis=-1)
-            exact = by_query_slices(idx, s.shadow, 1, lambda values, lo, hi: (pk[..., lo:hi, None, :] @ values)[..., 0, :])
-        B, H, rep, L, T = p.shape
-        rows = p.reshape(B, H, rep * L, T)
-        if s.value_bits:
-            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.group)
-            if s.rotate:     # the values are stored as v R: turned back by R^T
-                out = out @ rotation(out.shape[-1]).T
-        else:
-            out = rows @ s.values[0].astype(mx.float32)
-        out = out.reshape(B, H, rep, L, -1)
-        return out if exact is None else out + exact
-
-
 def _join(parts: list) -> tuple[mx.array, mx.array]:
     """(keys, values) pairs, oldest first, as one pair along the token axis."""
     if len(parts) == 1:
         return parts[0]
     return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))
-
-
-def _sides_state(keys: Optional[Side], values: Optional[Side]) -> tuple[dict, dict]:
-    """Packed sides as a prompt-cache file holds them: arrays `k.i`, `v.i` and their counts."""
-    arrays, meta = {}, {}
-    for name, side in (("k", keys), ("v", values)):
-        meta[f"{name}_parts"] = len(side or ())
-        arrays.update({f"{name}.{i}": a for i, a in enumerate(side or ())})
-    return arrays, meta
-
-
-def _sides_load(arrays: Any, meta: dict) -> tuple[Optional[Side], Optional[Side]]:
-    return tuple(tuple(arrays[f"{name}.{i}"].mx() for i in range(meta[f"{name}_parts"])) or None
-                 for name in ("k", "v"))
-
-
-def _sides_bytes(keys: Optional[Side], values: Optional[Side]) -> int:
-    return sum(a.nbytes for side in (keys, values) if side for a in side)
-
-
-def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:
-    if side is None:
-        return tuple(part)
-    return tuple(mx.concatenate([a, b], axis=ax) for a, b, ax in zip(side, part, axes))
 
 
 def _divisor(D: int) -> str:

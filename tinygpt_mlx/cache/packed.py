@@ -1,0 +1,236 @@
+"""Packed runs of KV tokens, and the attention segment that reads them (KIVI, kivi.py).
+
+A `PackedRun` holds tokens quantised the KIVI way: keys per channel (K^T packed along T in
+groups of G tokens), values per token (groups of G channels), each side at its own bits or exact
+in the storage dtype; a quantised side may be stored in a rotated basis (`rotation`, QuaRot).
+A KIVI body holds its frozen blocks as one run and its near tier's newest blocks as another, at
+more bits (`CacheConfig.near`); both read through `PackedSegment`, which scores and weighs
+packed tokens with `mx.quantized_matmul` and never dequantises them.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from .. import quant
+from .shadow import ShadowStore, by_query_slices, top_k_indices
+
+# Each side of a run: (packed, scale, zero) when quantised, (dense,) when exact.
+Side = tuple
+#: dtype of the frozen blocks' scales and zeros: float16 halves their bytes (int4 body 0.31x of
+#: bf16 instead of 0.38x) at no measured cost in fidelity (docs/kivi.md)
+PARAMS = mx.float16
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(dim: int) -> mx.array:
+    """The orthogonal [dim, dim] float32 matrix R a rotated side is stored in (x R; back: y R^T):
+    a Sylvester Hadamard matrix scaled by 1/sqrt(dim) with its rows' signs flipped by a fixed
+    random draw (seed 0, so every cache and every saved file agree), for a power-of-two head
+    dimension; otherwise the Q of a seeded Gaussian's QR (a random orthogonal matrix)."""
+    rng = np.random.default_rng(0)
+    if dim & (dim - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < dim:
+            h = np.block([[h, h], [h, -h]])
+        m = rng.choice([-1.0, 1.0], size=dim)[:, None] * h / np.sqrt(dim)
+    else:
+        m, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    return mx.array(m.astype(np.float32))
+
+
+class PackedRun:
+    """`n` tokens packed at `key_bits` / `value_bits` (None: that side exact in `storage`), in
+    groups of `group`, quantised through `codec` (the `KVCache` class: `quantise_affine`,
+    `dequantise_k`, `dequantise_v`); a quantised side is held as x R where `rotate`. Tokens come
+    and go by whole groups, oldest first."""
+
+    def __init__(self, key_bits: Optional[int], value_bits: Optional[int], group: int, storage: mx.Dtype,
+                 codec: Any, rotate: bool):
+        self.key_bits, self.value_bits, self.group = key_bits, value_bits, group
+        self.storage, self.codec, self.rotate = storage, codec, rotate
+        self.keys: Optional[Side] = None
+        self.values: Optional[Side] = None
+        self.n = 0
+
+    @classmethod
+    def of(cls, keys: Side, values: Side, config: Any) -> "PackedRun":
+        """A body's packed sides as a run to read (a compiled step's inputs, compiled.py)."""
+        run = cls(config.key_bits, config.value_bits, config.group_size, mx.float32, None, config.rotate)
+        run.keys, run.values = keys, values
+        return run
+
+    # ----- tokens in, tokens out ------------------------------------------------------------
+    def add(self, k: mx.array, v: mx.array) -> None:
+        """Tokens k, v (in the stored basis: `turn` first) quantised and appended: keys per
+        channel (groups of G tokens along K^T's last axis), values per token."""
+        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
+                 if self.key_bits else (k.astype(self.storage),))
+        vpart = (self.codec.quantise_affine(v, self.value_bits, self.group, PARAMS) if self.value_bits
+                 else (v.astype(self.storage),))
+        self.keys = _concat(self.keys, kpart, _axes(self.key_bits, keys=True))
+        self.values = _concat(self.values, vpart, _axes(self.value_bits, keys=False))
+        self.n += k.shape[2]
+
+    def dense(self, lo: int, hi: Optional[int] = None) -> tuple[mx.array, mx.array]:
+        """Tokens [lo, hi) dequantised, in the stored basis."""
+        ks, vs = self._slice(lo, hi)
+        k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
+        v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
+        return k, v
+
+    def take_front(self, m: int) -> tuple[mx.array, mx.array]:
+        """Remove the oldest `m` tokens (whole groups); returns them dequantised (stored basis)."""
+        k, v = self.dense(0, m)
+        self.cut(m, None)
+        return k, v
+
+    def cut(self, lo: int, hi: Optional[int]) -> None:
+        """Keep tokens [lo, hi) only (group boundaries), as contiguous arrays."""
+        self.keys, self.values = self._slice(lo, hi)
+        self.n = (self.n if hi is None else hi) - lo
+        if not self.n:
+            self.clear()
+
+    def clear(self) -> None:
+        self.keys = self.values = None
+        self.n = 0
+
+    def _slice(self, lo: int, hi: Optional[int]) -> tuple[Side, Side]:
+        return (_slice_side(self.keys, self.key_bits, True, lo, hi, self.group),
+                _slice_side(self.values, self.value_bits, False, lo, hi, self.group))
+
+    # ----- the stored basis and RoPE ---------------------------------------------------------
+    def basis(self, x: mx.array, bits: Optional[int], back: bool) -> mx.array:
+        """A quantised side into the rotated basis (x R) or back from it (x R^T); an exact side,
+        or any side without rotation, as it is."""
+        if not (self.rotate and bits):
+            return x
+        r = rotation(x.shape[-1])
+        return x.astype(mx.float32) @ (r.T if back else r)
+
+    def turn(self, k: mx.array, v: mx.array, back: bool) -> tuple[mx.array, mx.array]:
+        """Both sides into the stored basis or back from it (`basis`)."""
+        return self.basis(k, self.key_bits, back), self.basis(v, self.value_bits, back)
+
+    def rebase(self, turn: Any) -> None:
+        """Every key's RoPE angle turned by `turn` (in the model's basis): a quantised side
+        dequantised, turned and quantised again, an exact side turned (frame mode's re-base)."""
+        if not self.n:
+            return
+        if not self.key_bits:
+            self.keys = (turn(self.keys[0]).astype(self.storage),)
+            return
+        k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
+        k = self.basis(turn(self.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
+        self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
+
+    # ----- bytes and files -------------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for side in (self.keys, self.values) if side for a in side)
+
+    def state(self) -> tuple[dict, dict]:
+        """The sides as a prompt-cache file holds them: arrays `k.i`, `v.i`, their counts, `n`."""
+        arrays, meta = {}, {"n": self.n}
+        for name, side in (("k", self.keys), ("v", self.values)):
+            meta[f"{name}_parts"] = len(side or ())
+            arrays.update({f"{name}.{i}": a for i, a in enumerate(side or ())})
+        return arrays, meta
+
+    def load_state(self, arrays: Any, meta: dict) -> None:
+        self.keys, self.values = (tuple(arrays[f"{name}.{i}"].mx() for i in range(meta[f"{name}_parts"])) or None
+                                  for name in ("k", "v"))
+        self.n = int(meta["n"])
+        if not self.n:
+            self.clear()
+
+
+class PackedSegment:
+    """A packed run as an attention segment: scores and outputs straight from packed data with
+    `mx.quantized_matmul`; a singleton axis broadcasts each KV head over its query group. On the
+    pre-RoPE path the queries turn by the `evicted` tokens (kivi.py's module doc); with an exact
+    top-k `shadow`, the top `topk` packed scores of every query are re-scored exactly."""
+
+    def __init__(self, run: PackedRun, positions: Any, evicted: int = 0,
+                 shadow: Optional[ShadowStore] = None, topk: int = 0):
+        self.run, self.positions, self.evicted = run, positions, evicted
+        self.shadow, self.topk = shadow, topk
+        self.n_heads = run.keys[0].shape[1]
+        self.chosen: Optional[mx.array] = None   # indices of the refined tokens [B, Hkv, rep, L, k]
+
+    def scores(self, q: mx.array) -> mx.array:
+        s = self.run
+        if self.positions.pre_rope and self.evicted:
+            q = self.positions.rotate_rows(q, self.evicted, 0)
+        B, H, rep, L, D = q.shape
+        rows = q.reshape(B, H, rep * L, D)      # a KV head's query group as rows: no broadcast copy
+        if s.key_bits:
+            if s.rotate:     # the keys are stored as k R: (q R)(k R)^T = q k^T
+                rows = rows @ rotation(D)
+            scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group)
+        else:
+            scores = rows @ s.keys[0].astype(mx.float32).swapaxes(-1, -2)
+        scores = scores.reshape(B, H, rep, L, -1)
+        if self.shadow is not None:
+            scores = self._refine_scores(q, scores)
+        return scores
+
+    def _refine_scores(self, q: mx.array, scores: mx.array) -> mx.array:
+        """Replace the top-k packed scores of every query by exact ones (kivi.py's module doc)."""
+        idx = top_k_indices(scores, self.topk, self.run.group)
+        self.chosen = idx
+        if not self.shadow.has(0):
+            return scores
+        exact = by_query_slices(idx, self.shadow, 0, lambda keys, lo, hi: (keys @ q[..., lo:hi, :, None])[..., 0])
+        return mx.put_along_axis(scores, idx, exact, axis=-1)
+
+    def output(self, p: mx.array) -> mx.array:
+        s = self.run
+        exact = None
+        if self.chosen is not None and self.shadow.has(1):
+            idx = self.chosen
+            pk = mx.take_along_axis(p, idx, axis=-1)
+            p = mx.put_along_axis(p, idx, mx.zeros_like(pk), axis=-1)
+            exact = by_query_slices(idx, self.shadow, 1,
+                                    lambda values, lo, hi: (pk[..., lo:hi, None, :] @ values)[..., 0, :])
+        B, H, rep, L, T = p.shape
+        rows = p.reshape(B, H, rep * L, T)
+        if s.value_bits:
+            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.group)
+            if s.rotate:     # the values are stored as v R: turned back by R^T
+                out = out @ rotation(out.shape[-1]).T
+        else:
+            out = rows @ s.values[0].astype(mx.float32)
+        out = out.reshape(B, H, rep, L, -1)
+        return out if exact is None else out + exact
+
+
+def _axes(bits: Optional[int], keys: bool) -> tuple[int, ...]:
+    """The token axis of each array of a side: K^T packs tokens along its last axis."""
+    if bits is None:
+        return (-2,)
+    return (-1, -1, -1) if keys else (-2, -2, -2)
+
+
+def _slice_side(side: Optional[Side], bits: Optional[int], keys: bool, lo: int, hi: Optional[int],
+                group: int) -> Optional[Side]:
+    """Tokens [lo, hi) of a side, as contiguous arrays."""
+    if side is None:
+        return None
+    out = []
+    for a, axis in zip(side, _axes(bits, keys)):
+        per = 1 if bits is None or not keys else (32 // bits if a.dtype == mx.uint32 else group)
+        a = mx.swapaxes(a, axis, -1)[..., lo // per: None if hi is None else hi // per]
+        out.append(mx.contiguous(mx.swapaxes(a, axis, -1)))
+    return tuple(out)
+
+
+def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:
+    if side is None:
+        return tuple(part)
+    return tuple(mx.concatenate([a, b], axis=ax) for a, b, ax in zip(side, part, axes))
