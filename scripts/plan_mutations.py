@@ -43,7 +43,7 @@ def pytest_configure(config) -> None:
     field = os.environ.get(ENV)
     if not field:
         return
-    from tinygpt_mlx.cache.kv_cache import LayerCache   # noqa: PLC0415  (plugin: only when mutating)
+    from tinygpt_mlx.cache.layer import LayerCache   # noqa: PLC0415  (plugin: only when mutating)
 
     if field == "sink_slot":
         original = LayerCache.sink_slot_during

@@ -15,7 +15,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from tinygpt_mlx.cache import factory
-from tinygpt_mlx.cache.kv_cache import KVCache, LayerCache
+from tinygpt_mlx.cache.kv_cache import KVCache
+from tinygpt_mlx.cache.layer import LayerCache
 from tinygpt_mlx.cache.positions import Positions
 from tinygpt_mlx.config import CacheConfig
 

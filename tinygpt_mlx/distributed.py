@@ -20,7 +20,7 @@ cache relies on that (keep it so; a test shards and compares tokens, tests/test_
   - retrieval (cache/cold.py): pages, summaries and the selection are per KV head (G = batch x
     KV heads); a page is scored by the max over the query heads of that KV head's GQA group,
     and the contiguous split keeps a whole group on one rank.
-  - StreamingLLM (cache/kv_cache.py, positions.py): eviction and positions depend on token
+  - StreamingLLM (cache/layer.py, positions.py): eviction and positions depend on token
     counts only, the same on every rank.
 A policy that mixed heads (a page chosen by all heads together, a quantisation group across
 heads, a global top-k) would need an all-reduce of its own here.

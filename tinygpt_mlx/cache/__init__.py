@@ -12,7 +12,8 @@ cachefile + persist (prompt-cache files).
 from __future__ import annotations
 
 from .factory import find_rope, layer_cache, make_cache
-from .kv_cache import KVCache, LayerCache
+from .kv_cache import KVCache
+from .layer import LayerCache
 from .persist import PromptCacheError, load_prompt_cache, save_prompt_cache
 from .store import DenseStore
 

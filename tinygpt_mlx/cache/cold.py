@@ -31,7 +31,7 @@ fixed (../shared/REFERENCES.md):
   before RoPE; the hot window sits at cache slots right after the sink and the retrieval
   slots, so query-key distances never exceed sink + retrieve slots + hot_budget + prefill
   chunk, whatever the context length (on frame positions the layer cache turns the queries
-  to the retrieved slot instead and hands them here with slot 0, kv_cache.py). `retrieved_position="fixed"` (InfLLM) rotates every
+  to the retrieved slot instead and hands them here with slot 0, layer.py). `retrieved_position="fixed"` (InfLLM) rotates every
   retrieved key to ONE slot just before the hot window; "page" puts token j of every page at
   the j-th of `page_size` slots there (a span keeps its inner distances); "slots" gives them consecutive slots
   in their original order, min(cold tokens, retrieve_tokens) of them, so when everything is
@@ -428,7 +428,7 @@ class ColdStore:
         every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute)."""
         if not pos.shifted:
             return k
-        if pos.fixed:     # (slot 0: the query was turned to their slot instead, kv_cache.py)
+        if pos.fixed:     # (slot 0: the query was turned to their slot instead, layer.py)
             return pos.rotate_to(k, slot) if slot else k
         at = mx.array((slot + idx % self.page_size).reshape(-1).astype(np.int32))
         return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)

@@ -48,7 +48,9 @@ import mlx.core as mx
 from .. import attention
 from ..model import Model
 from .packed import PackedRun, PackedSegment
-from .kv_cache import KVCache, LayerCache, RingLayer
+from .kv_cache import KVCache
+from .layer import LayerCache
+from .ring import RingLayer
 from .segments import DenseSegment, attend
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)

@@ -12,7 +12,9 @@ from .. import attention
 from ..config import CacheConfig
 from .cold import ColdStore
 from .kivi import KiviStore
-from .kv_cache import KVCache, LayerCache, RingLayer
+from .kv_cache import KVCache
+from .layer import LayerCache
+from .ring import RingLayer
 from .positions import Positions
 from .ring import RingStore
 from .store import DTYPES, DenseStore
@@ -32,7 +34,7 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
     StreamingLLM cache is a ring (ring.py); KIVI under StreamingLLM (without an exact top-k
     shadow) and the exact hot window of retrieval keep the frame positions the ring uses, so no
     key of the window is placed or turned per step (kivi.py; a retrieval window un-rotates only
-    what it hands the cold store, kv_cache.py). KIVI with an exact top-k shadow keeps its keys
+    what it hands the cold store, layer.py). KIVI with an exact top-k shadow keeps its keys
     before RoPE (positions.py), and `CacheConfig` refuses it with shifted retrieval. The
     pre-RoPE paths that frame positions replaced are built by the tests, which hold these to
     them (tests/prerope.py)."""

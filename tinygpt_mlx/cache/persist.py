@@ -51,7 +51,8 @@ from ..config import CacheConfig
 from ..errors import ModelFormatError, PosttrainError
 from . import cachefile
 from .factory import make_cache
-from .kv_cache import KVCache, LayerCache
+from .kv_cache import KVCache
+from .layer import LayerCache
 
 __all__ = ["PromptCacheError", "PromptCacheInfo", "save_prompt_cache", "load_prompt_cache",
            "read_prompt_cache_info", "model_fingerprint", "config_mismatch", "FORMAT_NAME", "FORMAT_VERSION"]
@@ -62,7 +63,7 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: 3: KIVI under shifted StreamingLLM keeps its body's keys as the model rotated them (frame
 #: positions, kivi.py); version-2 files held them before RoPE or at virtual slots
 #: 4: a shifted retrieval hot window keeps its keys as the model rotated them (frame positions,
-#: kv_cache.py); version-3 files held them before RoPE
+#: layer.py); version-3 files held them before RoPE
 FORMAT_VERSION = 4
 
 

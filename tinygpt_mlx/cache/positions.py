@@ -51,7 +51,7 @@ class Positions:
         #: applies (un-rotate, place, turn, re-base) must not scale the keys again
         self.rope = PureRotation(rope) if rope is not None else None
         #: shifted mode over a ring (ring.py), a KIVI body under StreamingLLM (kivi.py) or a
-        #: retrieval hot window (kv_cache.py): the window's keys are stored as the model rotated
+        #: retrieval hot window (layer.py): the window's keys are stored as the model rotated
         #: them, at their position minus `base`; the query sits at its position minus `base`,
         #: and only the sink (and retrieved keys) are placed at slots (`first_slot` of a reading:
         #: in the query's frame). Slot distances are unchanged (module doc of ring.py): the

@@ -30,6 +30,8 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from ..config import CacheConfig
+from .layer import LayerCache
 from .positions import Positions
 from .segments import DenseSegment, Reading
 
@@ -303,3 +305,49 @@ class RingStore:
             self.sink_keys = arrays["sink_keys"].mx()
             self._rotate_sink(0)
         self.keys, self.values, self.n_sink, self.n = k, v, n_sink, n
+
+
+class RingLayer(LayerCache):
+    """An exact StreamingLLM layer: the sink and the window in one ring (ring.py), on frame
+    positions; the body holds the sink too, placing it itself, and no cold store."""
+
+    def __init__(self, config: CacheConfig, positions: Positions, ring: Any):
+        super().__init__(config, positions, None, ring)
+
+    @property
+    def n_sink(self) -> int:
+        return self.body.n_sink
+
+    def _window_len(self) -> int:
+        return self.body.n
+
+    @property
+    def stored_count(self) -> int:
+        return len(self.body)
+
+    def _append(self, keys: mx.array, values: mx.array, n_sink: int) -> None:
+        self.body.append(keys, values, self.seen - self.positions.base)   # the keys' frame position
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        if not len(self.body):
+            return self._nothing()
+        return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        if N == 1 and window_size is None:
+            return None     # one query sees every stored token
+        return super().make_mask(N, return_array, window_size)
+
+    def segments(self) -> list:
+        return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """The buffer as it lies for one unmasked query (ring.py), else in position order."""
+        keys, values = self.body.attention_kv(self._sink_slot0(), mask is not None, self.dtype)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        return dict(self.body.nbytes_breakdown())
+
+    def _stores(self) -> dict:
+        return {"body": self.body}

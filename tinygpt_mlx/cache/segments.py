@@ -128,7 +128,7 @@ def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, ma
     `segments` are in key order with the `n_retrieved` retrieved ones first (visible to every
     query: they are all older). The first `n_turned` segments are scored with `turned` (the
     same queries [B, Hq, L, D] turned by RoPE, so that keys placed relative to it need no
-    rotation per step: a retrieval window on frame positions, kv_cache.py), the rest with
+    rotation per step: a retrieval window on frame positions, layer.py), the rest with
     `queries`. Computed in fp32 whatever the storage precision.
     """
     B, Hq, L, D = queries.shape

@@ -1,0 +1,443 @@
+"""`LayerCache`: one layer's KV cache, as a sequence of stores (kv_cache.py's module doc).
+
+The sink (exact), the body (exact, or KIVI-packed blocks) and, for retrieval, a cold store that
+receives what the body evicts; one `Plan` per model call (plan.py) says what the call's tokens
+evict, where they go and what they attend to, and `commit` applies it. A full StreamingLLM
+cache on a ring is a `RingLayer` (ring.py). It implements mlx-lm's per-layer cache protocol
+(`offset`, `update_and_fetch`, `make_mask`, `state`, `trim`), so mlx-lm's model code runs on it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+
+from ..config import CacheConfig
+from .checkpoint import Held
+from .plan import Plan
+from .positions import Positions
+from .segments import Reading, attend
+from .store import DenseStore, Evictable
+from .telemetry import RetrievalTelemetry
+
+
+class LayerCache:
+    """One layer's cache (mlx-lm's per-layer protocol: `offset`, `update_and_fetch`,
+    `make_mask`, `state`, `trim`), over the stores `[sink, body, cold?]`.
+
+    `offset` is the RoPE position the next token gets: tokens seen (`current_length`) in
+    absolute mode, its cache slot in shifted mode, its position minus the base in frame mode
+    (a ring, KIVI under StreamingLLM, a retrieval hot window: it drops by the base's growth at
+    a re-base).
+    """
+
+    def __init__(self, config: CacheConfig, positions: Positions, sink: Optional[DenseStore], body: Evictable,
+                 cold: Optional[Any] = None):
+        self.config = config
+        self.positions = positions
+        self.sink_store = sink   # None in a `RingLayer`: the ring holds the sink too (ring.py)
+        self.body = body
+        self.cold = cold
+        self.telemetry = RetrievalTelemetry() if cold is not None else None
+        self.seen = 0          # tokens ever appended (monotonic)
+        self.start = 0         # position of the oldest token in the body
+        self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
+        self._step_masks: dict = {}   # make_mask's decode-step masks by shape (see there)
+
+    # ----- policy ---------------------------------------------------------------------------
+    @property
+    def n_sink(self) -> int:
+        """Sink tokens held."""
+        return len(self.sink_store)
+
+    def _window_len(self) -> int:
+        """Tokens held after the sink (the window, or KIVI's body, or the hot window)."""
+        return len(self.body)
+
+    @property
+    def needs_query(self) -> bool:
+        """Whether attention must run inside the cache (packed keys, retrieval)."""
+        return self.config.quantised or self.cold is not None
+
+    def _cold_tokens(self) -> int:
+        """Tokens in the cold store now."""
+        return len(self.cold) if self.cold is not None else 0
+
+    def _drop_to(self, pending: bool) -> int:
+        """Body tokens to evict so that the next call's tokens each see exactly `window` (with
+        `pending`: keep `window - 1`), or, between calls, so that exactly `window` are held
+        (retrieval: the hot window `hot_budget` plays the window's part, also during prefill)."""
+        limit = self.config.window if self.config.streaming else self.config.hot_budget
+        if limit is None:
+            return 0
+        limit -= 1 if pending else 0
+        held = self._window_len()
+        return self.body.droppable(held - limit) if held > limit else 0
+
+    def plan(self) -> Plan:
+        """What the next model call (of any length) does to this layer (plan.py)."""
+        rebase = self.positions.rebase_due(self.seen)
+        drop = self._drop_to(pending=True)
+        stored = self.stored_count - drop
+        if self.positions.frame:    # the re-base is done by the commit; the query gets the new base
+            offset = self.seen - self.positions.base - rebase
+        else:
+            offset = self.positions.query_offset(self.seen, stored, self._cold_after(drop))
+        return Plan(rebase, drop, self.start + drop, stored, offset)
+
+    def _cold_after(self, drop: int) -> int:
+        """Tokens in the cold store once `drop` more are evicted to it."""
+        return self._cold_tokens() + drop if self.cold is not None else 0
+
+    def commit(self, plan: Plan, keys: Optional[mx.array], values: Optional[mx.array],
+               written: Optional[tuple] = None) -> None:
+        """Apply `plan` with the new tokens [B, H, L, D]: re-base, evict, append. `written`
+        instead of keys and values: a compiled decode step's one token (compiled.py), already
+        written by the trace into the body's buffers, which go to the body's `took` (with what
+        else it needs to know of them) in place of the append."""
+        if plan.rebase:
+            self.body.rebase(plan.rebase)
+            self.positions.base += plan.rebase
+        self._evict(plan.drop)
+        if written is not None:     # one token, and a layer that has seen tokens (a dtype)
+            self.body.took(*written)
+            self.seen += 1
+            return
+        L = keys.shape[2]
+        if self.dtype is None:
+            self.dtype = keys.dtype
+        n_sink = max(0, min(L, self.config.held_sink - self.n_sink))
+        if n_sink and self._window_len() == 0:
+            self.start = self.seen + n_sink
+        self._append(keys, values, n_sink)
+        self.seen += L
+
+    def _append(self, keys: mx.array, values: mx.array, n_sink: int) -> None:
+        """The new tokens into the stores, the first `n_sink` of them into the sink."""
+        stored = keys
+        if self.positions.pre_rope:
+            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
+        if n_sink:
+            sink = stored[..., :n_sink, :]
+            if self.positions.frame:    # only the sink is kept before RoPE (placed when read)
+                sink = self.positions.unrotate(sink, self.seen - self.positions.base)
+            self.sink_store.append(sink, values[..., :n_sink, :])
+        self.body.append(stored[..., n_sink:, :], values[..., n_sink:, :])
+
+    def _evict(self, n: int) -> None:
+        """Drop the body's oldest `n` tokens (`droppable` ones); retrieval hands them to the
+        cold store."""
+        if not n:
+            return
+        k, v = self.body.drop_front(n)
+        if self.cold is not None:
+            if self.positions.frame:    # a frame hot window: the cold store keeps keys before RoPE
+                k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
+            self.cold.append(k, v, self.start)
+        self.start += n
+
+    def evict_middle_if_needed(self) -> int:
+        """StreamingLLM eviction between model calls: drop body tokens [sink, len - window) of
+        this layer, so that it holds exactly its window (a call of L > 1 tokens leaves
+        `window - 1 + L`, which the next call's commit evicts anyway: plan.py). Retrieval hands
+        what it drops to the cold store. Returns the tokens dropped."""
+        n = self._drop_to(pending=False)
+        self._evict(n)
+        return n
+
+    def extend_cold(self, keys: mx.array, values: mx.array) -> None:
+        """Take `keys`/`values` [B, H, n, D] (before RoPE) as already seen and evicted: they join
+        the cold store at positions after its last one, and the hot window moves n positions on
+        (a benchmark's way to reach long contexts fast). On frame positions the base moves on
+        with it, so the window's keys keep their frame positions and are never turned."""
+        n = keys.shape[2]
+        positions = self.cold.positions.view()
+        self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
+        if self.positions.frame:
+            self.positions.base += n
+        self.start += n
+        self.seen += n
+
+    # ----- mlx-lm protocol ------------------------------------------------------------------
+    @property
+    def offset(self) -> int:
+        return self.plan().offset
+
+    @property
+    def current_length(self) -> int:
+        return self.seen
+
+    @property
+    def stored_count(self) -> int:
+        return len(self.body) + len(self.sink_store)
+
+    #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
+    reads_own_segments = True
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Store the new tokens [B, H, L, D] (`commit` of this call's `plan`) and return them as
+        given, whatever the policy: attention reads the stored tokens itself (`attend`), and
+        `fetch()` assembles them dense for the reference path."""
+        self.commit(self.plan(), keys, values)
+        return keys, values
+
+    def _body_slot(self) -> int:
+        return self.positions.body_slot(self.n_sink, self._cold_tokens())
+
+    def readings(self) -> tuple[Reading, Reading]:
+        """How the sink and the body are read now (compute dtype, positions, first slot)."""
+        slot0 = self._slot0()
+        return (Reading(self.dtype, self.positions, slot0), Reading(self.dtype, self.positions, slot0 + self._body_slot()))
+
+    def sink_slot_during(self, plan: Plan, L: int = 1) -> int:
+        """Frame mode: where sink slot 0 sits in the query's frame while a call of `L` tokens
+        planned as `plan` attends (after its commit)."""
+        return self.positions.frame_slot0(self.seen + L, plan.stored + L, self._cold_after(plan.drop)) - plan.rebase
+
+    def _slot0(self) -> int:
+        """Where slot 0 sits in the query's RoPE frame: 0, or in frame mode its frame position."""
+        return self._sink_slot0() if self.positions.frame else 0
+
+    def _sink_slot0(self) -> int:
+        """Frame mode (a ring, a KIVI body under StreamingLLM, a retrieval hot window): the
+        sink's slot 0 in the query's frame (read only in shifted mode)."""
+        return self.positions.frame_slot0(self.seen, self.stored_count, self._cold_tokens())
+
+    def fetch(self) -> tuple[mx.array, mx.array]:
+        """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
+        the reference path (packed blocks dequantised; attention tests compare against it)."""
+        parts = []
+        sink, body = self.readings()
+        for store, reading, placed in ((self.sink_store, sink, self.positions.shifted),
+                                       (self.body, body, self.positions.pre_rope)):
+            if len(store):
+                k, v = store.fetch(self.dtype)
+                parts.append((self.positions.place(k, reading.first_slot) if placed else k, v))
+        if not parts:
+            return self._nothing()
+        if len(parts) == 1:
+            return parts[0]
+        return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
+
+    def _nothing(self) -> tuple[mx.array, mx.array]:
+        """`fetch` of a layer that holds no token."""
+        z = mx.zeros((0,), self.dtype or mx.float32)
+        return z, z
+
+    def key_positions(self, pending: int = 0, plan: Optional[Plan] = None) -> mx.array:
+        """Absolute positions of the stored tokens (after the next call's `pending` tokens, by
+        its `plan`)."""
+        first = (plan or self.plan()).first if pending else self.start
+        return mx.concatenate([mx.arange(self.n_sink), mx.arange(first, self.seen + pending)])
+
+    def _window_limits(self, N: int, plan: Plan) -> bool:
+        """Whether some of the next `N` queries may not see some stored key (StreamingLLM)."""
+        if not self.config.streaming:
+            return False
+        first_body = plan.first if self._window_len() > plan.drop else max(self.seen, self.config.sink)
+        return (self.seen + N - 1) - first_body >= self.config.window
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """The attention mask for the next `N` tokens (mlx-lm calls this before the update).
+
+        None or "causal" where every query sees every earlier stored key, else a boolean
+        [N, stored] array over absolute positions: causal, and for StreamingLLM limited to the
+        sink plus the last `window` positions of each query.
+        """
+        plan = self.plan()
+        if not self._window_limits(N, plan) and window_size is None:
+            if N == 1:
+                return None
+            if not return_array:
+                return "causal"
+        step_key = None
+        if N == 1 and window_size is None:
+            # a decode step's mask depends only on the sink held and the body's distances to the
+            # query (a KIVI body hides its oldest < G tokens): built once per shape, reused
+            step_key = (self.n_sink, self.seen - plan.first)
+            if step_key in self._step_masks:
+                return self._step_masks[step_key]
+        kpos = self.key_positions(N, plan)[None]
+        qpos = mx.arange(self.seen, self.seen + N)[:, None]
+        mask = kpos <= qpos
+        if self.config.streaming:
+            mask = mask & ((kpos < self.config.sink) | (qpos - kpos < self.config.window))
+        if window_size is not None:
+            mask = mask & (qpos - kpos < window_size)
+        if step_key is not None:
+            if len(self._step_masks) >= 256:
+                self._step_masks.clear()
+            mx.eval(mask)
+            self._step_masks[step_key] = mask
+        return mask
+
+    def segments(self) -> list:
+        """What attention reads, in key-position order matching `make_mask`'s columns."""
+        sink, body = self.readings()
+        return self.sink_store.segments(sink) + self.body.segments(body)
+
+    #: a chunk of at least this many queries over a KIVI body attends over it dequantised
+    DENSE_PREFILL = 16
+
+    def _dense_prefill(self, L: int) -> bool:
+        """Whether a chunk of `L` queries over packed blocks runs the fused dense kernel over
+        the body dequantised once (`fetch()`): a prefill chunk's attention costs L times the
+        body, its dequantisation once, so the dense kernel (BLAS here, MLX's on Metal) wins
+        where many queries share the keys; decode steps score the packed codes directly. Not
+        with exact top-k (it refines the packed scores) nor retrieval (no dense reference)."""
+        return (L >= self.DENSE_PREFILL and self.cold is None and self.config.quantised
+                and not self.config.exact_topk)
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores (and a
+        KIVI prefill chunk, `_dense_prefill`): the fused dense kernel over `fetch()`. Packed or
+        retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
+        every segment's scores (segments.attend)."""
+        if not self.needs_query or self._dense_prefill(queries.shape[2]):
+            keys, values = self.fetch()
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        if self.cold is None or not len(self.cold):
+            return attend(self.segments(), 0, queries, scale, mask)
+        stages = self.cold.stages
+        with stages.timed("model"):     # (bench's stage split: the model up to this query)
+            stages.sync(queries)
+        slot = self.positions.retrieved_slot(len(self.sink_store), len(self.cold))
+        if self.positions.frame:
+            # the queries turned back to the retrieved slot (which the coarse pass scores cold
+            # keys with anyway): against them retrieved keys sit at slot 0 and the sink at fixed
+            # slots before it, so neither is rotated per step; the window scores with `queries`
+            turned = self.positions.rotate_to(queries.astype(mx.float32), -(self._slot0() + slot))
+            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, 0, turned, scale))
+            sink = self.sink_store.segments(Reading(self.dtype, self.positions, -slot))
+            segments = retrieved + sink + self.body.segments(self.readings()[1])
+            n_turned = len(retrieved) + len(sink)
+        else:
+            turned, n_turned = None, 0
+            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, slot, queries, scale))
+            segments = retrieved + self.segments()
+        with stages.timed("attend"):
+            out = attend(segments, len(retrieved), queries, scale, mask, turned, n_turned)
+            stages.sync(out)
+        self.telemetry.record(selection)   # after attention: what the last query picked is known there
+        return out
+
+    @property
+    def state(self):
+        if self.stored_count == 0:
+            return []
+        return self.fetch()
+
+    @state.setter
+    def state(self, v):
+        raise NotImplementedError("restoring a posttrainllm cache from state is not supported")
+
+    def size(self) -> int:
+        return self.stored_count
+
+    def empty(self) -> bool:
+        return self.seen == 0
+
+    def _full_body(self) -> bool:
+        """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
+        return not self.config.streaming and self.cold is None
+
+    def is_trimmable(self) -> bool:
+        """mlx-lm's protocol: whether `trim` can roll back any number of tokens (plain full
+        caches). `trimmable()` says how far every policy can."""
+        return self._full_body() and not self.config.quantised
+
+    def trimmable(self) -> int:
+        """How many of the newest tokens `trim` can forget, leaving what a cache fed only the
+        rest would hold: every body token of a plain full cache; a full KIVI cache's exact
+        residual (frozen blocks cannot be cut back token by token); nothing for a window, a
+        hot window or a cache holding a cold store (what they evicted is gone or moved; a
+        checkpoint restores them, `checkpoint`)."""
+        if not self._full_body():
+            return 0
+        if self.config.quantised:
+            return len(self.body.residual)
+        return len(self.body)
+
+    def trim(self, n: int) -> int:
+        """Forget the newest `n` tokens, at most `trimmable()`; returns how many were forgotten."""
+        n = min(n, self.trimmable())
+        if n <= 0:
+            return 0
+        self.body.truncate(len(self.body) - n)
+        self.seen -= n
+        return n
+
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def checkpoint(self) -> dict:
+        """This layer's state now, for `restore`: its counters, the sink and a bounded body held
+        in memory, a full body and the cold store as marks (lengths to cut back to)."""
+        cp: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base, "dtype": self.dtype}
+        for name, store in self._stores().items():
+            if name == "cold" or (name == "body" and self._full_body()):
+                cp[name] = ("mark", store.mark())
+            else:
+                arrays, meta = store.state()
+                cp[name] = ("held", Held.of(arrays), meta)
+        return cp
+
+    def restore(self, cp: dict) -> None:
+        """Back to the state `checkpoint` returned (taken on this cache, which has only grown or
+        been restored to an earlier checkpoint since)."""
+        for name, store in self._stores().items():
+            kind, *rest = cp[name]
+            if kind == "held":
+                store.load_state(*rest)
+            else:
+                store.rewind(rest[0])
+        self.seen, self.start, self.positions.base, self.dtype = cp["seen"], cp["start"], cp["base"], cp["dtype"]
+        self._step_masks.clear()
+        if self.telemetry is not None:
+            self.telemetry.reset()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_breakdown().values())
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        out = dict(self.sink_store.nbytes_breakdown())
+        out.update(self.body.nbytes_breakdown())
+        if self.cold is not None:
+            out.update(self.cold.nbytes_breakdown())
+        return out
+
+    def close(self) -> None:
+        """Release every store (a disk store's files are removed)."""
+        for store in self._stores().values():
+            store.close()
+
+    # ----- prompt-cache files (cache/persist.py) --------------------------------------------
+    def _stores(self) -> dict:
+        """The stores by name (as prompt-cache files and checkpoints call them)."""
+        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
+
+    def saved_state(self) -> tuple[dict, dict]:
+        """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
+        `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays). Not
+        `state`: that is mlx-lm's protocol (the stored K/V, dense)."""
+        arrays: dict = {}
+        meta: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base,
+                      "dtype": None if self.dtype is None else str(self.dtype).rsplit(".", 1)[-1]}
+        for name, store in self._stores().items():
+            a, meta[name] = store.state()
+            arrays.update({f"{name}.{k}": v for k, v in a.items()})
+        return arrays, meta
+
+    def load_state(self, arrays, meta: dict) -> None:
+        """Refill this freshly built layer cache (same policy) from `state`'s output."""
+        self.seen, self.start = int(meta["seen"]), int(meta["start"])
+        self.positions.base = int(meta.get("base", 0))
+        self.dtype = None if meta["dtype"] is None else getattr(mx, meta["dtype"])
+        stores = self._stores()
+        if set(stores) != {k for k in ("sink", "body", "cold") if k in meta}:
+            raise ValueError(f"saved stores {sorted(k for k in ('sink', 'body', 'cold') if k in meta)} "
+                             f"do not match this policy's {sorted(stores)}")
+        for name, store in stores.items():
+            store.load_state(arrays.scope(f"{name}."), meta[name])
+        if self.telemetry is not None:
+            self.telemetry.reset()
