@@ -146,8 +146,9 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
         disk = "_disk" if cfg.cold_store == "disk" else ""   # everything that grows goes to disk
         out["cold" + disk] = len(cold) * per_token * 4       # fp32 rows
         out["cold_positions" + disk] = len(cold) * 8        # int64, one per token
-        out["cold_summary" + disk] = sum(a.nbytes for a in (cold.smin, cold.smax, cold.smean,
-                                                            cold.bmin, cold.bmax, cold.bmean) if a is not None)
+        out["cold_summary" + disk] = sum(a.nbytes for a in (cold.index.smin, cold.index.smax, cold.index.smean,
+                                                            cold.index.bmin, cold.index.bmax, cold.index.bmean)
+                                                  if a is not None)
     return out
 
 

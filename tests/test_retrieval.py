@@ -157,7 +157,7 @@ def test_sticky_pages_join_the_next_pool(unit):
                           retrieve_unit=unit, summary="minmax", sticky=sticky)
         store = ColdStore(cfg, KVCache)
         store.append(mx.array(keys), mx.array(rng.randn(1, 2, n, D).astype(np.float32)), 0)
-        assert store.top_pages_of(q.reshape(2, 2, 1, D))[:, 0, 0].tolist() == [5, 5]
+        assert store.index.top_pages_of(q.reshape(2, 2, 1, D))[:, 0, 0].tolist() == [5, 5]
         store._recent = lambda: [np.array([30]), np.array([30])]
         fetched = _picked(store, Reading(mx.float32, Positions(cfg, None), 0, mx.array(q), 1.0))
         assert all((243 in row) == sticky for row in fetched)
@@ -241,7 +241,7 @@ def test_hybrid_keeps_the_best_page_of_each_summary():
     store = _micro_store("hybrid", top_pages=2)
     k = mx.array(keys[None, None])
     store.append(k, k, start_position=0)
-    assert sorted(store.top_pages_of(q)[0, 0].tolist()) == [3, 11]
+    assert sorted(store.index.top_pages_of(q)[0, 0].tolist()) == [3, 11]
 
 
 def test_pages_append_without_copying_the_store():
@@ -257,7 +257,7 @@ def test_pages_append_without_copying_the_store():
     # capacity doubles: log2(2400 / 256) + 1 reallocations, each page otherwise written in place
     assert store.keys.growths == len(arrays) - 1 <= 4
     assert store.keys.capacity < 2 * 2400
-    assert float(store.smax.view()[599].max()) == 599.0 and float(store.smin.view()[0].min()) == 0.0
+    assert float(store.index.smax.view()[599].max()) == 599.0 and float(store.index.smin.view()[0].min()) == 0.0
 
 
 def test_growing_array_disk_grows_in_place(tmp_path):
@@ -275,7 +275,7 @@ def test_disk_store_equals_ram_store_over_a_long_prefill(native, tmp_path):
     tokens = [int(x) for x in np.random.RandomState(1).randint(1, 300, size=3000)]
     kw = dict(hot_budget=32, sink=4, page_size=8, top_pages=4, index_block=4, retrieve_unit="spans")
     ram, cache = run(native.model, CacheConfig(cold_store="ram", **kw), tokens, chunk=128, steps=2)
-    assert cache[0].cold._uses_index()
+    assert cache[0].cold.index.uses_index()
     disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw), tokens,
                       chunk=128, steps=2)
     assert cache.nbytes_breakdown()["cold_disk"] > 0
@@ -399,10 +399,10 @@ def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():
         for s in range(0, len(keys), 37):                 # appends that straddle pages and blocks
             k = mx.array(keys[None, None, s:s + 37])
             store.append(k, k, start_position=s)
-        assert store._uses_index() and store.n_blocks == n_pages // Bp
-        smin, smax = store.smin.view(), store.smax.view()
-        np.testing.assert_array_equal(store.bmin.view(), smin.reshape(-1, Bp, *smin.shape[1:]).min(axis=1))
-        np.testing.assert_array_equal(store.bmax.view(), smax.reshape(-1, Bp, *smax.shape[1:]).max(axis=1))
+        assert store.index.uses_index() and store.index.n_blocks == n_pages // Bp
+        smin, smax = store.index.smin.view(), store.index.smax.view()
+        np.testing.assert_array_equal(store.index.bmin.view(), smin.reshape(-1, Bp, *smin.shape[1:]).min(axis=1))
+        np.testing.assert_array_equal(store.index.bmax.view(), smax.reshape(-1, Bp, *smax.shape[1:]).max(axis=1))
         idx, pages, _ = store.select(q)
         assert needle in idx[0, 0]
         assert pages[0, 0, 0] == needle // ps
@@ -421,8 +421,8 @@ def test_two_level_index_matches_the_flat_scan_on_its_candidates():
         store = _micro_store("hybrid", top_pages=4, index_block=block)
         k = mx.array(keys[None, None])
         store.append(k, k, start_position=0)
-        out[block] = store.top_pages_of(q)[0, 0]
-        assert store._uses_index() == bool(block)
+        out[block] = store.index.top_pages_of(q)[0, 0]
+        assert store.index.uses_index() == bool(block)
     assert out[0][0] == out[4][0] == 1234 // ps
 
 
@@ -441,18 +441,18 @@ def test_index_expand_ranks_the_pages_of_that_many_best_blocks():
                           summary="minmax", index_block=Bp, index_expand=expand)
         store = ColdStore(cfg, KVCache)
         store.append(keys, keys, 0)
-        assert store._uses_index()
-        pages = store._scan(q, "minmax", store.smin, store.smax, None)[0, 0]
-        blocks = store._scan(q, "minmax", store.bmin, store.bmax, None)[0, 0]
+        assert store.index.uses_index()
+        pages = store.index.scan(q, "minmax", store.index.smin, store.index.smax, None)[0, 0]
+        blocks = store.index.scan(q, "minmax", store.index.bmin, store.index.bmax, None)[0, 0]
         cand = [p for b in np.argsort(-blocks)[:expand * top] for p in range(b * Bp, (b + 1) * Bp)]
         want = sorted(cand, key=lambda p: -pages[p])[:top]
-        got = store.ranked_pages(q, "minmax")[0, 0]
+        got = store.index.ranked_pages(q, "minmax")[0, 0]
         assert got.tolist() == want
         found.append(len(set(got.tolist()) & set(np.argsort(-pages)[:top].tolist())))
         # a prefill chunk's rows (two query rows) expand top_pages blocks whatever index_expand
         rows = np.concatenate([q, -q], axis=2)
         cand1 = [p for b in np.argsort(-blocks)[:top] for p in range(b * Bp, (b + 1) * Bp)]
-        assert store.ranked_pages(rows, "minmax")[0, 0].tolist() == sorted(cand1, key=lambda p: -pages[p])[:top]
+        assert store.index.ranked_pages(rows, "minmax")[0, 0].tolist() == sorted(cand1, key=lambda p: -pages[p])[:top]
     assert found[0] < top and found == sorted(found) and found[-1] > found[0]
 
 

@@ -12,7 +12,10 @@ import tempfile
 import weakref
 from typing import Any, Optional
 
+import mlx.core as mx
 import numpy as np
+
+from ..quant import GROUP_SIZES
 
 __all__ = ["GrowingArray", "private_dir", "remove_with", "remove_dir", "remove_private_dirs"]
 
@@ -157,3 +160,34 @@ def _remove_private_dir(path: str) -> bool:
 def remove_private_dirs() -> int:
     """Delete every directory `private_dir` made in this process that still exists; returns how many."""
     return sum(_remove_private_dir(path) for path in list(_PRIVATE_DIRS))
+
+
+class PackedRows:
+    """Cold rows [n, G, D] quantised per token with `quant.quantise_v` (KIVI's value layout:
+    asymmetric affine, groups of channels), stored as packed uint32 codes + scale + zero."""
+
+    def __init__(self, G: int, D: int, bits: int, path: Optional[str], codec: Any):
+        self.codec = codec
+        groups = [g for g in sorted(GROUP_SIZES, reverse=True) if D % g == 0]
+        if not groups:
+            raise ValueError(f"cold_bits needs a head dimension that is a multiple of "
+                             f"{min(GROUP_SIZES)}, got {D}")
+        self.bits, self.group = bits, groups[0]
+        name = (lambda s: None) if path is None else (lambda s: f"{path}-{s}")
+        self.codes = GrowingArray((G, D * bits // 32), np.uint32, name("codes"))
+        self.scale = GrowingArray((G, D // self.group), np.float32, name("scale"))
+        self.zero = GrowingArray((G, D // self.group), np.float32, name("zero"))
+
+    def append(self, rows: np.ndarray) -> None:
+        packed, scale, zero = self.codec.quantise_affine(mx.array(rows), self.bits, self.group)
+        self.codes.append(np.asarray(packed))
+        self.scale.append(np.asarray(scale))
+        self.zero.append(np.asarray(zero))
+
+    def gather(self, idx: np.ndarray, gi: np.ndarray) -> np.ndarray:
+        parts = [mx.array(a.array[idx, gi]) for a in (self.codes, self.scale, self.zero)]
+        return np.asarray(self.codec.dequantise_v(*parts, self.bits, self.group))
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes

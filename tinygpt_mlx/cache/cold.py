@@ -55,45 +55,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import CacheConfig
-from ..quant import GROUP_SIZES
-from .arrays import GrowingArray, private_dir, remove_dir, remove_with
+from .arrays import GrowingArray, PackedRows, private_dir, remove_dir, remove_with
+from .pages import NAMES as SUMMARIES, PageIndex
 from .segments import PoolSegment, Reading, RetrievedSegment
 from .telemetry import Selection, StageTimes
 
 __all__ = ["ColdStore"]
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16, "bf16": np.float32}  # numpy has no bf16
-
-
-class _PackedRows:
-    """Cold rows [n, G, D] quantised per token with `quant.quantise_v` (KIVI's value layout:
-    asymmetric affine, groups of channels), stored as packed uint32 codes + scale + zero."""
-
-    def __init__(self, G: int, D: int, bits: int, path: Optional[str], codec: Any):
-        self.codec = codec
-        groups = [g for g in sorted(GROUP_SIZES, reverse=True) if D % g == 0]
-        if not groups:
-            raise ValueError(f"cold_bits needs a head dimension that is a multiple of "
-                             f"{min(GROUP_SIZES)}, got {D}")
-        self.bits, self.group = bits, groups[0]
-        name = (lambda s: None) if path is None else (lambda s: f"{path}-{s}")
-        self.codes = GrowingArray((G, D * bits // 32), np.uint32, name("codes"))
-        self.scale = GrowingArray((G, D // self.group), np.float32, name("scale"))
-        self.zero = GrowingArray((G, D // self.group), np.float32, name("zero"))
-
-    def append(self, rows: np.ndarray) -> None:
-        packed, scale, zero = self.codec.quantise_affine(mx.array(rows), self.bits, self.group)
-        self.codes.append(np.asarray(packed))
-        self.scale.append(np.asarray(scale))
-        self.zero.append(np.asarray(zero))
-
-    def gather(self, idx: np.ndarray, gi: np.ndarray) -> np.ndarray:
-        parts = [mx.array(a.array[idx, gi]) for a in (self.codes, self.scale, self.zero)]
-        return np.asarray(self.codec.dequantise_v(*parts, self.bits, self.group))
-
-    @property
-    def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
 
 
 class ColdStore:
@@ -107,7 +76,6 @@ class ColdStore:
         self.page_size = config.page_size
         self.top_pages = config.top_pages
         self.retrieve_tokens = config.retrieve_tokens
-        self.summary = config.summary
         self.cold_bits = config.cold_bits
         self.dtype = _NP_DTYPES[config.storage]
         # a private directory for the disk store, removed by close() or with this store
@@ -117,10 +85,9 @@ class ColdStore:
         self.n = 0
         self.G: Optional[int] = None  # B * Hkv
         self.B: Optional[int] = None
-        self.keys = self.values = None   # GrowingArray [n, G, D] or _PackedRows
+        self.keys = self.values = None   # GrowingArray [n, G, D] or PackedRows
         self.positions: Optional[GrowingArray] = None
-        self.smin = self.smax = self.smean = None  # GrowingArray [pages, G, D]
-        self.bmin = self.bmax = self.bmean = None  # the same per block of `index_block` pages
+        self.index: Optional[PageIndex] = None   # the page summaries and the coarse pass (pages.py)
         self._recent: Optional[Any] = None   # sticky: () -> pages [G] the last pass's last query picked
 
     # ----- storage --------------------------------------------------------------------------
@@ -130,11 +97,6 @@ class ColdStore:
     @property
     def n_pages(self) -> int:
         return self.n // self.page_size
-
-    @property
-    def n_blocks(self) -> int:
-        Bp = self.config.index_block
-        return self.n_pages // Bp if Bp else 0
 
     def _path(self, name: str) -> Optional[str]:
         if self.directory is None:
@@ -149,18 +111,12 @@ class ColdStore:
             self.keys = GrowingArray((G, Dk), self.dtype, self._path("keys"))
             self.values = GrowingArray((G, Dv), self.dtype, self._path("values"))
         else:
-            self.keys = _PackedRows(G, Dk, self.cold_bits, self._path("keys"), self.codec)
-            self.values = _PackedRows(G, Dv, self.cold_bits, self._path("values"), self.codec)
+            self.keys = PackedRows(G, Dk, self.cold_bits, self._path("keys"), self.codec)
+            self.values = PackedRows(G, Dv, self.cold_bits, self._path("values"), self.codec)
         # a disk store maps everything that grows with the document (positions and summaries
         # too), so its anonymous memory stays bounded by the hot window and the open page
         self.positions = GrowingArray((), np.int64, self._path("positions"))
-        wanted = {"minmax": ("smin", "smax"), "mean": ("smean",), "hybrid": ("smin", "smax", "smean")}
-        blocks = {"smin": "bmin", "smax": "bmax", "smean": "bmean"}
-        for name in wanted[self.summary]:
-            setattr(self, name, GrowingArray((G, Dk), np.float32, self._path(name), initial=16))
-            if self.config.index_block:
-                setattr(self, blocks[name], GrowingArray((G, Dk), np.float32, self._path(blocks[name]), initial=16))
-        self._tail_keys: list[np.ndarray] = []  # exact fp32 keys of the unfinished page
+        self.index = PageIndex(self.config, G, Dk, self._path)
 
     def append(self, keys: mx.array, values: mx.array, start_position: int) -> None:
         """Append evicted tokens [B, H, n, D] whose first has absolute position `start_position`."""
@@ -174,119 +130,14 @@ class ColdStore:
         self.keys.append(k.astype(self.dtype) if self.cold_bits is None else k)
         self.values.append(v.astype(self.dtype) if self.cold_bits is None else v)
         self.positions.append(np.arange(start_position, start_position + n, dtype=np.int64))
-        # summaries of the pages this append completes (from the exact keys, before rounding)
-        self._tail_keys.append(k)
-        done_before = self.n // self.page_size
+        self.index.add(k)   # summaries of the pages this completes (exact keys, before rounding)
         self.n += n
-        done_after = self.n // self.page_size
-        if done_after > done_before:
-            tail = np.concatenate(self._tail_keys, axis=0)
-            full = (done_after - done_before) * self.page_size
-            pages = tail[:full].reshape(done_after - done_before, self.page_size, self.G, Dk)
-            if self.smin is not None:
-                self.smin.append(pages.min(axis=1))
-                self.smax.append(pages.max(axis=1))
-            if self.smean is not None:
-                self.smean.append(pages.mean(axis=1))
-            self._tail_keys = [tail[full:]] if tail.shape[0] > full else []
-            self._add_blocks()
-
-    def _add_blocks(self) -> None:
-        """Block summaries of the index for every block of pages completed so far."""
-        Bp = self.config.index_block
-        if not Bp:
-            return
-        done = (self.bmin if self.bmin is not None else self.bmean).n
-        for b in range(done, self.n_blocks):
-            sl = slice(b * Bp, (b + 1) * Bp)
-            if self.bmin is not None:
-                self.bmin.append(self.smin.view()[sl].min(axis=0, keepdims=True))
-                self.bmax.append(self.smax.view()[sl].max(axis=0, keepdims=True))
-            if self.bmean is not None:
-                self.bmean.append(self.smean.view()[sl].mean(axis=0, keepdims=True))
 
     def _gather(self, store: Any, idx: np.ndarray) -> np.ndarray:
         gi = np.arange(self.G).reshape((self.G,) + (1,) * (idx.ndim - 1))
         if isinstance(store, GrowingArray):
             return store.array[idx, gi].astype(np.float32)
         return store.gather(idx, gi)
-
-    # ----- retrieval ------------------------------------------------------------------------
-    def page_scores(self, q: np.ndarray, summary: Optional[str] = None) -> np.ndarray:
-        """Coarse pass over every page: queries [G, rep, L, D] x summaries -> [G, L, pages]
-        (max over the GQA group: a page any head of the group wants is kept)."""
-        return self._scan(q, summary or self.summary, self.smin, self.smax, self.smean)
-
-    @staticmethod
-    def _scan(q: np.ndarray, summary: str, smin, smax, smean) -> np.ndarray:
-        """Scores of queries [G, rep, L, D] against every row of page-major summaries
-        [P, G, D] (pages, or the index's blocks): BLAS matmuls over them seen as [G, D, P]."""
-        G, rep, L, D = q.shape
-        out = _summary_scores(q.reshape(G, rep * L, D), summary, smin, smax, smean,
-                              lambda x, summ: np.matmul(x, summ.view().transpose(1, 2, 0)))
-        return out.reshape(G, rep, L, -1).max(axis=1)
-
-    def _candidate_scores(self, q: np.ndarray, summary: str, cand: np.ndarray) -> np.ndarray:
-        """Scores [G, L, C] of queries [G, rep, L, D] against the pages `cand` [G, L, C] only."""
-        gi = np.arange(self.G).reshape(self.G, 1, 1)
-        out = _summary_scores(q.transpose(0, 2, 1, 3), summary, self.smin, self.smax, self.smean,
-                              lambda x, summ: np.matmul(x, summ.array[cand, gi].transpose(0, 1, 3, 2)))
-        return out.max(axis=2)                                         # [G, L, rep, C] -> [G, L, C]
-
-    def _uses_index(self) -> bool:
-        """The two-level index pays once the flat scan covers > 2x the pages it would score."""
-        Bp = self.config.index_block
-        return bool(Bp) and self.n_pages > 2 * self._expanded_blocks() * Bp
-
-    def _expanded_blocks(self) -> int:
-        return self.config.index_expand * self.top_pages
-
-    def ranked_pages(self, q: np.ndarray, summary: str) -> np.ndarray:
-        """The `top_pages` best pages [G, L, k] for each query, best first, by one summary.
-
-        Short stores scan every page summary. Long ones use the two-level index: blocks of
-        `index_block` pages carry the min of their pages' mins and the max of their maxes
-        (still an upper bound on every key of the block; mean: the mean of the means), the
-        `index_expand` x `top_pages` best blocks (a decode step; a chunk's rows: `top_pages`)
-        are expanded and their pages ranked, with the pages of the unfinished block always among
-        the candidates. Decode then reads P / index_block block summaries plus that many blocks'
-        page summaries instead of all P."""
-        k = min(self.top_pages, self.n_pages)
-        if self._uses_index():
-            Bp = self.config.index_block
-            NB = self.n_blocks
-            bs = self._scan(q, summary, self.bmin, self.bmax, self.bmean)       # [G, L, NB]
-            # a decode step (one query row) expands index_expand x top_pages blocks; a prefill
-            # chunk's rows (its last and its mean query) top_pages, their pool being shared
-            kb = min(self._expanded_blocks() if q.shape[2] == 1 else self.top_pages, NB)
-            blocks = np.argpartition(-bs, kb - 1, axis=-1)[..., :kb]
-            cand = (blocks[..., None] * Bp + np.arange(Bp)).reshape(*blocks.shape[:2], -1)
-            if self.n_pages > NB * Bp:
-                rest = np.broadcast_to(np.arange(NB * Bp, self.n_pages), cand.shape[:2] + (self.n_pages - NB * Bp,))
-                cand = np.concatenate([cand, rest], axis=-1)
-            sc = self._candidate_scores(q, summary, cand)
-        else:
-            cand = None
-            sc = self.page_scores(q, summary)
-        top = np.argpartition(-sc, k - 1, axis=-1)[..., :k]
-        top = np.take_along_axis(top, np.argsort(-np.take_along_axis(sc, top, axis=-1), axis=-1), axis=-1)
-        return top if cand is None else np.take_along_axis(cand, top, axis=-1)
-
-    def top_pages_of(self, q: np.ndarray) -> np.ndarray:
-        """The `top_pages` pages [G, L, k] for each query. "hybrid" interleaves the min/max
-        ranking and the mean ranking (a page counts at its better rank) and keeps the first
-        k distinct pages."""
-        k = self.top_pages
-        if self.summary != "hybrid":
-            return self.ranked_pages(q, self.summary)
-        lists = [self.ranked_pages(q, summary) for summary in ("minmax", "mean")]
-        both = np.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], 2 * k)  # mm0, mean0, mm1, ...
-        out = np.empty(lists[0].shape, dtype=both.dtype)
-        flat_in, flat_out = both.reshape(-1, 2 * k), out.reshape(-1, k)
-        for r in range(flat_in.shape[0]):
-            _, first = np.unique(flat_in[r], return_index=True)
-            flat_out[r] = flat_in[r][np.sort(first)[:k]]
-        return out
 
     def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
@@ -298,7 +149,7 @@ class ColdStore:
         G, _, L, _ = q.shape
         P, ps = self.n_pages, self.page_size
         if P > self.top_pages:
-            pages = self.top_pages_of(q)
+            pages = self.index.top_pages_of(q)
         else:
             pages = np.broadcast_to(np.arange(P), (G, L, P))
         idx = (pages[..., None] * ps + np.arange(ps)).reshape(G, L, -1)
@@ -322,7 +173,7 @@ class ColdStore:
         they have), and the last query's own pages [G, k] (telemetry)."""
         P = self.n_pages
         if P > self.top_pages:
-            lists = self.top_pages_of(rows)                                   # [G, R, k]
+            lists = self.index.top_pages_of(rows)                             # [G, R, k]
             rows_u = [np.unique(lists[g]) for g in range(self.G)]
             K = max(len(u) for u in rows_u)
             pool = np.full((self.G, K), -1, dtype=np.int64)
@@ -387,7 +238,7 @@ class ColdStore:
         if self.config.sticky:
             self._recent = _picked_pages(idx, valid, picked, ps)
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
-                              page_size=ps, tokens_scored=scored, indexed=self._uses_index(),
+                              page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
                               pages=last, positions=self.positions.view(),
                               tokens_retrieved=min(units * unit, idx.shape[1]),
                               fetched=lambda: [row[i[ok[i]]] for row, ok, i in
@@ -453,7 +304,7 @@ class ColdStore:
             k = pos.place(k, slot - T + 1)
         last = idx[:, -1]
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
-                              page_size=self.page_size, tokens_scored=m, indexed=self._uses_index(),
+                              page_size=self.page_size, tokens_scored=m, indexed=self.index.uses_index(),
                               pages=pages[:, -1], positions=self.positions.view(), tokens_retrieved=T,
                               fetched=lambda: list(last))
         return [RetrievedSegment(k, v)], selection
@@ -470,25 +321,24 @@ class ColdStore:
         # token, not per head) under "cold_positions"; "_disk" where mapped
         out: dict[str, int] = {}
         for name, array in self._row_arrays().items():
-            part = ("cold_positions" if name == "positions" else "cold_summary" if name in self._SUMMARIES
+            part = ("cold_positions" if name == "positions" else "cold_summary" if name in SUMMARIES
                     else "cold") + ("_disk" if array.path else "")
             out[part] = out.get(part, 0) + array.nbytes
         return out
 
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
-    _SUMMARIES = ("positions", "smin", "smax", "smean", "bmin", "bmax", "bmean")
-
     def _row_arrays(self) -> dict:
         """Every GrowingArray of this store by name: cold rows (or their packed parts), the
         positions, the page summaries and the index's block summaries."""
         out = {}
         for side in ("keys", "values"):
             store = getattr(self, side)
-            if isinstance(store, _PackedRows):
+            if isinstance(store, PackedRows):
                 out.update({f"{side}.{p}": getattr(store, p) for p in ("codes", "scale", "zero")})
             elif store is not None:
                 out[side] = store
-        out.update({name: getattr(self, name) for name in self._SUMMARIES if getattr(self, name) is not None})
+        out["positions"] = self.positions
+        out.update(self.index.arrays())
         return out
 
     def state(self) -> tuple[dict, dict]:
@@ -502,9 +352,8 @@ class ColdStore:
         arrays: dict = {}
         for name, arr in self._row_arrays().items():
             arrays[name], meta[name] = arr.state()
-        tail = (np.concatenate(self._tail_keys, axis=0) if self._tail_keys
-                else np.zeros((0, self.G, self.dims[0]), np.float32))
-        arrays["tail_keys"] = tail
+        tail = self.index.tail_keys()
+        arrays["tail_keys"] = tail if tail is not None else np.zeros((0, self.G, self.dims[0]), np.float32)
         if self._recent is not None:    # sticky: the pages the last query picked (a few per head)
             meta["recent"] = [row.tolist() for row in self._recent()]
         return arrays, meta
@@ -516,8 +365,7 @@ class ColdStore:
         self._init_arrays(B, G // B, *meta["dims"])
         for name, arr in self._row_arrays().items():
             arr.load_state(arrays[name], meta[name])
-        tail = arrays["tail_keys"].np()
-        self._tail_keys = [tail] if len(tail) else []
+        self.index.set_tail(arrays["tail_keys"].np())
         self.n = int(meta["n"])
         if "recent" in meta:
             recent = [np.asarray(row, dtype=np.int64) for row in meta["recent"]]
@@ -529,9 +377,8 @@ class ColdStore:
         the exact keys of the unfinished page (fewer than a page) and (sticky) the last picks."""
         if self.G is None:
             return {"n": 0}
-        tail = np.concatenate(self._tail_keys, axis=0) if self._tail_keys else None
         return {"n": self.n, "rows": {name: len(a) for name, a in self._row_arrays().items()},
-                "tail": tail, "recent": self._recent}
+                "tail": self.index.tail_keys(), "recent": self._recent}
 
     def rewind(self, mark: dict) -> None:
         """Cut the store back to what it held at `mark` (rows appended since are forgotten)."""
@@ -541,7 +388,7 @@ class ColdStore:
         for name, arr in self._row_arrays().items():
             arr.truncate(rows.get(name, 0))
         self.n = mark["n"]
-        self._tail_keys = [mark["tail"]] if mark.get("tail") is not None else []
+        self.index.set_tail(mark.get("tail"))
         self._recent = mark.get("recent")
 
     def close(self) -> None:
@@ -570,13 +417,3 @@ def _picked_pages(idx: np.ndarray, valid: np.ndarray, picked: Any, page_size: in
         pos = np.asarray(picked()).reshape(idx.shape[0], -1)
         return [np.unique(row[i[ok[i]]] // page_size) for row, ok, i in zip(idx, valid, pos)]
     return pages
-
-
-def _summary_scores(x: np.ndarray, summary: str, smin, smax, smean, score) -> np.ndarray:
-    """Quest's bound sum_i max(x_i min_i, x_i max_i) (minmax) or x . mean (mean) of queries x
-    against summary arrays, with `score(x, array)` doing the product (full scan or gather)."""
-    if summary == "mean":
-        return score(x, smean)
-    return score(np.maximum(x, 0), smax) + score(np.minimum(x, 0), smin)
-
-

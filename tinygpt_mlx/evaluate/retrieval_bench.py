@@ -121,7 +121,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
                    k: int = 16, chunk: int = 128, variants: Optional[list[tuple[str, int]]] = None) -> dict:
     """Recall of the exact top-k cold tokens inside the pages each (summary, index_block)
     variant selects, on the same keys and the same recorded decode queries. The selection is
-    the cold store's own (`ColdStore.top_pages_of`): flat scans (index_block 0) and the
+    the cold store's own (`PageIndex.top_pages_of`): flat scans (index_block 0) and the
     two-level index, minmax vs mean vs hybrid."""
     variants = variants or [(s, 0) for s in ("minmax", "mean", "hybrid")]
     cache = make_cache(model, config)
@@ -154,9 +154,9 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         hits, total, indexed = 0, 0, False
         for s in scored:
             v = _store_like(s, dataclasses.replace(config, summary=summary, index_block=block))
-            indexed |= v._uses_index()
+            indexed |= v.index.uses_index()
             for q, top in zip(queries[id(s)][-decode_steps:], truth[id(s)]):
-                chosen = v.top_pages_of(q)[:, -1]                           # [G, top_pages]
+                chosen = v.index.top_pages_of(q)[:, -1]                           # [G, top_pages]
                 for g in range(q.shape[0]):
                     hits += int(np.isin(top[g], chosen[g]).sum())
                     total += k
