@@ -1,5 +1,5 @@
 """Top-k selection for the KIVI refinement: one argpartition over every token against
-`kivi.top_k_indices` (best blocks, then candidates), on decode-shaped scores
+`shadow.top_k_indices` (best blocks, then candidates), on decode-shaped scores
 [1, Hkv, rep, 1, T] of random normals. Checks both give the same index sets. Not a test.
 Usage: python scripts/bench_topk.py [--tokens 32768] [--k 64] [--heads 4 --rep 2]
 """
@@ -11,8 +11,8 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from bench_quant_matmul import _time as _ms   # this directory: the same timing loop
-from tinygpt_mlx.cache.kivi import top_k_indices
+from _timing import ms_per_call as _ms   # this directory: the shared timing loop
+from tinygpt_mlx.cache.shadow import top_k_indices
 
 
 def main() -> None:

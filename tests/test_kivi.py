@@ -525,7 +525,7 @@ def test_exact_topk_needs_a_quantised_cache_and_parses_as_a_mode():
 
 @pytest.mark.parametrize("T,k", [(64, 8), (4096, 16), (8192, 64), (96, 200)])
 def test_top_k_indices_is_the_exact_top_k(T, k):
-    from tinygpt_mlx.cache.kivi import top_k_indices
+    from tinygpt_mlx.cache.shadow import top_k_indices
 
     scores = mx.random.normal((2, 3, 1, T), key=mx.random.key(T + k))
     got = np.sort(np.array(top_k_indices(scores, k, 32)), axis=-1)
@@ -645,7 +645,7 @@ def test_a_decode_step_mask_is_reused_and_equals_a_fresh_one(native32):
 def test_rotation_is_orthogonal_so_scores_are_unchanged(dim):
     """R R^T = I (randomized Hadamard for a power of two, a seeded QR otherwise), so
     (q R)(k R)^T = q k^T, and it is the same matrix every time (saved caches rely on it)."""
-    from tinygpt_mlx.cache.kivi import rotation
+    from tinygpt_mlx.cache.packed import rotation
     r = rotation(dim)
     assert mx.abs(r @ r.T - mx.eye(dim)).max().item() < 1e-6
     q, k = mx.random.normal((5, dim), key=mx.random.key(1)), mx.random.normal((7, dim), key=mx.random.key(2))

@@ -48,13 +48,13 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held
-from .packed import PackedRun, PackedSegment, rotation
+from .packed import PackedRun, PackedSegment
 from .positions import Positions
 from .segments import DenseSegment, Reading
-from .shadow import ShadowStore, top_k_indices
+from .shadow import ShadowStore
 from .store import DenseStore
 
-__all__ = ["KiviStore", "PackedSegment", "rotation", "top_k_indices"]
+__all__ = ["KiviStore"]
 
 
 class KiviStore:
