@@ -104,6 +104,9 @@ CONFIGS = [
     dict(key_bits=2, value_bits=2, near=32, near_bits=4, kivi_sink=0),
     dict(key_bits=4, value_bits=None, near=32, sink=4, window=96, rotate=True),
     dict(key_bits=2, value_bits=4, near=32, sink=4, window=96, rope_mode="absolute", rotate=True),
+    # a near tier sized to the context (1/S of the frozen tokens)
+    dict(key_bits=4, value_bits=4, near_share=4),
+    dict(key_bits=2, value_bits=4, near_share=2, sink=4, window=96, rope_mode="absolute"),
 ]
 
 
@@ -761,6 +764,46 @@ def test_near_tier_holds_the_newest_frozen_tokens_at_more_bits():
     assert store.near.keys[0].shape[-1] == 64 * 8 // 32 and store.packed.keys[0].shape[-1] == P * 4 // 32
 
 
+def test_near_tier_sized_to_the_context_grows_with_it():
+    """`near_share` S: after every token the tier holds exactly the newest 1/S of the frozen
+    tokens in whole groups (held // S rounded down to G), the body the rest; read back, the tier
+    carries 8-bit error and the body 4-bit error, as with a fixed tier."""
+    cfg = CacheConfig(key_bits=4, value_bits=4, near_share=4, rotate=False, kivi_sink=0)
+    store = kivi_store(cfg)
+    k = mx.random.normal((1, 2, 600, 32), key=mx.random.key(3))
+    v = mx.random.normal((1, 2, 600, 32), key=mx.random.key(4))
+    sizes = set()
+    for t in range(600):
+        store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        assert store.near.n == store.held // 4 // G * G == store.near_cap, (t, store.near.n, store.held)
+        assert store.held == store.n_packed + store.near.n
+        sizes.add(store.near.n)
+    assert sorted(sizes) == [0, 32, 64, 96, 128]     # 544 frozen at the end: 136 -> 128
+    got_k, _ = store.fetch(mx.float32)
+    P, H = store.n_packed, store.held
+    body, near = (mx.abs(got_k - k)[:, :, a:b].max().item() for a, b in ((0, P), (P, H)))
+    assert near < 0.025 and 0.1 < body < 0.42, (body, near)
+
+
+def test_near_tier_sized_to_the_context_stays_within_its_share_of_bytes(native32):
+    """`int4+near/8` over `int4` (measured fill, as `cache-report` measures it): exactly the tier's
+    tokens x 4 more bits per channel, keys and values, per layer, the tier being held // 8 in
+    whole groups, and at most +10% of the int4 cache at every length."""
+    from tinygpt_mlx.cache.report import bytes_table
+    from tinygpt_mlx.evaluate.modes import parse_policies
+
+    lengths = [200, 300, 600, 1000]
+    rows = bytes_table(native32.model, 300, lengths, policies=parse_policies("int4,int4+near/8"))
+    H, D = native32.model.config.n_kv_heads, native32.model.config.head_dim
+    layers = len(native32.model.layers)
+    for T, plain, near in zip(lengths, *rows):
+        held = (T - 32) // G * G                   # decode-time state: 4 exact sink + 28..59 exact
+        tier = held // 8 // G * G
+        assert near.nbytes - plain.nbytes == layers * 2 * tier * H * D * 4 // 8, (T, near.nbytes, plain.nbytes)
+        assert near.nbytes <= 1.10 * plain.nbytes, (T, near.nbytes / plain.nbytes)
+    assert rows[1][0].nbytes == rows[0][0].nbytes and rows[1][-1].nbytes > rows[0][-1].nbytes
+
+
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     """Under a window the tier is evicted from (its front, once the body is gone) and re-based
     with the body: exact keys and 8-bit values in the tier, re-based every 23 tokens, give the
@@ -789,12 +832,18 @@ def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     (["--kv-quantize", "int4", "--kv-near", "64", "--kv-near-bits", "6"], "--kv-near-bits': must be 8 or 4, got 6"),
     (["--kv-quantize", "int4", "--kv-near", "64", "--kv-exact-topk", "8"], "--kv-near': cannot be combined with --kv-exact-topk"),
     (["--kv-quantize", "int4", "--kv-near", "-32"], "--kv-near'"),
+    (["--kv-near-share", "8"], "--kv-near-share': is a KIVI tier: it needs int8/int4/int2 keys or values"),
+    (["--kv-quantize", "int4", "--kv-near", "64", "--kv-near-share", "8"],
+     "--kv-near-share': sizes the near tier to the context: it replaces --kv-near, not both"),
+    (["--kv-quantize", "int4", "--kv-near-share", "-8"], "--kv-near-share'"),
+    (["--kv-quantize", "int8", "--kv-near-share", "8"], "--kv-near-bits': must be above the body's bits (8/8), got 8"),
 ])
 def test_near_tier_bad_values_are_one_line(native32_path, flags, words):
     r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native32_path), "--prompt", "x",
                         "--tokens", "1", *flags], capture_output=True, text=True)
     assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert CacheConfig.from_spec("int4+near256b8").near == 256
+    assert CacheConfig.from_spec("int2+near/8b4").near_share == 8 and CacheConfig.from_spec("int4+near/8").near == 0
     with pytest.raises(ValueError, match="near_bits"):
         CacheConfig.from_spec("int4+near256b2")
 

@@ -143,6 +143,8 @@ class CacheConfig:
     near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8 or 4, above
                  the body's) and packed again at the body's bits as they age (0 = off;
                  cache/kivi.py: KiviStore.near, a second PackedRun)
+    near_share   KIVI: a near tier sized to the context instead, the newest 1/near_share of the
+                 frozen tokens (whole groups; 0 = off; 8 keeps an int4 cache within +10% bytes)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
                  window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled
@@ -177,6 +179,7 @@ class CacheConfig:
     rotate: bool = True
     near: int = 0
     near_bits: int = 8
+    near_share: int = 0
     sink: int = 0
     window: Optional[int] = None
     rope_mode: Optional[str] = None
@@ -219,19 +222,25 @@ class CacheConfig:
             raise ConfigError("shadow_store", "only applies with {exact_topk}", ("exact_topk",))
         _positive("kivi_sink", self.kivi_sink, 0)
         _positive("near", self.near, 0)
-        if self.near:
-            if not self.quantised:
-                raise ConfigError("near", "is a KIVI tier: it needs int8/int4/int2 keys or values ({kv_quantize})",
+        _positive("near_share", self.near_share, 0)
+        if self.near and self.near_share:
+            raise ConfigError("near_share", "sizes the near tier to the context: it replaces {near}, not both",
+                              ("near",))
+        for name in ("near", "near_share"):
+            if getattr(self, name) and not self.quantised:
+                raise ConfigError(name, "is a KIVI tier: it needs int8/int4/int2 keys or values ({kv_quantize})",
                                   ("kv_quantize",))
+            if getattr(self, name) and self.exact_topk:
+                raise ConfigError(name, "cannot be combined with {exact_topk} (its shadow refines the packed "
+                                  "body alone)", ("exact_topk",))
+        if self.near:
             if self.near % self.group_size:
                 raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
                                   ("group_size",))
-            if self.exact_topk:
-                raise ConfigError("near", "cannot be combined with {exact_topk} (its shadow refines the packed "
-                                  "body alone)", ("exact_topk",))
         if self.near_bits not in (8, 4):
             raise ConfigError("near_bits", f"must be 8 or 4, got {self.near_bits!r}")
-        if self.near and any(b is not None and b >= self.near_bits for b in (self.key_bits, self.value_bits)):
+        if self.near_tier and any(b is not None and b >= self.near_bits
+                                                  for b in (self.key_bits, self.value_bits)):
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
                               f"got {self.near_bits}")
         _positive("sink", self.sink, 0)
@@ -281,6 +290,11 @@ class CacheConfig:
     @property
     def quantised(self) -> bool:
         return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def near_tier(self) -> bool:
+        """A KIVI near tier, of `near` tokens or of 1/`near_share` of the frozen ones."""
+        return bool(self.near or self.near_share)
 
     @property
     def exact_prefix(self) -> int:
@@ -365,6 +379,7 @@ class CacheConfig:
             g64, r128                                  KIVI group size G, residual R
             esink4, rot | norot                        KIVI: first 4 tokens exact, rotated basis
             near256, near256b4                         KIVI: newest 256 frozen tokens at 8 (4) bits
+            near/8, near/8b4                           KIVI: newest 1/8 of the frozen tokens at 8 (4) bits
             top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
             sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
             [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
@@ -404,8 +419,9 @@ class CacheConfig:
             d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
                            "group_size": self.group_size, "residual": self.residual})
             d["kivi"]["rotate"] = self.rotate
-            if self.near:
-                d["kivi"].update(near=self.near, near_bits=self.near_bits)
+            if self.near_tier:
+                d["kivi"].update(**({"near": self.near} if self.near else {"near_share": self.near_share}),
+                                 near_bits=self.near_bits)
             if not (self.streaming or self.retrieval):
                 d["kivi"]["exact_sink"] = self.kivi_sink
             if self.exact_topk:
@@ -436,8 +452,9 @@ class CacheConfig:
             # the defaults (rotated, the first 4 tokens exact) go unnamed; a departure is named
             if not self.rotate:
                 prec += ", unrotated"
-            if self.near:
-                prec += f", newest {self.near} frozen at int{self.near_bits}"
+            if self.near_tier:
+                newest = self.near or f"1/{self.near_share}"
+                prec += f", newest {newest} frozen at int{self.near_bits}"
             if not (self.streaming or self.retrieval) and self.kivi_sink != field_default(CacheConfig, "kivi_sink"):
                 prec += f", first {self.kivi_sink} exact" if self.kivi_sink else ", no exact sink"
         else:
@@ -453,7 +470,7 @@ class CacheConfig:
 
 
 SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), nearN[bB] (KIVI near tier), "
+             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), nearN[bB] or near/S[bB] (KIVI near tier: N tokens, or 1/S of the frozen ones), "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
              "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
              "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
@@ -486,7 +503,8 @@ _SPEC_PARTS = (
     (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
     (re.compile(r"esink(\d+)"), lambda m: {"kivi_sink": int(m[1])}),
     (re.compile(r"(no)?rot"), lambda m: {"rotate": not m[1]}),
-    (re.compile(r"near(\d+)(?:b(\d+))?"), lambda m: {"near": int(m[1]), **({"near_bits": int(m[2])} if m[2] else {})}),
+    (re.compile(r"near(/?)(\d+)(?:b(\d+))?"), lambda m: {("near_share" if m[1] else "near"): int(m[2]),
+                                                            **({"near_bits": int(m[3])} if m[3] else {})}),
     (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
 )
 

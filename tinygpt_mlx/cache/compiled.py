@@ -169,7 +169,7 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
     if not isinstance(layer, LayerCache) or isinstance(layer, RingLayer) or layer.dtype is None:
         return False
     body, cfg = layer.body, layer.config
-    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk and not cfg.near
+    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk and not cfg.near_tier
             and layer.cold is None):
         return False
     res = body.residual

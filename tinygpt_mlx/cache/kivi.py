@@ -93,7 +93,7 @@ class KiviStore:
         bits = config.near_bits
         self.near: Optional[PackedRun] = (PackedRun(bits if self.key_bits else None, bits if self.value_bits else None,
                                                     self.group, storage, codec, config.rotate)
-                                          if config.near else None)
+                                          if config.near_tier else None)
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
@@ -102,6 +102,15 @@ class KiviStore:
     def n_packed(self) -> int:
         """Tokens in the body's frozen blocks (the near tier's not counted)."""
         return self.packed.n
+
+    @property
+    def near_cap(self) -> int:
+        """The near tier's size now: `near` tokens, or the newest 1/`near_share` of the frozen
+        tokens held, in whole groups (so the tier grows with the context, and its extra bytes stay
+        a fixed share of the body's)."""
+        if self.config.near:
+            return self.config.near
+        return self.held // self.config.near_share // self.group * self.group
 
     @property
     def held(self) -> int:
@@ -143,7 +152,7 @@ class KiviStore:
         self.frozen += n
         if self.near is not None:
             self.near.add(k, v)
-            over = self.near.n - self.config.near
+            over = self.near.n - self.near_cap
             if over <= 0:
                 return
             k, v = self.near.take_front(over)

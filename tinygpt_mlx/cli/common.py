@@ -66,6 +66,11 @@ KvNear = Annotated[Optional[int], typer.Option(
     "and pack them again at the body's bits as they age (attention reads recent tokens most). Costs "
     "N x (near bits - body bits) more bits per channel per layer, e.g. +2.4% of an int4 cache at 8K tokens (+9.2% at 2K) "
     f"for N = 256 (see docs/kivi.md). Default {field_default(_C, 'near')} (off).", show_default=False)]
+KvNearShare = Annotated[Optional[int], typer.Option(
+    "--kv-near-share", help="KIVI near tier sized to the context, instead of --kv-near: hold the newest 1/S of "
+    "the frozen tokens (whole groups of G) at --kv-near-bits. An int4 tier token costs 80% more bytes than a "
+    "body token (an int2 one at 4 bits, 67%), so S = 8 keeps an int4 cache within +10% of its bytes at every "
+    f"length (see docs/kivi.md). Default {field_default(_C, 'near_share')} (off).", show_default=False)]
 KvNearBits = Annotated[Optional[int], typer.Option(
     "--kv-near-bits", help=f"KIVI near tier's bits, 8 or 4 (above the body's). Default {field_default(_C, 'near_bits')}.",
     show_default=False)]
@@ -169,6 +174,7 @@ CACHE_OPTIONS = {
     "kv_exact_sink": (KvExactSink, "kivi_sink"),
     "kv_rotate": (KvRotate, "rotate"),
     "kv_near": (KvNear, "near"),
+    "kv_near_share": (KvNearShare, "near_share"),
     "kv_near_bits": (KvNearBits, "near_bits"),
     "streaming_llm_sink": (Sink, "sink"),
     "streaming_llm_window": (Window, "window"),
