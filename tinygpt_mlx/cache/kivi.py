@@ -293,7 +293,7 @@ class KiviStore:
         they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
         arrays, meta = self.residual.state()
         mark = {"n_packed": self.packed.n, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
-        if self.near is not None:       # bounded (at most `near` tokens): held
+        if self.near is not None:       # held: `near` tokens, or 1/`near_share` of those frozen
             arrays, meta = self.near.state()
             mark["near"] = (Held.of(arrays), meta)
         return mark
