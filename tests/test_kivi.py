@@ -775,7 +775,7 @@ def test_near_tier_sized_to_the_context_grows_with_it():
     sizes = set()
     for t in range(600):
         store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert store.near.n == store.held // 4 // G * G == store.near_cap, (t, store.near.n, store.held)
+        assert store.near.n == store.held // 4 // G * G == store.near.cap(store.held), (t, store.near.n, store.held)
         assert store.held == store.n_packed + store.near.n
         sizes.add(store.near.n)
     assert sorted(sizes) == [0, 32, 64, 96, 128]     # 544 frozen at the end: 136 -> 128

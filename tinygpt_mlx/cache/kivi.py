@@ -48,7 +48,7 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held
-from .packed import PackedRun, PackedSegment
+from .packed import NearTier, PackedRun, PackedSegment
 from .positions import Positions
 from .segments import DenseSegment, Reading
 from .shadow import ShadowStore
@@ -86,14 +86,11 @@ class KiviStore:
         self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
                                                           self.value_bits is not None)
                                               if config.exact_topk else None)
-        # the newest frozen tokens at more bits (`CacheConfig.near`): blocks freeze into it and
-        # move on to the body, re-quantised, once more than `near` tokens are frozen after them (a
-        # block leaving it is dequantised from its 8-bit codes and packed again at the body's bits:
-        # the second rounding adds ~1/16 of a 4-bit step). An exact side stays exact there.
-        bits = config.near_bits
-        self.near: Optional[PackedRun] = (PackedRun(bits if self.key_bits else None, bits if self.value_bits else None,
-                                                    self.group, storage, codec, config.rotate)
-                                          if config.near_tier else None)
+        # the newest frozen tokens at more bits (`CacheConfig.near`, `near_share`): a block
+        # leaving it is dequantised from its 8-bit codes and packed again at the body's bits (the
+        # second rounding adds ~1/16 of a 4-bit step). An exact side stays exact there.
+        self.near: Optional[NearTier] = (NearTier(config, self.key_bits, self.value_bits, storage, codec)
+                                         if config.near_tier else None)
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
@@ -102,15 +99,6 @@ class KiviStore:
     def n_packed(self) -> int:
         """Tokens in the body's frozen blocks (the near tier's not counted)."""
         return self.packed.n
-
-    @property
-    def near_cap(self) -> int:
-        """The near tier's size now: `near` tokens, or the newest 1/`near_share` of the frozen
-        tokens held, in whole groups (so the tier grows with the context, and its extra bytes stay
-        a fixed share of the body's)."""
-        if self.config.near:
-            return self.config.near
-        return self.held // self.config.near_share // self.group * self.group
 
     @property
     def held(self) -> int:
@@ -151,11 +139,10 @@ class KiviStore:
         k, v = self.packed.turn(k, v, back=False)
         self.frozen += n
         if self.near is not None:
-            self.near.add(k, v)
-            over = self.near.n - self.near_cap
-            if over <= 0:
+            out = self.near.admit(k, v, self.packed.n)
+            if out is None:
                 return
-            k, v = self.near.take_front(over)
+            k, v = out
         self.packed.add(k, v)
 
     def droppable(self, n: int) -> int:

@@ -150,6 +150,31 @@ class PackedRun:
             self.clear()
 
 
+
+class NearTier(PackedRun):
+    """A KIVI body's near tier: its newest frozen tokens at `near_bits` (`CacheConfig.near`
+    tokens, or the newest 1/`near_share` of the frozen ones in whole groups), a `PackedRun` that
+    blocks freeze into and leave, oldest first, once past its `cap`, to be packed again at the
+    body's bits."""
+
+    def __init__(self, config: Any, key_bits: Optional[int], value_bits: Optional[int], storage: mx.Dtype,
+                 codec: Any):
+        bits = config.near_bits
+        super().__init__(bits if key_bits else None, bits if value_bits else None, config.group_size, storage,
+                         codec, config.rotate)
+        self.size, self.share = config.near, config.near_share
+
+    def cap(self, held: int) -> int:
+        """The tier's size with `held` frozen tokens held in all (body and tier)."""
+        return self.size or held // self.share // self.group * self.group
+
+    def admit(self, k: mx.array, v: mx.array, body: int) -> Optional[tuple[mx.array, mx.array]]:
+        """Add the newest frozen tokens (stored basis) beside a body of `body` tokens; returns
+        the oldest tokens past the cap, dequantised, or None."""
+        self.add(k, v)
+        over = self.n - self.cap(body + self.n)
+        return self.take_front(over) if over > 0 else None
+
 class PackedSegment:
     """A packed run as an attention segment: scores and outputs straight from packed data with
     `mx.quantized_matmul`; a singleton axis broadcasts each KV head over its query group. On the
