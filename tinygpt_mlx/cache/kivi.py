@@ -162,7 +162,7 @@ class KiviStore:
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
         body = min(m, self.packed.n)
         if m > body:                        # the body is gone: the rest from the near tier's front
-            self.near.take_front(m - body)
+            self.near.cut(m - body, None)
         if body:
             self.packed.cut(body, None)
         self.evicted += m
