@@ -107,6 +107,9 @@ CONFIGS = [
     # a near tier sized to the context (1/S of the frozen tokens)
     dict(key_bits=4, value_bits=4, near_share=4),
     dict(key_bits=2, value_bits=4, near_share=2, sink=4, window=96, rope_mode="absolute"),
+    # a 6-bit tier (its codes straddle words: 16 to 3 words)
+    dict(key_bits=4, value_bits=4, near_share=4, near_bits=6),
+    dict(key_bits=4, value_bits=2, near=32, near_bits=6, sink=4, window=96, rotate=True),
 ]
 
 
@@ -829,7 +832,8 @@ def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     (["--kv-quantize", "int4", "--kv-near", "50"], "--kv-near': must be a multiple of --kv-group-size (32), got 50"),
     (["--kv-near", "64"], "--kv-near': is a KIVI tier: it needs int8/int4/int2 keys or values"),
     (["--kv-quantize", "int8", "--kv-near", "64"], "--kv-near-bits': must be above the body's bits (8/8), got 8"),
-    (["--kv-quantize", "int4", "--kv-near", "64", "--kv-near-bits", "6"], "--kv-near-bits': must be 8 or 4, got 6"),
+    (["--kv-quantize", "int4", "--kv-near", "64", "--kv-near-bits", "5"], "--kv-near-bits': must be 8, 6 or 4, got 5"),
+    (["--kv-quantize", "int8", "--kv-near", "64", "--kv-near-bits", "6"], "--kv-near-bits': must be above the body's bits (8/8), got 6"),
     (["--kv-quantize", "int4", "--kv-near", "64", "--kv-exact-topk", "8"], "--kv-near': cannot be combined with --kv-exact-topk"),
     (["--kv-quantize", "int4", "--kv-near", "-32"], "--kv-near'"),
     (["--kv-near-share", "8"], "--kv-near-share': is a KIVI tier: it needs int8/int4/int2 keys or values"),
@@ -848,7 +852,8 @@ def test_near_tier_bad_values_are_one_line(native32_path, flags, words):
         CacheConfig.from_spec("int4+near256b2")
 
 
-@pytest.mark.parametrize("spec, near_bits, body_bits", [("int4+near64", 8, 4), ("int2+near64b4", 4, 2)])
+@pytest.mark.parametrize("spec, near_bits, body_bits", [("int4+near64", 8, 4), ("int4+near64b6", 6, 4),
+                                                        ("int2+near64b4", 4, 2)])
 def test_near_tier_costs_its_tokens_extra_bits_and_nothing_else(native32, native32_path, spec, near_bits, body_bits):
     """Measured bytes (`cache-report`'s fill): a near tier of N tokens adds exactly N tokens x
     (near bits - body bits) per channel, keys and values, per layer; the scales and zeros are

@@ -68,6 +68,7 @@ POLICIES = {
     "k8v4": parse_policy("k8v4"),
     "int4+near64": parse_policy("int4+near64"),
     "int4+near/4": parse_policy("int4+near/4"),
+    "int4+near/4b6": parse_policy("int4+near/4b6"),
     "int4+top16+shadowram": parse_policy("int4+top16+shadowram"),
     "int4+top16+shadowdisk": parse_policy("int4+top16+shadowdisk"),
     "sink/window:shifted": parse_policy(f"sink{S}/window{W}:shifted"),

@@ -23,7 +23,7 @@ from tinygpt_mlx.quant import (
     unpack_codes,
 )
 
-BITS = (8, 4, 2)
+BITS = (8, 6, 4, 2)
 GROUPS = (32, 64, 128)
 
 
@@ -52,7 +52,7 @@ def _step_vals(scale: mx.array, group: int) -> mx.array:
 
 
 def test_levels_table():
-    assert LEVELS == {8: (0, 255), 4: (0, 15), 2: (0, 3)}
+    assert LEVELS == {8: (0, 255), 6: (0, 63), 4: (0, 15), 2: (0, 3)}
     assert GROUP_SIZES == (32, 64, 128)
 
 
@@ -190,12 +190,12 @@ def test_layout_agrees_with_mlx(bits, group):
 
 
 def test_element_order_within_word():
-    # element i of a word sits in bits [i*bits, (i+1)*bits), words run along the
-    # last axis; checked with plain Python ints, independent of unpack_codes.
+    # the words along the last axis form one little-endian bit stream and element
+    # i sits in its bits [i*bits, (i+1)*bits) (inside one word where bits divides
+    # 32); checked with plain Python ints, independent of unpack_codes.
     mx.random.seed(5)
     for bits in BITS:
         q_max = LEVELS[bits][1]
-        per = 32 // bits
         x = mx.random.randint(0, q_max + 1, (2, 128))
         x[:, 0] = 0
         x[:, 1] = q_max  # range q_max -> scale 1, zero 0 -> codes == x
@@ -204,16 +204,16 @@ def test_element_order_within_word():
         assert mx.array_equal(s, mx.ones_like(s)).item()
         xs = [[int(v) for v in row] for row in x.tolist()]
         for r, row in enumerate(p.tolist()):
-            for w, word in enumerate(row):
-                for i in range(per):
-                    assert (word >> (i * bits)) & q_max == xs[r][w * per + i]
+            stream = sum(word << (32 * w) for w, word in enumerate(row))
+            for i in range(128):
+                assert (stream >> (i * bits)) & q_max == xs[r][i]
         assert mx.array_equal(mx.dequantize(p, s, z, group_size=128, bits=bits), x).item()
 
 
 # ------------------------------------------------------------ quantized matmul
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32), (4, 64), (2, 64), (2, 128)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (6, 32), (4, 32), (4, 64), (2, 64), (2, 128)])
 def test_quantized_matmul_keys_gqa(bits, group):
     mx.random.seed(21)
     B, n_kv, n_rep, L, T, D = 2, 2, 3, 4, 256, 64
@@ -237,7 +237,7 @@ def test_quantized_matmul_keys_gqa(bits, group):
     assert mx.allclose(direct, ref, rtol=1e-4, atol=1e-4).item()
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32), (4, 64), (2, 64)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (6, 64), (4, 32), (4, 64), (2, 64)])
 def test_quantized_matmul_values_gqa(bits, group):
     mx.random.seed(22)
     B, n_kv, n_rep, L, T, D = 1, 2, 2, 3, 96, 128

@@ -140,7 +140,7 @@ class CacheConfig:
                  `sink` is exact already
     rotate       KIVI: quantise keys and values in a randomized Hadamard basis of the head
                  dimension (queries turned alike, the output turned back; cache/kivi.py)
-    near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8 or 4, above
+    near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8, 6 or 4, above
                  the body's) and packed again at the body's bits as they age (0 = off;
                  cache/kivi.py: KiviStore.near, a second PackedRun)
     near_share   KIVI: a near tier sized to the context instead, the newest 1/near_share of the
@@ -237,8 +237,8 @@ class CacheConfig:
             if self.near % self.group_size:
                 raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
                                   ("group_size",))
-        if self.near_bits not in (8, 4):
-            raise ConfigError("near_bits", f"must be 8 or 4, got {self.near_bits!r}")
+        if self.near_bits not in (8, 6, 4):
+            raise ConfigError("near_bits", f"must be 8, 6 or 4, got {self.near_bits!r}")
         if self.near_tier and any(b is not None and b >= self.near_bits
                                                   for b in (self.key_bits, self.value_bits)):
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "

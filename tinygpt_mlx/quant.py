@@ -19,11 +19,13 @@ The packed codes use MLX's own affine layout, so the triple
 ``mx.quantized_matmul`` (MLX computes ``w = scale * q + bias``; our ``zero`` is
 that bias).  Facts verified against mlx 0.32.4:
 
-* ``bits`` in {2, 3, 4, 5, 6, 8} are accepted by MLX; we expose 2, 4 and 8,
-  i.e. 16, 8 and 4 codes per ``uint32`` word.
+* ``bits`` in {2, 3, 4, 5, 6, 8} are accepted by MLX; we expose 2, 4, 6 and 8
+  (6: the KIVI near tier's width, ``--kv-near-bits 6``).
 * ``group_size`` must be 32, 64 or 128 (16 is rejected by ``mx.quantize``).
-* Codes are packed little-end first: element ``i`` of a word occupies bits
-  ``[i * bits, (i + 1) * bits)``; words run along the last axis.
+* Codes form one little-endian bit stream along the last axis: element ``i``
+  occupies bits ``[i * bits, (i + 1) * bits)`` of it, 32 to a ``uint32`` word.
+  Widths that divide 32 keep an element inside a word; a 6-bit element may
+  straddle two (16 codes fill 3 words).
 * Scales/biases have shape ``[..., N // group]``; the dequantised dtype follows
   the scale dtype.  We always keep scale/zero in float32.
 * ``mx.quantized_matmul`` broadcasts batch dimensions of ``w`` (GQA works by
@@ -32,6 +34,8 @@ that bias).  Facts verified against mlx 0.32.4:
 """
 
 from __future__ import annotations
+
+import math
 
 import mlx.core as mx
 
@@ -55,6 +59,7 @@ __all__ = [
 #: (q_min, q_max) of the unsigned code range for every supported bit width.
 LEVELS: dict[int, tuple[int, int]] = {
     8: (0, 255),
+    6: (0, 63),
     4: (0, 15),
     2: (0, 3),
 }
@@ -143,11 +148,7 @@ def quantise_affine(
     q = mx.clip(mx.round((xg - lo) / scale), q_min, q_max)
     codes = q.astype(mx.uint32).reshape(*lead, n)
 
-    per_word = _WORD_BITS // bits
-    words = codes.reshape(*lead, n // per_word, per_word)
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    # Bit fields are disjoint, so the sum is a bitwise OR.
-    packed = mx.sum(words << shifts, axis=-1).astype(mx.uint32)
+    packed = _pack(codes, bits)
     return packed, scale.squeeze(-1).astype(param_dtype), lo.squeeze(-1).astype(param_dtype)
 
 
@@ -158,11 +159,44 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     diagnostics, not on the hot path.
     """
     _check_bits(bits)
-    per_word = _WORD_BITS // bits
-    shifts = mx.arange(per_word, dtype=mx.uint32) * bits
-    mask = mx.array((1 << bits) - 1, dtype=mx.uint32)
-    codes = (packed[..., None] >> shifts) & mask
-    return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+    per_chunk, words = _chunk(bits)
+    chunks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // words, words)
+    mask = (1 << bits) - 1
+    codes = []
+    for i in range(per_chunk):
+        w, shift = divmod(i * bits, _WORD_BITS)
+        code = chunks[..., w] >> shift
+        if shift + bits > _WORD_BITS:    # the element's high bits open the next word
+            code = code | (chunks[..., w + 1] << (_WORD_BITS - shift))
+        codes.append(code & mask)
+    return mx.stack(codes, axis=-1).reshape(*packed.shape[:-1], -1)
+
+
+def _chunk(bits: int) -> tuple[int, int]:
+    """(codes, words) of the shortest run of whole words that holds whole codes: (32 // bits,
+    1) for widths dividing 32, (16, 3) for 6 bits."""
+    words = bits // math.gcd(bits, _WORD_BITS)
+    return words * _WORD_BITS // bits, words
+
+
+def _pack(codes: mx.array, bits: int) -> mx.array:
+    """Pack uint32 `codes` [..., n] (n a multiple of `_chunk(bits)[0]`) into the bit stream
+    of the module doc, [..., n * bits // 32]."""
+    per_chunk, words = _chunk(bits)
+    lead, n = tuple(codes.shape[:-1]), codes.shape[-1]
+    chunks = codes.reshape(*lead, n // per_chunk, per_chunk)
+    if words == 1:      # bit fields are disjoint, so the sum is a bitwise OR
+        shifts = mx.arange(per_chunk, dtype=mx.uint32) * bits
+        return mx.sum(chunks << shifts, axis=-1).astype(mx.uint32)
+    out = [None] * words
+    for i in range(per_chunk):
+        w, shift = divmod(i * bits, _WORD_BITS)
+        parts = [(w, chunks[..., i] << shift)]
+        if shift + bits > _WORD_BITS:    # the element's high bits open the next word
+            parts.append((w + 1, chunks[..., i] >> (_WORD_BITS - shift)))
+        for j, part in parts:
+            out[j] = part if out[j] is None else out[j] | part
+    return mx.stack(out, axis=-1).reshape(*lead, n * bits // _WORD_BITS)
 
 
 def dequantise(

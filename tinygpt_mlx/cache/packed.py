@@ -249,8 +249,13 @@ def _slice_side(side: Optional[Side], bits: Optional[int], keys: bool, lo: int, 
         return None
     out = []
     for a, axis in zip(side, _axes(bits, keys)):
-        per = 1 if bits is None or not keys else (32 // bits if a.dtype == mx.uint32 else group)
-        a = mx.swapaxes(a, axis, -1)[..., lo // per: None if hi is None else hi // per]
+        if bits is None or not keys:
+            cut = lambda t: t    # noqa: E731  (one token a row)
+        elif a.dtype == mx.uint32:
+            cut = lambda t: t * bits // 32    # noqa: E731  (the codes' words; group-aligned cuts)
+        else:
+            cut = lambda t: t // group    # noqa: E731  (scales and zeros: one a group)
+        a = mx.swapaxes(a, axis, -1)[..., cut(lo): None if hi is None else cut(hi)]
         out.append(mx.contiguous(mx.swapaxes(a, axis, -1)))
     return tuple(out)
 
