@@ -9,6 +9,7 @@ import pytest
 from tinygpt_mlx import attention
 from tinygpt_mlx.cache import compiled, make_cache
 from tinygpt_mlx.cache import ring as ring_mod
+from tinygpt_mlx.cache.persist import layer_state
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.bench import step_ops
 from tinygpt_mlx.loading import load
@@ -279,6 +280,6 @@ def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
     thread.join()
     assert sum(ran) > 60
     for layer in cache.owned:
-        arrays, _ = layer.saved_state()
+        arrays, _ = layer_state(layer)
         mx.eval(list(arrays.values()))      # here, on another thread: raises if anything is pending
 

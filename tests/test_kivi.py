@@ -634,15 +634,15 @@ def test_a_decode_step_mask_is_reused_and_equals_a_fresh_one(native32):
     for i in range(100, 300):
         mask = layer.make_mask(1)
         if mask is not None:
-            known = len(layer._step_masks)
-            saved, layer._step_masks = layer._step_masks, {}
+            known = len(layer.masks.steps)
+            saved, layer.masks.steps = layer.masks.steps, {}
             fresh = layer.make_mask(1)
-            layer._step_masks = saved
+            layer.masks.steps = saved
             assert mask.shape == fresh.shape and mx.array_equal(mask, fresh).item()
-            reused += known == len(layer._step_masks)
+            reused += known == len(layer.masks.steps)
         mx.eval(native32.model(toks[:, i:i + 1], cache=cache))
         cache.evict_middle_if_needed()
-    assert reused > 150 and len(layer._step_masks) <= G + 1
+    assert reused > 150 and len(layer.masks.steps) <= G + 1
 
 
 # ----- rotation and the exact sink (issue #31) ------------------------------------------------

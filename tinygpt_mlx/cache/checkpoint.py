@@ -83,3 +83,28 @@ def held_nbytes(x: Any) -> int:
     if isinstance(x, (list, tuple)):
         return sum(held_nbytes(v) for v in x)
     return 0
+
+
+def take(layer: Any) -> dict:
+    """A layer's state now, for `restore`: its counters, the sink and a bounded body held in
+    memory, a full body and the cold store as marks (lengths to cut back to)."""
+    cp: dict = layer.counters()
+    for name, store in layer.stores().items():
+        if name == "cold" or (name == "body" and layer.full_body()):
+            cp[name] = ("mark", store.mark())
+        else:
+            arrays, meta = store.state()
+            cp[name] = ("held", Held.of(arrays), meta)
+    return cp
+
+
+def restore(layer: Any, cp: dict) -> None:
+    """A layer back to the state `take` returned (taken on this layer, which has only grown or
+    been restored to an earlier checkpoint since)."""
+    for name, store in layer.stores().items():
+        kind, *rest = cp[name]
+        if kind == "held":
+            store.load_state(*rest)
+        else:
+            store.rewind(rest[0])
+    layer.set_counters(cp["seen"], cp["start"], cp["base"], cp["dtype"])

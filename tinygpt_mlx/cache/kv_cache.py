@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from .. import quant
 from ..config import CacheConfig
+from . import checkpoint as checkpoints
 from .checkpoint import held_nbytes
 from .layer import LayerCache
 from .telemetry import summarise
@@ -155,16 +156,16 @@ class KVCache(list):
         return max((c.trim(n) for c in self.distinct()), default=0)
 
     def checkpoint(self) -> Optional["Checkpoint"]:
-        """The whole cache's state now (`LayerCache.checkpoint`), or None where a layer is the
+        """The whole cache's state now (`checkpoint.take`, layer by layer), or None where a layer is the
         model's own (its cache cannot be checkpointed here)."""
         if len(self._owned) != len(self.distinct()):
             return None
-        return Checkpoint(self.current_length, [c.checkpoint() for c in self._owned])
+        return Checkpoint(self.current_length, [checkpoints.take(c) for c in self._owned])
 
     def restore(self, cp: "Checkpoint") -> None:
         """Back to checkpoint `cp` (taken on this cache; later checkpoints are no longer valid)."""
         for c, layer in zip(self._owned, cp.layers):
-            c.restore(layer)
+            checkpoints.restore(c, layer)
 
     def set_truth(self, positions: Optional[list[int]]) -> None:
         """Tell the retrieval telemetry the absolute positions of a ground-truth needle."""

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..config import CacheConfig
-from .checkpoint import Held
 from .plan import Plan
+from .mask import Masks, key_positions
 from .positions import Positions
 from .segments import Reading, attend
 from .store import DenseStore, Evictable
@@ -43,7 +43,7 @@ class LayerCache:
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
-        self._step_masks: dict = {}   # make_mask's decode-step masks by shape (see there)
+        self.masks = Masks(config)   # make_mask's, with the decode steps' masks kept by shape
 
     # ----- policy ---------------------------------------------------------------------------
     @property
@@ -225,52 +225,17 @@ class LayerCache:
         z = mx.zeros((0,), self.dtype or mx.float32)
         return z, z
 
-    def key_positions(self, pending: int = 0, plan: Optional[Plan] = None) -> mx.array:
-        """Absolute positions of the stored tokens (after the next call's `pending` tokens, by
-        its `plan`)."""
-        first = (plan or self.plan()).first if pending else self.start
-        return mx.concatenate([mx.arange(self.n_sink), mx.arange(first, self.seen + pending)])
-
-    def _window_limits(self, N: int, plan: Plan) -> bool:
-        """Whether some of the next `N` queries may not see some stored key (StreamingLLM)."""
-        if not self.config.streaming:
-            return False
-        first_body = plan.first if self._window_len() > plan.drop else max(self.seen, self.config.sink)
-        return (self.seen + N - 1) - first_body >= self.config.window
+    def key_positions(self, pending: int = 0) -> mx.array:
+        """Absolute positions of the stored tokens (after the next call's `pending` tokens)."""
+        return key_positions(self.n_sink, self.plan().first if pending else self.start, self.seen + pending)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """The attention mask for the next `N` tokens (mlx-lm calls this before the update).
-
+        """The attention mask for the next `N` tokens (mlx-lm calls this before the update):
         None or "causal" where every query sees every earlier stored key, else a boolean
-        [N, stored] array over absolute positions: causal, and for StreamingLLM limited to the
-        sink plus the last `window` positions of each query.
-        """
+        [N, stored] array over absolute positions (mask.py)."""
         plan = self.plan()
-        if not self._window_limits(N, plan) and window_size is None:
-            if N == 1:
-                return None
-            if not return_array:
-                return "causal"
-        step_key = None
-        if N == 1 and window_size is None:
-            # a decode step's mask depends only on the sink held and the body's distances to the
-            # query (a KIVI body hides its oldest < G tokens): built once per shape, reused
-            step_key = (self.n_sink, self.seen - plan.first)
-            if step_key in self._step_masks:
-                return self._step_masks[step_key]
-        kpos = self.key_positions(N, plan)[None]
-        qpos = mx.arange(self.seen, self.seen + N)[:, None]
-        mask = kpos <= qpos
-        if self.config.streaming:
-            mask = mask & ((kpos < self.config.sink) | (qpos - kpos < self.config.window))
-        if window_size is not None:
-            mask = mask & (qpos - kpos < window_size)
-        if step_key is not None:
-            if len(self._step_masks) >= 256:
-                self._step_masks.clear()
-            mx.eval(mask)
-            self._step_masks[step_key] = mask
-        return mask
+        return self.masks.make(N, plan, self.n_sink, self.seen, self._window_len() > plan.drop, return_array,
+                               window_size)
 
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""
@@ -338,14 +303,14 @@ class LayerCache:
     def empty(self) -> bool:
         return self.seen == 0
 
-    def _full_body(self) -> bool:
+    def full_body(self) -> bool:
         """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
         return not self.config.streaming and self.cold is None
 
     def is_trimmable(self) -> bool:
         """mlx-lm's protocol: whether `trim` can roll back any number of tokens (plain full
         caches). `trimmable()` says how far every policy can."""
-        return self._full_body() and not self.config.quantised
+        return self.full_body() and not self.config.quantised
 
     def trimmable(self) -> int:
         """How many of the newest tokens `trim` can forget, leaving what a cache fed only the
@@ -353,7 +318,7 @@ class LayerCache:
         residual (frozen blocks cannot be cut back token by token); nothing for a window, a
         hot window or a cache holding a cold store (what they evicted is gone or moved; a
         checkpoint restores them, `checkpoint`)."""
-        if not self._full_body():
+        if not self.full_body():
             return 0
         if self.config.quantised:
             return len(self.body.residual)
@@ -368,30 +333,16 @@ class LayerCache:
         self.seen -= n
         return n
 
-    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
-    def checkpoint(self) -> dict:
-        """This layer's state now, for `restore`: its counters, the sink and a bounded body held
-        in memory, a full body and the cold store as marks (lengths to cut back to)."""
-        cp: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base, "dtype": self.dtype}
-        for name, store in self._stores().items():
-            if name == "cold" or (name == "body" and self._full_body()):
-                cp[name] = ("mark", store.mark())
-            else:
-                arrays, meta = store.state()
-                cp[name] = ("held", Held.of(arrays), meta)
-        return cp
+    # ----- state (checkpoint.py, persist.py) --------------------------------------------------
+    def counters(self) -> dict:
+        """The layer's own counters (beside its stores' state): what checkpoints and files keep."""
+        return {"seen": self.seen, "start": self.start, "base": self.positions.base, "dtype": self.dtype}
 
-    def restore(self, cp: dict) -> None:
-        """Back to the state `checkpoint` returned (taken on this cache, which has only grown or
-        been restored to an earlier checkpoint since)."""
-        for name, store in self._stores().items():
-            kind, *rest = cp[name]
-            if kind == "held":
-                store.load_state(*rest)
-            else:
-                store.rewind(rest[0])
-        self.seen, self.start, self.positions.base, self.dtype = cp["seen"], cp["start"], cp["base"], cp["dtype"]
-        self._step_masks.clear()
+    def set_counters(self, seen: int, start: int, base: int, dtype: Optional[mx.Dtype]) -> None:
+        """Counters back to `counters()`'s (the stores refilled beside): what was read off the old
+        state (the kept decode masks, the retrieval telemetry) is forgotten."""
+        self.seen, self.start, self.positions.base, self.dtype = seen, start, base, dtype
+        self.masks.clear()
         if self.telemetry is not None:
             self.telemetry.reset()
 
@@ -408,36 +359,9 @@ class LayerCache:
 
     def close(self) -> None:
         """Release every store (a disk store's files are removed)."""
-        for store in self._stores().values():
+        for store in self.stores().values():
             store.close()
 
-    # ----- prompt-cache files (cache/persist.py) --------------------------------------------
-    def _stores(self) -> dict:
+    def stores(self) -> dict:
         """The stores by name (as prompt-cache files and checkpoints call them)."""
         return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
-
-    def saved_state(self) -> tuple[dict, dict]:
-        """(arrays, metadata) of this layer for a prompt-cache file: its counters and each store's
-        `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays). Not
-        `state`: that is mlx-lm's protocol (the stored K/V, dense)."""
-        arrays: dict = {}
-        meta: dict = {"seen": self.seen, "start": self.start, "base": self.positions.base,
-                      "dtype": None if self.dtype is None else str(self.dtype).rsplit(".", 1)[-1]}
-        for name, store in self._stores().items():
-            a, meta[name] = store.state()
-            arrays.update({f"{name}.{k}": v for k, v in a.items()})
-        return arrays, meta
-
-    def load_state(self, arrays, meta: dict) -> None:
-        """Refill this freshly built layer cache (same policy) from `state`'s output."""
-        self.seen, self.start = int(meta["seen"]), int(meta["start"])
-        self.positions.base = int(meta.get("base", 0))
-        self.dtype = None if meta["dtype"] is None else getattr(mx, meta["dtype"])
-        stores = self._stores()
-        if set(stores) != {k for k in ("sink", "body", "cold") if k in meta}:
-            raise ValueError(f"saved stores {sorted(k for k in ('sink', 'body', 'cold') if k in meta)} "
-                             f"do not match this policy's {sorted(stores)}")
-        for name, store in stores.items():
-            store.load_state(arrays.scope(f"{name}."), meta[name])
-        if self.telemetry is not None:
-            self.telemetry.reset()

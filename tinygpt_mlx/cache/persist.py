@@ -176,7 +176,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
     tensors: dict = {}
     metas = []
     for i, layer in enumerate(owned):
-        arrays, meta = layer.saved_state()
+        arrays, meta = layer_state(layer)
         tensors.update({f"layer{i}.{k}": v for k, v in arrays.items()})
         metas.append(meta)
     if logits is not None:
@@ -389,7 +389,7 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
                                    f"model's ({layout})")
         arrays = Arrays(entries, path)
         for i, (layer, m) in enumerate(zip(owned, layers["owned"])):
-            layer.load_state(arrays.scope(f"layer{i}."), m)
+            load_layer(layer, arrays.scope(f"layer{i}."), m)
         info.logits = arrays["logits"].mx() if "logits" in arrays else None
     except (KeyError, TypeError, ValueError) as e:
         cache.close()
@@ -402,3 +402,27 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
         raise PromptCacheError(f"{path}: corrupt prompt cache (restored {cache.current_length}/"
                                f"{cache.stored_count} tokens, the file says {info.current_length}/{info.stored_count})")
     return cache, info
+
+
+def layer_state(layer: Any) -> tuple[dict, dict]:
+    """(arrays, metadata) of one layer for a prompt-cache file: its counters and each store's
+    `state()`, asked store by store (named "sink.", "body.", "cold." in the arrays)."""
+    arrays: dict = {}
+    meta: dict = layer.counters()
+    meta["dtype"] = None if meta["dtype"] is None else str(meta["dtype"]).rsplit(".", 1)[-1]
+    for name, store in layer.stores().items():
+        a, meta[name] = store.state()
+        arrays.update({f"{name}.{k}": v for k, v in a.items()})
+    return arrays, meta
+
+
+def load_layer(layer: Any, arrays: Any, meta: dict) -> None:
+    """Refill a freshly built layer cache (same policy) from `layer_state`'s output."""
+    layer.set_counters(int(meta["seen"]), int(meta["start"]), int(meta.get("base", 0)),
+                       None if meta["dtype"] is None else getattr(mx, meta["dtype"]))
+    stores = layer.stores()
+    saved = sorted(k for k in ("sink", "body", "cold") if k in meta)
+    if set(stores) != set(saved):
+        raise ValueError(f"saved stores {saved} do not match this policy's {sorted(stores)}")
+    for name, store in stores.items():
+        store.load_state(arrays.scope(f"{name}."), meta[name])

@@ -349,5 +349,5 @@ class RingLayer(LayerCache):
     def nbytes_breakdown(self) -> dict[str, int]:
         return dict(self.body.nbytes_breakdown())
 
-    def _stores(self) -> dict:
+    def stores(self) -> dict:
         return {"body": self.body}
