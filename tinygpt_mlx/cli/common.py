@@ -72,9 +72,9 @@ KvNearShare = Annotated[Optional[int], typer.Option(
     "body token (an int2 one at 4 bits, 67%), so S = 8 keeps an int4 cache within +10% of its bytes at every "
     f"length (see docs/kivi.md). Default {field_default(_C, 'near_share')} (off).", show_default=False)]
 KvNearBits = Annotated[Optional[int], typer.Option(
-    "--kv-near-bits", help=f"KIVI near tier's bits, 8, 6 or 4 (above the body's). A 6-bit tier holds twice an 8-bit one's tokens "
+    "--kv-near-bits", help="KIVI near tier's bits, 8, 6 or 4 (above the body's). A 6-bit tier holds twice an 8-bit one's tokens "
     "above an int4 body for the same bytes (--kv-near-share 4 --kv-near-bits 6 costs what --kv-near-share 8 "
-    "does; see docs/kivi.md). Default {field_default(_C, 'near_bits')}.",
+    f"does; see docs/kivi.md). Default {field_default(_C, 'near_bits')}.",
     show_default=False)]
 Sink = Annotated[Optional[int], typer.Option(
     "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window, or "

@@ -15,8 +15,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 
