@@ -121,9 +121,9 @@ KivPositions = Annotated[Optional[str], typer.Option(
     f"InfLLM), page (token j of every fetched page at the j-th of --kiv-page-size slots: spans keep their inner "
     f"distances) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
 KivUnit = Annotated[Optional[str], typer.Option(
-    "--kiv-unit", help=f"Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens "
-    f"(tokens) or its --kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). "
-    f"Default spans (tokens with --kiv-positions slots).", show_default=False)]
+    "--kiv-unit", help="Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens "
+    "(tokens) or its --kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). "
+    "Default spans (tokens with --kiv-positions slots).", show_default=False)]
 KivIndexBlock = Annotated[Optional[int], typer.Option(
     "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
     f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
