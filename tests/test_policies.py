@@ -160,7 +160,7 @@ def _snapshot(cache) -> dict:
         layer_nbytes=[c.nbytes for c in layers], layer_breakdowns=[c.nbytes_breakdown() for c in layers],
         layer_expected=[layer_bytes_expected(c) for c in layers],
         stored=[c.stored_count for c in layers], seen=[c.current_length for c in layers],
-        offsets=[c.offset for c in layers], slot0=[c._slot0() for c in layers],
+        offsets=[c.offset for c in layers], slot0=[c.slot0() for c in layers],
         cold=[len(c.cold) if c.cold is not None else 0 for c in layers],
         evicted=[c.body.evicted if hasattr(c.body, "evicted") else None for c in layers],
         residual=[len(c.body.residual) if hasattr(c.body, "residual") else None for c in layers],

@@ -318,7 +318,7 @@ def test_positions_stay_bounded_and_prefill_chunks_retrieve(native, ring):
     # the query's distance to slot 0 (the sink's first key): on frame positions the query sits
     # at its position and slot 0 just before the retrieval slots and the hot window
     assert c.positions.frame == ring
-    assert c.offset - c._slot0() <= 4 + c.positions.reserved + 32
+    assert c.offset - c.slot0() <= 4 + c.positions.reserved + 32
     if not ring:
         assert c.offset <= 4 + c.positions.reserved + 32
     rep = cache.retrieval_report()

@@ -17,6 +17,7 @@ from ..config import CacheConfig
 from .plan import Plan
 from .mask import Masks, key_positions
 from .positions import Positions
+from .retrieved import attend_retrieving
 from .segments import Reading, attend
 from .store import DenseStore, Evictable
 from .telemetry import RetrievalTelemetry
@@ -187,7 +188,7 @@ class LayerCache:
 
     def readings(self) -> tuple[Reading, Reading]:
         """How the sink and the body are read now (compute dtype, positions, first slot)."""
-        slot0 = self._slot0()
+        slot0 = self.slot0()
         return (Reading(self.dtype, self.positions, slot0), Reading(self.dtype, self.positions, slot0 + self._body_slot()))
 
     def sink_slot_during(self, plan: Plan, L: int = 1) -> int:
@@ -195,7 +196,7 @@ class LayerCache:
         planned as `plan` attends (after its commit)."""
         return self.positions.frame_slot0(self.seen + L, plan.stored + L, self._cold_after(plan.drop)) - plan.rebase
 
-    def _slot0(self) -> int:
+    def slot0(self) -> int:
         """Where slot 0 sits in the query's RoPE frame: 0, or in frame mode its frame position."""
         return self._sink_slot0() if self.positions.frame else 0
 
@@ -264,28 +265,7 @@ class LayerCache:
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if self.cold is None or not len(self.cold):
             return attend(self.segments(), 0, queries, scale, mask)
-        stages = self.cold.stages
-        with stages.timed("model"):     # (bench's stage split: the model up to this query)
-            stages.sync(queries)
-        slot = self.positions.retrieved_slot(len(self.sink_store), len(self.cold))
-        if self.positions.frame:
-            # the queries turned back to the retrieved slot (which the coarse pass scores cold
-            # keys with anyway): against them retrieved keys sit at slot 0 and the sink at fixed
-            # slots before it, so neither is rotated per step; the window scores with `queries`
-            turned = self.positions.rotate_to(queries.astype(mx.float32), -(self._slot0() + slot))
-            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, 0, turned, scale))
-            sink = self.sink_store.segments(Reading(self.dtype, self.positions, -slot))
-            segments = retrieved + sink + self.body.segments(self.readings()[1])
-            n_turned = len(retrieved) + len(sink)
-        else:
-            turned, n_turned = None, 0
-            retrieved, selection = self.cold.retrieve(Reading(self.dtype, self.positions, slot, queries, scale))
-            segments = retrieved + self.segments()
-        with stages.timed("attend"):
-            out = attend(segments, len(retrieved), queries, scale, mask, turned, n_turned)
-            stages.sync(out)
-        self.telemetry.record(selection)   # after attention: what the last query picked is known there
-        return out
+        return attend_retrieving(self, queries, scale, mask)
 
     @property
     def state(self):
