@@ -68,8 +68,7 @@ class PackedRun:
     def add(self, k: mx.array, v: mx.array) -> None:
         """Tokens k, v (in the stored basis: `turn` first) quantised and appended: keys per
         channel (groups of G tokens along K^T's last axis), values per token."""
-        kpart = (self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
-                 if self.key_bits else (k.astype(self.storage),))
+        kpart = self._pack_keys(k) if self.key_bits else (k.astype(self.storage),)
         vpart = (self.codec.quantise_affine(v, self.value_bits, self.group, PARAMS) if self.value_bits
                  else (v.astype(self.storage),))
         self.keys = _concat(self.keys, kpart, _axes(self.key_bits, keys=True))
@@ -127,7 +126,11 @@ class PackedRun:
             return
         k = self.codec.dequantise_k(*self.keys, self.key_bits, self.group)
         k = self.basis(turn(self.basis(k, self.key_bits, back=True)), self.key_bits, back=False)
-        self.keys = self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
+        self.keys = self._pack_keys(k)
+
+    def _pack_keys(self, k: mx.array) -> Side:
+        """Keys [B, H, T, D] quantised per channel: groups of G tokens along K^T's last axis."""
+        return self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
 
     # ----- bytes and files -------------------------------------------------------------------
     @property
