@@ -159,14 +159,13 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
     diagnostics, not on the hot path.
     """
     _check_bits(bits)
-    per_chunk, words = _chunk(bits)
+    _, words = _chunk(bits)
     chunks = packed.reshape(*packed.shape[:-1], packed.shape[-1] // words, words)
     mask = (1 << bits) - 1
     codes = []
-    for i in range(per_chunk):
-        w, shift = divmod(i * bits, _WORD_BITS)
+    for w, shift, straddles in _fields(bits):
         code = chunks[..., w] >> shift
-        if shift + bits > _WORD_BITS:    # the element's high bits open the next word
+        if straddles:
             code = code | (chunks[..., w + 1] << (_WORD_BITS - shift))
         codes.append(code & mask)
     return mx.stack(codes, axis=-1).reshape(*packed.shape[:-1], -1)
@@ -179,6 +178,16 @@ def _chunk(bits: int) -> tuple[int, int]:
     return words * _WORD_BITS // bits, words
 
 
+def _fields(bits: int) -> list[tuple[int, int, bool]]:
+    """Where each code of a chunk (`_chunk`) lies in the bit stream: (word, shift, whether its
+    high bits open the next word)."""
+    out = []
+    for i in range(_chunk(bits)[0]):
+        w, shift = divmod(i * bits, _WORD_BITS)
+        out.append((w, shift, shift + bits > _WORD_BITS))
+    return out
+
+
 def _pack(codes: mx.array, bits: int) -> mx.array:
     """Pack uint32 `codes` [..., n] (n a multiple of `_chunk(bits)[0]`) into the bit stream
     of the module doc, [..., n * bits // 32]."""
@@ -189,10 +198,9 @@ def _pack(codes: mx.array, bits: int) -> mx.array:
         shifts = mx.arange(per_chunk, dtype=mx.uint32) * bits
         return mx.sum(chunks << shifts, axis=-1).astype(mx.uint32)
     out = [None] * words
-    for i in range(per_chunk):
-        w, shift = divmod(i * bits, _WORD_BITS)
+    for i, (w, shift, straddles) in enumerate(_fields(bits)):
         parts = [(w, chunks[..., i] << shift)]
-        if shift + bits > _WORD_BITS:    # the element's high bits open the next word
+        if straddles:
             parts.append((w + 1, chunks[..., i] >> (_WORD_BITS - shift)))
         for j, part in parts:
             out[j] = part if out[j] is None else out[j] | part

@@ -252,13 +252,10 @@ def _slice_side(side: Optional[Side], bits: Optional[int], keys: bool, lo: int, 
         return None
     out = []
     for a, axis in zip(side, _axes(bits, keys)):
-        if bits is None or not keys:
-            cut = lambda t: t    # noqa: E731  (one token a row)
-        elif a.dtype == mx.uint32:
-            cut = lambda t: t * bits // 32    # noqa: E731  (the codes' words; group-aligned cuts)
-        else:
-            cut = lambda t: t // group    # noqa: E731  (scales and zeros: one a group)
-        a = mx.swapaxes(a, axis, -1)[..., cut(lo): None if hi is None else cut(hi)]
+        # entries per token along the axis, num / den: one (values, exact keys), bits / 32 (packed
+        # key codes: cuts fall on group boundaries, so on whole words), 1 / group (key scales, zeros)
+        num, den = (1, 1) if bits is None or not keys else (bits, 32) if a.dtype == mx.uint32 else (1, group)
+        a = mx.swapaxes(a, axis, -1)[..., lo * num // den: None if hi is None else hi * num // den]
         out.append(mx.contiguous(mx.swapaxes(a, axis, -1)))
     return tuple(out)
 

@@ -37,4 +37,3 @@ def attend_retrieving(layer: Any, queries: mx.array, scale: float, mask: Any) ->
         stages.sync(out)
     layer.telemetry.record(selection)   # after attention: what the last query picked is known there
     return out
-
