@@ -8,6 +8,13 @@ pages holding the needle into every head's pool at every pass (the model still p
 pool by its own scores): if the oracle answers where the policy does not, the needle's pages
 were out of reach (the coarse pass), not beyond the model.
 
+`--ranks` also prints, per layer, where the needle's best page ranks among all complete cold
+pages for the prompt's last query (the one that answers) at the last prefill pass: by the
+policy's page summary (the coarse pass) and by its exact score (max q.k over the page's keys,
+max over the GQA group), as the median and best over KV heads. A needle that ranks high by its
+exact score but low by its summary is lost by the summary; one that ranks low by both is not
+what that layer's query looks for.
+
     python scripts/needle_step_probe.py MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
 """
@@ -24,7 +31,7 @@ from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.cache.telemetry import cold_indices
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.evaluate.needle import cell_document, needle_positions
+from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, as_chat, cell_document, needle_positions, with_lead_in
 from tinygpt_mlx.generate import forward, prefill
 
 
@@ -43,13 +50,48 @@ def oracle_pool(truth: list[int]):
     return pool
 
 
+def ranking_pool(truth: list[int], ranks: dict):
+    """`ColdStore.pool` that records, per layer, the ranks of the needle's best complete page for
+    the pass's last query (row 0): by the coarse summary and by the exact page score."""
+    plain = ColdStore.pool
+
+    def pool(self, rows):
+        P, ps = self.n_pages, self.page_size
+        pages = np.unique(cold_indices(self.positions.view(), self.n, truth) // ps)
+        pages = pages[pages < P]
+        if pages.size and P > 1:
+            q = rows[:, :, :1]                                             # [G, rep, 1, D]
+            coarse = self.index.page_scores(q)[:, 0]                         # [G, P]
+            idx = np.broadcast_to(np.arange(P * ps), (self.G, P * ps))
+            keys = self._gather(self.keys, idx)                              # [G, P*ps, D]
+            exact = np.matmul(q[:, :, 0], keys.transpose(0, 2, 1)).max(axis=1)   # [G, P*ps]
+            exact = exact.reshape(self.G, P, ps).max(axis=-1)
+            ranks["pages"] = (P, self.top_pages)
+            ranks[self.layer_index] = [tuple(int((s[g] > s[g, pages].max()).sum()) for s in (coarse, exact))
+                                       for g in range(self.G)]
+        return plain(self, rows)
+    return pool
+
+
+def print_ranks(ranks: dict, n_pages: int, top_pages: int) -> None:
+    print(f"needle's best page among {n_pages} cold pages, last query (median / best over KV heads; "
+          f"the coarse pass keeps the top {top_pages}):")
+    print("layer | summary rank | exact rank")
+    for layer in sorted(ranks):
+        c, e = (np.array([r[i] for r in ranks[layer]]) for i in (0, 1))
+        print(f"{layer:5d} | {int(np.median(c)):5d} / {c.min():5d} | {int(np.median(e)):5d} / {e.min():5d}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None)
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--depth", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--filler", default="data/heldout.txt")
+    ap.add_argument("--filler", default=str(DEFAULT_FILLER))
+    ap.add_argument("--chat", action="store_true", help="ask through the model's chat template (as needle --chat)")
+    ap.add_argument("--lead-in", default=None, help="the answer's lead-in (as needle --lead-in)")
+    ap.add_argument("--ranks", action="store_true", help="print the needle page's rank per layer (above)")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--policies", default="sink4/hot256,oracle:sink4/hot256")
     a = ap.parse_args()
@@ -61,6 +103,7 @@ def main() -> None:
     tok = loaded.tokenizer
     filler = open(a.filler, encoding="utf-8").read()
     prompt, answer = cell_document(tok, filler, a.context, a.depth, a.seed)
+    prompt = as_chat(tok, prompt, a.lead_in) if a.chat else with_lead_in(prompt, a.lead_in)
     ids = list(tok.encode(prompt))
     truth = np.asarray(needle_positions(tok.encode, prompt, answer))
     target = list(tok.encode(" " + answer + "."))
@@ -68,10 +111,16 @@ def main() -> None:
           f"needle at positions {truth.min()}-{truth.max()}", flush=True)
     plain = ColdStore.pool
     for spec, config in configs:
+        ranks: dict = {}
         ColdStore.pool = oracle_pool(truth) if spec.startswith("oracle:") else plain
+        if a.ranks and not spec.startswith("oracle:"):
+            ColdStore.pool = ranking_pool(truth, ranks)
         try:
             with make_cache(loaded.model, config) as cache:
                 logits = prefill(loaded.model, ids, cache, a.chunk)
+                ColdStore.pool = plain if not spec.startswith("oracle:") else ColdStore.pool
+                if ranks:
+                    print_ranks(ranks, *ranks.pop("pages"))
                 steps = []
                 for t in target:
                     p = mx.softmax(logits.astype(mx.float32))
