@@ -8,30 +8,24 @@ so that a front end only names its own spelling of it (the CLI names the flag).
 
 A `CacheConfig` is built from fields, from CLI/HTTP style names (`CacheConfig.from_flags`) or
 from a policy spec string such as "int4+sink4/window252:absolute" (`CacheConfig.from_spec`, the
-one spec parser: compare, perplexity, bench and needle use it); the last two share the
-precision table `precision_fields`.
+one spec parser: compare, perplexity, bench and needle use it; its grammar, the names of the
+choices and the policy's short label live in `policy_spec`); the last two share the precision
+table `precision_fields`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-STORAGE_DTYPES = ("fp32", "fp16", "bf16")
-QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
-KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
-#: KIVI group sizes: the ones MLX's quantised kernels accept (`quant.py`).
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
-ROPE_MODES = ("shifted", "absolute")
-#: The RoPE mode of a StreamingLLM or retrieval policy that names none.
-DEFAULT_ROPE_MODE = "shifted"
-SUMMARY_KINDS = ("minmax", "mean", "hybrid")
-COLD_STORES = ("ram", "disk")
-RETRIEVED_POSITIONS = ("fixed", "page", "slots")
-RETRIEVE_UNITS = ("tokens", "spans")
+from .policy_spec import (COLD_STORES, DEFAULT_ROPE_MODE, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
+                          RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS,
+                          label, spec_flags)
 
+__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
+           "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "CacheConfig", "ConfigError",
+           "ModelConfig", "SampleConfig", "field_default", "precision_fields"]
 
 class ConfigError(ValueError):
     """A bad configuration value. `field` is the field (or `CacheConfig.from_flags` keyword) at
@@ -371,42 +365,10 @@ class CacheConfig:
 
     @classmethod
     def from_spec(cls, spec: str) -> "CacheConfig":
-        """The one policy spec parser (`--modes`, `--policies`, `--baseline`, needle's grid):
-        `+`-joined parts, each optional, case-insensitive, mapped onto `from_flags`:
-
-            fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
-            k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
-            g64, r128                                  KIVI group size G, residual R
-            esink4, rot | norot                        KIVI: first 4 tokens exact, rotated basis
-            near256, near256b4                         KIVI: newest 256 frozen tokens at 8 (4) bits
-            near/8, near/8b4                           KIVI: newest 1/8 of the frozen tokens at 8 (4) bits
-            top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
-            sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
-            [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
-            colddisk | coldram                         retrieval's cold store on disk (default) or in RAM
-            spans | tokens, page                       what retrieval fetches; page RoPE slots
-            block8                                     retrieval: pages per block of the page index
-            minmax | mean | hybrid                     retrieval: the page summary
-            pages64                                    retrieval: pages the coarse pass keeps
-            sticky | nosticky                          retrieval: the last pick's pages kept in reach
-            expand4                                    retrieval: blocks the index expands, x top pages
-
-        e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
-        and "full" are the fp32 full cache. A bad part or config is a ValueError naming the spec."""
-        flags: dict[str, Any] = {}
-        text = spec.strip().lower()
-        for part in ([] if text in ("", "full") else [p.strip() for p in text.split("+")]):
-            matched = False
-            for pattern, build in _SPEC_PARTS:
-                if m := pattern.fullmatch(part):
-                    for key, value in build(m).items():
-                        if key in flags:
-                            raise ValueError(f"policy {spec!r}: {part!r} sets {key} twice")
-                        flags[key] = value
-                    matched = True
-                    break
-            if not matched:
-                raise ValueError(f"policy {spec!r}: unknown part {part!r} ({SPEC_HELP})")
+        """The one policy spec parser (`--modes`, `--policies`, `--baseline`, needle's grid): the
+        spec's parts (`policy_spec.spec_flags`, grammar and examples there) through `from_flags`.
+        A bad part or config is a ValueError naming the spec."""
+        flags = spec_flags(spec)
         try:
             return cls.from_flags(**flags)
         except ValueError as e:
@@ -441,73 +403,9 @@ class CacheConfig:
         return d
 
     def label(self) -> str:
-        """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'."""
-        if self.quantised:
-            kb = f"int{self.key_bits}" if self.key_bits else self.storage
-            vb = f"int{self.value_bits}" if self.value_bits else self.storage
-            prec = kb if kb == vb else f"K {kb} / V {vb}"
-            if self.exact_topk:
-                where = "" if self.shadow_store == "disk" else f", {self.shadow_store} shadow"
-                prec += f" (exact top-{self.exact_topk}{where})"
-            # the defaults (rotated, the first 4 tokens exact) go unnamed; a departure is named
-            if not self.rotate:
-                prec += ", unrotated"
-            if self.near_tier:
-                newest = self.near or f"1/{self.near_share}"
-                prec += f", newest {newest} frozen at int{self.near_bits}"
-            if not (self.streaming or self.retrieval) and self.kivi_sink != field_default(CacheConfig, "kivi_sink"):
-                prec += f", first {self.kivi_sink} exact" if self.kivi_sink else ", no exact sink"
-        else:
-            prec = self.storage
-        parts = [prec]
-        if self.streaming:
-            parts.append(f"StreamingLLM sink {self.sink} + window {self.window} ({self.rope_mode} RoPE)")
-        if self.retrieval:
-            fetched = (f"top {self.retrieve_tokens} tokens" if self.retrieve_unit == "tokens" else
-                       f"top {max(1, self.retrieve_tokens // self.page_size)} pages")
-            parts.append(f"retrieval hot {self.hot_budget} + {fetched}")
-        return " + ".join(parts)
-
-
-SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), nearN[bB] or near/S[bB] (KIVI near tier: N tokens, or 1/S of the frozen ones), "
-             "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
-             "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
-             "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
-
-
-def _rope(m: "re.Match") -> dict[str, Any]:
-    return {"rope_mode": m["rope"]} if m["rope"] else {}
-
-
-_ROPE = r"(?::(?P<rope>absolute|shifted))?"
-_NUMBERED = {"g": "group_size", "r": "residual", "top": "exact_topk"}
-# (a spec part's pattern, the `from_flags` keywords it sets), tried in order by `from_spec`.
-_SPEC_PARTS = (
-    (re.compile("|".join(KV_QUANTIZE_CHOICES)), lambda m: {"kv_quantize": m[0]}),
-    (re.compile(r"k([248])v([248])"), lambda m: {"kv_quantize_keys": f"int{m[1]}",
-                                                  "kv_quantize_values": f"int{m[2]}"}),
-    (re.compile(r"(?:sink(\d+)/)?window(\d+)" + _ROPE),
-     lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)}),
-    (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
-     lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
-    (re.compile(r"cold(disk|ram)"), lambda m: {"cold_store": m[1]}),
-    (re.compile(r"spans|tokens"), lambda m: {"retrieve_unit": m[0]}),
-    (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
-    (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
-    (re.compile(r"pages(\d+)"), lambda m: {"top_pages": int(m[1])}),
-    (re.compile(r"minmax|mean|hybrid"), lambda m: {"summary": m[0]}),
-    (re.compile(r"(no)?sticky"), lambda m: {"sticky": not m[1]}),
-    (re.compile(r"expand(\d+)"), lambda m: {"index_expand": int(m[1])}),
-    (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
-    (re.compile(r"esink(\d+)"), lambda m: {"kivi_sink": int(m[1])}),
-    (re.compile(r"(no)?rot"), lambda m: {"rotate": not m[1]}),
-    (re.compile(r"near(/?)(\d+)(?:b(\d+))?"), lambda m: {("near_share" if m[1] else "near"): int(m[2]),
-                                                            **({"near_bits": int(m[3])} if m[3] else {})}),
-    (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
-)
-
+        """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'
+        (`policy_spec.label`)."""
+        return label(self, field_default(CacheConfig, "kivi_sink"))
 
 @dataclass(frozen=True)
 class SampleConfig:

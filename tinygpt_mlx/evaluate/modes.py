@@ -7,7 +7,8 @@ e.g. "int4", "bf16", "int8+sink4/window256", "k8v4", "sink4/window256:absolute".
 
 from __future__ import annotations
 
-from ..config import SPEC_HELP, CacheConfig
+from ..config import CacheConfig
+from ..policy_spec import SPEC_HELP
 
 __all__ = ["SPEC_HELP", "parse_policy", "parse_policies"]
 
