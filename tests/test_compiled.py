@@ -8,7 +8,7 @@ import pytest
 
 from tinygpt_mlx import attention
 from tinygpt_mlx.cache import compiled, make_cache
-from tinygpt_mlx.cache import ring as ring_mod
+from tinygpt_mlx.cache import sink_block
 from tinygpt_mlx.cache.persist import layer_state
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.bench import step_ops
@@ -61,7 +61,7 @@ def test_compiled_step_equals_the_eager_step(native, mode, storage, monkeypatch)
     """310 decode steps over a 4 + 16 ring: 19 wraps, the shifted sink's block advanced 38 times
     and refreshed every 3 blocks (REFRESH_BLOCKS patched down), re-based every 53 tokens (shifted
     mode's frame; the step of a re-base runs eager, the rest compiled)."""
-    monkeypatch.setattr(ring_mod, "REFRESH_BLOCKS", 3)
+    monkeypatch.setattr(sink_block, "REFRESH_BLOCKS", 3)
     config = CacheConfig(sink=SINK, window=WINDOW, rope_mode=mode, storage=storage)
     fast, cache, ran = _drive(native.model, config, True, rebase_every=53)
     slow, ref, _ = _drive(native.model, config, False, rebase_every=53)

@@ -146,7 +146,7 @@ def test_the_sink_turn_is_rope_by_sink_steps(native, rope):
         "partial": nn.RoPE(D // 2, traditional=False, base=10000.0),
     }
     store = RingStore(mx.float32, SINK, WINDOW, Positions(CacheConfig(sink=SINK, window=WINDOW), ropes[rope], frame=True))
-    turn = store._rope_turn(D, SINK_STEPS)
+    turn = store.sink_block.rope_turn(D, SINK_STEPS)
     x = mx.random.normal((1, 2, 5, D), key=mx.random.key(0))
     for a in (0, 13, 200):      # (farther out, RoPE's own fp32 angles differ by more than this)
         want = ropes[rope](x, offset=a + SINK_STEPS)
@@ -155,29 +155,29 @@ def test_the_sink_turn_is_rope_by_sink_steps(native, rope):
         assert err < (1.5e-6 if a < 100 else 2.5e-5)    # measured up to 7.7e-7 and 1.3e-5
     dynamic = initialize_rope(D, 10000.0, False, {"rope_type": "dynamic", "factor": 4.0}, max_position_embeddings=16)
     assert RingStore(mx.float32, SINK, WINDOW, Positions(CacheConfig(sink=SINK, window=WINDOW), dynamic,
-                                                         frame=True))._rope_turn(D, SINK_STEPS) is None
+                                                         frame=True)).sink_block.rope_turn(D, SINK_STEPS) is None
 
 
 def test_an_advanced_sink_block_equals_the_simple_path_past_a_refresh(native, monkeypatch):
     """900 tokens through a shifted ring (110 blocks of SINK_STEPS steps: advanced by the turn,
     computed exactly again after REFRESH_BLOCKS) give the simple path's logits; the blocks were
     advanced, and refreshed."""
-    from tinygpt_mlx.cache import ring as ring_mod
+    from tinygpt_mlx.cache import sink_block
     calls = {"advance": 0, "exact": 0}
-    advance, exact = RingStore._advance, RingStore._rotate_sink
+    advance, exact = sink_block.SinkBlock.advance, sink_block.SinkBlock.rotate
 
     def counted(name, f):
         def g(self, *a):
             calls[name] += 1
             return f(self, *a)
         return g
-    monkeypatch.setattr(RingStore, "_advance", counted("advance", advance))
-    monkeypatch.setattr(RingStore, "_rotate_sink", counted("exact", exact))
+    monkeypatch.setattr(sink_block.SinkBlock, "advance", counted("advance", advance))
+    monkeypatch.setattr(sink_block.SinkBlock, "rotate", counted("exact", exact))
     tokens = [(i * 53 + 7) % 300 for i in range(900)]
     config = CacheConfig(sink=SINK, window=WINDOW)
     ring, _ = run(native.model, config, [(20,)], tokens=tokens)
     layers = len(native.model.layers)
-    assert calls["advance"] >= layers * (880 // ring_mod.SINK_STEPS - 3)
+    assert calls["advance"] >= layers * (880 // sink_block.SINK_STEPS - 3)
     # once per layer when the sink is made, then again within the 110 blocks (REFRESH_BLOCKS)
     assert calls["exact"] >= 2 * layers
     simple, _ = run(native.model, config, [(20,)], ring=False, tokens=tokens)

@@ -16,12 +16,7 @@ the window (`first_slot` of the reading is where sink slot 0 sits in that frame)
 window is ever re-rotated, except once per `Positions.rebase_every` tokens, when `rebase` turns
 the stored keys back by B and the base grows by B, so fp32 angles never lose precision.
 
-The sink is placed for SINK_STEPS steps at once (a block of SINK_STEPS * S rows; each step writes
-its S rows into the buffer). The next block is the previous one turned by SINK_STEPS positions:
-RoPE at offset a + b is RoPE at b applied after RoPE at a, a fixed linear map of the head dim,
-so an fp32 block advances by one [D, D] matmul (`_advance`) instead of a RoPE call (unfused on
-this CPU backend: 19 kernels). Every REFRESH_BLOCKS blocks, and for a non-fp32 buffer always,
-the block is computed from the pre-RoPE keys again, so rounding never accumulates.
+The sink is placed for SINK_STEPS steps at once and advanced by one matmul (`sink_block.SinkBlock`).
 """
 
 from __future__ import annotations
@@ -34,13 +29,10 @@ from ..config import CacheConfig
 from .layer import LayerCache
 from .positions import Positions
 from .segments import DenseSegment, Reading
+from .sink_block import SINK_STEPS, SinkBlock
 
+__all__ = ["SINK_STEPS", "RingLayer", "RingStore"]
 
-#: shifted mode: the sink is placed for this many consecutive steps at once (each step then only
-#: writes its precomputed rows into the buffer; the next block is one matmul away, `_advance`)
-SINK_STEPS = 8
-#: shifted mode: a block advanced by `_advance` this many times in a row is computed exactly again
-REFRESH_BLOCKS = 64
 
 _NOTHING = (mx.zeros((0,)), mx.zeros((0,)))
 
@@ -55,17 +47,12 @@ class RingStore:
         self.dtype, self.sink, self.window, self.positions = dtype, sink, window, positions
         self.keys: Optional[mx.array] = None      # ring: [B, H, S + W, D]; linear: [B, H, T, D]
         self.values: Optional[mx.array] = None
-        self.sink_keys: Optional[mx.array] = None  # shifted mode: the sink's keys before RoPE
+        self.sink_block = SinkBlock(dtype, positions)   # shifted mode: the sink before RoPE, placed
         self.ring = False
         self.n_sink = 0   # sink tokens held (the body is empty until the sink is full)
         self.n = 0        # window (body) tokens held
         self.head = 0     # linear: body tokens dropped from the front of keys[..., n_sink:]
         self.ptr = 0      # ring: the window slot the next token is written to
-        self._sink_block: Optional[mx.array] = None   # [B, H, SINK_STEPS * S, D]: the sink placed
-        self._block_at = 0                          # at first_slot _block_at + t
-        self._advanced = 0                          # blocks advanced since the last exact one
-        self._turn: Optional[mx.array] = None       # [D, D]: RoPE by SINK_STEPS positions, row form
-        self._turn_checked = False                  # whether `_rope_turn` ran (None: no turn)
         self._sink_in_buffer: Optional[int] = None  # ring: the first_slot the buffer's sink has
 
     def __len__(self) -> int:
@@ -81,10 +68,7 @@ class RingStore:
             return
         s = min(L, self.sink - self.n_sink)
         if s and self.positions.frame:
-            raw = self.positions.unrotate(keys[..., :s, :], first)
-            raw = raw.astype(self.dtype)
-            self.sink_keys = raw if self.sink_keys is None else mx.concatenate([self.sink_keys, raw], axis=2)
-            self._rotate_sink(self._block_at)   # made with the sink, so bytes never depend on reads
+            self.sink_block.add(self.positions.unrotate(keys[..., :s, :], first))
         if L == 1 and s == 0:
             self._to_ring(keys)
             self.write_one(keys, values)
@@ -179,54 +163,7 @@ class RingStore:
         at frame position `at`), from a block computed for SINK_STEPS consecutive slots."""
         if not self.positions.frame or not self.n_sink:
             return None
-        if not 0 <= at - self._block_at < SINK_STEPS:
-            if SINK_STEPS <= at - self._block_at < 2 * SINK_STEPS and self._can_advance():
-                self._advance()
-            else:
-                self._rotate_sink(at)
-        t, S = at - self._block_at, self.n_sink
-        return self._sink_block[..., t * S:(t + 1) * S, :]     # a view: no gather
-
-    def _rotate_sink(self, at: int) -> None:
-        """The sink's keys rotated for sink slot 0 at `at`, `at + 1`, ... (SINK_STEPS of them)."""
-        B, H, S, D = self.sink_keys.shape
-        flat = mx.broadcast_to(self.sink_keys.astype(mx.float32).reshape(1, B * H, S, D), (SINK_STEPS, B * H, S, D))
-        offsets = mx.repeat(at + mx.arange(SINK_STEPS), B * H)
-        block = self.positions.rope(flat.reshape(SINK_STEPS * B * H, S, D), offset=offsets)
-        block = block.reshape(SINK_STEPS, B, H, S, D).transpose(1, 2, 0, 3, 4).reshape(B, H, SINK_STEPS * S, D)
-        self._sink_block, self._block_at = block.astype(self.dtype), at   # step t: rows [t*S, (t+1)*S)
-        self._advanced = 0
-        if not self._turn_checked and self.dtype == mx.float32:    # made with the sink, like the block
-            self._turn, self._turn_checked = self._rope_turn(D, SINK_STEPS), True
-
-    def _can_advance(self) -> bool:
-        return self._turn is not None and self._advanced < REFRESH_BLOCKS - 1
-
-    def _advance(self) -> None:
-        """The next block (sink slot 0 at `_block_at + SINK_STEPS` ...) from this one: one matmul
-        by the RoPE turn of SINK_STEPS positions (module doc)."""
-        self._sink_block = self._sink_block @ self._turn
-        self._block_at += SINK_STEPS
-        self._advanced += 1
-
-    def _rope_turn(self, D: int, by: int) -> Optional[mx.array]:
-        """The [D, D] matrix M with rope(x, a + by) == rope(x, a) @ M for every row x and offset a:
-        RoPE's map at `by` after undoing its map at 0 (RoPE is linear in x; any scaling it applies
-        at every offset, as YaRN's does, cancels), from the rope applied to the unit vectors.
-        None where the rope is seen not to be one rotation per offset, checked from offset `by`
-        to `2 * by` (a rope whose frequencies move within those offsets; dynamic NTK scaling's
-        move only past its trained length, where this check cannot see it, but such a rope
-        takes no per-row offsets, so shifted mode cannot use it at all)."""
-        import numpy as np
-        eye = mx.eye(D, dtype=mx.float32).reshape(D, 1, D)
-
-        def at(offset: int) -> np.ndarray:
-            return np.array(self.positions.rope(eye, offset=offset).reshape(D, D), dtype=np.float64)
-        at0, atb = at(0), at(by)
-        turn = np.linalg.solve(at0, atb)        # rows: x @ at0 == rope(x, 0)
-        if not np.allclose(atb @ turn, at(2 * by), atol=1e-5 * max(1.0, np.abs(atb).max())):
-            return None
-        return mx.array(turn.astype(np.float32))
+        return self.sink_block.placed(at)
 
     def attention_kv(self, first_slot: int, ordered: bool, dtype: Optional[mx.Dtype] = None
                      ) -> tuple[mx.array, mx.array]:
@@ -264,19 +201,15 @@ class RingStore:
         steps) and the window's stored tokens."""
         if self.keys is None:
             return {"sink": 0, "body": 0}
-        # as made with the sink; the [D, D] turn is a constant of the model's RoPE (4 KiB at head
-        # dim 32, like a RoPE's frequency table), not of what the cache holds: not counted
-        extra = sum(a.nbytes for a in (self.sink_keys, self._sink_block) if a is not None)
-        return {"sink": self.n_sink * self._per_token() + extra, "body": self.n * self._per_token()}
+        return {"sink": self.n_sink * self._per_token() + self.sink_block.nbytes, "body": self.n * self._per_token()}
 
     @property
     def nbytes(self) -> int:
         return sum(self.nbytes_breakdown().values())
 
     def close(self) -> None:
-        self.keys = self.values = self.sink_keys = self._sink_block = self._turn = None
-        self._turn_checked = False
-        self._advanced = 0
+        self.keys = self.values = None
+        self.sink_block = SinkBlock(self.dtype, self.positions)
         self._sink_in_buffer = None
         self.ring = False
         self.n_sink = self.n = self.head = self.ptr = 0
@@ -289,8 +222,8 @@ class RingStore:
             return {}, meta
         k, v = self._ordered()
         arrays = {"keys": k, "values": v}
-        if self.sink_keys is not None:
-            arrays["sink_keys"] = self.sink_keys
+        if self.sink_block.keys is not None:
+            arrays["sink_keys"] = self.sink_block.keys
         return arrays, meta
 
     def load_state(self, arrays: Any, meta: dict) -> None:
@@ -302,8 +235,7 @@ class RingStore:
         if k.dtype != self.dtype or k.shape[2] != n_sink + n or v.shape[2] != n_sink + n:
             raise ValueError(f"saved window tokens are {k.dtype} x {k.shape[2]}, expected {self.dtype} x {n_sink + n}")
         if self.positions.frame and n_sink:
-            self.sink_keys = arrays["sink_keys"].mx()
-            self._rotate_sink(0)
+            self.sink_block.load(arrays["sink_keys"].mx())
         self.keys, self.values, self.n_sink, self.n = k, v, n_sink, n
 
 
