@@ -184,13 +184,13 @@ def _freeze(self, n: int) -> None:
             if s_:
                 qk, qv = mx.concatenate([ek, qk[:, :, s_:]], 2), mx.concatenate([ev, qv[:, :, s_:]], 2)
             parts.append((qk, qv))
-        self.packed.keys = (mx.concatenate([p[0] for p in parts], 2),)
-        self.packed.values = (mx.concatenate([p[1] for p in parts], 2),)
+        self.tiers.packed.keys = (mx.concatenate([p[0] for p in parts], 2),)
+        self.tiers.packed.values = (mx.concatenate([p[1] for p in parts], 2),)
     else:
-        run = self.packed
+        run = self.tiers.packed
         run.keys = (k,) if run.keys is None else (mx.concatenate([run.keys[0], k], 2),)
         run.values = (v,) if run.values is None else (mx.concatenate([run.values[0], v], 2),)
-    self.packed.n += n
+    self.tiers.packed.n += n
     self.frozen += n
 
 
@@ -267,7 +267,7 @@ def main() -> None:
         self.layer_index = count[0] % n_layers
         count[0] += 1
         self.key_bits = self.value_bits = None   # blocks are stored dense (fake-quantised)
-        self.packed.key_bits = self.packed.value_bits = None
+        self.tiers.packed.key_bits = self.tiers.packed.value_bits = None
 
     kivi.KiviStore.__init__ = tagged_init
     kivi.KiviStore._freeze = _freeze

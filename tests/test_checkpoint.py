@@ -66,7 +66,7 @@ def test_a_checkpoint_is_bounded(loaded_models, policy):
     # 4 chunks, then 8 more: the same chunk pattern at the end (KIVI's residual depends on it)
     tokens = np.random.RandomState(3).randint(1, 300, 12 * CHUNK).tolist()
     def tier() -> int:       # a near tier sized to the context is held whole: 1/S of the frozen tokens
-        return sum(layer.body.near.nbytes for layer in cache.owned) if cfg.near_share else 0
+        return sum(layer.body.tiers.near.nbytes for layer in cache.owned) if cfg.near_share else 0
 
     with make_cache(loaded.model, cfg) as cache:
         prefill(loaded.model, tokens[:4 * CHUNK], cache, CHUNK)

@@ -55,7 +55,7 @@ def test_kivi_store_rounds_through_the_cards_methods(model32, monkeypatch):
     assert spies["dequantise_k"].calls > 0 and spies["dequantise_v"].calls > 0
     # and what they return is what the store holds: K^T packed per channel, V per token
     kq = KVCache.quantise_affine(mx.swapaxes(k[..., :32, :], -1, -2), 4, 32)
-    assert mx.array_equal(kq[0], body.packed.keys[0][..., :32 * 4 // 32]).item()
+    assert mx.array_equal(kq[0], body.tiers.packed.keys[0][..., :32 * 4 // 32]).item()
 
 
 def test_a_wrong_codec_changes_the_cache(model32, monkeypatch):

@@ -192,7 +192,7 @@ def test_exact_byte_counts(native32):
                     "residual": n_layers * r * H * D * 2 * 4}
         assert cache.nbytes_breakdown() == expected
         assert cache.nbytes == sum(expected.values())
-        held = sum(a.nbytes for layer in cache.owned for s in (layer.body.packed.keys, layer.body.packed.values) for a in s)
+        held = sum(a.nbytes for layer in cache.owned for s in (layer.body.tiers.packed.keys, layer.body.tiers.packed.values) for a in s)
         assert held == expected["body_packed"]
 
 
@@ -213,7 +213,7 @@ def test_bytes_per_token_against_bf16_at_4k(spec, bound):
     bf16_per_token = 2 * 32 * 2 * 2          # heads x (K + V) x head dim x 2 bytes
     ratio = store.nbytes / (len(store) * bf16_per_token)
     assert len(store) == i and store.n_packed == i - R and ratio <= bound
-    assert all(a.dtype == mx.float16 for side in (store.packed.keys, store.packed.values) for a in side[1:])
+    assert all(a.dtype == mx.float16 for side in (store.tiers.packed.keys, store.tiers.packed.values) for a in side[1:])
 
 
 def test_composes_with_streaming_llm(native32):
@@ -753,18 +753,18 @@ def test_near_tier_holds_the_newest_frozen_tokens_at_more_bits():
     v = mx.random.normal((1, 2, 300, 32), key=mx.random.key(2))
     for t in range(300):
         store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert store.near.n <= 64 and store.held == store.frozen == store.n_packed + store.near.n
+        assert store.tiers.near.n <= 64 and store.held == store.frozen == store.n_packed + store.tiers.near.n
         assert len(store) == t + 1 and store.held % G == 0
-    assert store.near.n == 64 and store.n_packed == 300 - len(store.residual) - 64
+    assert store.tiers.near.n == 64 and store.n_packed == 300 - len(store.residual) - 64
     got_k, got_v = store.fetch(mx.float32)
     P, H = store.n_packed, store.held
     for got, want in ((got_k, k), (got_v, v)):
         body, near, exact = (mx.abs(got - want)[:, :, a:b].max().item() for a, b in ((0, P), (P, H), (H, 300)))
         assert exact == 0 and near < 0.025 and 0.1 < body < 0.42, (body, near, exact)
     parts = store.nbytes_breakdown()
-    assert parts["body_near"] == store.near.nbytes > 0
+    assert parts["body_near"] == store.tiers.near.nbytes > 0
     # the codes as packed: the tier at 8 bits, 4 codes per uint32 word (the body: 8 per word)
-    assert store.near.keys[0].shape[-1] == 64 * 8 // 32 and store.packed.keys[0].shape[-1] == P * 4 // 32
+    assert store.tiers.near.keys[0].shape[-1] == 64 * 8 // 32 and store.tiers.packed.keys[0].shape[-1] == P * 4 // 32
 
 
 def test_near_tier_sized_to_the_context_grows_with_it():
@@ -778,9 +778,9 @@ def test_near_tier_sized_to_the_context_grows_with_it():
     sizes = set()
     for t in range(600):
         store.append(k[:, :, t:t + 1], v[:, :, t:t + 1])
-        assert store.near.n == store.held // 4 // G * G == store.near.cap(store.held), (t, store.near.n, store.held)
-        assert store.held == store.n_packed + store.near.n
-        sizes.add(store.near.n)
+        assert store.tiers.near.n == store.held // 4 // G * G == store.tiers.near.cap(store.held), (t, store.tiers.near.n, store.held)
+        assert store.held == store.n_packed + store.tiers.near.n
+        sizes.add(store.tiers.near.n)
     assert sorted(sizes) == [0, 32, 64, 96, 128]     # 544 frozen at the end: 136 -> 128
     got_k, _ = store.fetch(mx.float32)
     P, H = store.n_packed, store.held
@@ -822,7 +822,7 @@ def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     err = mx.abs(prerope - plain).max().item()
     assert err < 1e-5, err        # measured 3.8e-6
     store = cache.owned[0].body
-    assert store.near.n > 0 and store.evicted > 0
+    assert store.tiers.near.n > 0 and store.evicted > 0
     n = store.held
     store.truncate(n - G)                 # a block off the tier's end
     assert store.held == n - G and store.frozen == store.held + store.evicted

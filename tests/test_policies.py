@@ -131,7 +131,7 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
             out["sink"] += rows * k.shape[-1] * k.shape[0] * k.shape[1] * item
         out["body"] = (len(body) - layer.n_sink) * per_token * item
     elif cfg.quantised:
-        out["body_packed"] = sum(a.nbytes for s in (body.packed.keys, body.packed.values) if s for a in s)
+        out["body_packed"] = sum(a.nbytes for s in (body.tiers.packed.keys, body.tiers.packed.values) if s for a in s)
         out["residual"] = len(body.residual) * per_token * item
         if cfg.exact_topk:
             sides = (cfg.key_bits is not None) * k.shape[-1] + (cfg.value_bits is not None) * v.shape[-1]

@@ -136,7 +136,7 @@ class CacheConfig:
                  dimension (queries turned alike, the output turned back; cache/kivi.py)
     near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8, 6 or 4, above
                  the body's) and packed again at the body's bits as they age (0 = off;
-                 cache/kivi.py: KiviStore.near, a second PackedRun)
+                 cache/kivi.py: KiviStore.tiers.near, a second PackedRun)
     near_share   KIVI: a near tier sized to the context instead, the newest 1/near_share of the
                  frozen tokens (whole groups; 0 = off; 8 keeps an int4 cache within +10% bytes)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens

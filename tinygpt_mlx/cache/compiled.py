@@ -296,7 +296,7 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
         sink_reading, _ = c.readings()
         k, v = c.sink_store.fetch(c.dtype)
         sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
-        packed.append((c.body.packed.keys, c.body.packed.values))
+        packed.append((c.body.tiers.packed.keys, c.body.tiers.packed.values))
         res = c.body.residual
         residuals.append((res.keys, res.values, *res.fetch()))
     step = _kivi_step_fn(model, steps, key)

@@ -48,7 +48,7 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held
-from .packed import NearTier, PackedRun, PackedSegment
+from .packed import FrozenTiers, join
 from .positions import Positions
 from .segments import DenseSegment, Reading
 from .shadow import ShadowStore
@@ -80,17 +80,13 @@ class KiviStore:
         # oldest)
         self.keep = max(0, config.residual - exact_before)
         self.residual = DenseStore(storage, label="residual", step=self.group)
-        self.packed = PackedRun(self.key_bits, self.value_bits, self.group, storage, codec, config.rotate)
+        # the frozen blocks: the body's bits, and with a near tier its newest blocks at more bits
+        self.tiers = FrozenTiers(config, storage, codec)
         self.frozen = 0     # tokens ever frozen (monotonic)
         self.evicted = 0    # frozen tokens dropped from the front (E in the module doc)
         self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
                                                           self.value_bits is not None)
                                               if config.exact_topk else None)
-        # the newest frozen tokens at more bits (`CacheConfig.near`, `near_share`): a block
-        # leaving it is dequantised from its 8-bit codes and packed again at the body's bits (the
-        # second rounding adds ~1/16 of a 4-bit step). An exact side stays exact there.
-        self.near: Optional[NearTier] = (NearTier(config, self.key_bits, self.value_bits, storage, codec)
-                                         if config.near_tier else None)
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
@@ -98,12 +94,12 @@ class KiviStore:
     @property
     def n_packed(self) -> int:
         """Tokens in the body's frozen blocks (the near tier's not counted)."""
-        return self.packed.n
+        return self.tiers.packed.n
 
     @property
     def held(self) -> int:
         """Frozen tokens held: the body's and the near tier's."""
-        return self.packed.n + (self.near.n if self.near is not None else 0)
+        return self.tiers.n
 
     # ----- storage --------------------------------------------------------------------------
     def append(self, keys: mx.array, values: mx.array) -> None:
@@ -136,14 +132,8 @@ class KiviStore:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
-        k, v = self.packed.turn(k, v, back=False)
+        self.tiers.add(*self.tiers.packed.turn(k, v, back=False))
         self.frozen += n
-        if self.near is not None:
-            out = self.near.admit(k, v, self.packed.n)
-            if out is None:
-                return
-            k, v = out
-        self.packed.add(k, v)
 
     def droppable(self, n: int) -> int:
         """Eviction takes whole frozen blocks only: `n` rounded down to G, at most the body."""
@@ -160,11 +150,7 @@ class KiviStore:
         if self.shadow is not None and not self.positions.pre_rope:   # hand on exact rows (a cold store keeps them)
             k = self.shadow.front(0, m) if self.shadow.has(0) else k
             v = self.shadow.front(1, m) if self.shadow.has(1) else v
-        body = min(m, self.packed.n)
-        if m > body:                        # the body is gone: the rest from the near tier's front
-            self.near.cut(m - body, None)
-        if body:
-            self.packed.cut(body, None)
+        self.tiers.cut_front(m)
         self.evicted += m
         if self.shadow is not None:
             self.shadow.drop_front(m)
@@ -178,10 +164,7 @@ class KiviStore:
         if n % self.group:
             raise ValueError(f"cannot truncate a KIVI body inside a frozen block ({n} tokens, G={self.group})")
         self.frozen -= self.held - n
-        if self.near is not None:
-            self.near.cut(0, max(0, n - self.packed.n))
-        if n < self.packed.n:
-            self.packed.cut(0, n)
+        self.tiers.keep_first(n)
         if self.shadow is not None:
             self.shadow.truncate(n)
         self.residual = DenseStore(self.storage, label="residual", step=self.group)
@@ -195,16 +178,12 @@ class KiviStore:
             parts.append(self._dense(0, self.held, dtype))
         if len(self.residual):
             parts.append(self.residual.fetch(dtype))
-        return _join(parts) if parts else self._empty()
+        return join(parts) if parts else self._empty()
 
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
         on the pre-RoPE path."""
-        P = self.packed.n
-        parts = [self.packed.dense(lo, min(hi, P))] if lo < P else []
-        if hi > P:
-            parts.append(self.near.dense(max(lo, P) - P, hi - P))
-        k, v = self.packed.turn(*_join(parts), back=True)
+        k, v = self.tiers.packed.turn(*self.tiers.dense(lo, hi), back=True)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
@@ -220,11 +199,8 @@ class KiviStore:
         def turn(k: mx.array) -> mx.array:
             return self.positions.rebased(k, by)
         self.residual.rotate(turn)
-        for run in self._runs():
+        for run in self.tiers.runs():
             run.rebase(turn)
-
-    def _runs(self) -> list:
-        return [self.packed] + ([self.near] if self.near is not None else [])
 
     def _empty(self) -> tuple[mx.array, mx.array]:
         z = mx.zeros((0,), self.storage)
@@ -233,10 +209,7 @@ class KiviStore:
     def segments(self, reading: Reading) -> list:
         """Attention segments, oldest first: the packed body, the near tier, then the exact
         residual (its first token sits right after the frozen ones)."""
-        segs: list = [PackedSegment(self.packed, self.positions, self.evicted, self.shadow, self.config.exact_topk)
-                      ] if self.packed.n else []
-        if self.near is not None and self.near.n:      # (no shadow: `near` refuses one)
-            segs.append(PackedSegment(self.near, self.positions, self.evicted))
+        segs = self.tiers.segments(self.positions, self.evicted, self.shadow, self.config.exact_topk)
         if len(self.residual):
             k, v = self.residual.fetch(reading.dtype)
             if self.positions.pre_rope:
@@ -245,7 +218,7 @@ class KiviStore:
         return segs
 
     def close(self) -> None:
-        for run in self._runs():
+        for run in self.tiers.runs():
             run.clear()
         self.residual.close()
         if self.shadow is not None:
@@ -256,21 +229,21 @@ class KiviStore:
         """Frozen blocks as stored (packed codes, scales, zeros, or the exact side), the residual,
         the near tier, the shadow, and the counters (n_packed, frozen, evicted: E of the module
         doc)."""
-        arrays, meta = self.packed.state()
+        arrays, meta = self.tiers.packed.state()
         meta["n_packed"] = meta.pop("n")
         meta.update(frozen=self.frozen, evicted=self.evicted)
-        for name, part in (("residual", self.residual), ("near", self.near), ("shadow", self.shadow)):
+        for name, part in (("residual", self.residual), ("near", self.tiers.near), ("shadow", self.shadow)):
             if part is not None:
                 pa, meta[name] = part.state()
                 arrays.update({f"{name}.{k}": v for k, v in pa.items()})
         return arrays, meta
 
     def load_state(self, arrays, meta: dict) -> None:
-        self.packed.load_state(arrays, dict(meta, n=meta["n_packed"]))
+        self.tiers.packed.load_state(arrays, dict(meta, n=meta["n_packed"]))
         self.frozen, self.evicted = int(meta["frozen"]), int(meta["evicted"])
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
-        if self.near is not None:
-            self.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0, "k_parts": 0, "v_parts": 0}))
+        if self.tiers.near is not None:
+            self.tiers.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0, "k_parts": 0, "v_parts": 0}))
         if self.shadow is not None:
             self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
 
@@ -279,23 +252,23 @@ class KiviStore:
         """A full (never evicted, never re-based) body's extent: its frozen blocks only grow, so
         they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
         arrays, meta = self.residual.state()
-        mark = {"n_packed": self.packed.n, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
-        if self.near is not None:       # held: `near` tokens, or 1/`near_share` of those frozen
-            arrays, meta = self.near.state()
+        mark = {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
+        if self.tiers.near is not None:       # held: `near` tokens, or 1/`near_share` of those frozen
+            arrays, meta = self.tiers.near.state()
             mark["near"] = (Held.of(arrays), meta)
         return mark
 
     def rewind(self, mark: dict) -> None:
         """Back to `mark`: blocks frozen since are cut off (at their block boundary), the
         residual is restored."""
-        if self.packed.n < mark["n_packed"] or self.evicted != mark["evicted"]:
+        if self.n_packed < mark["n_packed"] or self.evicted != mark["evicted"]:
             raise ValueError("a KIVI body can only be rewound to a mark it has grown from")
         self.truncate(mark["n_packed"])      # (`frozen` moves back with the blocks)
         arrays, meta = mark["residual"]
         self.residual.load_state(arrays, meta)
-        if self.near is not None:
-            self.near.load_state(*mark["near"])
-            self.frozen += self.near.n
+        if self.tiers.near is not None:
+            self.tiers.near.load_state(*mark["near"])
+            self.frozen += self.tiers.near.n
 
     # ----- bytes ----------------------------------------------------------------------------
     @property
@@ -305,19 +278,12 @@ class KiviStore:
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
         side if any) and the residual's stored tokens."""
-        out = {"body_packed": self.packed.nbytes, "residual": self.residual.nbytes}
-        if self.near is not None:
-            out["body_near"] = self.near.nbytes
+        out = {"body_packed": self.tiers.packed.nbytes, "residual": self.residual.nbytes}
+        if self.tiers.near is not None:
+            out["body_near"] = self.tiers.near.nbytes
         if self.shadow is not None:
             out[self.shadow.label] = self.shadow.nbytes
         return out
-
-
-def _join(parts: list) -> tuple[mx.array, mx.array]:
-    """(keys, values) pairs, oldest first, as one pair along the token axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))
 
 
 def _divisor(D: int) -> str:

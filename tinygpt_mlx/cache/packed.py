@@ -264,3 +264,69 @@ def _concat(side: Optional[Side], part: Side, axes: tuple[int, ...]) -> Side:
     if side is None:
         return tuple(part)
     return tuple(mx.concatenate([a, b], axis=ax) for a, b, ax in zip(side, part, axes))
+
+
+class FrozenTiers:
+    """A KIVI body's frozen tokens, oldest first: the body's `PackedRun` at its bits, then with
+    a near tier (`CacheConfig.near`, `near_share`) the newest blocks in a `NearTier`, which hands
+    its oldest blocks on to the body once past its cap. An exact side stays exact in both."""
+
+    def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
+        kb, vb = config.key_bits, config.value_bits
+        self.packed = PackedRun(kb, vb, config.group_size, storage, codec, config.rotate)
+        self.near: Optional[NearTier] = NearTier(config, kb, vb, storage, codec) if config.near_tier else None
+
+    @property
+    def n(self) -> int:
+        """Frozen tokens held: the body's and the near tier's."""
+        return self.packed.n + (self.near.n if self.near is not None else 0)
+
+    def runs(self) -> list:
+        return [self.packed] + ([self.near] if self.near is not None else [])
+
+    def add(self, k: mx.array, v: mx.array) -> None:
+        """Newly frozen tokens (stored basis): into the near tier, whose overflow (dequantised
+        from its codes and packed again: ~1/16 of a 4-bit step more) goes on to the body."""
+        if self.near is not None:
+            out = self.near.admit(k, v, self.packed.n)
+            if out is None:
+                return
+            k, v = out
+        self.packed.add(k, v)
+
+    def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
+        """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised, stored basis."""
+        P = self.packed.n
+        parts = [self.packed.dense(lo, min(hi, P))] if lo < P else []
+        if hi > P:
+            parts.append(self.near.dense(max(lo, P) - P, hi - P))
+        return join(parts)
+
+    def cut_front(self, m: int) -> None:
+        """Forget the oldest `m` frozen tokens (whole blocks): the body's, then the tier's."""
+        body = min(m, self.packed.n)
+        if m > body:                        # the body is gone: the rest from the near tier's front
+            self.near.cut(m - body, None)
+        if body:
+            self.packed.cut(body, None)
+
+    def keep_first(self, n: int) -> None:
+        """Keep only the first `n` frozen tokens (a block boundary)."""
+        if self.near is not None:
+            self.near.cut(0, max(0, n - self.packed.n))
+        if n < self.packed.n:
+            self.packed.cut(0, n)
+
+    def segments(self, positions: Any, evicted: int, shadow: Any, topk: int) -> list:
+        """The runs as attention segments (the shadow refines the body only: `near` refuses one)."""
+        segs = [PackedSegment(self.packed, positions, evicted, shadow, topk)] if self.packed.n else []
+        if self.near is not None and self.near.n:
+            segs.append(PackedSegment(self.near, positions, evicted))
+        return segs
+
+
+def join(parts: list) -> tuple[mx.array, mx.array]:
+    """(keys, values) pairs, oldest first, as one pair along the token axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))
