@@ -287,6 +287,25 @@ def test_spec_parser_grammar():
             CacheConfig.from_spec(bad)
 
 
+def test_the_fetch_budget_follows_the_hot_window_unless_given():
+    """A quarter of the hot window, at least 64 tokens (so every hot window up to 256, the
+    shipped model's setting, keeps 64), the coarse pass keeping as many pages; a given
+    `retrieve_tokens` or `top_pages` wins, and the spec's fetchN / pagesN set them."""
+    for hot, fetched in [(16, 64), (64, 64), (256, 64), (300, 75), (1024, 256), (4096, 1024)]:
+        c = CacheConfig(sink=4, hot_budget=hot)
+        assert (c.retrieve_tokens, c.top_pages) == (fetched, fetched), hot
+    assert (CacheConfig().retrieve_tokens, CacheConfig().top_pages) == (64, 64)
+    c = CacheConfig(sink=4, hot_budget=1024, retrieve_tokens=32)
+    assert (c.retrieve_tokens, c.top_pages) == (32, 64)
+    assert CacheConfig(sink=4, hot_budget=1024, top_pages=16).retrieve_tokens == 256
+    assert CacheConfig.from_spec("sink4/hot1024+fetch128+pages32") == CacheConfig(
+        sink=4, hot_budget=1024, retrieve_tokens=128, top_pages=32)
+    assert CacheConfig.from_spec("sink4/hot1024") == CacheConfig(sink=4, hot_budget=1024, retrieve_tokens=256,
+                                                                  top_pages=256)
+    with pytest.raises(ValueError, match="retrieve_tokens must be"):
+        CacheConfig.from_spec("hot64+fetch0")
+
+
 def test_needle_and_bench_build_on_the_parser():
     retrieval = CacheConfig(storage="bf16", sink=4, hot_budget=64)
     configs = needle.policy_configs(retrieval, ["full", "streaming", "retrieval"])

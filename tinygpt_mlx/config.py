@@ -2,15 +2,11 @@
 
 `ModelConfig` describes the native TinyGPT, `CacheConfig` the KV-cache policy (precision x
 eviction x retrieval, composed in one object) and `SampleConfig` the decoding settings. Each
-validates itself in `__post_init__` -- every rule that depends only on its fields, cross-field
-ones included -- and raises `ConfigError` (a `ValueError`) that carries the bad field's name,
-so that a front end only names its own spelling of it (the CLI names the flag).
-
-A `CacheConfig` is built from fields, from CLI/HTTP style names (`CacheConfig.from_flags`) or
-from a policy spec string such as "int4+sink4/window252:absolute" (`CacheConfig.from_spec`, the
-one spec parser: compare, perplexity, bench and needle use it; its grammar, the names of the
-choices and the policy's short label live in `policy_spec`); the last two share the precision
-table `precision_fields`.
+validates itself in `__post_init__`, cross-field rules included, and raises `ConfigError` (a
+`ValueError`) carrying the bad field's name, so a front end names its own spelling of it. A
+`CacheConfig` comes from fields, CLI/HTTP names (`from_flags`) or a policy spec string
+(`from_spec`: grammar, choice names and label in `policy_spec`); the last two share the
+precision table `precision_fields`.
 """
 
 from __future__ import annotations
@@ -23,9 +19,10 @@ from .policy_spec import (COLD_STORES, DEFAULT_ROPE_MODE, GROUP_SIZES, KV_QUANTI
                           RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS,
                           label, spec_flags)
 
-__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
+__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
            "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "CacheConfig", "ConfigError",
-           "ModelConfig", "SampleConfig", "field_default", "precision_fields"]
+           "ModelConfig", "SampleConfig", "fetch_budget", "field_default", "precision_fields"]
+
 
 class ConfigError(ValueError):
     """A bad configuration value. `field` is the field (or `CacheConfig.from_flags` keyword) at
@@ -42,6 +39,16 @@ class ConfigError(ValueError):
         for other in self.related:
             text = text.replace("{" + other + "}", name(other))
         return text
+
+
+FETCH_FLOOR = 64   # the least tokens a retrieval step fetches (and pages kept), by default
+
+
+def fetch_budget(hot_budget: Optional[int], retrieve_tokens: Optional[int] = None) -> tuple[int, int]:
+    """Retrieval's default (tokens fetched per query, pages kept by the coarse pass): a quarter of the
+    hot window and as many pages, each at least FETCH_FLOOR (docs/gguf.md: 256 at a 1,024 window)."""
+    fetched = retrieve_tokens if retrieve_tokens is not None else max(FETCH_FLOOR, (hot_budget or 0) // 4)
+    return fetched, max(FETCH_FLOOR, fetched)
 
 
 def _positive(name: str, value: Any, minimum: int = 1) -> None:
@@ -145,7 +152,7 @@ class CacheConfig:
                  in by `__post_init__`); None otherwise
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
     retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
-                 the cold store (tinygpt_mlx/cache/retrieval.py, docs/retrieval.md)
+                 the cold store (cache/cold.py, docs/retrieval.md); None: `fetch_budget`'s
     retrieved_position  shifted retrieval: where retrieved tokens sit, "fixed" (all at one
                  slot just before the hot window, InfLLM), "page" (token j of every page at
                  the j-th of `page_size` slots before the hot window: a span keeps its inner
@@ -178,9 +185,9 @@ class CacheConfig:
     window: Optional[int] = None
     rope_mode: Optional[str] = None
     hot_budget: Optional[int] = None
-    retrieve_tokens: int = 64
+    retrieve_tokens: Optional[int] = None
     page_size: int = 8
-    top_pages: int = 64
+    top_pages: Optional[int] = None
     summary: str = "minmax"
     cold_store: str = "disk"
     cold_bits: Optional[int] = None
@@ -260,6 +267,11 @@ class CacheConfig:
             raise ConfigError("rope_mode", "must be absolute for KIVI's exact top-k ({exact_topk}) with retrieval "
                               "({hot_budget}): its shadow keeps keys before RoPE, where the retrieval slots "
                               "move the frozen body's slots", ("exact_topk", "hot_budget"))
+        fetched, pool = fetch_budget(self.hot_budget, self.retrieve_tokens)
+        if self.retrieve_tokens is None:   # frozen: set once, here
+            object.__setattr__(self, "retrieve_tokens", fetched)
+        if self.top_pages is None:
+            object.__setattr__(self, "top_pages", pool)
         for name in ("retrieve_tokens", "page_size", "top_pages"):
             _positive(name, getattr(self, name))
         _positive("index_block", self.index_block, 0)

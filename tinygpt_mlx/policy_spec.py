@@ -44,7 +44,7 @@ def spec_flags(spec: str) -> dict[str, Any]:
         spans | tokens, page                       what retrieval fetches; page RoPE slots
         block8                                     retrieval: pages per block of the page index
         minmax | mean | hybrid                     retrieval: the page summary
-        pages64                                    retrieval: pages the coarse pass keeps
+        fetch256, pages64                          retrieval: cold tokens fetched per query; pages the coarse pass keeps
         sticky | nosticky                          retrieval: the last pick's pages kept in reach
         expand4                                    retrieval: blocks the index expands, x top pages
 
@@ -102,7 +102,7 @@ SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (K
              "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), nearN[bB] or near/S[bB] (KIVI near tier: N tokens, or 1/S of the frozen ones), "
              "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
              "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
-             "minmax|mean|hybrid (page summary), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
+             "minmax|mean|hybrid (page summary), fetchN (cold tokens fetched), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
              "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
 
 
@@ -126,6 +126,7 @@ _SPEC_PARTS = (
     (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
     (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
     (re.compile(r"pages(\d+)"), lambda m: {"top_pages": int(m[1])}),
+    (re.compile(r"fetch(\d+)"), lambda m: {"retrieve_tokens": int(m[1])}),
     (re.compile(r"minmax|mean|hybrid"), lambda m: {"summary": m[0]}),
     (re.compile(r"(no)?sticky"), lambda m: {"sticky": not m[1]}),
     (re.compile(r"expand(\d+)"), lambda m: {"index_expand": int(m[1])}),

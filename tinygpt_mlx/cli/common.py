@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from tinygpt_mlx.config import DEFAULT_ROPE_MODE, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.errors import PosttrainError
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -94,13 +94,15 @@ HotBudget = Annotated[Optional[int], typer.Option(
     "--kiv-hot-budget", help="Retrieval: exact hot window; older tokens go to a cold store and are fetched back.",
     show_default=False)]
 KivTopP = Annotated[Optional[int], typer.Option(
-    "--kiv-top-p", help=f"Retrieval: cold tokens fetched per step. Default {field_default(_C, 'retrieve_tokens')}.",
+    "--kiv-top-p", help="Retrieval: cold tokens fetched per step. Default a quarter of --kiv-hot-budget, at least "
+    f"{FETCH_FLOOR} (64 up to a 256-token window, 256 for 1024).",
     show_default=False)]
 KivPage = Annotated[Optional[int], typer.Option(
     "--kiv-page-size", help=f"Retrieval: tokens per cold page. Default {field_default(_C, 'page_size')}.",
     show_default=False)]
 KivPages = Annotated[Optional[int], typer.Option(
-    "--kiv-top-pages", help=f"Retrieval: pages scored exactly per step. Default {field_default(_C, 'top_pages')}.",
+    "--kiv-top-pages", help="Retrieval: pages the coarse pass keeps per step, whose tokens are scored exactly. Default as "
+    f"many as --kiv-top-p, at least {FETCH_FLOOR}.",
     show_default=False)]
 KivSummary = Annotated[Optional[str], typer.Option(
     "--kiv-summary", help=f"Retrieval: page summary, minmax (Quest's per-channel key bounds), mean (KIV) "
