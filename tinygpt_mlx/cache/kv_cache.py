@@ -24,7 +24,6 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from . import checkpoint as checkpoints
-from .checkpoint import held_nbytes
 from .layer import LayerCache
 from .telemetry import summarise
 
@@ -39,7 +38,7 @@ class Checkpoint:
 
     def __init__(self, length: int, layers: list):
         self.length, self.layers = length, layers
-        self.nbytes = held_nbytes(layers)
+        self.nbytes = checkpoints.held_nbytes(layers)
 
 
 class KVCache(list):
