@@ -22,6 +22,7 @@ what that layer's query looks for.
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -35,14 +36,19 @@ from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, as_chat, cell_document, 
 from tinygpt_mlx.generate import forward, prefill
 
 
+def needle_pages(store: ColdStore, truth: Any, n_pages: int) -> np.ndarray:
+    """The complete pages among the first `n_pages` of `store` that hold the `truth` positions."""
+    pages = np.unique(cold_indices(store.positions.view(), store.n, truth) // store.page_size)
+    return pages[pages < n_pages]
+
+
 def oracle_pool(truth: list[int]):
     """`ColdStore.pool` that adds the complete pages holding the `truth` positions to every row."""
     plain = ColdStore.pool
 
     def pool(self, rows):
         out, last = plain(self, rows)
-        pages = np.unique(cold_indices(self.positions.view(), self.n, truth) // self.page_size)
-        pages = pages[pages < self.n_pages]
+        pages = needle_pages(self, truth, self.n_pages)
         if pages.size:
             extra = np.broadcast_to(pages, (out.shape[0], pages.size))
             out = np.concatenate([out, extra], axis=1)
@@ -50,35 +56,41 @@ def oracle_pool(truth: list[int]):
     return pool
 
 
-def ranking_pool(truth: list[int], ranks: dict):
-    """`ColdStore.pool` that records, per layer, the ranks of the needle's best complete page for
-    the pass's last query (row 0): by the coarse summary and by the exact page score."""
+def recording_pool(last: dict):
+    """`ColdStore.pool` that keeps, per layer, the store, its complete pages and the pass's last
+    query (row 0) of the latest pass; the ranks are computed once, after prefill (`ranks`)."""
     plain = ColdStore.pool
 
     def pool(self, rows):
-        P, ps = self.n_pages, self.page_size
-        pages = np.unique(cold_indices(self.positions.view(), self.n, truth) // ps)
-        pages = pages[pages < P]
-        if pages.size and P > 1:
-            q = rows[:, :, :1]                                             # [G, rep, 1, D]
-            coarse = self.index.page_scores(q)[:, 0]                         # [G, P]
-            idx = np.broadcast_to(np.arange(P * ps), (self.G, P * ps))
-            keys = self._gather(self.keys, idx)                              # [G, P*ps, D]
-            exact = np.matmul(q[:, :, 0], keys.transpose(0, 2, 1)).max(axis=1)   # [G, P*ps]
-            exact = exact.reshape(self.G, P, ps).max(axis=-1)
-            ranks["pages"] = (P, self.top_pages)
-            ranks[self.layer_index] = [tuple(int((s[g] > s[g, pages].max()).sum()) for s in (coarse, exact))
-                                       for g in range(self.G)]
+        last[self.layer_index] = (self, self.n_pages, rows[:, :, :1].copy())
         return plain(self, rows)
     return pool
 
 
-def print_ranks(ranks: dict, n_pages: int, top_pages: int) -> None:
+def ranks(last: dict, truth: Any) -> dict:
+    """Per layer, for each KV head, the ranks of the needle's best complete page for the recorded
+    query among the pages complete then (rows only grow): by the coarse summary and by the exact
+    page score (max q.k over its keys, max over the GQA group)."""
+    out = {}
+    for layer, (store, P, q) in last.items():                              # q [G, rep, 1, D]
+        pages = needle_pages(store, truth, P)
+        if not pages.size or P < 2:
+            continue
+        ps = store.page_size
+        coarse = store.index.page_scores(q)[:, 0, :P]                      # [G, P]
+        keys = store._gather(store.keys, np.broadcast_to(np.arange(P * ps), (store.G, P * ps)))
+        exact = np.matmul(q[:, :, 0], keys.transpose(0, 2, 1)).max(axis=1).reshape(store.G, P, ps).max(axis=-1)
+        out[layer] = [tuple(int((s[g] > s[g, pages].max()).sum()) for s in (coarse, exact)) for g in range(store.G)]
+    return out
+
+
+def print_ranks(last: dict, truth: Any) -> None:
+    store, n_pages, _ = last[max(last)]
     print(f"needle's best page among {n_pages} cold pages, last query (median / best over KV heads; "
-          f"the coarse pass keeps the top {top_pages}):")
+          f"the coarse pass keeps the top {store.top_pages}):")
     print("layer | summary rank | exact rank")
-    for layer in sorted(ranks):
-        c, e = (np.array([r[i] for r in ranks[layer]]) for i in (0, 1))
+    for layer, per_head in sorted(ranks(last, truth).items()):
+        c, e = (np.array([r[i] for r in per_head]) for i in (0, 1))
         print(f"{layer:5d} | {int(np.median(c)):5d} / {c.min():5d} | {int(np.median(e)):5d} / {e.min():5d}")
 
 
@@ -111,16 +123,15 @@ def main() -> None:
           f"needle at positions {truth.min()}-{truth.max()}", flush=True)
     plain = ColdStore.pool
     for spec, config in configs:
-        ranks: dict = {}
-        ColdStore.pool = oracle_pool(truth) if spec.startswith("oracle:") else plain
-        if a.ranks and not spec.startswith("oracle:"):
-            ColdStore.pool = ranking_pool(truth, ranks)
+        last: dict = {}
+        oracle = spec.startswith("oracle:")
+        ColdStore.pool = oracle_pool(truth) if oracle else recording_pool(last) if a.ranks else plain
         try:
             with make_cache(loaded.model, config) as cache:
                 logits = prefill(loaded.model, ids, cache, a.chunk)
-                ColdStore.pool = plain if not spec.startswith("oracle:") else ColdStore.pool
-                if ranks:
-                    print_ranks(ranks, *ranks.pop("pages"))
+                if last:
+                    ColdStore.pool = plain      # the answer's steps are not recorded
+                    print_ranks(last, truth)
                 steps = []
                 for t in target:
                     p = mx.softmax(logits.astype(mx.float32))
