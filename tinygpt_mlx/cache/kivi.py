@@ -132,7 +132,7 @@ class KiviStore:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         if self.shadow is not None:
             self.shadow.append(k, v)
-        self.tiers.add(*self.tiers.packed.turn(k, v, back=False))
+        self.tiers.add(k, v)
         self.frozen += n
 
     def droppable(self, n: int) -> int:
@@ -183,7 +183,7 @@ class KiviStore:
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
         on the pre-RoPE path."""
-        k, v = self.tiers.packed.turn(*self.tiers.dense(lo, hi), back=True)
+        k, v = self.tiers.dense(lo, hi)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)

@@ -285,8 +285,10 @@ class FrozenTiers:
         return [self.packed] + ([self.near] if self.near is not None else [])
 
     def add(self, k: mx.array, v: mx.array) -> None:
-        """Newly frozen tokens (stored basis): into the near tier, whose overflow (dequantised
-        from its codes and packed again: ~1/16 of a 4-bit step more) goes on to the body."""
+        """Newly frozen tokens (the model's basis; both runs store the same basis) into the near
+        tier, whose overflow (dequantised from its codes and packed again: ~1/16 of a 4-bit step
+        more) goes on to the body."""
+        k, v = self.packed.turn(k, v, back=False)
         if self.near is not None:
             out = self.near.admit(k, v, self.packed.n)
             if out is None:
@@ -295,12 +297,12 @@ class FrozenTiers:
         self.packed.add(k, v)
 
     def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
-        """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised, stored basis."""
+        """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised, in the model's basis."""
         P = self.packed.n
         parts = [self.packed.dense(lo, min(hi, P))] if lo < P else []
         if hi > P:
             parts.append(self.near.dense(max(lo, P) - P, hi - P))
-        return join(parts)
+        return self.packed.turn(*join(parts), back=True)
 
     def cut_front(self, m: int) -> None:
         """Forget the oldest `m` frozen tokens (whole blocks): the body's, then the tier's."""
