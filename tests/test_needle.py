@@ -213,3 +213,25 @@ def test_lead_in_reaches_the_grid_and_blank_is_refused(native, native_path, tmp_
     assert cell["prompt_tokens"] != len(native.tokenizer.encode(prompt))
     bad = CliRunner().invoke(app, args + ["--lead-in", "  "])
     assert bad.exit_code != 0 and "--lead-in" in bad.output
+
+
+def test_first_seed_runs_the_later_documents_and_a_negative_one_is_refused(native_path, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    args = ["needle", str(native_path), "--contexts", "128", "--depths", "0.5", "--policies", "full",
+            "--kiv-hot-budget", "64"]
+    whole, later = tmp_path / "whole.json", tmp_path / "later.json"
+    assert CliRunner().invoke(app, args + ["--seeds", "3", "--json", str(whole)]).exit_code == 0
+    r = CliRunner().invoke(app, args + ["--seeds", "2", "--first-seed", "1", "--json", str(later)])
+    assert r.exit_code == 0, r.output
+    cells = json.loads(whole.read_text())["cells"]
+    got = json.loads(later.read_text())
+    assert got["first_seed"] == 1 and [c["seed"] for c in got["cells"]] == [1, 2]
+    same = ("seed", "answer", "output", "prompt_tokens", "passed")   # not timings or RSS
+    assert [[c[k] for k in same] for c in got["cells"]] == [[c[k] for k in same] for c in cells[1:]]
+    bad = CliRunner().invoke(app, args + ["--first-seed", "-1"])
+    assert bad.exit_code != 0 and "--first-seed -1" in bad.output

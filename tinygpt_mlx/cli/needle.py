@@ -90,6 +90,9 @@ def needle(
     depths: Annotated[str, typer.Option("--depths", help="Comma list of needle depths in [0, 1].")]
     = "0.1,0.3,0.5,0.7,0.9",
     seeds: Annotated[int, typer.Option("--seeds", help="Documents per (context, depth).")] = 3,
+    first_seed: Annotated[int, typer.Option(
+        "--first-seed", help="Seed of the first document (seeds run first..first+seeds-1), to add seeds "
+        "to a grid already run.")] = 0,
     policies: Annotated[str, typer.Option(
         "--policies", help="Comma list of: full (where it fits), streaming (sink + hot budget as window), "
         "retrieval.")] = "full,streaming,retrieval",
@@ -134,6 +137,8 @@ def needle(
         raise typer.BadParameter(f"--lead-in {lead_in!r}: give the words that start the answer")
     if seeds < 1 or digits < 1 or prefill_chunk < 1:
         raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
+    if first_seed < 0:
+        raise typer.BadParameter(f"--first-seed {first_seed}: must be 0 or more")
     from tinygpt_mlx.corpus import NAMES, TASKS  # noqa: PLC0415
     if task not in TASKS:
         raise typer.BadParameter(f"--task {task!r}: choose from {', '.join(TASKS)}")
@@ -172,7 +177,8 @@ def needle(
         with c.Progress("needle grid", total=n_cells, unit="cells") as bar:
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
-                                    on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in)
+                                    on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in,
+                                    first_seed=first_seed)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -154,21 +154,22 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
-                lead_in: Optional[str] = None) -> dict:
+                lead_in: Optional[str] = None, first_seed: int = 0) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
     after each cell (to save a long grid as it goes). `chat`: each document is asked through the
     model's chat template (`as_chat`), as an instruct model is used. `lead_in` replaces the
     answer's lead-in that ends the prompt ("The pass key is"): a small model may need another
-    ("The pass key is number") before even the full cache answers."""
+    ("The pass key is number") before even the full cache answers. The documents are seeds
+    `first_seed` .. `first_seed + seeds - 1`, so a grid can be extended by more seeds."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
     cells = []
     for context in contexts:
         for depth in depths:
-            for seed in range(seeds):
+            for seed in range(first_seed, first_seed + seeds):
                 prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
                 prompt = as_chat(tok, prompt, lead_in) if chat else with_lead_in(prompt, lead_in)
                 ids = list(tok.encode(prompt))
@@ -183,12 +184,12 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                     if progress is not None:
                         progress(cell)
                     if partial is not None:
-                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts)
+                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed)
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
-            seeds: int, chunk: int, task: str = "passkey", facts: int = 4) -> dict:
+            seeds: int, chunk: int, task: str = "passkey", facts: int = 4, first_seed: int = 0) -> dict:
     ctx_len = loaded.context_length
     summary = {}
     for name in configs:
@@ -199,7 +200,7 @@ def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], 
                          "values": sum(c["values"] for c in mine)}
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
             "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
-            "contexts": contexts, "depths": depths, "seeds": seeds, "prefill_chunk": chunk,
+            "contexts": contexts, "depths": depths, "seeds": seeds, "first_seed": first_seed, "prefill_chunk": chunk,
             "policies": {n: c.describe() for n, c in configs.items()},
             "cells": cells, "summary": summary}
 
