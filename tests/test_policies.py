@@ -139,9 +139,9 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
             out[label] = body.n_packed * sides * k.shape[0] * k.shape[1] * item
     else:
         out["body"] = len(body) * per_token * item
-    if layer.cold is not None and layer.cold.G is None:
+    if cfg.retrieval and layer.cold.G is None:
         out["cold"] = 0                               # nothing went cold yet
-    elif layer.cold is not None:
+    elif cfg.retrieval:
         cold = layer.cold
         disk = "_disk" if cfg.cold_store == "disk" else ""   # everything that grows goes to disk
         out["cold" + disk] = len(cold) * per_token * 4       # fp32 rows
@@ -161,7 +161,7 @@ def _snapshot(cache) -> dict:
         layer_expected=[layer_bytes_expected(c) for c in layers],
         stored=[c.stored_count for c in layers], seen=[c.current_length for c in layers],
         offsets=[c.offset for c in layers], slot0=[c.slot0() for c in layers],
-        cold=[len(c.cold) if c.cold is not None else 0 for c in layers],
+        cold=[len(c.cold) for c in layers],
         evicted=[c.body.evicted if hasattr(c.body, "evicted") else None for c in layers],
         residual=[len(c.body.residual) if hasattr(c.body, "residual") else None for c in layers],
         packed_bytes=[c.nbytes_breakdown().get("body_packed", 0) for c in layers],

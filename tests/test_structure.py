@@ -1,6 +1,6 @@
 """The structure the cache core's redesign reached stays reached (scripts/structure.py,
 docs/architecture.md): no private attribute of another object read in cache/, and no layer
-code probing which store it holds, and no module over 450 lines."""
+code probing which store it holds, no module over 450 lines and no class in cache/ over 200."""
 
 import json
 import subprocess
@@ -19,6 +19,7 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     assert m["private_reads"] == {} and m["store_probes"] == {}
     assert m["counts"]["private_reads"] == 0 and m["counts"]["store_probes"] == 0
     assert m["counts"]["modules_over_450"] == 0, m["modules_over_450"]
+    assert m["counts"]["classes_over_200"] == 0, m["classes_over_200"]
 
 
 def test_measurement_scripts_refuse_bad_arguments():

@@ -163,7 +163,7 @@ class ChatSession:
 
     @property
     def cold_count(self) -> int:
-        return max((len(c.cold) for c in self.cache.owned if getattr(c, "cold", None) is not None), default=0)
+        return max((len(c.cold) for c in self.cache.owned), default=0)
 
     def _chunk(self, n: int) -> int:
         """The prefill chunk for `n` more tokens: narrowed once the conversation passes the trained

@@ -170,7 +170,7 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
         return False
     body, cfg = layer.body, layer.config
     if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk and not cfg.near_tier
-            and layer.cold is None):
+            and not cfg.retrieval):
         return False
     res = body.residual
     # only once the window is full and blocks are evicted: then the step's shapes come back every

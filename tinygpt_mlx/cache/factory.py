@@ -17,7 +17,7 @@ from .layer import LayerCache
 from .ring import RingLayer
 from .positions import Positions
 from .ring import RingStore
-from .store import DTYPES, DenseStore
+from .store import DTYPES, DenseStore, Forgets
 
 
 def find_rope(layer: Any) -> Optional[Callable]:
@@ -53,7 +53,7 @@ def segmented_layer(config: CacheConfig, positions: Positions, layer_index: int 
     sink = DenseStore(storage, label="sink")
     body = (KiviStore(config, storage, positions, KVCache, config.exact_prefix) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
-    cold = ColdStore(config, KVCache, layer_index) if config.retrieval else None
+    cold = ColdStore(config, KVCache, layer_index) if config.retrieval else Forgets()
     return LayerCache(config, positions, sink, body, cold)
 
 

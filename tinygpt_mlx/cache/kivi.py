@@ -51,8 +51,8 @@ from .checkpoint import Held
 from .packed import FrozenTiers, join
 from .positions import Positions
 from .segments import DenseSegment, Reading
-from .shadow import ShadowStore
-from .store import DenseStore
+from .shadow import NoShadow, ShadowStore
+from .store import DenseStore, no_tokens
 
 __all__ = ["KiviStore"]
 
@@ -72,21 +72,17 @@ class KiviStore:
         self.config = config
         self.storage = storage
         self.positions = positions
-        self.key_bits, self.value_bits = config.key_bits, config.value_bits
         self.group = config.group_size
         # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
-        # toward the R exact tokens: the blocks then freeze where they would without it, and the
-        # cache holds the same bytes at every length (the sink's tokens instead of the residual's
-        # oldest)
+        # toward the R exact tokens: blocks freeze where they would without it, at the same bytes
         self.keep = max(0, config.residual - exact_before)
         self.residual = DenseStore(storage, label="residual", step=self.group)
         # the frozen blocks: the body's bits, and with a near tier its newest blocks at more bits
         self.tiers = FrozenTiers(config, storage, codec)
         self.frozen = 0     # tokens ever frozen (monotonic)
         self.evicted = 0    # frozen tokens dropped from the front (E in the module doc)
-        self.shadow: Optional[ShadowStore] = (ShadowStore(config, storage, self.key_bits is not None,
-                                                          self.value_bits is not None)
-                                              if config.exact_topk else None)
+        self.shadow = (ShadowStore(config, storage, config.key_bits is not None, config.value_bits is not None)
+                       if config.exact_topk else NoShadow())
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
@@ -111,11 +107,8 @@ class KiviStore:
         L = keys.shape[2]
         if L == 0:
             return
-        D = values.shape[3]
-        if self.value_bits is not None and D % self.group:
-            raise ValueError(f"KIVI value groups run along the head dimension: group size {self.group} "
-                             f"does not divide head dim {D} (use --kv-group-size {_divisor(D)} or exact "
-                             "values with --kv-quantize-values fp32)")
+        if self.config.value_bits is not None:
+            _check_value_groups(values.shape[3], self.group)
         self.residual.append(keys, values)
         n = (len(self.residual) - max(self.keep, L)) // self.group * self.group
         if n > 0:
@@ -130,8 +123,7 @@ class KiviStore:
         k, v = self.residual.drop_front(n)
         if self.positions.pre_rope:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
-        if self.shadow is not None:
-            self.shadow.append(k, v)
+        self.shadow.append(k, v)
         self.tiers.add(k, v)
         self.frozen += n
 
@@ -145,15 +137,13 @@ class KiviStore:
         as rotated (absolute, frame) with a shadow the exact rows of the quantised sides."""
         m = self.droppable(n)
         if m == 0:
-            return self._empty()
+            return no_tokens(self.storage)
         k, v = self._dense(0, m, self.storage)
-        if self.shadow is not None and not self.positions.pre_rope:   # hand on exact rows (a cold store keeps them)
-            k = self.shadow.front(0, m) if self.shadow.has(0) else k
-            v = self.shadow.front(1, m) if self.shadow.has(1) else v
+        if not self.positions.pre_rope:   # hand on the shadow's exact rows (a cold store keeps them)
+            k, v = self.shadow.exact_front(m, k, v)
         self.tiers.cut_front(m)
         self.evicted += m
-        if self.shadow is not None:
-            self.shadow.drop_front(m)
+        self.shadow.drop_front(m)
         return k, v
 
     def truncate(self, n: int) -> None:
@@ -165,8 +155,7 @@ class KiviStore:
             raise ValueError(f"cannot truncate a KIVI body inside a frozen block ({n} tokens, G={self.group})")
         self.frozen -= self.held - n
         self.tiers.keep_first(n)
-        if self.shadow is not None:
-            self.shadow.truncate(n)
+        self.shadow.truncate(n)
         self.residual = DenseStore(self.storage, label="residual", step=self.group)
 
     # ----- reading --------------------------------------------------------------------------
@@ -178,7 +167,7 @@ class KiviStore:
             parts.append(self._dense(0, self.held, dtype))
         if len(self.residual):
             parts.append(self.residual.fetch(dtype))
-        return join(parts) if parts else self._empty()
+        return join(parts) if parts else no_tokens(self.storage)
 
     def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
@@ -194,17 +183,12 @@ class KiviStore:
         dequantised, turned and quantised again (once per `Positions.rebase_every` tokens, over
         at most the window's blocks). Not with an exact top-k shadow (the factory keeps that on
         the pre-RoPE path)."""
-        if self.shadow is not None:
+        if self.config.exact_topk:
             raise ValueError("a KIVI body with an exact top-k shadow is not re-based (pre-RoPE path only)")
         def turn(k: mx.array) -> mx.array:
             return self.positions.rebased(k, by)
         self.residual.rotate(turn)
-        for run in self.tiers.runs():
-            run.rebase(turn)
-
-    def _empty(self) -> tuple[mx.array, mx.array]:
-        z = mx.zeros((0,), self.storage)
-        return z, z
+        self.tiers.rebase(turn)
 
     def segments(self, reading: Reading) -> list:
         """Attention segments, oldest first: the packed body, the near tier, then the exact
@@ -218,33 +202,28 @@ class KiviStore:
         return segs
 
     def close(self) -> None:
-        for run in self.tiers.runs():
-            run.clear()
+        self.tiers.clear()
         self.residual.close()
-        if self.shadow is not None:
-            self.shadow.close()
+        self.shadow.close()
 
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
     def state(self) -> tuple[dict, dict]:
         """Frozen blocks as stored (packed codes, scales, zeros, or the exact side), the residual,
         the near tier, the shadow, and the counters (n_packed, frozen, evicted: E of the module
         doc)."""
-        arrays, meta = self.tiers.packed.state()
-        meta["n_packed"] = meta.pop("n")
+        arrays, meta = self.tiers.state()
         meta.update(frozen=self.frozen, evicted=self.evicted)
-        for name, part in (("residual", self.residual), ("near", self.tiers.near), ("shadow", self.shadow)):
-            if part is not None:
-                pa, meta[name] = part.state()
-                arrays.update({f"{name}.{k}": v for k, v in pa.items()})
+        parts = {"residual": self.residual, **({"shadow": self.shadow} if self.config.exact_topk else {})}
+        for name, part in parts.items():
+            pa, meta[name] = part.state()
+            arrays.update({f"{name}.{k}": v for k, v in pa.items()})
         return arrays, meta
 
     def load_state(self, arrays, meta: dict) -> None:
-        self.tiers.packed.load_state(arrays, dict(meta, n=meta["n_packed"]))
+        self.tiers.load_state(arrays, meta)
         self.frozen, self.evicted = int(meta["frozen"]), int(meta["evicted"])
         self.residual.load_state(arrays.scope("residual."), meta["residual"])
-        if self.tiers.near is not None:
-            self.tiers.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0, "k_parts": 0, "v_parts": 0}))
-        if self.shadow is not None:
+        if self.config.exact_topk:
             self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
 
     # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
@@ -252,11 +231,7 @@ class KiviStore:
         """A full (never evicted, never re-based) body's extent: its frozen blocks only grow, so
         they are checkpointed as a count; the exact residual is held (at most R + a chunk)."""
         arrays, meta = self.residual.state()
-        mark = {"n_packed": self.n_packed, "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
-        if self.tiers.near is not None:       # held: `near` tokens, or 1/`near_share` of those frozen
-            arrays, meta = self.tiers.near.state()
-            mark["near"] = (Held.of(arrays), meta)
-        return mark
+        return {**self.tiers.mark(), "evicted": self.evicted, "residual": (Held.of(arrays), meta)}
 
     def rewind(self, mark: dict) -> None:
         """Back to `mark`: blocks frozen since are cut off (at their block boundary), the
@@ -264,11 +239,8 @@ class KiviStore:
         if self.n_packed < mark["n_packed"] or self.evicted != mark["evicted"]:
             raise ValueError("a KIVI body can only be rewound to a mark it has grown from")
         self.truncate(mark["n_packed"])      # (`frozen` moves back with the blocks)
-        arrays, meta = mark["residual"]
-        self.residual.load_state(arrays, meta)
-        if self.tiers.near is not None:
-            self.tiers.near.load_state(*mark["near"])
-            self.frozen += self.tiers.near.n
+        self.residual.load_state(*mark["residual"])
+        self.frozen += self.tiers.rewind_near(mark)
 
     # ----- bytes ----------------------------------------------------------------------------
     @property
@@ -281,11 +253,15 @@ class KiviStore:
         out = {"body_packed": self.tiers.packed.nbytes, "residual": self.residual.nbytes}
         if self.tiers.near is not None:
             out["body_near"] = self.tiers.near.nbytes
-        if self.shadow is not None:
+        if self.config.exact_topk:
             out[self.shadow.label] = self.shadow.nbytes
         return out
 
 
-def _divisor(D: int) -> str:
-    ok = [g for g in quant.GROUP_SIZES if D % g == 0]
-    return str(ok[0]) if ok else "<none: head dim too small>"
+def _check_value_groups(D: int, group: int) -> None:
+    """KIVI's value groups run along the head dimension `D`: refuse a `group` that does not divide it."""
+    if D % group:
+        ok = [g for g in quant.GROUP_SIZES if D % g == 0]
+        raise ValueError(f"KIVI value groups run along the head dimension: group size {group} does not divide "
+                         f"head dim {D} (use --kv-group-size {ok[0] if ok else '<none: head dim too small>'} "
+                         "or exact values with --kv-quantize-values fp32)")

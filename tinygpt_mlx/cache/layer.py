@@ -15,17 +15,17 @@ import mlx.core as mx
 
 from ..config import CacheConfig
 from .plan import Plan
-from .mask import Masks, key_positions
+from .mask import Masks
 from .positions import Positions
-from .retrieved import attend_retrieving
-from .segments import Reading, attend
+from .reads import LayerReads
 from .store import DenseStore, Evictable
 from .telemetry import RetrievalTelemetry
 
 
-class LayerCache:
+class LayerCache(LayerReads):
     """One layer's cache (mlx-lm's per-layer protocol: `offset`, `update_and_fetch`,
-    `make_mask`, `state`, `trim`), over the stores `[sink, body, cold?]`.
+    `make_mask`, `state`, `trim`), over the stores `[sink, body, cold]`: the writing half
+    (plan, commit, eviction, trimming, counters); reads.py's `LayerReads` is the reading half.
 
     `offset` is the RoPE position the next token gets: tokens seen (`current_length`) in
     absolute mode, its cache slot in shifted mode, its position minus the base in frame mode
@@ -34,13 +34,14 @@ class LayerCache:
     """
 
     def __init__(self, config: CacheConfig, positions: Positions, sink: Optional[DenseStore], body: Evictable,
-                 cold: Optional[Any] = None):
+                 cold: Any):
+        """`cold`: retrieval's cold store (cold.py); without retrieval, `Forgets` (store.py)."""
         self.config = config
         self.positions = positions
         self.sink_store = sink   # None in a `RingLayer`: the ring holds the sink too (ring.py)
         self.body = body
         self.cold = cold
-        self.telemetry = RetrievalTelemetry() if cold is not None else None
+        self.telemetry = RetrievalTelemetry() if config.retrieval else None
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
@@ -55,15 +56,6 @@ class LayerCache:
     def _window_len(self) -> int:
         """Tokens held after the sink (the window, or KIVI's body, or the hot window)."""
         return len(self.body)
-
-    @property
-    def needs_query(self) -> bool:
-        """Whether attention must run inside the cache (packed keys, retrieval)."""
-        return self.config.quantised or self.cold is not None
-
-    def _cold_tokens(self) -> int:
-        """Tokens in the cold store now."""
-        return len(self.cold) if self.cold is not None else 0
 
     def _drop_to(self, pending: bool) -> int:
         """Body tokens to evict so that the next call's tokens each see exactly `window` (with
@@ -89,7 +81,7 @@ class LayerCache:
 
     def _cold_after(self, drop: int) -> int:
         """Tokens in the cold store once `drop` more are evicted to it."""
-        return self._cold_tokens() + drop if self.cold is not None else 0
+        return len(self.cold) + drop if self.config.retrieval else 0
 
     def commit(self, plan: Plan, keys: Optional[mx.array], values: Optional[mx.array],
                written: Optional[tuple] = None) -> None:
@@ -118,7 +110,7 @@ class LayerCache:
         """The new tokens into the stores, the first `n_sink` of them into the sink."""
         stored = keys
         if self.positions.pre_rope:
-            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(self._cold_tokens()))
+            stored = self.positions.unrotate(keys, self.stored_count + self.positions.gap(len(self.cold)))
         if n_sink:
             sink = stored[..., :n_sink, :]
             if self.positions.frame:    # only the sink is kept before RoPE (placed when read)
@@ -132,10 +124,9 @@ class LayerCache:
         if not n:
             return
         k, v = self.body.drop_front(n)
-        if self.cold is not None:
-            if self.positions.frame:    # a frame hot window: the cold store keeps keys before RoPE
-                k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
-            self.cold.append(k, v, self.start)
+        if self.config.retrieval and self.positions.frame:   # the cold store keeps keys before RoPE
+            k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
+        self.cold.append(k, v, self.start)   # (a layer without retrieval: `Forgets`)
         self.start += n
 
     def evict_middle_if_needed(self) -> int:
@@ -173,9 +164,6 @@ class LayerCache:
     def stored_count(self) -> int:
         return len(self.body) + len(self.sink_store)
 
-    #: tells `attention.scaled_dot_product_attention` to call `attend` (module doc there)
-    reads_own_segments = True
-
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Store the new tokens [B, H, L, D] (`commit` of this call's `plan`) and return them as
         given, whatever the policy: attention reads the stored tokens itself (`attend`), and
@@ -183,109 +171,9 @@ class LayerCache:
         self.commit(self.plan(), keys, values)
         return keys, values
 
-    def _body_slot(self) -> int:
-        return self.positions.body_slot(self.n_sink, self._cold_tokens())
-
-    def readings(self) -> tuple[Reading, Reading]:
-        """How the sink and the body are read now (compute dtype, positions, first slot)."""
-        slot0 = self.slot0()
-        return (Reading(self.dtype, self.positions, slot0), Reading(self.dtype, self.positions, slot0 + self._body_slot()))
-
-    def sink_slot_during(self, plan: Plan, L: int = 1) -> int:
-        """Frame mode: where sink slot 0 sits in the query's frame while a call of `L` tokens
-        planned as `plan` attends (after its commit)."""
-        return self.positions.frame_slot0(self.seen + L, plan.stored + L, self._cold_after(plan.drop)) - plan.rebase
-
-    def slot0(self) -> int:
-        """Where slot 0 sits in the query's RoPE frame: 0, or in frame mode its frame position."""
-        return self._sink_slot0() if self.positions.frame else 0
-
-    def _sink_slot0(self) -> int:
-        """Frame mode (a ring, a KIVI body under StreamingLLM, a retrieval hot window): the
-        sink's slot 0 in the query's frame (read only in shifted mode)."""
-        return self.positions.frame_slot0(self.seen, self.stored_count, self._cold_tokens())
-
-    def fetch(self) -> tuple[mx.array, mx.array]:
-        """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
-        the reference path (packed blocks dequantised; attention tests compare against it)."""
-        parts = []
-        sink, body = self.readings()
-        for store, reading, placed in ((self.sink_store, sink, self.positions.shifted),
-                                       (self.body, body, self.positions.pre_rope)):
-            if len(store):
-                k, v = store.fetch(self.dtype)
-                parts.append((self.positions.place(k, reading.first_slot) if placed else k, v))
-        if not parts:
-            return self._nothing()
-        if len(parts) == 1:
-            return parts[0]
-        return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
-
-    def _nothing(self) -> tuple[mx.array, mx.array]:
-        """`fetch` of a layer that holds no token."""
-        z = mx.zeros((0,), self.dtype or mx.float32)
-        return z, z
-
-    def key_positions(self, pending: int = 0) -> mx.array:
-        """Absolute positions of the stored tokens (after the next call's `pending` tokens)."""
-        return key_positions(self.n_sink, self.plan().first if pending else self.start, self.seen + pending)
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        """The attention mask for the next `N` tokens (mlx-lm calls this before the update):
-        None or "causal" where every query sees every earlier stored key, else a boolean
-        [N, stored] array over absolute positions (mask.py)."""
-        plan = self.plan()
-        return self.masks.make(N, plan, self.n_sink, self.seen, self._window_len() > plan.drop, return_array,
-                               window_size)
-
-    def segments(self) -> list:
-        """What attention reads, in key-position order matching `make_mask`'s columns."""
-        sink, body = self.readings()
-        return self.sink_store.segments(sink) + self.body.segments(body)
-
-    #: a chunk of at least this many queries over a KIVI body attends over it dequantised
-    DENSE_PREFILL = 16
-
-    def _dense_prefill(self, L: int) -> bool:
-        """Whether a chunk of `L` queries over packed blocks runs the fused dense kernel over
-        the body dequantised once (`fetch()`): a prefill chunk's attention costs L times the
-        body, its dequantisation once, so the dense kernel (BLAS here, MLX's on Metal) wins
-        where many queries share the keys; decode steps score the packed codes directly. Not
-        with exact top-k (it refines the packed scores) nor retrieval (no dense reference)."""
-        return (L >= self.DENSE_PREFILL and self.cold is None and self.config.quantised
-                and not self.config.exact_topk)
-
-    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        """Attention of `queries` [B, Hq, L, D] over what this layer holds. Exact stores (and a
-        KIVI prefill chunk, `_dense_prefill`): the fused dense kernel over `fetch()`. Packed or
-        retrieved data: retrieved cold tokens (if any), the sink and the body, one softmax over
-        every segment's scores (segments.attend)."""
-        if not self.needs_query or self._dense_prefill(queries.shape[2]):
-            keys, values = self.fetch()
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        if self.cold is None or not len(self.cold):
-            return attend(self.segments(), 0, queries, scale, mask)
-        return attend_retrieving(self, queries, scale, mask)
-
-    @property
-    def state(self):
-        if self.stored_count == 0:
-            return []
-        return self.fetch()
-
-    @state.setter
-    def state(self, v):
-        raise NotImplementedError("restoring a posttrainllm cache from state is not supported")
-
-    def size(self) -> int:
-        return self.stored_count
-
-    def empty(self) -> bool:
-        return self.seen == 0
-
     def full_body(self) -> bool:
         """Whether the body only grows (no window, no hot window: nothing evicted or re-based)."""
-        return not self.config.streaming and self.cold is None
+        return not self.config.streaming and not self.config.retrieval
 
     def is_trimmable(self) -> bool:
         """mlx-lm's protocol: whether `trim` can roll back any number of tokens (plain full
@@ -326,17 +214,6 @@ class LayerCache:
         if self.telemetry is not None:
             self.telemetry.reset()
 
-    @property
-    def nbytes(self) -> int:
-        return sum(self.nbytes_breakdown().values())
-
-    def nbytes_breakdown(self) -> dict[str, int]:
-        out = dict(self.sink_store.nbytes_breakdown())
-        out.update(self.body.nbytes_breakdown())
-        if self.cold is not None:
-            out.update(self.cold.nbytes_breakdown())
-        return out
-
     def close(self) -> None:
         """Release every store (a disk store's files are removed)."""
         for store in self.stores().values():
@@ -344,4 +221,4 @@ class LayerCache:
 
     def stores(self) -> dict:
         """The stores by name (as prompt-cache files and checkpoints call them)."""
-        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.cold is not None else {})}
+        return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.config.retrieval else {})}

@@ -17,6 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import quant
+from .checkpoint import Held
 from .shadow import ShadowStore, by_query_slices, top_k_indices
 
 # Each side of a run: (packed, scale, zero) when quantised, (dense,) when exact.
@@ -204,7 +205,7 @@ class PackedSegment:
         else:
             scores = rows @ s.keys[0].astype(mx.float32).swapaxes(-1, -2)
         scores = scores.reshape(B, H, rep, L, -1)
-        if self.shadow is not None:
+        if self.topk:       # (an exact top-k shadow)
             scores = self._refine_scores(q, scores)
         return scores
 
@@ -318,6 +319,46 @@ class FrozenTiers:
             self.near.cut(0, max(0, n - self.packed.n))
         if n < self.packed.n:
             self.packed.cut(0, n)
+
+    def rebase(self, turn: Any) -> None:
+        """Every run's keys turned by `turn` (dequantised, turned, packed again: frame mode)."""
+        for run in self.runs():
+            run.rebase(turn)
+
+    def clear(self) -> None:
+        for run in self.runs():
+            run.clear()
+
+    # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
+    def state(self) -> tuple[dict, dict]:
+        """The body's run as stored (its count as `n_packed`), the near tier's under `near`."""
+        arrays, meta = self.packed.state()
+        meta["n_packed"] = meta.pop("n")
+        if self.near is not None:
+            pa, meta["near"] = self.near.state()
+            arrays.update({f"near.{k}": v for k, v in pa.items()})
+        return arrays, meta
+
+    def load_state(self, arrays: Any, meta: dict) -> None:
+        self.packed.load_state(arrays, dict(meta, n=meta["n_packed"]))
+        if self.near is not None:
+            self.near.load_state(arrays.scope("near."), meta.get("near", {"n": 0, "k_parts": 0, "v_parts": 0}))
+
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def mark(self) -> dict:
+        """The body run's count (it only grows where a checkpoint is taken); the near tier held
+        whole (`near` tokens, or 1/`near_share` of those frozen)."""
+        if self.near is None:
+            return {"n_packed": self.packed.n}
+        arrays, meta = self.near.state()
+        return {"n_packed": self.packed.n, "near": (Held.of(arrays), meta)}
+
+    def rewind_near(self, mark: dict) -> int:
+        """The near tier back to `mark`'s (the body run cut back beside); returns its tokens."""
+        if self.near is None:
+            return 0
+        self.near.load_state(*mark["near"])
+        return self.near.n
 
     def segments(self, positions: Any, evicted: int, shadow: Any, topk: int) -> list:
         """The runs as attention segments (the shadow refines the body only: `near` refuses one)."""

@@ -30,11 +30,9 @@ from .layer import LayerCache
 from .positions import Positions
 from .segments import DenseSegment, Reading
 from .sink_block import SINK_STEPS, SinkBlock
+from .store import Forgets, no_tokens
 
 __all__ = ["SINK_STEPS", "RingLayer", "RingStore"]
-
-
-_NOTHING = (mx.zeros((0,)), mx.zeros((0,)))
 
 
 class RingStore:
@@ -148,7 +146,7 @@ class RingStore:
         if not self.ring:
             self.head += n
         self.n -= n
-        return _NOTHING
+        return no_tokens(self.dtype)
 
     def rebase(self, by: int) -> None:
         """Turn every stored window key back by `by` positions (the base grows by `by`)."""
@@ -244,7 +242,7 @@ class RingLayer(LayerCache):
     positions; the body holds the sink too, placing it itself, and no cold store."""
 
     def __init__(self, config: CacheConfig, positions: Positions, ring: Any):
-        super().__init__(config, positions, None, ring)
+        super().__init__(config, positions, None, ring, Forgets())
 
     @property
     def n_sink(self) -> int:
@@ -262,7 +260,7 @@ class RingLayer(LayerCache):
 
     def fetch(self) -> tuple[mx.array, mx.array]:
         if not len(self.body):
-            return self._nothing()
+            return no_tokens(self.dtype or mx.float32)
         return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):

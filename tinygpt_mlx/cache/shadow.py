@@ -117,6 +117,11 @@ class ShadowStore:
         rows = self._mx(self.arrays[side].view()[:n])              # [n, B*H, D]
         return rows.transpose(1, 0, 2).reshape(*self.batch_heads, n, self.dim(side))
 
+    def exact_front(self, n: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """`keys`, `values` (the oldest `n` tokens, dequantised) with the sides this shadow holds
+        replaced by their exact rows."""
+        return (self.front(0, n) if self.has(0) else keys), (self.front(1, n) if self.has(1) else values)
+
     def drop_front(self, n: int) -> None:
         for arr in self.arrays:
             if arr is not None:
@@ -156,3 +161,26 @@ class ShadowStore:
             path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
             self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
             self.arrays[i].load_state(entry, m)
+
+
+class NoShadow:
+    """The shadow of a KIVI body without exact top-k: holds nothing, so the body hands on its
+    dequantised tokens as they are."""
+
+    def has(self, side: int) -> bool:
+        return False
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        pass
+
+    def exact_front(self, n: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return keys, values
+
+    def drop_front(self, n: int) -> None:
+        pass
+
+    def truncate(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,6 +1,6 @@
 """The store interface every cache segment implements, and exact (full-precision) storage.
 
-A layer cache holds `[sink, body, cold?]`, each a store. Data flows one way: the layer cache
+A layer cache holds `[sink, body, cold]`, each a store. Data flows one way: the layer cache
 calls its stores and hands them what they need (a `segments.Reading`: compute dtype, position
 rules, first slot, and for retrieval the queries); no store sees the layer cache.
 
@@ -10,7 +10,8 @@ rules, first slot, and for retrieval the queries); no store sees the layer cache
   (returns the dropped K/V, which the cold store may receive), `truncate`, and `fetch` (every
   stored token dense, in position order: the reference path that attention is tested against).
 
-The cold store (cold.py) is a `Store` whose `append` also takes the first token's position.
+The cold store (cold.py) is a `Store` whose `append` also takes the first token's position; a
+layer without retrieval holds `Forgets` in its place, which drops what it is handed.
 Stores that only grow where they are used that way (a full body: `DenseStore`, `KiviStore`; the
 cold store) also offer `mark()` and `rewind(mark)`: a checkpoint's length to cut back to
 (cache/checkpoint.py).
@@ -25,6 +26,12 @@ import mlx.core as mx
 from .segments import DenseSegment, Reading
 
 DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
+
+
+def no_tokens(dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """(keys, values) of a store or layer that holds no token: `fetch`'s empty answer."""
+    z = mx.zeros((0,), dtype)
+    return z, z
 
 
 class Store(Protocol):
@@ -215,3 +222,24 @@ class DenseStore:
         B, H, _, Dk = self.keys.shape
         Dv = self.values.shape[3]
         return B * H * self.n * (Dk + Dv) * self.keys.itemsize
+
+
+class Forgets:
+    """The cold store of a layer without retrieval: what the body evicts is forgotten
+    (StreamingLLM's eviction), so the layer hands evicted tokens on the same way whatever its
+    policy. Holds nothing, costs nothing, and is not saved."""
+
+    def __len__(self) -> int:
+        return 0
+
+    def append(self, keys: mx.array, values: mx.array, start_position: int) -> None:
+        pass
+
+    def segments(self, reading: Reading) -> list:
+        return []
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass

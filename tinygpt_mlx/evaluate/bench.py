@@ -124,7 +124,7 @@ def make_policy(spec: str, model: Any) -> Policy:
 
 
 def _cold_stores(cache: Any) -> list:
-    return [layer.cold for layer in cache.owned if layer.cold is not None] if isinstance(cache, KVCache) else []
+    return [layer.cold for layer in cache.owned if layer.config.retrieval] if isinstance(cache, KVCache) else []
 
 
 def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
