@@ -43,7 +43,9 @@ KvGroup = Annotated[Optional[int], typer.Option(
     show_default=False)]
 KvResidual = Annotated[Optional[int], typer.Option(
     "--kv-residual", help=f"KIVI residual R: newest tokens kept exact (a multiple of G). "
-    f"Default {field_default(_C, 'residual')}.", show_default=False)]
+    f"Default {field_default(_C, 'residual')}. Each exact token costs the storage dtype's bytes in place of "
+    "packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K tokens, 1.01x at 8K, and kept the greedy "
+    "text of the long prompts int8 loses on SmolLM2 (docs/kivi.md).", show_default=False)]
 KvExactTopk = Annotated[Optional[int], typer.Option(
     "--kv-exact-topk", help="KIVI: per query head, re-score and re-value the K packed tokens with the highest "
     "scores from an exact shadow copy (sharp heads then see exact K/V; 0 = off). "
