@@ -100,6 +100,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":96,"rotate":true,"exact_sink":4}}'),
     'int8+r128': ('int8',
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":128,"rotate":true,"exact_sink":4}}'),
+    'sink4/hot1024': ('fp32 + retrieval hot 1024 + top 32 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'int4+near/8': ('int4, newest 1/8 frozen at int8',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"near_share":8,"near_bits":8,"exact_sink":4}}'),
     'int2+near/8b4': ('int2, newest 1/8 frozen at int4',
