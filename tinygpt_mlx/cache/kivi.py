@@ -48,11 +48,11 @@ import mlx.core as mx
 from .. import quant
 from ..config import CacheConfig
 from .checkpoint import Held
-from .packed import FrozenTiers, join
+from .packed import FrozenTiers
 from .positions import Positions
 from .segments import DenseSegment, Reading
 from .shadow import NoShadow, ShadowStore
-from .store import DenseStore, no_tokens
+from .store import DenseStore, join, no_tokens
 
 __all__ = ["KiviStore"]
 

@@ -19,6 +19,7 @@ import numpy as np
 from .. import quant
 from .checkpoint import Held
 from .shadow import ShadowStore, by_query_slices, top_k_indices
+from .store import join
 
 # Each side of a run: (packed, scale, zero) when quantised, (dense,) when exact.
 Side = tuple
@@ -366,10 +367,3 @@ class FrozenTiers:
         if self.near is not None and self.near.n:
             segs.append(PackedSegment(self.near, positions, evicted))
         return segs
-
-
-def join(parts: list) -> tuple[mx.array, mx.array]:
-    """(keys, values) pairs, oldest first, as one pair along the token axis."""
-    if len(parts) == 1:
-        return parts[0]
-    return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))

@@ -1,11 +1,11 @@
 """How a layer cache's stores are read: `LayerReads`, the reading half of `LayerCache` (layer.py).
 
 `LayerCache` writes (one `Plan` per model call, applied by `commit`); this half reads what the
-stores hold: the mask and the key positions the next call's queries see, where slot 0 sits in the query's RoPE frame, the segments attention reads (or one
-dense copy of them, `fetch`, the reference path), and `attend`, which picks the kernel: the fused
-dense one over `fetch()` for exact stores and for a KIVI prefill chunk, the segments' own
-(segments.attend) for packed blocks, and retrieval's (retrieved.py) once the cold store holds
-tokens; and what the stores hold in bytes.
+stores hold: the mask and key positions the next call's queries see, where slot 0 sits in the
+query's RoPE frame, the segments attention reads (or one dense copy of them, `fetch`, the
+reference path), `attend`, which picks the kernel (the fused dense one over `fetch()` for exact
+stores and a KIVI prefill chunk, the segments' own, segments.attend, for packed blocks, and
+retrieval's, retrieved.py, once the cold store holds tokens), and the stores' bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from .mask import key_positions
 from .plan import Plan
 from .retrieved import attend_retrieving
 from .segments import Reading, attend
-from .store import no_tokens
+from .store import join, no_tokens
 
 
 class LayerReads:
@@ -68,11 +68,7 @@ class LayerReads:
             if len(store):
                 k, v = store.fetch(self.dtype)
                 parts.append((self.positions.place(k, reading.first_slot) if placed else k, v))
-        if not parts:
-            return no_tokens(self.dtype or mx.float32)
-        if len(parts) == 1:
-            return parts[0]
-        return mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2)
+        return join(parts) if parts else no_tokens(self.dtype or mx.float32)
 
     def segments(self) -> list:
         """What attention reads, in key-position order matching `make_mask`'s columns."""

@@ -34,6 +34,9 @@ from .store import Forgets, no_tokens
 
 __all__ = ["SINK_STEPS", "RingLayer", "RingStore"]
 
+#: what `RingStore.drop_front` returns (built once: a full window evicts at every decode step)
+_NOTHING = no_tokens(mx.float32)
+
 
 class RingStore:
     """The sink and the window of an exact StreamingLLM cache (module doc), holding the sink
@@ -146,7 +149,7 @@ class RingStore:
         if not self.ring:
             self.head += n
         self.n -= n
-        return no_tokens(self.dtype)
+        return _NOTHING
 
     def rebase(self, by: int) -> None:
         """Turn every stored window key back by `by` positions (the base grows by `by`)."""

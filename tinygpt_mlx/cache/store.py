@@ -34,6 +34,13 @@ def no_tokens(dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
     return z, z
 
 
+def join(parts: list) -> tuple[mx.array, mx.array]:
+    """(keys, values) pairs, oldest first, as one pair along the token axis."""
+    if len(parts) == 1:
+        return parts[0]
+    return (mx.concatenate([p[0] for p in parts], axis=2), mx.concatenate([p[1] for p in parts], axis=2))
+
+
 class Store(Protocol):
     def __len__(self) -> int: ...
     def segments(self, reading: Reading) -> list: ...
