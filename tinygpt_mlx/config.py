@@ -5,8 +5,9 @@ eviction x retrieval, composed in one object) and `SampleConfig` the decoding se
 validates itself in `__post_init__`, cross-field rules included, and raises `ConfigError` (a
 `ValueError`) carrying the bad field's name, so a front end names its own spelling of it. A
 `CacheConfig` comes from fields, CLI/HTTP names (`from_flags`) or a policy spec string
-(`from_spec`: grammar, choice names and label in `policy_spec`); the last two share the
-precision table `precision_fields`.
+(`from_spec`: grammar and label in `policy_spec`); the last two share the precision table
+`precision_fields`. Each field's flag, spec part, help and own check are declared once in
+`knobs.KNOBS`; `__post_init__` runs those checks, then the rules across fields.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .policy_spec import (COLD_STORES, DEFAULT_ROPE_MODE, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
+from .knobs import check_values
+from .policy_spec import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
                           RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS,
                           label, spec_flags)
 
@@ -39,9 +41,6 @@ class ConfigError(ValueError):
         for other in self.related:
             text = text.replace("{" + other + "}", name(other))
         return text
-
-
-FETCH_FLOOR = 64   # the least tokens a retrieval step fetches (and pages kept), by default
 
 
 def fetch_budget(hot_budget: Optional[int], retrieve_tokens: Optional[int] = None) -> tuple[int, int]:
@@ -199,31 +198,23 @@ class CacheConfig:
     index_expand: int = 4
 
     def __post_init__(self) -> None:
+        # each field's own values (choices, least value: declared with its flag in knobs.KNOBS),
+        # then the rules across fields
+        check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, ConfigError)
         if self.storage not in STORAGE_DTYPES:
             raise ConfigError("storage", f"must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if bits is not None and bits not in QUANT_BITS.values():
                 raise ConfigError(name, f"must be 8, 4 or 2, got {bits!r}")
-        _positive("group_size", self.group_size)
-        if self.group_size not in GROUP_SIZES:
-            raise ConfigError("group_size", f"must be one of {', '.join(map(str, GROUP_SIZES))} (the KIVI group "
-                              f"sizes MLX's quantised kernels take), got {self.group_size}")
-        _positive("residual", self.residual, 0)
         if self.quantised and self.residual % self.group_size:
             raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "
                               f"got {self.residual}", ("group_size",))
-        _positive("exact_topk", self.exact_topk, 0)
         if self.exact_topk and not self.quantised:
             raise ConfigError("exact_topk", "refines a KIVI cache: it needs int8/int4/int2 keys or values "
                               "({kv_quantize})", ("kv_quantize",))
-        if self.shadow_store not in COLD_STORES:
-            raise ConfigError("shadow_store", f"must be one of {', '.join(COLD_STORES)}, got {self.shadow_store!r}")
         if self.shadow_store != "disk" and not self.exact_topk:
             raise ConfigError("shadow_store", "only applies with {exact_topk}", ("exact_topk",))
-        _positive("kivi_sink", self.kivi_sink, 0)
-        _positive("near", self.near, 0)
-        _positive("near_share", self.near_share, 0)
         if self.near and self.near_share:
             raise ConfigError("near_share", "sizes the near tier to the context: it replaces {near}, not both",
                               ("near",))
@@ -238,22 +229,14 @@ class CacheConfig:
             if self.near % self.group_size:
                 raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
                                   ("group_size",))
-        if self.near_bits not in (8, 6, 4):
-            raise ConfigError("near_bits", f"must be 8, 6 or 4, got {self.near_bits!r}")
         if self.near_tier and any(b is not None and b >= self.near_bits
                                                   for b in (self.key_bits, self.value_bits)):
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
                               f"got {self.near_bits}")
-        _positive("sink", self.sink, 0)
-        if self.window is not None:
-            _positive("window", self.window)
-        elif self.sink and self.hot_budget is None:
+        if self.window is None and self.sink and self.hot_budget is None:
             raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
                               ("window", "hot_budget"))
-        if self.rope_mode is not None and self.rope_mode not in ROPE_MODES:
-            raise ConfigError("rope_mode", f"must be one of {', '.join(ROPE_MODES)}, got {self.rope_mode!r}")
         if self.hot_budget is not None:
-            _positive("hot_budget", self.hot_budget)
             if self.window is not None:
                 raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
                                   "eviction are alternatives", ("window",))
@@ -272,26 +255,11 @@ class CacheConfig:
             object.__setattr__(self, "retrieve_tokens", fetched)
         if self.top_pages is None:
             object.__setattr__(self, "top_pages", pool)
-        for name in ("retrieve_tokens", "page_size", "top_pages"):
-            _positive(name, getattr(self, name))
-        _positive("index_block", self.index_block, 0)
-        _positive("index_expand", self.index_expand)
-        if self.summary not in SUMMARY_KINDS:
-            raise ConfigError("summary", f"must be one of {', '.join(SUMMARY_KINDS)}, got {self.summary!r}")
-        if self.cold_store not in COLD_STORES:
-            raise ConfigError("cold_store", f"must be one of {', '.join(COLD_STORES)}, got {self.cold_store!r}")
-        if self.retrieved_position not in RETRIEVED_POSITIONS:
-            raise ConfigError("retrieved_position", f"must be one of {', '.join(RETRIEVED_POSITIONS)}, "
-                              f"got {self.retrieved_position!r}")
         if self.retrieve_unit is None:   # frozen: set once, here
             object.__setattr__(self, "retrieve_unit", "tokens" if self.retrieved_position == "slots" else "spans")
-        if self.retrieve_unit not in RETRIEVE_UNITS:
-            raise ConfigError("retrieve_unit", f"must be one of {', '.join(RETRIEVE_UNITS)}, got {self.retrieve_unit!r}")
         if self.retrieve_unit == "spans" and self.retrieved_position == "slots":
             raise ConfigError("retrieve_unit", "spans need {retrieved_position} fixed or page (slots numbers "
                               "single tokens)", ("retrieved_position",))
-        if self.cold_bits is not None and self.cold_bits not in (8, 4):
-            raise ConfigError("cold_bits", f"must be 8 or 4, got {self.cold_bits!r}")
 
     @property
     def quantised(self) -> bool:

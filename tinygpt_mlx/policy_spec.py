@@ -1,4 +1,4 @@
-"""The policy vocabulary: the names of each choice, the spec-string grammar and the short label.
+"""The policy spec grammar (generated from `knobs.KNOBS`) and the short label of a policy.
 
 A policy spec such as "int4+sink4/window252:absolute" names a `CacheConfig` in one string
 (`compare --modes`, `perplexity`, `bench --policies`, needle's grid); `spec_flags` turns it into
@@ -11,43 +11,19 @@ from __future__ import annotations
 import re
 from typing import Any
 
-STORAGE_DTYPES = ("fp32", "fp16", "bf16")
-QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
-KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
-#: KIVI group sizes: the ones MLX's quantised kernels accept (`quant.py`).
-GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
-ROPE_MODES = ("shifted", "absolute")
-#: The RoPE mode of a StreamingLLM or retrieval policy that names none.
-DEFAULT_ROPE_MODE = "shifted"
-SUMMARY_KINDS = ("minmax", "mean", "hybrid")
-COLD_STORES = ("ram", "disk")
-RETRIEVED_POSITIONS = ("fixed", "page", "slots")
-RETRIEVE_UNITS = ("tokens", "spans")
+from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KNOBS, KV_QUANTIZE_CHOICES, QUANT_BITS,
+                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS, Knob)
 
+__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS",
+           "RETRIEVE_UNITS", "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "SPEC_HELP",
+           "SPEC_PARTS", "label", "spec_flags"]
 
 
 def spec_flags(spec: str) -> dict[str, Any]:
     """The `CacheConfig.from_flags` keywords of a policy spec (`CacheConfig.from_spec`, the one
     spec parser: `--modes`, `--policies`, `--baseline`, needle's grid): `+`-joined parts, each
-    optional, case-insensitive:
-
-        fp32 | fp16 | bf16 | int8 | int4 | int2     precision (`--kv-quantize`)
-        k8v4                                       KIVI keys int8, values int4 (bits 8, 4 or 2)
-        g64, r128                                  KIVI group size G, residual R
-        esink4, rot | norot                        KIVI: first 4 tokens exact, rotated basis
-        near256, near256b4                         KIVI: newest 256 frozen tokens at 8 (4) bits
-        near/8, near/8b4                           KIVI: newest 1/8 of the frozen tokens at 8 (4) bits
-        top64, shadowram | shadowdisk              KIVI exact top-k refinement, where its shadow lives
-        sink4/window256[:absolute|:shifted]        StreamingLLM (`window256` alone = sink 0)
-        [sink4/]hot256[:absolute|:shifted]         retrieval hot budget (and its sink)
-        colddisk | coldram                         retrieval's cold store on disk (default) or in RAM
-        spans | tokens, page                       what retrieval fetches; page RoPE slots
-        block8                                     retrieval: pages per block of the page index
-        minmax | mean | hybrid                     retrieval: the page summary
-        fetch256, pages64                          retrieval: cold tokens fetched per query; pages the coarse pass keeps
-        sticky | nosticky                          retrieval: the last pick's pages kept in reach
-        expand4                                    retrieval: blocks the index expands, x top pages
-
+    optional, case-insensitive, each one of `SPEC_PARTS` (listed in `SPEC_HELP`: a knob's own part
+    from `knobs.KNOBS`, or one of the parts below that set several keywords at once).
     e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
     and "full" are the fp32 full cache. An unknown part, or a keyword set twice, is a ValueError
     naming the spec."""
@@ -55,7 +31,7 @@ def spec_flags(spec: str) -> dict[str, Any]:
     text = spec.strip().lower()
     for part in ([] if text in ("", "full") else [p.strip() for p in text.split("+")]):
         matched = False
-        for pattern, build in _SPEC_PARTS:
+        for pattern, build, _ in SPEC_PARTS:
             if m := pattern.fullmatch(part):
                 for key, value in build(m).items():
                     if key in flags:
@@ -98,42 +74,34 @@ def label(config: Any, default_kivi_sink: int) -> str:
     return " + ".join(parts)
 
 
-SPEC_HELP = ("'+'-joined parts: precision fp32|fp16|bf16|int8|int4|int2, kNvM (KIVI key/value bits), "
-             "gN (group), rN (residual), topN (KIVI exact top-k), shadowram|shadowdisk, esinkN (KIVI: first N exact), rot|norot (KIVI rotation), nearN[bB] or near/S[bB] (KIVI near tier: N tokens, or 1/S of the frozen ones), "
-             "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM), [sinkN/]hotM[:absolute|:shifted] (retrieval), "
-             "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM), spans|tokens (what retrieval fetches), page (retrieved RoPE slots by page), blockN (retrieval's page index block), "
-             "minmax|mean|hybrid (page summary), fetchN (cold tokens fetched), pagesN (top pages), sticky|nosticky (the last pick's pages kept), expandN (index blocks expanded, x top pages); "
-             "e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")
-
-
 def _rope(m: "re.Match") -> dict[str, Any]:
     return {"rope_mode": m["rope"]} if m["rope"] else {}
 
 
+def _knob_part(knob: Knob) -> tuple["re.Pattern", Any, str]:
+    return re.compile(knob.spec), lambda m: {knob.keyword: knob.spec_value(m[1])}, knob.spec_help
+
+
 _ROPE = r"(?::(?P<rope>absolute|shifted))?"
-_NUMBERED = {"g": "group_size", "r": "residual", "top": "exact_topk"}
-# (a spec part's pattern, the `from_flags` keywords it sets), tried in order by `from_spec`.
-_SPEC_PARTS = (
-    (re.compile("|".join(KV_QUANTIZE_CHOICES)), lambda m: {"kv_quantize": m[0]}),
-    (re.compile(r"k([248])v([248])"), lambda m: {"kv_quantize_keys": f"int{m[1]}",
-                                                  "kv_quantize_values": f"int{m[2]}"}),
-    (re.compile(r"(?:sink(\d+)/)?window(\d+)" + _ROPE),
-     lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)}),
-    (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
-     lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)}),
-    (re.compile(r"cold(disk|ram)"), lambda m: {"cold_store": m[1]}),
-    (re.compile(r"spans|tokens"), lambda m: {"retrieve_unit": m[0]}),
-    (re.compile(r"block(\d+)"), lambda m: {"index_block": int(m[1])}),
-    (re.compile(r"page"), lambda m: {"retrieved_position": "page"}),
-    (re.compile(r"pages(\d+)"), lambda m: {"top_pages": int(m[1])}),
-    (re.compile(r"fetch(\d+)"), lambda m: {"retrieve_tokens": int(m[1])}),
-    (re.compile(r"minmax|mean|hybrid"), lambda m: {"summary": m[0]}),
-    (re.compile(r"(no)?sticky"), lambda m: {"sticky": not m[1]}),
-    (re.compile(r"expand(\d+)"), lambda m: {"index_expand": int(m[1])}),
-    (re.compile(r"shadow(ram|disk)"), lambda m: {"shadow_store": m[1]}),
-    (re.compile(r"esink(\d+)"), lambda m: {"kivi_sink": int(m[1])}),
-    (re.compile(r"(no)?rot"), lambda m: {"rotate": not m[1]}),
-    (re.compile(r"near(/?)(\d+)(?:b(\d+))?"), lambda m: {("near_share" if m[1] else "near"): int(m[2]),
-                                                            **({"near_bits": int(m[3])} if m[3] else {})}),
-    (re.compile(r"(g|r|top)(\d+)"), lambda m: {_NUMBERED[m[1]]: int(m[2])}),
-)
+# The parts that set several keywords at once, each listed beside the knob of the first keyword it sets.
+_COMPOSITE = {
+    "kv_quantize_keys": (re.compile(r"k([248])v([248])"),
+                    lambda m: {"kv_quantize_keys": f"int{m[1]}", "kv_quantize_values": f"int{m[2]}"},
+                    "kNvM (KIVI key/value bits)"),
+    "near": (re.compile(r"near(/?)(\d+)(?:b(\d+))?"),
+               lambda m: {("near_share" if m[1] else "near"): int(m[2]), **({"near_bits": int(m[3])} if m[3] else {})},
+               "nearN[bB] or near/S[bB] (KIVI near tier: N tokens, or 1/S of the frozen ones, at B bits)"),
+    "window": (re.compile(r"(?:sink(\d+)/)?window(\d+)" + _ROPE),
+                  lambda m: {"window": int(m[2]), "sink": int(m[1] or 0), **_rope(m)},
+                  "sinkN/windowM[:absolute|:shifted] or windowM (StreamingLLM)"),
+    "hot_budget": (re.compile(r"(?:sink(\d+)/)?hot(\d+)" + _ROPE),
+                   lambda m: {"hot_budget": int(m[2]), **({"sink": int(m[1])} if m[1] else {}), **_rope(m)},
+                   "[sinkN/]hotM[:absolute|:shifted] (retrieval)"),
+}
+#: (a spec part's pattern, the `from_flags` keywords it sets, its help), tried in order by
+#: `spec_flags`: every knob's own part (knobs.KNOBS) and the composite parts above.
+SPEC_PARTS = tuple(part for knob in KNOBS
+                   for part in ((_knob_part(knob),) if knob.spec else ()) + ((_COMPOSITE[knob.keyword],)
+                                                                              if knob.keyword in _COMPOSITE else ()))
+SPEC_HELP = ("'+'-joined parts: " + ", ".join(help for _, _, help in SPEC_PARTS)
+             + "; e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")

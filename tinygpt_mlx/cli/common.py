@@ -10,13 +10,14 @@ import tempfile
 import time
 import typing
 from pathlib import Path
-from typing import Annotated, Iterator, Optional
+from typing import Annotated, Any, Iterator, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.knobs import KNOBS, PANELS, Knob
 from tinygpt_mlx.errors import PosttrainError
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -31,114 +32,6 @@ Weights = Annotated[str, typer.Option(
     "--weights", help="GGUF models: keep block-quantised weights packed (MLX quantised layers) or dequantise "
     "them to dense floats. auto = dense on the CPU backend (faster there, 4-8x the memory), packed on a GPU.",
     show_default=True)]
-KvQuantize = Annotated[Optional[str], typer.Option(
-    "--kv-quantize", help=f"KV precision: {'|'.join(KV_QUANTIZE_CHOICES)} (int* = KIVI: keys per channel, "
-    f"values per token). Default {field_default(_C, 'storage')}.", show_default=False)]
-KvKeys = Annotated[Optional[str], typer.Option(
-    "--kv-quantize-keys", help="Key precision, overriding --kv-quantize (e.g. int8).", show_default=False)]
-KvValues = Annotated[Optional[str], typer.Option(
-    "--kv-quantize-values", help="Value precision, overriding --kv-quantize (e.g. int4).", show_default=False)]
-KvGroup = Annotated[Optional[int], typer.Option(
-    "--kv-group-size", help=f"KIVI group size G (tokens per key block). Default {field_default(_C, 'group_size')}.",
-    show_default=False)]
-KvResidual = Annotated[Optional[int], typer.Option(
-    "--kv-residual", help=f"KIVI residual R: newest tokens kept exact (a multiple of G). "
-    f"Default {field_default(_C, 'residual')}. Each exact token costs the storage dtype's bytes in place of "
-    "packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K tokens, 1.01x at 8K, and kept the greedy "
-    "text of the long prompts int8 loses on SmolLM2 (docs/kivi.md).", show_default=False)]
-KvExactTopk = Annotated[Optional[int], typer.Option(
-    "--kv-exact-topk", help="KIVI: per query head, re-score and re-value the K packed tokens with the highest "
-    "scores from an exact shadow copy (sharp heads then see exact K/V; 0 = off). "
-    f"Default {field_default(_C, 'exact_topk')}.", show_default=False)]
-KvShadow = Annotated[Optional[str], typer.Option(
-    "--kv-shadow", help="KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds "
-    f"only the packed cache) or in ram. Default {field_default(_C, 'shadow_store')}.", show_default=False)]
-KvExactSink = Annotated[Optional[int], typer.Option(
-    "--kv-exact-sink", help="KIVI without a StreamingLLM window or retrieval: keep the first N tokens exact "
-    "(attention sinks). They count toward --kv-residual, so the cache holds the same bytes (the newest R - N "
-    "tokens stay exact instead of R). Under StreamingLLM and retrieval "
-    f"the --streaming-llm-sink tokens are exact instead. Default {field_default(_C, 'kivi_sink')}.",
-    show_default=False)]
-KvRotate = Annotated[Optional[bool], typer.Option(
-    "--kv-rotate/--no-kv-rotate", help="KIVI: quantise keys and values in a randomized Hadamard basis of the "
-    "head dimension (queries are turned alike and the output turned back: no extra bytes, two small matmuls "
-    f"per layer and step). Default {'on' if field_default(_C, 'rotate') else 'off'}.", show_default=False)]
-KvNear = Annotated[Optional[int], typer.Option(
-    "--kv-near", help="KIVI near tier: hold the newest N frozen tokens (a multiple of G) at --kv-near-bits "
-    "and pack them again at the body's bits as they age (attention reads recent tokens most). Costs "
-    "N x (near bits - body bits) more bits per channel per layer, e.g. +2.4% of an int4 cache at 8K tokens (+9.2% at 2K) "
-    f"for N = 256 (see docs/kivi.md). Default {field_default(_C, 'near')} (off).", show_default=False)]
-KvNearShare = Annotated[Optional[int], typer.Option(
-    "--kv-near-share", help="KIVI near tier sized to the context, instead of --kv-near: hold the newest 1/S of "
-    "the frozen tokens (whole groups of G) at --kv-near-bits. An int4 tier token costs 80% more bytes than a "
-    "body token (an int2 one at 4 bits, 67%), so S = 8 keeps an int4 cache within +10% of its bytes at every "
-    f"length (see docs/kivi.md). Default {field_default(_C, 'near_share')} (off).", show_default=False)]
-KvNearBits = Annotated[Optional[int], typer.Option(
-    "--kv-near-bits", help="KIVI near tier's bits, 8, 6 or 4 (above the body's). A 6-bit tier holds twice an 8-bit one's tokens "
-    "above an int4 body for the same bytes (--kv-near-share 4 --kv-near-bits 6 costs what --kv-near-share 8 "
-    f"does; see docs/kivi.md). Default {field_default(_C, 'near_bits')}.",
-    show_default=False)]
-Sink = Annotated[Optional[int], typer.Option(
-    "--streaming-llm-sink", help="StreamingLLM: keep the first N tokens as attention sinks (needs a window, or "
-    "--kiv-hot-budget for retrieval).",
-    show_default=False)]
-Window = Annotated[Optional[int], typer.Option(
-    "--streaming-llm-window", help="StreamingLLM: attend to the sink and the last M tokens; the cache stops "
-    "growing at N + M. With KIVI (--kv-quantize int*) only whole frozen groups of G are evicted, never the "
-    "exact residual R, so up to max(M, R) + G - 1 tokens stay stored after the sink (those older than M "
-    "are masked out). Keep N + M within the model's context (sample warns otherwise).",
-    show_default=False)]
-RopeMode = Annotated[Optional[str], typer.Option(
-    "--streaming-llm-rope", help="StreamingLLM positions: shifted (cache slots, the paper) or absolute "
-    f"(original positions, like mlx-lm's RotatingKVCache). Default {DEFAULT_ROPE_MODE}.",
-    show_default=False)]
-HotBudget = Annotated[Optional[int], typer.Option(
-    "--kiv-hot-budget", help="Retrieval: exact hot window; older tokens go to a cold store and are fetched back.",
-    show_default=False)]
-KivTopP = Annotated[Optional[int], typer.Option(
-    "--kiv-top-p", help="Retrieval: cold tokens fetched per step. Default a quarter of --kiv-hot-budget, at least "
-    f"{FETCH_FLOOR} (64 up to a 256-token window, 256 for 1024).",
-    show_default=False)]
-KivPage = Annotated[Optional[int], typer.Option(
-    "--kiv-page-size", help=f"Retrieval: tokens per cold page. Default {field_default(_C, 'page_size')}.",
-    show_default=False)]
-KivPages = Annotated[Optional[int], typer.Option(
-    "--kiv-top-pages", help="Retrieval: pages the coarse pass keeps per step, whose tokens are scored exactly. Default as "
-    f"many as --kiv-top-p, at least {FETCH_FLOOR}.",
-    show_default=False)]
-KivSummary = Annotated[Optional[str], typer.Option(
-    "--kiv-summary", help=f"Retrieval: page summary, minmax (Quest's per-channel key bounds), mean (KIV) "
-    f"or hybrid (a page kept by its better rank in either). Default {field_default(_C, 'summary')}.", show_default=False)]
-KivColdStore = Annotated[Optional[str], typer.Option(
-    "--kiv-cold-store", help=f"Retrieval: cold store in ram or on disk (memory-mapped files: evicted "
-    f"tokens, page summaries and positions, so RAM stays bounded by the hot window). "
-    f"Default {field_default(_C, 'cold_store')}.", show_default=False)]
-KivColdPath = Annotated[Optional[str], typer.Option(
-    "--kiv-cold-path", help="Directory for disk stores: retrieval's cold store, KIVI's exact shadow "
-    "(default: a temp dir).",
-    show_default=False)]
-KivColdBits = Annotated[Optional[int], typer.Option(
-    "--kiv-cold-bits", help="Retrieval: quantise the cold store to 8 or 4 bits (default exact).",
-    show_default=False)]
-KivPositions = Annotated[Optional[str], typer.Option(
-    "--kiv-positions", help=f"Retrieval: RoPE slot of retrieved tokens, fixed (one slot before the hot window, "
-    f"InfLLM), page (token j of every fetched page at the j-th of --kiv-page-size slots: spans keep their inner "
-    f"distances) or slots (in order). Default {field_default(_C, 'retrieved_position')}.", show_default=False)]
-KivUnit = Annotated[Optional[str], typer.Option(
-    "--kiv-unit", help="Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens "
-    "(tokens) or its --kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). "
-    "Default spans (tokens with --kiv-positions slots).", show_default=False)]
-KivIndexBlock = Annotated[Optional[int], typer.Option(
-    "--kiv-index-block", help=f"Retrieval: pages per block of the two-level page index used on long cold stores "
-    f"(0 = scan every page summary each step). Default {field_default(_C, 'index_block')}.", show_default=False)]
-KivIndexExpand = Annotated[Optional[int], typer.Option(
-    "--kiv-index-expand", help="Retrieval: a decode step's two-level page index expands this many times "
-    "--kiv-top-pages of its best blocks and ranks their pages (a prefill chunk's: --kiv-top-pages). "
-    f"Default {field_default(_C, 'index_expand')}.", show_default=False)]
-KivSticky = Annotated[Optional[bool], typer.Option(
-    "--kiv-sticky/--no-kiv-sticky", help="Retrieval: each step's pool also holds the pages the previous step's "
-    "query picked, so the page a copy is reading stays in reach of the next query. "
-    f"Default {'on' if field_default(_C, 'sticky') else 'off'}.", show_default=False)]
 Temperature = Annotated[Optional[float], typer.Option(
     "--temperature", help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
     show_default=False)]
@@ -168,51 +61,35 @@ def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=Non
         raise config_error(e) from None
 
 
-# Every cache flag: command parameter name -> (its option type, the `cache_config` keyword).
-CACHE_OPTIONS = {
-    "kv_quantize": (KvQuantize, "kv_quantize"),
-    "kv_quantize_keys": (KvKeys, "kv_quantize_keys"),
-    "kv_quantize_values": (KvValues, "kv_quantize_values"),
-    "kv_group_size": (KvGroup, "group_size"),
-    "kv_residual": (KvResidual, "residual"),
-    "kv_exact_topk": (KvExactTopk, "exact_topk"),
-    "kv_shadow": (KvShadow, "shadow_store"),
-    "kv_exact_sink": (KvExactSink, "kivi_sink"),
-    "kv_rotate": (KvRotate, "rotate"),
-    "kv_near": (KvNear, "near"),
-    "kv_near_share": (KvNearShare, "near_share"),
-    "kv_near_bits": (KvNearBits, "near_bits"),
-    "streaming_llm_sink": (Sink, "sink"),
-    "streaming_llm_window": (Window, "window"),
-    "streaming_llm_rope": (RopeMode, "rope_mode"),
-    "kiv_hot_budget": (HotBudget, "hot_budget"),
-    "kiv_top_p": (KivTopP, "retrieve_tokens"),
-    "kiv_page_size": (KivPage, "page_size"),
-    "kiv_top_pages": (KivPages, "top_pages"),
-    "kiv_summary": (KivSummary, "summary"),
-    "kiv_cold_store": (KivColdStore, "cold_store"),
-    "kiv_cold_path": (KivColdPath, "cold_path"),
-    "kiv_cold_bits": (KivColdBits, "cold_bits"),
-    "kiv_positions": (KivPositions, "retrieved_position"),
-    "kiv_unit": (KivUnit, "retrieve_unit"),
-    "kiv_index_block": (KivIndexBlock, "index_block"),
-    "kiv_sticky": (KivSticky, "sticky"),
-    "kiv_index_expand": (KivIndexExpand, "index_expand"),
-}
+def _option(knob: Knob) -> Any:
+    """The typer option of a cache knob (knobs.KNOBS): its flag, type, help (with the default
+    filled in) and `--help` panel. None is "not given": `CacheConfig` fills its default."""
+    field = "storage" if knob.keyword == "kv_quantize" else knob.keyword
+    default = field_default(_C, field) if field in _C.__dataclass_fields__ else None
+    shown = ("on" if default else "off") if knob.switch else default
+    help = knob.help.format(default=shown, fetch_floor=FETCH_FLOOR, rope=DEFAULT_ROPE_MODE,
+                            precisions="|".join(KV_QUANTIZE_CHOICES))
+    return Annotated[Optional[knob.kind], typer.Option(knob.flag, help=help, show_default=False,
+                                                       rich_help_panel=PANELS[knob.part])]
 
 
-def _flag(annotation) -> str:
-    """The long flag an `Annotated[..., typer.Option("--flag", ...)]` declares."""
-    info = typing.get_args(annotation)[1]
-    # With Annotated, typer takes the first declaration in the `default` slot.
-    flag = next(d for d in (info.default, *info.param_decls) if isinstance(d, str) and d.startswith("--"))
-    return flag.split("/")[0]      # "--kiv-sticky/--no-kiv-sticky": the on switch names it
+# Every cache flag: command parameter name (the flag's: --kv-group-size -> kv_group_size) ->
+# (its option type, the `cache_config` keyword), generated from knobs.KNOBS.
+CACHE_OPTIONS = {knob.flag.split("/")[0][2:].replace("-", "_"): (_option(knob), knob.keyword) for knob in KNOBS}
+
+
+def cache_option(keyword: str) -> Any:
+    """The option type of one cache knob, for a command that takes it alone."""
+    return next(ann for ann, kw in CACHE_OPTIONS.values() if kw == keyword)
+
+
+KvGroup, KvResidual = cache_option("group_size"), cache_option("residual")   # cache-report's two
 
 
 # Config field (or `CacheConfig.from_flags` keyword) -> the command-line flag that sets it: one
 # table for every command, so that a config error names what the user typed (`config_error`).
 CONFIG_FLAGS: dict[str, str] = {
-    **{keyword: _flag(ann) for ann, keyword in CACHE_OPTIONS.values()},
+    **{knob.keyword: knob.flag.split("/")[0] for knob in KNOBS},   # "--kiv-sticky/--no-kiv-sticky": the on switch
     "storage": "--kv-quantize", "key_bits": "--kv-quantize-keys", "value_bits": "--kv-quantize-values",
     # SampleConfig
     "max_tokens": "--tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",

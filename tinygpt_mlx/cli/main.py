@@ -7,7 +7,8 @@ torch where installed), seconds of start-up that `posttrainllm --help`, a typo o
 should not pay. tests/test_cli_imports.py keeps it so.
 
 Help is click's plain layout (flags shown as flags; rich's panels mis-render them with the
-click this project pins against), and every usage error is one line on stderr:
+click this project pins against), the cache flags grouped by the part of the policy they set
+(`PanelledHelp`), and every usage error is one line on stderr:
 `error: Invalid value for '--tokens' / '-n': ...`, exit code 2.
 """
 
@@ -19,7 +20,7 @@ import sys
 
 import typer
 from typer._click import exceptions as cx  # typer vendors its own click
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 from .common import fail
 
@@ -48,6 +49,24 @@ class OneLineErrors(TyperGroup):
             fail("aborted")
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+class PanelledHelp(TyperCommand):
+    """click's plain help, with the options of each part of the cache policy under their own
+    heading (a knob's `--help` panel, knobs.PANELS) after the command's own options."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {"Arguments": [], "Options": []}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                heading = ("Arguments" if param.param_type_name == "argument"
+                           else getattr(param, "rich_help_panel", None) or "Options")
+                sections.setdefault(heading, []).append(record)
+        for heading, records in sections.items():
+            if records:
+                with formatter.section(heading):
+                    formatter.write_dl(records)
 
 
 def refuse_ranks(args: list[str]) -> None:
@@ -81,6 +100,8 @@ COMMANDS = ("sample", "cache_prompt", "chat", "info", "train", "compare", "perpl
             "needle", "serve")
 for _name in COMMANDS:
     importlib.import_module(f"tinygpt_mlx.cli.{_name}").register(app)
+for _info in app.registered_commands:
+    _info.cls = PanelledHelp if _info.cls in (None, TyperCommand) else _info.cls
 COMMAND_NAMES = frozenset(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
 
 if __name__ == "__main__":
