@@ -73,3 +73,36 @@ def test_reply_is_the_text_front_end(native):
             reply.stop()
             break
     assert reply.stats.finish_reason == "stop"
+
+
+def test_pipelined_greedy_tokens_equal_the_stepwise_ones(native32, llama):
+    """`steps(pipeline=True)` (greedy_tokens: each token fed before the host reads it) gives the
+    same tokens, the same final logits and the same cache as one model call after the other, for
+    every kind of layer (full, KIVI, a StreamingLLM ring, KIVI under a window, retrieval) and for
+    mlx-lm's model code; the last token is never fed."""
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.generate import GenerationStats, generate_step, greedy_tokens, steps
+
+    prompt = list(range(3, 60))
+    every = ("fp32", "int4", "sink4/window16", "int8+sink4/window64", "sink4/hot16+fetch8")
+    for loaded, specs in ((native32, every), (llama, ("fp32", "sink4/window16", "sink4/hot16+fetch8"))):  # head dim 16: no KIVI
+        model = loaded.model
+        for spec in specs:
+            runs = []
+            for pipeline in (False, True):
+                cache, stats = make_cache(model, CacheConfig.from_spec(spec)), GenerationStats()
+                out = list(generate_step(model, prompt, cache, make_sampler(0.0), 40, 16, stats, pipeline=pipeline))
+                runs.append((out, cache.current_length, cache.stored_count, stats.logits))
+            (a, len_a, kept_a, logits_a), (b, len_b, kept_b, logits_b) = runs
+            assert a == b and len(a) == 40, spec
+            assert len_a == len_b == len(prompt) + 39 and kept_a == kept_b, spec
+            assert mx.array_equal(logits_a, logits_b).item(), spec
+            if spec == "fp32":
+                full = a
+        assert greedy_tokens(model, prompt, make_cache(model, CacheConfig()), 5, 16) == full[:5]
+    try:
+        next(steps(native32.model, prompt, make_cache(native32.model, CacheConfig()), make_sampler(0.0), 4, 16,
+                   eos_ids=frozenset({1}), pipeline=True))
+        raise AssertionError("a pipeline that EOS could end must be refused")
+    except ValueError as e:
+        assert "cannot end early" in str(e)

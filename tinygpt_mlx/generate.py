@@ -109,6 +109,14 @@ def _call(model: Any, tokens: list[int], cache: Any) -> mx.array:
     return logits
 
 
+def _launch(model: Any, token: mx.array, cache: Any) -> mx.array:
+    """`forward` on a sampled token still on the device ([1] ids), started with `mx.async_eval`
+    and not waited for: the fp32 logits after it, shape [V] (`steps`' pipeline)."""
+    logits = forward(model, token.astype(mx.int32).reshape(1, 1), cache)[0, -1].astype(mx.float32)
+    mx.async_eval(logits)
+    return logits
+
+
 def check_context(prompt_tokens: int, context_length: Optional[int], config: CacheConfig) -> None:
     """A full cache cannot hold a prompt longer than the model's trained context."""
     if context_length and not (config.streaming or config.retrieval) and prompt_tokens > context_length:
@@ -133,7 +141,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
           prefill_chunk: int, stats: Optional[GenerationStats] = None, eos_ids: frozenset = frozenset(),
           progress: Optional[Callable[[int, int], None]] = None,
           should_stop: Optional[Callable[[], bool]] = None,
-          first_logits: Optional[mx.array] = None) -> Iterator[Step]:
+          first_logits: Optional[mx.array] = None, pipeline: bool = False) -> Iterator[Step]:
     """The generation engine, one `Step` per model call: the prompt in chunks of
     `prefill_chunk` (`progress(done, total)` after each), then up to `max_tokens` sampled
     tokens, each fed back except the last. It ends at an id in `eos_ids` (not yielded as a
@@ -142,9 +150,18 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     generated tokens, prefill and decode seconds, finish_reason) is kept current. A consumer
     that times each `next()` times one model call (plus the sampling of its token). With an
     empty `prompt` and `first_logits` (a loaded prompt cache's: the logits after its last
-    token), decoding starts from those without a model call."""
+    token), decoding starts from those without a model call.
+
+    `pipeline` (for a consumer that takes every step: no `eos_ids`, no `should_stop`): each
+    sampled token is fed back before the host reads it, the model call started with
+    `mx.async_eval`, so the host's work on a step (reading the token, the consumer's) overlaps
+    the device's on the next, as mlx-lm's generate_step does. The tokens and the cache are the
+    same (the last token is never fed); a consumer that stops early leaves one more token fed,
+    and `Step.logits` of a step is not yet evaluated when it is yielded."""
     if not prompt and first_logits is None:
         raise ValueError("the prompt is empty: give at least one token")
+    if pipeline and (eos_ids or should_stop is not None):
+        raise ValueError("a pipelined generation cannot end early: no eos_ids or should_stop")
     stats = stats if stats is not None else GenerationStats(cache=cache)
     stats.prompt_tokens = len(prompt)
     stopped = should_stop or (lambda: False)
@@ -165,13 +182,16 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     stats.logits = logits
     t0 = time.perf_counter()
     stats.finish_reason = "length"
-    is_prompt = True
+    is_prompt, ahead = True, None
     while True:
         token = None
         if stopped():
             stats.finish_reason = "cancel"
         elif stats.generated_tokens < max_tokens:
-            token = int(sampler(logits[None])[0].item())
+            sampled = sampler(logits[None])
+            if pipeline and stats.generated_tokens + 1 < max_tokens:
+                ahead = _launch(model, sampled, cache)     # fed before the host reads it
+            token = int(sampled[0].item())
             stats.generated_tokens += 1
             if token in eos_ids:
                 token, stats.finish_reason = None, "stop"
@@ -182,7 +202,8 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         if token is None or stats.generated_tokens == max_tokens:
             break
         fed, is_prompt = [token], False
-        logits = stats.logits = _call(model, fed, cache)
+        logits = stats.logits = ahead if ahead is not None else _call(model, fed, cache)
+        ahead = None
     stats.decode_seconds = time.perf_counter() - t0
 
 
@@ -190,10 +211,10 @@ def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, 
                   prefill_chunk: int, stats: Optional[GenerationStats] = None,
                   eos_ids: frozenset = frozenset(), progress: Optional[Callable[[int, int], None]] = None,
                   should_stop: Optional[Callable[[], bool]] = None,
-                  first_logits: Optional[mx.array] = None) -> Iterator[int]:
+                  first_logits: Optional[mx.array] = None, pipeline: bool = False) -> Iterator[int]:
     """The sampled token ids of `steps` (same arguments): up to `max_tokens`, EOS excluded."""
     for step in steps(model, prompt, cache, sampler, max_tokens, prefill_chunk, stats, eos_ids,
-                      progress, should_stop, first_logits):
+                      progress, should_stop, first_logits, pipeline):
         if step.token is not None:
             yield step.token
 
@@ -201,9 +222,9 @@ def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, 
 def greedy_tokens(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
                   progress: Optional[Callable[[int, int], None]] = None,
                   stats: Optional[GenerationStats] = None) -> list[int]:
-    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them)."""
+    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them), pipelined (`steps`)."""
     return list(generate_step(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk,
-                              stats, progress=progress))
+                              stats, progress=progress, pipeline=True))
 
 
 def prefill(model: Any, tokens: list[int], cache: Any, chunk: int,
