@@ -46,7 +46,8 @@ def _specific(pattern: str) -> bool:
 
 def _commands(text: str) -> list[str]:
     """Commands a page shows: lines of its fenced blocks (joined at trailing backslashes) and
-    inline code spans, those that start with python, posttrainllm, bash or mlx.launch."""
+    inline code spans, those that start with python (`python -m benchmarks.NAME ...` included),
+    posttrainllm, bash or mlx.launch, after any VAR=value prefixes."""
     out = []
     for block in re.findall(r"```[a-z]*\n(.*?)```", text, flags=re.S):
         out += [c.strip() for c in block.replace("\\\n", " ").splitlines() if COMMAND.match(c)]

@@ -5,7 +5,9 @@
 For cache/: each class's length in lines (target <= 200), reads of another object's private
 attribute (`x._name` where x is not `self`/`cls`), and probes of which store a layer holds
 (`isinstance(..., <Store class>)`, `getattr(<store>, ...)`, `sink_store is None`); for the whole
-package: modules over 450 lines and function-level imports of the package's own modules.
+package: modules over 450 lines and function-level imports of the package's own modules; for the
+measurement code and the tools beside the package (benchmarks/, scripts/): edits of `sys.path`
+(they import the installed package, and each other as `benchmarks.NAME`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STORES = {"DenseStore", "RingStore", "KiviStore", "ColdStore", "ShadowStore"}
+#: folders of code that runs beside the package, checked for `sys.path` edits
+BESIDE = ("benchmarks", "scripts")
 
 
 def _private_reads(tree: ast.AST) -> list[str]:
@@ -58,12 +62,31 @@ def _local_imports(tree: ast.AST, package: str) -> list[str]:
     return out
 
 
+def _path_edits(tree: ast.AST) -> list[str]:
+    """`sys.path.insert(...)` and the other mutating calls, and assignments to `sys.path` or a slice of it."""
+    out = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and ast.unparse(node.func.value) == "sys.path"
+                and node.func.attr in ("insert", "append", "extend", "remove", "pop", "clear")):
+            out.append(f"{ast.unparse(node)} (line {node.lineno})")
+        elif isinstance(node, (ast.Assign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(ast.unparse(t).startswith("sys.path") for t in targets):
+                out.append(f"{ast.unparse(node).splitlines()[0]} (line {node.lineno})")
+    return out
+
+
 def measure(package: str) -> dict:
     pkg = ROOT / package
     if not pkg.is_dir():
         raise SystemExit(f"structure.py: no package folder {package!r} under {ROOT}")
     out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
-                 "function_level_imports": {}}
+                 "function_level_imports": {}, "path_edits": {}}
+    for path in sorted(p for folder in BESIDE for p in (ROOT / folder).glob("*.py")):
+        found = _path_edits(ast.parse(path.read_text()))
+        if found:
+            out["path_edits"][str(path.relative_to(ROOT))] = found
     for path in sorted(pkg.rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         text = path.read_text()

@@ -261,7 +261,8 @@ def test_specs_keep_their_labels(spec):
 
 def _doc_specs() -> set[str]:
     specs = set()
-    texts = [p.read_text() for p in (*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*.sh"))]
+    texts = [p.read_text() for p in (*ROOT.glob("docs/**/*.md"), ROOT / "README.md", *ROOT.glob("scripts/*.sh"),
+                                     *ROOT.glob("benchmarks/*.sh"))]
     for text in texts:
         for m in re.finditer(r"--(?:modes|policies|baseline)[ =]+[\"']?([\w+/:,.@-]+)", text):
             # bench's SPEC@eager is SPEC run without the compiled step, needle_step_probe.py's

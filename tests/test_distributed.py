@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TEXT, build_llama_dir
+from tests.conftest import TEXT, build_llama_dir   # also imported by benchmarks/distributed_table.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "tinygpt-base.tinygpt"

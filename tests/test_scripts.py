@@ -1,6 +1,8 @@
-"""Measurement scripts refuse bad arguments before any work: exit 2, the flag and the value named
-in the last line (argparse's usage line above it)."""
+"""Measurement modules (benchmarks/, run as `python -m benchmarks.NAME` from the checkout's root)
+refuse bad arguments before any work: exit 2, the flag and the value named in the last line
+(argparse's usage line above it); and every module or script the docs name exists."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,22 +20,35 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--retrieval-context", "100"], "--retrieval-context must be at least 512, got 100"),
 ])
 def test_decode_costs_refuses_bad_arguments(args, says):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "decode_costs.py"), *args],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.decode_costs", *args],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == f"decode_costs.py: error: {says}"
     assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("script, args, says", [
-    ("needle_step_probe.py", ["--policies", "sink4/hot256+expand0"],
+@pytest.mark.parametrize("module, args, says", [
+    ("needle_step_probe", ["--policies", "sink4/hot256+expand0"],
      "--policies: policy 'sink4/hot256+expand0': index_expand must be an integer >= 1, got 0"),
-    ("chat_reach_grid.py", ["--policies", "retrieval,foo"],
+    ("chat_reach_grid", ["--policies", "retrieval,foo"],
      "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
 ])
-def test_retrieval_probes_refuse_bad_policies(script, args, says):
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args],
-                       capture_output=True, text=True, timeout=60)
+def test_retrieval_probes_refuse_bad_policies(module, args, says):
+    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines()[-1] == f"{script}: error: {says}"
+    assert r.stderr.strip().splitlines()[-1] == f"{module}.py: error: {says}"
     assert "Traceback" not in r.stderr
+
+
+def test_every_named_module_and_script_exists():
+    """Each `python -m benchmarks.NAME`, `benchmarks/NAME` and `scripts/NAME` that README.md, a page
+    of docs/ or the results index names is there (measurement code in benchmarks/, tools in scripts/)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "docs" / "results" / "README.md"]
+    named = set()
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        named |= {f"benchmarks/{m}.py" for m in re.findall(r"python -m benchmarks\.([a-z0-9_]+)\b", text)}
+        named |= set(re.findall(r"\b(?:benchmarks|scripts)/[a-z0-9_]+\.(?:py|sh)\b", text))
+    assert "benchmarks/decode_costs.py" in named and "scripts/fetch_corpus.sh" in named   # the grep works
+    assert not [n for n in named if not (ROOT / n).is_file()]

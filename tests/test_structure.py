@@ -1,7 +1,11 @@
 """The structure the cache core's redesign reached stays reached (scripts/structure.py,
 docs/architecture.md): no private attribute of another object read in cache/, and no layer
-code probing which store it holds, no module over 450 lines and no class in cache/ over 200."""
+code probing which store it holds, no module over 450 lines and no class in cache/ over 200;
+and the measurement code (benchmarks/) and the tools (scripts/) import the package without
+editing sys.path."""
 
+import ast
+import importlib.util
 import json
 import subprocess
 import sys
@@ -20,12 +24,23 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     assert m["counts"]["private_reads"] == 0 and m["counts"]["store_probes"] == 0
     assert m["counts"]["modules_over_450"] == 0, m["modules_over_450"]
     assert m["counts"]["classes_over_200"] == 0, m["classes_over_200"]
+    assert m["path_edits"] == {} and m["counts"]["path_edits"] == 0
+
+
+def test_path_edits_are_found():
+    """The sys.path count is not vacuous: each way of editing the path is caught, reading it is not."""
+    spec = importlib.util.spec_from_file_location("structure", ROOT / "scripts" / "structure.py")
+    structure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(structure)
+    code = ("import sys\nsys.path.insert(0, 'a')\nsys.path.append('b')\nsys.path[:0] = ['c']\n"
+            "sys.path += ['d']\nsys.path = ['e']\nprint(sys.path[0])\n")
+    assert len(structure._path_edits(ast.parse(code))) == 5
 
 
 def test_measurement_scripts_refuse_bad_arguments():
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "structure.py"), "--package", "nope"],
                        capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.strip() == f"structure.py: no package folder 'nope' under {ROOT}"
-    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "plan_mutations.py"), "--fields", "width"],
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.plan_mutations", "--fields", "width"],
+                       capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 2 and "invalid choice: 'width'" in r.stderr

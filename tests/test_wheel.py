@@ -28,7 +28,7 @@ def test_the_wheel_carries_the_default_model_and_runs(tmp_path):
     for shipped in ("tinygpt_mlx/models/tinygpt-base.tinygpt", "tinygpt_mlx/data/heldout_kjv.txt",
                     "tinygpt_mlx/data/prompts.txt"):
         assert shipped in names, shipped
-    assert not any(n.startswith(("tests/", "scripts/", "docs/")) for n in names)
+    assert not any(n.startswith(("tests/", "scripts/", "benchmarks/", "docs/")) for n in names)
 
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target),

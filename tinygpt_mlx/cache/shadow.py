@@ -45,7 +45,7 @@ def top_k_indices(scores: mx.array, k: int, block: int) -> mx.array:
     Over many tokens a full argpartition dominates a decode step, so it runs in two stages: the
     k blocks of `block` tokens with the largest maxima hold every one of the top k (each top-k
     token's block has a maximum >= the k-th score, and at most k blocks can), then the top k of
-    those k * block candidates (3.3 ms -> 0.47 ms for 8 x 32K scores: scripts/bench_topk.py).
+    those k * block candidates (3.3 ms -> 0.47 ms for 8 x 32K scores: benchmarks/bench_topk.py).
     """
     T = scores.shape[-1]
     if k >= T:

@@ -118,7 +118,7 @@ def cell_document(tok: Any, filler_text: str, context: int, depth: float, seed: 
                   digits: int = 5, facts: int = 4, template: Optional[int] = None) -> tuple[str, str]:
     """The (prompt, answer) of one grid cell: a `task` document of about `context` tokens with
     the fact at `depth`, drawn from a generator seeded by (seed, context, depth), so any cell can
-    be rebuilt alone (scripts/needle_step_probe.py)."""
+    be rebuilt alone (benchmarks/needle_step_probe.py)."""
     rng = random.Random(f"needle-{seed}-{context}-{depth}")
     value = random_value(rng, digits)
     return fit_tokens(lambda n: make_task_doc(rng, filler_text, n, task, depth, value=value, facts=facts,

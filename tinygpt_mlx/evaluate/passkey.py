@@ -1,5 +1,5 @@
 """Pass-key accuracy: greedy retrieval of a needle with the full (unevicted, fp32) cache, the
-probe training reports (scripts/model_report.py); documents from `corpus.make_needle_doc_tokens`."""
+probe training reports (benchmarks/model_report.py); documents from `corpus.make_needle_doc_tokens`."""
 
 from __future__ import annotations
 

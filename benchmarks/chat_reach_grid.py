@@ -1,13 +1,13 @@
 """How often does a late chat question get an early turn's fact back? For docs/chat.md.
 
 A `ChatSession` (the code `posttrainllm chat` runs): turn 1 states a pass key ("The pass key is
-N. Remember it."), then `rounds` x 5 filler turns (scripts/chat_retrieval_reach.py's), then
+N. Remember it."), then `rounds` x 5 filler turns (benchmarks/chat_retrieval_reach.py's), then
 "What is the pass key?". For each of `--keys` random 5-digit keys and each rounds count, the
 greedy reply (12 tokens) under the full cache (only where the conversation fits the model's
 context), StreamingLLM (sink 4 + window = the hot budget) and retrieval (sink 4 + hot budget,
 the rest in the cold store); a reply counts when it contains the key.
 
-    python scripts/chat_reach_grid.py [--model M] [--rounds 2,4,8] [--keys 5] [--hot 64] [--json FILE]
+    python -m benchmarks.chat_reach_grid [--model M] [--rounds 2,4,8] [--keys 5] [--hot 64] [--json FILE]
 """
 
 from __future__ import annotations
@@ -16,15 +16,12 @@ import argparse
 import json
 import os
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinygpt_mlx.chat import ChatSession  # noqa: E402
-from tinygpt_mlx.config import CacheConfig, SampleConfig  # noqa: E402
-from tinygpt_mlx.errors import ContextLengthError  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
+from tinygpt_mlx.chat import ChatSession
+from tinygpt_mlx.config import CacheConfig, SampleConfig
+from tinygpt_mlx.errors import ContextLengthError
+from tinygpt_mlx.loading import load
 
 FILLER = ["Tell me about the weather in the valley today.", "And the king went up to the city with all his men.",
           "What do the fishermen bring home in the evening?", "The wind came down from the hills and the river rose.",

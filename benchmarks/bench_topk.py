@@ -1,7 +1,7 @@
 """Top-k selection for the KIVI refinement: one argpartition over every token against
 `shadow.top_k_indices` (best blocks, then candidates), on decode-shaped scores
 [1, Hkv, rep, 1, T] of random normals. Checks both give the same index sets. Not a test.
-Usage: python scripts/bench_topk.py [--tokens 32768] [--k 64] [--heads 4 --rep 2]
+Usage: python -m benchmarks.bench_topk [--tokens 32768] [--k 64] [--heads 4 --rep 2]
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import mlx.core as mx
 import numpy as np
 
-from _timing import ms_per_call as _ms   # this directory: the shared timing loop
+from benchmarks._timing import ms_per_call as _ms
 from tinygpt_mlx.cache.shadow import top_k_indices
 
 

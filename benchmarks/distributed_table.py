@@ -3,19 +3,15 @@ over loopback, as `mlx.launch -n 2 --backend ring` does, plus the same code unsh
 shipped model and prints one markdown row per policy: tokens equal, 1-rank cache bytes, per-rank
 bytes, the 1-rank run's smallest top-2 margin and the largest logit difference.
 
-    python scripts/distributed_table.py
+    python -m benchmarks.distributed_table      # from the checkout's root: it imports tests/
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-import test_distributed as td  # noqa: E402
+from tests import test_distributed as td
 
 
 def kib(b: int) -> str:

@@ -7,8 +7,8 @@ alike. Prints a markdown table of ms/token (min and median) and tokens/s from th
 of running the model over the prompt (the cost of a decode step depends on what is stored,
 not on where it came from; a 32K prefill of the 512-context model on this CPU takes ~10 min
 per policy). Not a test.  Usage:
-    python scripts/bench_kivi_decode.py MODEL --lengths 1024 8192 --policies fp32,fp16,int8,int4
-    python scripts/bench_kivi_decode.py MODEL --lengths 1024 8192 32768 --fill random
+    python -m benchmarks.bench_kivi_decode MODEL --lengths 1024 8192 --policies fp32,fp16,int8,int4
+    python -m benchmarks.bench_kivi_decode MODEL --lengths 1024 8192 32768 --fill random
 """
 
 from __future__ import annotations

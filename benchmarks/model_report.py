@@ -1,7 +1,7 @@
 """Measure a trained .tinygpt with the MLX model itself (the numbers in docs/model.md).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-    python scripts/model_report.py models/tinygpt-base.tinygpt --heldout data/heldout.txt \\
+    python -m benchmarks.model_report models/tinygpt-base.tinygpt --heldout data/heldout.txt \\
         --data data/corpus --trials 50 --json runs/report.json
 
 Held-out loss/perplexity over non-overlapping context-length windows of the held-out split,

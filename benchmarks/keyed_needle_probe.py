@@ -6,7 +6,7 @@ For each keyed template of `corpus.TEMPLATES` ("The secret number of {name} is {
 template with different names in one ~480-token document of held-out filler, the greedy
 answer to the question about one of them, with an exact full cache.
 
-    python scripts/keyed_needle_probe.py [MODEL] [--docs 20] [--filler data/heldout.txt]
+    python -m benchmarks.keyed_needle_probe [MODEL] [--docs 20] [--filler data/heldout.txt]
 """
 
 from __future__ import annotations

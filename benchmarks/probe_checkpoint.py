@@ -5,7 +5,7 @@ induction-head test: after the first copy every token is predictable only by loo
 span), at span lengths 30 and 200, the loss on the first copy vs the repeats, and
 teacher-forced pass-key accuracy (all answer tokens argmax-correct) on held-out documents.
 
-    python scripts/probe_checkpoint.py runs/s4/checkpoint.pt --tokenizer runs/s4/tokenizer.json
+    python -m benchmarks.probe_checkpoint runs/s4/checkpoint.pt --tokenizer runs/s4/tokenizer.json
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Milliseconds per call of an MLX computation, for the measurement scripts in this folder."""
+"""Milliseconds per call of an MLX computation, shared by the benchmarks in this package."""
 
 from __future__ import annotations
 

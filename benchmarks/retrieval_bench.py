@@ -1,7 +1,7 @@
 """Retrieval at scale on one model: decode ms/token and hot/cold bytes per context, and the
 summary recall of Quest's min/max bound vs KIV's mean key (tinygpt_mlx/evaluate/retrieval_bench.py).
 
-    python scripts/retrieval_bench.py MODEL --contexts 4096,16384,65536,262144 --json out.json
+    python -m benchmarks.retrieval_bench MODEL --contexts 4096,16384,65536,262144 --json out.json
 """
 
 from __future__ import annotations

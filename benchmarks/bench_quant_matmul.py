@@ -4,20 +4,17 @@ One query token (B=1, H=4, D=64, float32) attends to T stored tokens:
   (a) quantised_matmul on packed K^T + softmax + quantised_matmul on packed V
   (b) dequantise_k / dequantise_v, then dense matmuls
   (c) dense fp32 matmuls (baseline)
-Not a test.  Usage: python scripts/bench_quant_matmul.py [--bits 4] [--group 64]
+Not a test.  Usage: python -m benchmarks.bench_quant_matmul [--bits 4] [--group 64]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import mlx.core as mx
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from _timing import ms_per_call  # noqa: E402 (this folder)
-from tinygpt_mlx.quant import (  # noqa: E402
+from benchmarks._timing import ms_per_call
+from tinygpt_mlx.quant import (
     dequantise_k,
     dequantise_v,
     quantise_k,

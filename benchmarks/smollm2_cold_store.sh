@@ -2,7 +2,7 @@
 # What each retrieval cold store costs on SmolLM2 (docs/server.md): the first TOKENS tokens
 # (default 8000) of the shipped KJV held-out text, looped when TOKENS is longer than it (about
 # 21K tokens), prefilled under each policy; the report's cache bytes, disk bytes and peak RSS.
-#   TOKENS=32000 POLICIES="ram disk bits8 int4win" bash scripts/smollm2_cold_store.sh
+#   TOKENS=32000 POLICIES="ram disk bits8 int4win" bash benchmarks/smollm2_cold_store.sh
 # The full cache is measured only within SmolLM2's 8,192-token context.
 # Preload OpenBLAS for speed (LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0).
 set -euo pipefail

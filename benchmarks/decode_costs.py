@@ -24,7 +24,7 @@
    placed after the retrieval slots on every read) and absolute positions (nothing rotated), and
    the same with a KIVI int4 hot window (shifted on frame positions, and absolute).
 
-    python scripts/decode_costs.py [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
+    python -m benchmarks.decode_costs [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
         [--parts attention,python,kernels,far,retrieval] [--retrieval-context 4096]
 
 Microseconds, medians. Not a test; for benchmarks preload OpenBLAS (README of docs/results.md).
@@ -34,17 +34,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))   # prerope: the reference paths
-
-from _timing import ms_per_call  # noqa: E402 (this folder)
-from tinygpt_mlx import quant  # noqa: E402
+from benchmarks._timing import ms_per_call
+from tinygpt_mlx import quant
 
 
 def _us(f) -> float:
@@ -118,7 +114,7 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
 
 
 def kernels(model_path: str) -> dict[str, float]:
-    from prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
+    from tests.prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.evaluate.bench import step_ops
     from tinygpt_mlx.loading import load
@@ -160,7 +156,7 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
 
 
 def retrieval_window(model_path: str, steps: int, context: int) -> dict[str, float]:
-    from prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
+    from tests.prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.generate import prefill
     from tinygpt_mlx.loading import load

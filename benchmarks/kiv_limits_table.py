@@ -1,7 +1,7 @@
 """The markdown tables of docs/retrieval.md "Beyond KIV's limits", from the JSON that
-scripts/kiv_limits.sh writes (passed cells, and values right where an answer has several).
+benchmarks/kiv_limits.sh writes (passed cells, and values right where an answer has several).
 
-    python scripts/kiv_limits_table.py [docs/results/kiv_limits]
+    python -m benchmarks.kiv_limits_table [docs/results/kiv_limits]
 """
 
 from __future__ import annotations

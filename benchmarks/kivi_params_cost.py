@@ -1,7 +1,7 @@
 """What KIVI's float16 scales and zeros cost in speed on this backend, and how MLX's quantised
 matmul compares with a dense one (docs/kivi.md, docs/results.md):
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python scripts/kivi_params_cost.py --context 8192
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python -m benchmarks.kivi_params_cost --context 8192
 
 (1) one decode step on the shipped model after `--context` tokens, median of interleaved steps:
 int4 with float16 parameters (the default), int4 with float32 parameters, and the fp32 cache;
@@ -14,20 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinygpt_mlx.cache import make_cache, packed as packed_runs  # noqa: E402
-from tinygpt_mlx.config import CacheConfig  # noqa: E402
-from tinygpt_mlx.generate import forward  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
-
-from _timing import ms_per_call  # noqa: E402 (this folder)
+from benchmarks._timing import ms_per_call
+from tinygpt_mlx.cache import make_cache, packed as packed_runs
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import forward
+from tinygpt_mlx.loading import load
 
 
 def main() -> None:

@@ -7,7 +7,7 @@ in absolute mode) and compares two int-N per-channel schemes over blocks of G to
 Reports the relative key error and the error of attention logits q.k (queries = the layer's
 own keys of the last 64 positions, scaled like attention) against the exact keys.
 
-    python scripts/kivi_prerope_probe.py models/tinygpt-base.tinygpt --prompts docs/results/kivi_long_prompts.txt
+    python -m benchmarks.kivi_prerope_probe models/tinygpt-base.tinygpt --prompts docs/results/kivi_long_prompts.txt
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ prefix match against the fp32 cache per variant:
     exact0.29       layers 0 and 29 kept exact (the others quantised as the spec says)
     +topN           exact top-N refinement (what `--kv-exact-topk N` does)
 
-    python scripts/kivi_variants_probe.py models/tinygpt-base.tinygpt \\
+    python -m benchmarks.kivi_variants_probe models/tinygpt-base.tinygpt \\
         --prompts docs/results/kivi_long_prompts_48.txt --variants k4v4,k4,v4,k4g8,v4g8,k4L3
 """
 

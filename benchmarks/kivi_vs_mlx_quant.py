@@ -6,7 +6,7 @@ rest one by one; every policy runs side by side with the fp32 full cache and rep
 perplexity, mean KL(fp32 || policy) and top-1 agreement. Policies are `posttrainllm bench`
 specs: ours (int4, int4+r0, k8v4, ...) and mlx-lm's (mlx-q8, mlx-q4, mlx-q2).
 Not a test.  Usage:
-    python scripts/kivi_vs_mlx_quant.py MODEL --text data/heldout.txt --tokens 1024
+    python -m benchmarks.kivi_vs_mlx_quant MODEL --text data/heldout.txt --tokens 1024
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ starts two live servers on loopback in this process, one pre-warmed from the fil
 and asks each the same streamed greedy question (document + question) through /api/generate:
 time to the first streamed piece, prefilled tokens, and the answers (they must be equal).
 
-    python scripts/bench_server_prewarm.py [--model M] [--tokens 4096] [--policy int4+sink4/window256] [--json out.json]
+    python -m benchmarks.bench_server_prewarm [--model M] [--tokens 4096] [--policy int4+sink4/window256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -13,22 +13,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import httpx
+import numpy as np
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tinygpt_mlx.cache import make_cache  # noqa: E402
-from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: E402
-from tinygpt_mlx.evaluate.modes import parse_policy  # noqa: E402
-from tinygpt_mlx.generate import prefill  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.cache.persist import save_prompt_cache
+from tinygpt_mlx.evaluate.modes import parse_policy
+from tinygpt_mlx.generate import prefill
+from tinygpt_mlx.loading import load
+from tinygpt_mlx.server.app import create_app, serve_in_thread
 
 QUESTION = "\n\nQuestion: what is this text about?\nAnswer:"
 

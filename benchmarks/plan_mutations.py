@@ -6,10 +6,10 @@ this runs the cache tests with that field off by one in every plan a layer makes
 the first test that fails (pytest -x). A mutation no test catches is a hole in the tests: the
 script exits 1 and says which.
 
-    python scripts/plan_mutations.py [--json docs/results/plan_mutations.json] [--tests ...]
+    python -m benchmarks.plan_mutations [--json docs/results/plan_mutations.json] [--tests ...]
 
-The same file is the pytest plugin that applies a mutation (`-p plan_mutations`, with the field
-named in POSTTRAINLLM_PLAN_MUTATION).
+The same module is the pytest plugin that applies a mutation (`-p benchmarks.plan_mutations`, with
+the field named in POSTTRAINLLM_PLAN_MUTATION); run from the checkout's root, as the tests are.
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ def pytest_configure(config) -> None:
 
 def run(field: str, tests: list[str]) -> dict:
     env = dict(os.environ, **{ENV: field})
-    env["PYTHONPATH"] = str(Path(__file__).parent) + os.pathsep + env.get("PYTHONPATH", "")
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "plan_mutations", "-p", "no:cacheprovider",
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "benchmarks.plan_mutations", "-p", "no:cacheprovider",
                         *tests], env=env, capture_output=True, text=True)
     failed = re.findall(r"^FAILED (\S+)", r.stdout, re.M)
     return {"field": field, "stands_for": MUTATIONS[field], "caught": r.returncode != 0 and bool(failed),
@@ -86,7 +85,7 @@ def main() -> int:
               f"{row['first_failure'] or ''}", flush=True)
     if args.json:
         tmp = args.json.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"command": "python scripts/plan_mutations.py --json " + str(args.json),
+        tmp.write_text(json.dumps({"command": "python -m benchmarks.plan_mutations --json " + str(args.json),
                                    "tests": args.tests, "mutations": rows}, indent=1) + "\n")
         tmp.replace(args.json)
     survived = [r["field"] for r in rows if not r["caught"]]

@@ -13,9 +13,9 @@ TTFT is measured at the client: request sent -> first streamed NDJSON line. The 
 prefill time (prompt_eval_duration) and prefilled-token count (prompt_eval_count) come from
 the final chunk. Median of --repeats conversations, each on a different slice of the text.
 
-  python scripts/bench_server_ttft.py --model models/tinygpt-base.tinygpt
-  python scripts/bench_server_ttft.py --fixture            # the tests' tiny random model
-  python scripts/bench_server_ttft.py --random-shape 2048  # untrained, d256 / 6 layers
+  python -m benchmarks.bench_server_ttft --model models/tinygpt-base.tinygpt
+  python -m benchmarks.bench_server_ttft --fixture            # the tests' tiny random model
+  python -m benchmarks.bench_server_ttft --random-shape 2048  # untrained, d256 / 6 layers
 """
 
 from __future__ import annotations
@@ -23,25 +23,22 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.loading import load
+from tinygpt_mlx.server.app import create_app, serve_in_thread
 
-from tinygpt_mlx.config import CacheConfig  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_model(kind: str, context: int) -> Path:
     """A random-weight native model: the tests' tiny fixture, or the training default shape."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from conftest import build_native, train_tokenizer  # noqa: PLC0415
+    from tests.conftest import build_native, train_tokenizer  # noqa: PLC0415 (only for these two models)
     tok = train_tokenizer().to_str()
     path = Path(tempfile.mkdtemp()) / f"{kind}.tinygpt"
     if kind == "fixture":

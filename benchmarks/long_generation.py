@@ -3,7 +3,7 @@
 peak RSS, the cache's bytes and its stored count against currentLength. For docs/streaming.md:
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-    python scripts/long_generation.py --tokens 100000 --policy sink4/window252 --json docs/results/streaming_100k.json
+    python -m benchmarks.long_generation --tokens 100000 --policy sink4/window252 --json docs/results/streaming_100k.json
 
 Sampling is --temperature 0.8 with --seed 0 and EOS ignored (`sample --ignore-eos`); nothing is
 detokenized. Lines go to stdout as they come, so it can run in the background (nohup ... &).
@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinygpt_mlx.cache import make_cache  # noqa: E402
-from tinygpt_mlx.config import CacheConfig  # noqa: E402
-from tinygpt_mlx.generate import peak_rss_bytes, steps  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.sampling import make_sampler  # noqa: E402
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import peak_rss_bytes, steps
+from tinygpt_mlx.loading import load
+from tinygpt_mlx.sampling import make_sampler
 
 
 def current_rss_bytes() -> int:

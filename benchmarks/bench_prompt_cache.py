@@ -3,7 +3,7 @@
 (fingerprint + checksum checked, disk rows copied into a private dir) and checks that one more
 token gives bit-identical logits in both caches. Numbers from one process, same run.
 
-    python scripts/bench_prompt_cache.py [--model M] [--tokens 4096,32768] [--policies int4,hot256,...]
+    python -m benchmarks.bench_prompt_cache [--model M] [--tokens 4096,32768] [--policies int4,hot256,...]
                                          [--json out.json]
 
 Policy specs as in `--policies` (evaluate/modes.py) plus ":disk" (cold store on disk) and
@@ -17,21 +17,18 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import mlx.core as mx
+import numpy as np
 
-import mlx.core as mx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from tinygpt_mlx.cache import make_cache  # noqa: E402
-from tinygpt_mlx.cache.persist import load_prompt_cache, save_prompt_cache  # noqa: E402
-from tinygpt_mlx.evaluate.modes import parse_policy  # noqa: E402
-from tinygpt_mlx.generate import forward, prefill  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.cache.persist import load_prompt_cache, save_prompt_cache
+from tinygpt_mlx.evaluate.modes import parse_policy
+from tinygpt_mlx.generate import forward, prefill
+from tinygpt_mlx.loading import load
 
 
 def policy(spec: str):

@@ -15,7 +15,7 @@ max over the GQA group), as the median and best over KV heads. A needle that ran
 exact score but low by its summary is lost by the summary; one that ranks low by both is not
 what that layer's query looks for.
 
-    python scripts/needle_step_probe.py MODEL --context 16384 --depth 0.5 --seed 2 \
+    python -m benchmarks.needle_step_probe MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
 """
 

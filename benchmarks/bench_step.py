@@ -1,10 +1,12 @@
 """Median time of one decode step (the model call, eviction and evaluation) per cache policy, on
 the shipped model after a prefill: the per-token cost of the hot path with nothing else timed.
 
-    python scripts/bench_step.py [--context 1024] [--steps 150] [--policies fp32,int4,sink4/window252]
+    python -m benchmarks.bench_step [--context 1024] [--steps 150] [--policies fp32,int4,sink4/window252]
 
-To compare two checkouts (e.g. before and after a redesign), run it from each in turn several
-times (PYTHONPATH=<checkout>) and compare the smallest medians: docs/results.md has an example.
+To compare two checkouts (e.g. before and after a redesign), run it from each checkout's root in
+turn several times (`python -m` puts the directory it runs in first on the path, so each run
+imports that checkout's tinygpt_mlx) and compare the smallest medians: docs/results.md has an
+example.
 Prints one line: the label and each policy's median ms per step; --json writes them too.
 """
 
@@ -13,17 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinygpt_mlx.cache import make_cache  # noqa: E402
-from tinygpt_mlx.config import CacheConfig  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.loading import load
 
 
 def parse(spec: str) -> CacheConfig:

@@ -6,7 +6,7 @@ are (`KVCache.set_truth`), reports how often the question's retrievals fetched t
 them), for the pass-key question and for an unrelated question (the control), and what the
 model answered. For docs/chat.md:
 
-    python scripts/chat_retrieval_reach.py [--model M] [--rounds 8] [--hot 64] [--json FILE]
+    python -m benchmarks.chat_retrieval_reach [--model M] [--rounds 8] [--hot 64] [--json FILE]
 
 `--question` replaces the pass-key question (a model trained on conversations is asked "What is
 the pass key?" and answers in its reply), `--reply-tokens` the reply's length, and `--compare`
@@ -19,15 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tinygpt_mlx.chat import ChatSession  # noqa: E402
-from tinygpt_mlx.config import CacheConfig, SampleConfig  # noqa: E402
-from tinygpt_mlx.errors import ContextLengthError  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
+from tinygpt_mlx.chat import ChatSession
+from tinygpt_mlx.config import CacheConfig, SampleConfig
+from tinygpt_mlx.errors import ContextLengthError
+from tinygpt_mlx.loading import load
 
 FACT, KEY = "The pass key is 48213. Remember it.", " 48213"
 FILLER = ["Tell me about the weather in the valley today.", "And the king went up to the city with all his men.",

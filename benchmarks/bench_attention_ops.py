@@ -3,7 +3,7 @@ over its pool (docs/retrieval.md): exp, softmax, argpartition (and numpy's parti
 and the pool's q.k matmul. Shapes: 1 batch x 4 KV heads x 2 queries per head x 128 queries of a
 prefill chunk x 1,032 pool tokens.
 
-    python scripts/bench_attention_ops.py [--reps 20]
+    python -m benchmarks.bench_attention_ops [--reps 20]
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from _timing import ms_per_call
+from benchmarks._timing import ms_per_call
 
 
 def main() -> None:

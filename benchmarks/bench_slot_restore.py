@@ -13,7 +13,7 @@ chunks a long prefill sends are not text). The final line gives the
 tokens prefilled (prompt_eval_count) and restored from a checkpoint; /api/ps the bytes the slot's
 checkpoints hold. One JSON line per policy on stdout; a table on stderr.
 
-  python scripts/bench_slot_restore.py ~/.cache/posttrainllm/SmolLM2-135M-Instruct.Q4_1.gguf \\
+  python -m benchmarks.bench_slot_restore ~/.cache/posttrainllm/SmolLM2-135M-Instruct.Q4_1.gguf \\
       --doc-tokens 7000 --json docs/results/smollm2_slot_restore.json
 """
 
@@ -27,12 +27,11 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tinygpt_mlx.evaluate.modes import parse_policy
+from tinygpt_mlx.loading import load
+from tinygpt_mlx.server.app import create_app, serve_in_thread
 
-from tinygpt_mlx.evaluate.modes import parse_policy  # noqa: E402
-from tinygpt_mlx.loading import load  # noqa: E402
-from tinygpt_mlx.server.app import create_app, serve_in_thread  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 POLICIES = ["full", "int4", "sink4/window1024", "int4+sink4/window1024", "sink4/hot1024", "int4+sink4/hot1024:absolute"]
 

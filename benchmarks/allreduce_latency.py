@@ -1,6 +1,6 @@
 """Ring all-reduce latency (docs/distributed.md): run under mlx.launch, e.g.
 
-    mlx.launch -n 2 --backend ring -- python scripts/allreduce_latency.py
+    mlx.launch -n 2 --backend ring -- python -m benchmarks.allreduce_latency
 
 For each message size (one all-reduce of a decode step's hidden state: d_model values), the
 median time of one `mx.distributed.all_sum` over 200 calls; rank 0 prints one line per size.
