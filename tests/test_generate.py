@@ -76,7 +76,7 @@ def test_reply_is_the_text_front_end(native):
 
 
 def test_pipelined_greedy_tokens_equal_the_stepwise_ones(native32, llama):
-    """`steps(pipeline=True)` (greedy_tokens: each token fed before the host reads it) gives the
+    """`steps(pipeline=True)` (greedy_tokens on a GPU: each token fed before the host reads it) gives the
     same tokens, the same final logits and the same cache as one model call after the other, for
     every kind of layer (full, KIVI, a StreamingLLM ring, KIVI under a window, retrieval) and for
     mlx-lm's model code; the last token is never fed."""

@@ -222,9 +222,18 @@ def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, 
 def greedy_tokens(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
                   progress: Optional[Callable[[int, int], None]] = None,
                   stats: Optional[GenerationStats] = None) -> list[int]:
-    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them), pipelined (`steps`)."""
+    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them), pipelined
+    (`steps`) where the device runs apart from the host (`pipelines`)."""
     return list(generate_step(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk,
-                              stats, progress=progress, pipeline=True))
+                              stats, progress=progress, pipeline=pipelines()))
+
+
+def pipelines() -> bool:
+    """Whether a generation that takes every step pipelines (`steps(pipeline=True)`): on a GPU,
+    where the host's work on one step can overlap the device's on the next (mlx-lm's reason);
+    not on the CPU backend, where both share the cores and it measured x0.86 to x1.01 of the
+    stepwise loop (`python -m benchmarks.pipeline`, docs/architecture.md)."""
+    return mx.default_device().type == mx.DeviceType.gpu
 
 
 def prefill(model: Any, tokens: list[int], cache: Any, chunk: int,
