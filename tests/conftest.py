@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -139,3 +140,12 @@ def streaming_reference_logits(model, ids, sink: int, window: int) -> mx.array:
     q, k = mx.arange(n)[:, None], mx.arange(n)[None]
     mask = (k <= q) & ((k < sink) | (q - k < window))
     return model(mx.array([ids]), cache=[_MaskOnly(mask) for _ in model.layers])[0].astype(mx.float32)
+
+
+def script_module(name: str):
+    """A repository tool in scripts/ (not a package) imported by path, e.g. "structure"."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,10 +1,11 @@
 """docs/results/ has an index (docs/results/README.md, by scripts/results_index.py) that is
 current, and every result in it is cited by a page."""
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import script_module
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,9 +18,7 @@ def test_results_index_is_current_and_every_result_is_cited():
 
 def test_benchmark_module_commands_are_read():
     """`python -m benchmarks.NAME` commands (with VAR=value before them) are commands the index shows."""
-    spec = importlib.util.spec_from_file_location("results_index", ROOT / "scripts" / "results_index.py")
-    ri = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ri)
+    ri = script_module("results_index")
     page = ("Measured (`LD_PRELOAD=x.so python -m benchmarks.decode_costs --json docs/results/a.json`).\n"
             "```bash\npython -m benchmarks.bench_step \\\n  --json docs/results/b.json\n```\n")
     assert sorted(ri._commands(page)) == ["LD_PRELOAD=x.so python -m benchmarks.decode_costs --json docs/results/a.json",

@@ -5,11 +5,12 @@ and the measurement code (benchmarks/) and the tools (scripts/) import the packa
 editing sys.path."""
 
 import ast
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import script_module
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,9 +30,7 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
 
 def test_path_edits_are_found():
     """The sys.path count is not vacuous: each way of editing the path is caught, reading it is not."""
-    spec = importlib.util.spec_from_file_location("structure", ROOT / "scripts" / "structure.py")
-    structure = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(structure)
+    structure = script_module("structure")
     code = ("import sys\nsys.path.insert(0, 'a')\nsys.path.append('b')\nsys.path[:0] = ['c']\n"
             "sys.path += ['d']\nsys.path = ['e']\nprint(sys.path[0])\n")
     assert len(structure._path_edits(ast.parse(code))) == 5
