@@ -385,7 +385,7 @@ class CacheConfig:
     def label(self) -> str:
         """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'
         (`policy_spec.label`)."""
-        return label(self, field_default(CacheConfig, "kivi_sink"))
+        return label(self, lambda name: field_default(CacheConfig, name))
 
 @dataclass(frozen=True)
 class SampleConfig:

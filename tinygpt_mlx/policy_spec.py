@@ -44,9 +44,9 @@ def spec_flags(spec: str) -> dict[str, Any]:
     return flags
 
 
-def label(config: Any, default_kivi_sink: int) -> str:
+def label(config: Any, default: Any) -> str:
     """A short human name for a `CacheConfig`, e.g. 'int4 + sink4/window256 (shifted)'; the
-    defaults go unnamed (`default_kivi_sink`: the exact sink a full KIVI cache keeps by default)."""
+    defaults (`default(field)`: `CacheConfig`'s) go unnamed."""
     if config.quantised:
         kb = f"int{config.key_bits}" if config.key_bits else config.storage
         vb = f"int{config.value_bits}" if config.value_bits else config.storage
@@ -54,13 +54,20 @@ def label(config: Any, default_kivi_sink: int) -> str:
         if config.exact_topk:
             where = "" if config.shadow_store == "disk" else f", {config.shadow_store} shadow"
             prec += f" (exact top-{config.exact_topk}{where})"
-        # the defaults (rotated, the first 4 tokens exact) go unnamed; a departure is named
+        # the defaults (fp32 exact tokens, G 32, R 32, rotated, the first 4 tokens exact) go
+        # unnamed; a departure is named
+        if config.storage != default("storage"):
+            prec += f", {config.storage} exact"
+        if config.group_size != default("group_size"):
+            prec += f", G {config.group_size}"
+        if config.residual != default("residual"):
+            prec += f", R {config.residual}"
         if not config.rotate:
             prec += ", unrotated"
         if config.near_tier:
             newest = config.near or f"1/{config.near_share}"
             prec += f", newest {newest} frozen at int{config.near_bits}"
-        if not (config.streaming or config.retrieval) and config.kivi_sink != default_kivi_sink:
+        if not (config.streaming or config.retrieval) and config.kivi_sink != default("kivi_sink"):
             prec += f", first {config.kivi_sink} exact" if config.kivi_sink else ", no exact sink"
     else:
         prec = config.storage
