@@ -16,10 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .knobs import check_values
-from .policy_spec import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
-                          RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS,
-                          label, spec_flags)
+from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
+                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS, check_values)
+from .policy_spec import label, spec_flags
 
 __all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
            "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "CacheConfig", "ConfigError",
@@ -198,15 +197,15 @@ class CacheConfig:
     index_expand: int = 4
 
     def __post_init__(self) -> None:
-        # each field's own values (choices, least value: declared with its flag in knobs.KNOBS),
-        # then the rules across fields
-        check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, ConfigError)
+        # the precision (set through --kv-quantize*), then each field's own values (choices,
+        # least value: declared with its flag in knobs.KNOBS), then the rules across fields
         if self.storage not in STORAGE_DTYPES:
             raise ConfigError("storage", f"must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
             if bits is not None and bits not in QUANT_BITS.values():
                 raise ConfigError(name, f"must be 8, 4 or 2, got {bits!r}")
+        check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, ConfigError)
         if self.quantised and self.residual % self.group_size:
             raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "
                               f"got {self.residual}", ("group_size",))

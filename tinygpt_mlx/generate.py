@@ -156,8 +156,10 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     sampled token is fed back before the host reads it, the model call started with
     `mx.async_eval`, so the host's work on a step (reading the token, the consumer's) overlaps
     the device's on the next, as mlx-lm's generate_step does. The tokens and the cache are the
-    same (the last token is never fed); a consumer that stops early leaves one more token fed,
-    and `Step.logits` of a step is not yet evaluated when it is yielded."""
+    same (the last token is never fed); but a step's token is already fed when it is yielded (so
+    a consumer that stops early leaves one more token fed than it took, `stats.logits` the logits
+    after it, and timing a `next()` times no one model call), and the next call may still be
+    running."""
     if not prompt and first_logits is None:
         raise ValueError("the prompt is empty: give at least one token")
     if pipeline and (eos_ids or should_stop is not None):
@@ -190,7 +192,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         elif stats.generated_tokens < max_tokens:
             sampled = sampler(logits[None])
             if pipeline and stats.generated_tokens + 1 < max_tokens:
-                ahead = _launch(model, sampled, cache)     # fed before the host reads it
+                ahead = stats.logits = _launch(model, sampled, cache)     # fed before the host reads it
             token = int(sampled[0].item())
             stats.generated_tokens += 1
             if token in eos_ids:

@@ -11,12 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KNOBS, KV_QUANTIZE_CHOICES, QUANT_BITS,
-                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS, Knob)
+from .knobs import KNOBS, Knob
 
-__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS",
-           "RETRIEVE_UNITS", "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "SPEC_HELP",
-           "SPEC_PARTS", "label", "spec_flags"]
+__all__ = ["SPEC_HELP", "SPEC_PARTS", "label", "spec_flags"]
 
 
 def spec_flags(spec: str) -> dict[str, Any]:
@@ -55,8 +52,8 @@ def label(config: Any, default: Any) -> str:
             where = "" if config.shadow_store == "disk" else f", {config.shadow_store} shadow"
             prec += f" (exact top-{config.exact_topk}{where})"
         # the defaults (fp32 exact tokens, G 32, R 32, rotated, the first 4 tokens exact) go
-        # unnamed; a departure is named
-        if config.storage != default("storage"):
+        # unnamed; a departure is named (an exact side already names the exact dtype)
+        if config.key_bits and config.value_bits and config.storage != default("storage"):
             prec += f", {config.storage} exact"
         if config.group_size != default("group_size"):
             prec += f", G {config.group_size}"
