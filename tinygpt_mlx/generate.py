@@ -102,18 +102,13 @@ def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     return logits
 
 
-def _call(model: Any, tokens: list[int], cache: Any) -> mx.array:
-    """`forward` on `tokens`, evaluated: the fp32 logits after the last token, shape [V]."""
-    logits = forward(model, mx.array(tokens)[None], cache)[0, -1].astype(mx.float32)
-    mx.eval(logits)
-    return logits
-
-
-def _launch(model: Any, token: mx.array, cache: Any) -> mx.array:
-    """`forward` on a sampled token still on the device ([1] ids), started with `mx.async_eval`
-    and not waited for: the fp32 logits after it, shape [V] (`steps`' pipeline)."""
-    logits = forward(model, token.astype(mx.int32).reshape(1, 1), cache)[0, -1].astype(mx.float32)
-    mx.async_eval(logits)
+def _call(model: Any, tokens: list[int] | mx.array, cache: Any, wait: bool = True) -> mx.array:
+    """`forward` on `tokens` (ids, or a sampled [1] array still on the device): the fp32 logits
+    after the last token, shape [V], evaluated; with `wait=False` started (`mx.async_eval`) and
+    not waited for (`steps`' pipeline)."""
+    ids = tokens.astype(mx.int32).reshape(1, -1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
+    logits = forward(model, ids, cache)[0, -1].astype(mx.float32)
+    (mx.eval if wait else mx.async_eval)(logits)
     return logits
 
 
@@ -192,7 +187,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         elif stats.generated_tokens < max_tokens:
             sampled = sampler(logits[None])
             if pipeline and stats.generated_tokens + 1 < max_tokens:
-                ahead = stats.logits = _launch(model, sampled, cache)     # fed before the host reads it
+                ahead = stats.logits = _call(model, sampled, cache, wait=False)   # fed before the host reads it
             token = int(sampled[0].item())
             stats.generated_tokens += 1
             if token in eos_ids:

@@ -67,112 +67,108 @@ class Knob:
         return int(group) if self.kind is int else group
 
 
-def _k(keyword, flag, kind, part, help, spec="", spec_help="", **checks) -> Knob:
-    return Knob(keyword, flag, kind, part, help, spec, spec_help, **checks)
-
-
 KNOBS: tuple[Knob, ...] = (
     # ---- precision (KIVI) ----
-    _k("kv_quantize", "--kv-quantize", str, "precision",
+    Knob("kv_quantize", "--kv-quantize", str, "precision",
        "KV precision: {precisions} (int* = KIVI: keys per channel, values per token). Default {default}.",
        "(" + "|".join(KV_QUANTIZE_CHOICES) + ")", "precision " + "|".join(KV_QUANTIZE_CHOICES)),
-    _k("kv_quantize_keys", "--kv-quantize-keys", str, "precision",
+    Knob("kv_quantize_keys", "--kv-quantize-keys", str, "precision",
        "Key precision, overriding --kv-quantize (e.g. int8)."),
-    _k("kv_quantize_values", "--kv-quantize-values", str, "precision",
+    Knob("kv_quantize_values", "--kv-quantize-values", str, "precision",
        "Value precision, overriding --kv-quantize (e.g. int4)."),
-    _k("group_size", "--kv-group-size", int, "precision",
+    Knob("group_size", "--kv-group-size", int, "precision",
        "KIVI group size G (tokens per key block). Default {default}.", r"g(\d+)", "gN (group)",
        choices=GROUP_SIZES, minimum=1,
        message="must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"),
-    _k("residual", "--kv-residual", int, "precision",
+    Knob("residual", "--kv-residual", int, "precision",
        "KIVI residual R: newest tokens kept exact (a multiple of G). Default {default}. Each exact token costs "
        "the storage dtype's bytes in place of packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K "
        "tokens, 1.01x at 8K, and kept the greedy text of the long prompts int8 loses on SmolLM2 "
        "(docs/kivi.md).", r"r(\d+)", "rN (residual)", minimum=0),
-    _k("exact_topk", "--kv-exact-topk", int, "precision",
+    Knob("exact_topk", "--kv-exact-topk", int, "precision",
        "KIVI: per query head, re-score and re-value the K packed tokens with the highest scores from an exact "
        "shadow copy (sharp heads then see exact K/V; 0 = off). Default {default}.",
        r"top(\d+)", "topN (KIVI exact top-k)", minimum=0),
-    _k("shadow_store", "--kv-shadow", str, "precision",
+    Knob("shadow_store", "--kv-shadow", str, "precision",
        "KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds only the packed "
        "cache) or in ram. Default {default}.", r"shadow(ram|disk)", "shadowram|shadowdisk", choices=COLD_STORES),
-    _k("kivi_sink", "--kv-exact-sink", int, "precision",
+    Knob("kivi_sink", "--kv-exact-sink", int, "precision",
        "KIVI without a StreamingLLM window or retrieval: keep the first N tokens exact (attention sinks). "
        "They count toward --kv-residual, so the cache holds the same bytes (the newest R - N tokens stay exact "
        "instead of R). Under StreamingLLM and retrieval the --streaming-llm-sink tokens are exact instead. "
        "Default {default}.", r"esink(\d+)", "esinkN (KIVI: first N exact)", minimum=0),
-    _k("rotate", "--kv-rotate/--no-kv-rotate", bool, "precision",
+    Knob("rotate", "--kv-rotate/--no-kv-rotate", bool, "precision",
        "KIVI: quantise keys and values in a randomized Hadamard basis of the head dimension (queries are "
        "turned alike and the output turned back: no extra bytes, two small matmuls per layer and step). "
        "Default {default}.", r"(no)?rot", "rot|norot (KIVI rotation)"),
-    _k("near", "--kv-near", int, "precision",
+    Knob("near", "--kv-near", int, "precision",
        "KIVI near tier: hold the newest N frozen tokens (a multiple of G) at --kv-near-bits and pack them "
        "again at the body's bits as they age (attention reads recent tokens most). Costs N x (near bits - "
        "body bits) more bits per channel per layer, e.g. +2.4% of an int4 cache at 8K tokens (+9.2% at 2K) "
        "for N = 256 (see docs/kivi.md). Default {default} (off).", minimum=0),
-    _k("near_share", "--kv-near-share", int, "precision",
+    Knob("near_share", "--kv-near-share", int, "precision",
        "KIVI near tier sized to the context, instead of --kv-near: hold the newest 1/S of the frozen tokens "
        "(whole groups of G) at --kv-near-bits. An int4 tier token costs 80% more bytes than a body token (an "
        "int2 one at 4 bits, 67%), so S = 8 keeps an int4 cache within +10% of its bytes at every length (see "
        "docs/kivi.md). Default {default} (off).", minimum=0),
-    _k("near_bits", "--kv-near-bits", int, "precision",
+    Knob("near_bits", "--kv-near-bits", int, "precision",
        "KIVI near tier's bits, 8, 6 or 4 (above the body's). A 6-bit tier holds twice an 8-bit one's tokens "
        "above an int4 body for the same bytes (--kv-near-share 4 --kv-near-bits 6 costs what --kv-near-share "
        "8 does; see docs/kivi.md). Default {default}.", choices=(8, 6, 4), message="must be 8, 6 or 4, got {value!r}"),
     # ---- StreamingLLM ----
-    _k("sink", "--streaming-llm-sink", int, "streaming",
+    Knob("sink", "--streaming-llm-sink", int, "streaming",
        "StreamingLLM: keep the first N tokens as attention sinks (needs a window, or --kiv-hot-budget for "
        "retrieval).", minimum=0),
-    _k("window", "--streaming-llm-window", int, "streaming",
+    Knob("window", "--streaming-llm-window", int, "streaming",
        "StreamingLLM: attend to the sink and the last M tokens; the cache stops growing at N + M. With KIVI "
        "(--kv-quantize int*) only whole frozen groups of G are evicted, never the exact residual R, so up to "
        "max(M, R) + G - 1 tokens stay stored after the sink (those older than M are masked out). Keep N + M "
        "within the model's context (sample warns otherwise).", minimum=1),
-    _k("rope_mode", "--streaming-llm-rope", str, "streaming",
+    Knob("rope_mode", "--streaming-llm-rope", str, "streaming",
        "StreamingLLM positions: shifted (cache slots, the paper) or absolute (original positions, like "
        "mlx-lm's RotatingKVCache). Default {rope}.", choices=ROPE_MODES),
     # ---- retrieval ----
-    _k("hot_budget", "--kiv-hot-budget", int, "retrieval",
+    Knob("hot_budget", "--kiv-hot-budget", int, "retrieval",
        "Retrieval: exact hot window; older tokens go to a cold store and are fetched back.", minimum=1),
-    _k("retrieve_tokens", "--kiv-top-p", int, "retrieval",
+    Knob("retrieve_tokens", "--kiv-top-p", int, "retrieval",
        "Retrieval: cold tokens fetched per step. Default a quarter of --kiv-hot-budget, at least "
        "{fetch_floor} (64 up to a 256-token window, 256 for 1024).", r"fetch(\d+)", "fetchN (cold tokens fetched)",
        minimum=1),
-    _k("page_size", "--kiv-page-size", int, "retrieval",
+    Knob("page_size", "--kiv-page-size", int, "retrieval",
        "Retrieval: tokens per cold page. Default {default}.", minimum=1),
-    _k("top_pages", "--kiv-top-pages", int, "retrieval",
+    Knob("top_pages", "--kiv-top-pages", int, "retrieval",
        "Retrieval: pages the coarse pass keeps per step, whose tokens are scored exactly. Default as many as "
        "--kiv-top-p, at least {fetch_floor}.", r"pages(\d+)", "pagesN (top pages)", minimum=1),
-    _k("summary", "--kiv-summary", str, "retrieval",
+    Knob("summary", "--kiv-summary", str, "retrieval",
        "Retrieval: page summary, minmax (Quest's per-channel key bounds), mean (KIV) or hybrid (a page kept by "
        "its better rank in either). Default {default}.", "(" + "|".join(SUMMARY_KINDS) + ")",
        "|".join(SUMMARY_KINDS) + " (page summary)", choices=SUMMARY_KINDS),
-    _k("cold_store", "--kiv-cold-store", str, "retrieval",
+    Knob("cold_store", "--kiv-cold-store", str, "retrieval",
        "Retrieval: cold store in ram or on disk (memory-mapped files: evicted tokens, page summaries and "
        "positions, so RAM stays bounded by the hot window). Default {default}.", r"cold(disk|ram)",
        "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM)", choices=COLD_STORES),
-    _k("cold_path", "--kiv-cold-path", str, "retrieval",
+    Knob("cold_path", "--kiv-cold-path", str, "retrieval",
        "Directory for disk stores: retrieval's cold store, KIVI's exact shadow (default: a temp dir)."),
-    _k("cold_bits", "--kiv-cold-bits", int, "retrieval",
+    Knob("cold_bits", "--kiv-cold-bits", int, "retrieval",
        "Retrieval: quantise the cold store to 8 or 4 bits (default exact).", choices=(8, 4),
        message="must be 8 or 4, got {value!r}"),
-    _k("retrieved_position", "--kiv-positions", str, "retrieval",
+    Knob("retrieved_position", "--kiv-positions", str, "retrieval",
        "Retrieval: RoPE slot of retrieved tokens, fixed (one slot before the hot window, InfLLM), page (token "
        "j of every fetched page at the j-th of --kiv-page-size slots: spans keep their inner distances) or "
        "slots (in order). Default {default}.", "(page)", "page (retrieved RoPE slots by page)",
        choices=RETRIEVED_POSITIONS),
-    _k("retrieve_unit", "--kiv-unit", str, "retrieval",
+    Knob("retrieve_unit", "--kiv-unit", str, "retrieval",
        "Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens (tokens) or its "
        "--kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). Default spans (tokens with "
        "--kiv-positions slots).", "(spans|tokens)", "spans|tokens (what retrieval fetches)", choices=RETRIEVE_UNITS),
-    _k("index_block", "--kiv-index-block", int, "retrieval",
+    Knob("index_block", "--kiv-index-block", int, "retrieval",
        "Retrieval: pages per block of the two-level page index used on long cold stores (0 = scan every page "
        "summary each step). Default {default}.", r"block(\d+)", "blockN (retrieval's page index block)", minimum=0),
-    _k("sticky", "--kiv-sticky/--no-kiv-sticky", bool, "retrieval",
+    Knob("sticky", "--kiv-sticky/--no-kiv-sticky", bool, "retrieval",
        "Retrieval: each step's pool also holds the pages the previous step's query picked, so the page a copy "
        "is reading stays in reach of the next query. Default {default}.", r"(no)?sticky",
        "sticky|nosticky (the last pick's pages kept)"),
-    _k("index_expand", "--kiv-index-expand", int, "retrieval",
+    Knob("index_expand", "--kiv-index-expand", int, "retrieval",
        "Retrieval: a decode step's two-level page index expands this many times --kiv-top-pages of its best "
        "blocks and ranks their pages (a prefill chunk's: --kiv-top-pages). Default {default}.", r"expand(\d+)",
        "expandN (index blocks expanded, x top pages)", minimum=1),
