@@ -32,8 +32,10 @@ def test_decode_costs_refuses_bad_arguments(args, says):
      "--policies: policy 'sink4/hot256+expand0': index_expand must be an integer >= 1, got 0"),
     ("chat_reach_grid", ["--policies", "retrieval,foo"],
      "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
+    ("pipeline", ["/no/model", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("pipeline", ["/no/model", "--tokens", "1"], "--tokens must be at least 2, got 1"),
 ])
-def test_retrieval_probes_refuse_bad_policies(module, args, says):
+def test_benchmarks_refuse_bad_arguments(module, args, says):
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert r.returncode == 2 and r.stdout == ""
