@@ -13,7 +13,11 @@ pages for the prompt's last query (the one that answers) at the last prefill pas
 policy's page summary (the coarse pass) and by its exact score (max q.k over the page's keys,
 max over the GQA group), as the median and best over KV heads. A needle that ranks high by its
 exact score but low by its summary is lost by the summary; one that ranks low by both is not
-what that layer's query looks for.
+what that layer's query looks for. `--rankers` adds columns for other page rankers computed from
+the same keys (`alt_page_scores`): "mean" (KIV's mean key), "lowrankR" (every token scored in the
+top-R principal directions of the layer's first `--fit` cold keys, Loki; the page takes its best
+token), "intB" (every token scored against its key quantised to B bits per channel in groups of
+32 tokens; the page takes its best token).
 
     python -m benchmarks.needle_step_probe MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
@@ -67,7 +71,28 @@ def recording_pool(last: dict):
     return pool
 
 
-def ranks(last: dict, truth: Any) -> dict:
+def alt_page_scores(kind: str, q: np.ndarray, keys: np.ndarray, ps: int, fit: int) -> np.ndarray:
+    """Page scores [G, P] by another ranker (module doc) for the query [G, rep, D] over the
+    complete pages' exact keys [G, P * ps, D]."""
+    G, N, D = keys.shape
+    if kind == "mean":
+        return np.matmul(q, keys.reshape(G, N // ps, ps, D).mean(axis=2).transpose(0, 2, 1)).max(axis=1)
+    if kind.startswith("lowrank"):
+        r = int(kind[7:])
+        basis = np.stack([np.linalg.svd(keys[g, :fit], full_matrices=False)[2][:r].T for g in range(G)])
+        tok = np.matmul(np.matmul(q, basis), np.matmul(keys, basis).transpose(0, 2, 1))
+    elif kind.startswith("int"):
+        bits, g32 = int(kind[3:]), keys[:, : N // 32 * 32].reshape(G, N // 32, 32, D)
+        lo, hi = g32.min(axis=2, keepdims=True), g32.max(axis=2, keepdims=True)
+        step = np.maximum(hi - lo, 1e-8) / (2 ** bits - 1)
+        deq = (np.round((g32 - lo) / step) * step + lo).reshape(G, -1, D)
+        tok = np.matmul(q, np.concatenate([deq, keys[:, deq.shape[1]:]], axis=1).transpose(0, 2, 1))
+    else:
+        raise ValueError(f"unknown ranker {kind!r}")
+    return tok.max(axis=1).reshape(G, N // ps, ps).max(axis=-1)
+
+
+def ranks(last: dict, truth: Any, rankers: tuple = (), fit: int = 2048) -> dict:
     """Per layer, for each KV head, the ranks of the needle's best complete page for the recorded
     query among the pages complete then (rows only grow): by the coarse summary and by the exact
     page score (max q.k over its keys, max over the GQA group)."""
@@ -80,18 +105,25 @@ def ranks(last: dict, truth: Any) -> dict:
         coarse = store.index.page_scores(q)[:, 0, :P]                      # [G, P]
         keys = store._gather(store.keys, np.broadcast_to(np.arange(P * ps), (store.G, P * ps)))
         exact = np.matmul(q[:, :, 0], keys.transpose(0, 2, 1)).max(axis=1).reshape(store.G, P, ps).max(axis=-1)
-        out[layer] = [tuple(int((s[g] > s[g, pages].max()).sum()) for s in (coarse, exact)) for g in range(store.G)]
+        others = [alt_page_scores(kind, q[:, :, 0], keys, ps, min(fit, P * ps)) for kind in rankers]
+        out[layer] = [tuple(int((s[g] > s[g, pages].max()).sum()) for s in (coarse, exact, *others))
+                      for g in range(store.G)]
     return out
 
 
-def print_ranks(last: dict, truth: Any) -> None:
+def print_ranks(last: dict, truth: Any, rankers: tuple = (), fit: int = 2048) -> None:
     store, n_pages, _ = last[max(last)]
     print(f"needle's best page among {n_pages} cold pages, last query (median / best over KV heads; "
           f"the coarse pass keeps the top {store.top_pages}):")
-    print("layer | summary rank | exact rank")
-    for layer, per_head in sorted(ranks(last, truth).items()):
-        c, e = (np.array([r[i] for r in per_head]) for i in (0, 1))
-        print(f"{layer:5d} | {int(np.median(c)):5d} / {c.min():5d} | {int(np.median(e)):5d} / {e.min():5d}")
+    names = ("summary", "exact", *rankers)
+    print("layer | " + " | ".join(f"{n + ' rank':>13}" for n in names))
+    within = np.zeros(len(names), dtype=int)
+    for layer, per_head in sorted(ranks(last, truth, rankers, fit).items()):
+        cols = [np.array([r[i] for r in per_head]) for i in range(len(names))]
+        within += [int(np.median(c)) < store.top_pages for c in cols]
+        print(f"{layer:5d} | " + " | ".join(f"{int(np.median(c)):5d} / {c.min():5d}" for c in cols))
+    print("layers within the top " + f"{store.top_pages} (median): " +
+          ", ".join(f"{n} {w}" for n, w in zip(names, within)))
 
 
 def main() -> None:
@@ -104,6 +136,9 @@ def main() -> None:
     ap.add_argument("--chat", action="store_true", help="ask through the model's chat template (as needle --chat)")
     ap.add_argument("--lead-in", default=None, help="the answer's lead-in (as needle --lead-in)")
     ap.add_argument("--ranks", action="store_true", help="print the needle page's rank per layer (above)")
+    ap.add_argument("--rankers", default="", help="other page rankers to rank the needle by (with --ranks): "
+                    "comma-separated mean, lowrankR, intB (module doc)")
+    ap.add_argument("--fit", type=int, default=2048, help="cold keys the lowrank basis is fitted on (the first)")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--policies", default="sink4/hot256,oracle:sink4/hot256")
     a = ap.parse_args()
@@ -131,7 +166,7 @@ def main() -> None:
                 logits = prefill(loaded.model, ids, cache, a.chunk)
                 if last:
                     ColdStore.pool = plain      # the answer's steps are not recorded
-                    print_ranks(last, truth)
+                    print_ranks(last, truth, tuple(filter(None, a.rankers.split(","))), a.fit)
                 steps = []
                 for t in target:
                     p = mx.softmax(logits.astype(mx.float32))

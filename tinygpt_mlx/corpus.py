@@ -27,6 +27,8 @@ import unicodedata
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
+from .chat_template import plain_text
+
 EOT = "<|endoftext|>"
 
 # ---------------------------------------------------------------------------------- corpus
@@ -298,8 +300,6 @@ def make_chat_doc(rng: random.Random, filler: str, n_chars: int, depth: Optional
     a fact (any of `TEMPLATES`) at `depth` of the conversation, the other turns are lines of
     `filler`, and the last user turn asks for it. Returns (prompt ending in "Assistant:",
     answer), e.g. answer "The pass key is 48213": the reply the model should give."""
-    from .chat_template import plain_text  # noqa: PLC0415  (pure text, no framework)
-
     depth, fact_t, question_t, name, thing, value = _draw_fact(rng, depth, template, value)
     ask, head = question_t.format(name=name, thing=thing).split("? ", 1)
     lines = [ln.strip()[:200] for ln in _excerpt(rng, filler, max(400, 2 * n_chars)).splitlines()
