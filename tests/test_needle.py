@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from tinygpt_mlx.config import CacheConfig
@@ -110,6 +111,41 @@ def test_run_cell_verdict_from_scripted_greedy_tokens(native, monkeypatch, outpu
     assert fake.calls == 1 + (n_new - 1)           # one prefill chunk, then n_new - 1 decode steps
     assert cell["output"] == tok.decode(script[:n_new])
     assert cell["passed"] is verdict, cell["output"]
+
+
+class Graded:
+    """Stands in for `generate.forward` with given logits per call: {token: logit}, -10 elsewhere."""
+
+    def __init__(self, rows: list[dict], vocab: int):
+        self.rows, self.vocab = list(rows), vocab
+
+    def __call__(self, model, x, cache):
+        row = np.full(self.vocab, -10.0, dtype=np.float32)
+        for t, v in (self.rows.pop(0) if self.rows else {}).items():
+            row[t] = v
+        return mx.broadcast_to(mx.array(row), (1, x.shape[1], self.vocab))
+
+
+def test_first_miss_names_the_step_the_answer_leaves_and_the_wanted_tokens_odds(native, monkeypatch):
+    """The greedy answer's first step off the answer's own tokens: which, the wanted token's
+    probability and rank there, the token taken; none when the answer is read right."""
+    tok = native.tokenizer
+    vocab = native.model.config.vocab_size
+    want = tok.encode(" " + ANSWER)
+    ids = tok.encode("What is the pass key? The pass key is")
+    right = [{t: 10.0} for t in want] + [{0: 10.0}]
+    monkeypatch.setattr("tinygpt_mlx.generate.forward", Graded(right, vocab))
+    assert needle.run_cell(native.model, tok, CacheConfig(), ids, ANSWER, [], chunk=len(ids))["first_miss"] is None
+
+    at = len(want) - 1                                   # the last answer token is misread
+    wrong, other = [t for t in range(1, vocab) if t != want[at]][:2]
+    rows = [{t: 10.0} for t in want[:at]] + [{wrong: 10.0, other: 9.0, want[at]: 8.0}, {0: 10.0}]
+    monkeypatch.setattr("tinygpt_mlx.generate.forward", Graded(rows, vocab))
+    miss = needle.run_cell(native.model, tok, CacheConfig(), ids, ANSWER, [], chunk=len(ids))["first_miss"]
+    z = np.exp(10.0) + np.exp(9.0) + np.exp(8.0) + (vocab - 3) * np.exp(-10.0)
+    assert miss["step"] == at and miss["rank"] == 2
+    assert miss["want"] == tok.decode([want[at]]) and miss["got"] == tok.decode([wrong])
+    assert abs(miss["p"] - np.exp(8.0) / z) < 1e-4
 
 
 def test_grid_summary_counts_passes(native, monkeypatch):

@@ -166,6 +166,9 @@ def needle(
             mark = "[green]pass[/green]" if cell["passed"] else "[red]fail[/red]"
             tel = cell.get("telemetry", {})
             rec = f" · needle token recall {tel['token_any']:.2f}" if "token_any" in tel else ""
+            miss = cell.get("first_miss")
+            if miss:
+                rec += f" · first miss {miss['want']!r} p {miss['p']:.2f} (rank {miss['rank']}, took {miss['got']!r})"
             err.print(f"  {cell['policy']:>9} ctx {cell['context']:>7} depth {cell['depth']:<4g} seed {cell['seed']}: "
                       f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
                       f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")

@@ -15,6 +15,12 @@ Policies: "full" (exact full cache; only where the context fits the model), "str
 memory without a cold store) and "retrieval" (the given retrieval policy). For retrieval
 cells the ground-truth needle positions are given to the cold stores, and the telemetry of
 the last prefill chunk and the decode steps (page / token recall of the needle) is kept.
+
+Every cell also says where its greedy answer first leaves the answer's own tokens
+(`first_miss`: the step, the wanted token's probability and rank, the token taken), read from
+the logits the greedy decode computes anyway: with the recall it separates a miss of reach (the
+needle not fetched: low recall) from one of reading (fetched, yet a digit misread, e.g. '0' at
+p 0.08 ranked 4th).
 """
 
 from __future__ import annotations
@@ -25,12 +31,15 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import mlx.core as mx
 import numpy as np
 
 from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import fit_tokens, make_task_doc, random_value, values_right
-from ..generate import GenerationStats, greedy_tokens, rss_bytes
+from ..chat_template import encode_fragment
+from ..generate import GenerationStats, pipelines, rss_bytes, steps
+from ..sampling import make_sampler
 from .inputs import HELDOUT_KJV
 
 POLICIES = ("full", "streaming", "retrieval")
@@ -86,7 +95,8 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
              truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None) -> dict:
     """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers.
     `on_chunk(done, total, cache)` follows the prefill (long documents' progress)."""
-    n_new = len(tokenizer.encode(" " + answer)) + 1
+    want = encode_fragment(tokenizer, " " + answer)
+    n_new = len(want) + 1
     stats = GenerationStats()
     with make_cache(model, config) as cache:
         if config.retrieval:
@@ -101,10 +111,12 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
                 peak.update({k: max(peak[k], v) for k, v in rss_bytes().items()})
             if on_chunk is not None:
                 on_chunk(done, total, cache)
-        out = greedy_tokens(model, ids, cache, n_new, chunk, keep_last_chunk, stats)
+        out, miss = greedy_answer(model, ids, cache, want, n_new, chunk, keep_last_chunk, stats)
         text = tokenizer.decode(out)
         cell = {"passed": passed(text, answer), "answer": answer, "output": text,
                 "values": len(re.findall(r"\d+", answer)), "values_right": values_right(text, answer),
+                "first_miss": miss and {**miss, "want": tokenizer.decode([miss["want"]]),
+                                        "got": tokenizer.decode([miss["got"]])},
                 "prompt_tokens": len(ids), "prefill_s": round(stats.prefill_seconds, 4),
                 "decode_ms_per_token": round(1000 * stats.decode_seconds / max(1, n_new - 1), 3),
                 "cache_bytes": cache.nbytes_breakdown(),
@@ -112,6 +124,27 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
         if config.retrieval:
             cell["telemetry"] = cache.retrieval_report()
     return cell
+
+
+def greedy_answer(model: Any, ids: list[int], cache: Any, want: list[int], n_new: int, chunk: int,
+                  progress: Optional[Callable[[int, int], None]] = None,
+                  stats: Optional[GenerationStats] = None) -> tuple[list[int], Optional[dict]]:
+    """`n_new` greedy ids after `ids` (as `generate.greedy_tokens`), and the first step at which
+    they leave the answer's tokens `want`: {"step", "want", "p" (its probability there), "rank"
+    (tokens more probable), "got"}, ids; None where they never do."""
+    out: list[int] = []
+    miss = None
+    for step in steps(model, ids, cache, make_sampler(0.0), n_new, chunk, stats, progress=progress,
+                      pipeline=pipelines()):
+        if step.token is None:
+            continue
+        i = len(out)
+        out.append(step.token)
+        if miss is None and i < len(want) and step.token != want[i]:
+            p = mx.softmax(step.logits.astype(mx.float32))
+            miss = {"step": i, "want": want[i], "p": round(float(p[want[i]]), 4),
+                    "rank": int((p > p[want[i]]).sum()), "got": step.token}
+    return out, miss
 
 
 def cell_document(tok: Any, filler_text: str, context: int, depth: float, seed: int, task: str = "passkey",
