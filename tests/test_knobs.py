@@ -33,6 +33,7 @@ EXAMPLES = {
     "cold_store": ("hot256", "coldram", ["--kiv-cold-store", "ram"]),
     "retrieved_position": ("hot256", "page", ["--kiv-positions", "page"]),
     "retrieve_unit": ("hot256", "tokens", ["--kiv-unit", "tokens"]),
+    "span_score": ("hot256", "spanmean", ["--kiv-span-score", "mean"]),
     "index_block": ("hot256", "block4", ["--kiv-index-block", "4"]),
     "sticky": ("hot256", "nosticky", ["--no-kiv-sticky"]),
     "index_expand": ("hot256", "expand2", ["--kiv-index-expand", "2"]),

@@ -103,13 +103,14 @@ def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
         assert np.all(mine >= theirs - 1e-5)
 
 
-@pytest.mark.parametrize("unit", ["tokens", "spans"])
-def test_decode_host_pick_equals_the_pool_segment_pick(unit):
+@pytest.mark.parametrize("unit, span_score", [("tokens", "max"), ("spans", "max"), ("spans", "mean")])
+def test_decode_host_pick_equals_the_pool_segment_pick(unit, span_score):
     """A decode step picks on the host (`_pick`) what `PoolSegment` picks on device for a chunk,
-    from the same pool: the two implementations of one rule agree."""
+    from the same pool: the two implementations of one rule agree (pages by their best token
+    or by their tokens' mean score)."""
     from tinygpt_mlx.cache.segments import PoolSegment
     for seed in range(5):
-        store, q, _ = _pool_case(seed, retrieve_unit=unit, retrieve_tokens=16)
+        store, q, _ = _pool_case(seed, retrieve_unit=unit, retrieve_tokens=16, span_score=span_score)
         pool, _ = store.pool(q.reshape(2, 2, 1, -1))
         idx, valid = store.pool_tokens(pool)
         units, u = (2, 8) if unit == "spans" else (16, 1)
@@ -117,7 +118,7 @@ def test_decode_host_pick_equals_the_pool_segment_pick(unit):
         pick, ok = store._pick(q[0].reshape(2, 2, -1), pool_keys, valid, units, u)
         host, ok = np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
         keys = mx.array(pool_keys[None])
-        seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u)
+        seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u, span_score)
         mx.eval(seg.scores(mx.array(q.reshape(1, 2, 2, 1, -1))))
         dev = np.asarray(seg.last_picked())[0]
         for g in range(2):
@@ -470,8 +471,8 @@ def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1
 
 
-@pytest.mark.parametrize("unit, units", [(1, 24), (8, 3)])
-def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
+@pytest.mark.parametrize("unit, units, span_score", [(1, 24, "max"), (8, 3, "max"), (8, 3, "mean")])
+def test_pool_segment_fast_path_equals_the_gather_reference(unit, units, span_score):
     """PoolSegment scores whole pages by a page gather and forms its output by scattering the
     probabilities into the pool and one matmul; the simple path (gather each query's picked
     keys and values, score and weight them) gives the same picks, scores and output."""
@@ -492,7 +493,7 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
         first = mx.repeat(keys.reshape(B, H, U // unit, unit, D)[:, :, :, :1], unit, axis=3).reshape(B, H, U, D)
         keys = mx.where(valid[..., None], keys, first)
     q = mx.random.normal((B, H, rep, L, D), key=mx.random.key(4))
-    seg = PoolSegment(keys, values, valid, units, unit)
+    seg = PoolSegment(keys, values, valid, units, unit, span_score)
     scores = seg.scores(q)
     p = mx.softmax(scores, axis=-1)
     out = seg.output(p)
@@ -505,9 +506,15 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units):
     assert mx.array_equal(mx.isinf(scores), mx.isinf(ref)).item()
     assert mx.abs(mx.where(mx.isinf(ref), 0, scores - ref)).max().item() < 1e-5
     assert mx.abs(out - mx.einsum("bhrlt,bhltd->bhrld", p, v_sel)).max().item() < 1e-5
-    # the picks are the best: no unpicked valid unit scores above a picked one (group max)
-    best = mx.where(valid[:, :, None], (mx.einsum("bhrld,bhud->bhrlu", q, keys)).max(axis=2), -mx.inf)
-    per_unit = best.reshape(B, H, L, U // unit, unit).max(axis=-1)
+    # the picks are the best: no unpicked valid unit scores above a picked one (group max), a
+    # page scored by its best real token, or (mean) each head's query against its real keys' mean
+    if span_score == "mean":
+        real = valid.reshape(B, H, U // unit, unit, 1)
+        mean_key = (keys.reshape(B, H, U // unit, unit, D) * real).sum(axis=3) / mx.maximum(real.sum(axis=3), 1)
+        per_unit = mx.where(real.any(axis=(3, 4))[:, :, None], mx.einsum("bhrld,bhpd->bhrlp", q, mean_key).max(axis=2), -mx.inf)
+    else:
+        best = mx.where(valid[:, :, None], (mx.einsum("bhrld,bhud->bhrlu", q, keys)).max(axis=2), -mx.inf)
+        per_unit = best.reshape(B, H, L, U // unit, unit).max(axis=-1)
     picked_units = mx.take_along_axis(per_unit, idx[..., ::unit] // unit, axis=-1)
     assert (picked_units.min(axis=-1) >= mx.sort(per_unit, axis=-1)[..., -units]).all().item()
 

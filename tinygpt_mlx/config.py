@@ -193,6 +193,7 @@ class CacheConfig:
     retrieved_position: str = "fixed"
     index_block: int = 8
     retrieve_unit: Optional[str] = None
+    span_score: str = "max"
     sticky: bool = True
     index_expand: int = 4
 
@@ -379,6 +380,8 @@ class CacheConfig:
                                 "retrieved_position": self.retrieved_position,
                                 "index_block": self.index_block, "retrieve_unit": self.retrieve_unit,
                                 "sticky": self.sticky, "index_expand": self.index_expand})
+            if self.span_score != "max":
+                d["retrieval"]["span_score"] = self.span_score
         return d
 
     def label(self) -> str:

@@ -28,6 +28,7 @@ SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "page", "slots")
 RETRIEVE_UNITS = ("tokens", "spans")
+SPAN_SCORES = ("max", "mean")
 #: The least tokens a retrieval step fetches (and pages kept), by default (`config.fetch_budget`).
 FETCH_FLOOR = 64
 
@@ -161,6 +162,11 @@ KNOBS: tuple[Knob, ...] = (
        "Retrieval: what each query fetches from the cold store, its --kiv-top-p best tokens (tokens) or its "
        "--kiv-top-p / --kiv-page-size best pages whole (spans, InfLLM's blocks). Default spans (tokens with "
        "--kiv-positions slots).", "(spans|tokens)", "spans|tokens (what retrieval fetches)", choices=RETRIEVE_UNITS),
+    Knob("span_score", "--kiv-span-score", str, "retrieval",
+       "Retrieval: how the fine pass ranks the pages it fetches whole (--kiv-unit spans): max (the page's best "
+       "token by exact score) or mean (the query against the page's mean key: the mean of its tokens' exact "
+       "scores). Default {default}.", r"span(max|mean)", "spanmax|spanmean (fine pass page score)",
+       choices=SPAN_SCORES),
     Knob("index_block", "--kiv-index-block", int, "retrieval",
        "Retrieval: pages per block of the two-level page index used on long cold stores (0 = scan every page "
        "summary each step). Default {default}.", r"block(\d+)", "blockN (retrieval's page index block)", minimum=0),

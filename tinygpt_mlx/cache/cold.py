@@ -158,7 +158,7 @@ class ColdStore(ColdRows):
             v = mx.array(self._gather(self.values, idx).reshape(B, hkv, idx.shape[1], -1))
             k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
-        segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units, unit)
+        segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units, unit, self.config.span_score)
         picked = segment.last_picked
         if self.config.sticky:
             self._recent = _picked_pages(idx, valid, picked, ps)
@@ -184,13 +184,11 @@ class ColdStore(ColdRows):
     def _pick(self, q: np.ndarray, keys: np.ndarray, valid: np.ndarray, units: int, unit: int
               ) -> tuple[np.ndarray, np.ndarray]:
         """A decode step's fine pass on the host (`PoolSegment`'s rule: the `units` best tokens,
-        or pages of `unit` tokens, by the exact score, max over the query group): query [G, rep, D]
-        against the pool's keys [G, U, D]; the picked pool positions [G, T], in pool order, and
-        whether each was scored (not padding)."""
-        exact = np.matmul(q, keys.transpose(0, 2, 1)).max(axis=1)                          # [G, U]
-        exact = np.where(valid, exact, -np.inf)
-        if unit > 1:
-            exact = exact.reshape(self.G, -1, unit).max(axis=-1)
+        or pages of `unit` tokens, by the exact score, max over the query group; a page by its best
+        token, or by its tokens' mean with `span_score` "mean"): query [G, rep, D] against the
+        pool's keys [G, U, D]; the picked pool positions [G, T], in pool order, and whether each
+        was scored (not padding)."""
+        exact = unit_scores(q, keys, valid, unit, self.config.span_score == "mean")
         k = min(units, exact.shape[1])
         pick = np.sort(np.argpartition(-exact, k - 1, axis=-1)[:, :k], axis=-1)
         ok = np.isfinite(np.take_along_axis(exact, pick, axis=-1))
@@ -259,6 +257,21 @@ class ColdStore(ColdRows):
         super().rewind(mark)
         if self.G is not None:
             self._recent = mark.get("recent")
+
+
+def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, mean: bool) -> np.ndarray:
+    """The fine pass's score of each unit of a pool (`ColdStore._pick`): queries [G, rep, D]
+    against keys [G, U, D] -> [G, U / unit], -inf where nothing is `valid` [G, U]; a token's
+    score is the group's max, a page's its best token's, or (`mean`) the group's max of each
+    head's mean score over the page's real tokens."""
+    G, rep = q.shape[:2]
+    scores = np.matmul(q, keys.transpose(0, 2, 1))                                     # [G, rep, U]
+    if unit > 1 and mean:
+        w = valid.reshape(G, 1, -1, unit)
+        exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / np.maximum(w.sum(axis=-1), 1)).max(axis=1)
+        return np.where(w[:, 0].any(axis=-1), exact, -np.inf)
+    exact = np.where(valid, scores.max(axis=1), -np.inf)
+    return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact
 
 
 def _union(pool: np.ndarray, extra: list) -> np.ndarray:
