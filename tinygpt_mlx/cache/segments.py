@@ -76,17 +76,21 @@ class PoolSegment:
         self.keys, self.values = keys.astype(mx.float32), values.astype(mx.float32)
         self.n_heads = keys.shape[1]
         self.valid, self.units, self.unit = valid, units, unit
-        self.span_mean = unit > 1 and span_score == "mean"   # a page ranked by its tokens' mean score
+        self.span_score = span_score if unit > 1 else "max"   # how a page is ranked (spans)
         self.picked: Optional[mx.array] = None      # [B, Hkv, L, T] pool indices, once scored
 
     def scores(self, q: mx.array) -> mx.array:
         B, H, rep, L, D = q.shape
         U = self.keys.shape[2]
         s = (q.reshape(B, H, rep * L, D) @ self.keys.swapaxes(-1, -2)).reshape(B, H, rep, L, U)
-        if self.span_mean:    # per head, the mean over the page's real tokens; then the group's max
+        if self.span_score == "mean":    # per head, the mean over the page's real tokens; the group's max
             u = self.unit
             w = self.valid.reshape(B, H, 1, 1, U // u, u).astype(s.dtype)
             best = ((s.reshape(B, H, rep, L, U // u, u) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=2)
+        elif self.span_score == "lse":   # per head, the log of the page's attention mass; the group's max
+            u = self.unit
+            real = self.valid.reshape(B, H, 1, 1, U // u, u)
+            best = mx.logsumexp(mx.where(real, s.reshape(B, H, rep, L, U // u, u), -mx.inf), axis=-1).max(axis=2)
         else:
             best = s[:, :, 0]
             for r in range(1, rep):    # the group's max: elementwise, cheaper than a reduction here
@@ -96,7 +100,7 @@ class PoolSegment:
             # only the page-level mask (a masked copy of every score costs more here)
             u = self.unit
             page_valid = self.valid.reshape(B, H, 1, U // u, u).any(axis=-1)
-            per_page = best if self.span_mean else best.reshape(B, H, L, U // u, u).max(axis=-1)
+            per_page = best if self.span_score != "max" else best.reshape(B, H, L, U // u, u).max(axis=-1)
             pages = mx.where(page_valid, per_page, -mx.inf)
             k = min(self.units, pages.shape[-1])
             top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]                      # [B, H, L, k]
