@@ -108,19 +108,19 @@ def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
 def test_decode_host_pick_equals_the_pool_segment_pick(unit, span_score):
     """A decode step picks on the host (`_pick`) what `PoolSegment` picks on device for a chunk,
     from the same pool: the two implementations of one rule agree (pages by their best token
-    or by their tokens' mean score)."""
+    or by their tokens' mean score or attention mass); 3 query heads per KV head."""
     from tinygpt_mlx.cache.segments import PoolSegment
     for seed in range(5):
-        store, q, _ = _pool_case(seed, retrieve_unit=unit, retrieve_tokens=16, span_score=span_score)
-        pool, _ = store.pool(q.reshape(2, 2, 1, -1))
+        store, q, _ = _pool_case(seed, rep=3, retrieve_unit=unit, retrieve_tokens=16, span_score=span_score)
+        pool, _ = store.pool(q.reshape(2, 3, 1, -1))
         idx, valid = store.pool_tokens(pool)
         units, u = (2, 8) if unit == "spans" else (16, 1)
         pool_keys = store.keys.view()[idx, np.arange(2)[:, None]]
-        pick, ok = store._pick(q[0].reshape(2, 2, -1), pool_keys, valid, units, u, 0.25)
+        pick, ok = store._pick(q[0].reshape(2, 3, -1), pool_keys, valid, units, u, 0.25)
         host, ok = np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
         keys = mx.array(pool_keys[None])
         seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u, span_score)
-        mx.eval(seg.scores(mx.array(0.25 * q.reshape(1, 2, 2, 1, -1))))   # attention scales q first
+        mx.eval(seg.scores(mx.array(0.25 * q.reshape(1, 2, 3, 1, -1))))   # attention scales q first
         dev = np.asarray(seg.last_picked())[0]
         for g in range(2):
             assert sorted(host[g][ok[g]].tolist()) == sorted(idx[g][dev[g]][valid[g][dev[g]]].tolist())

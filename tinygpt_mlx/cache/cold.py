@@ -275,7 +275,7 @@ def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, s
             exact = ((s * w).sum(axis=-1) / np.maximum(w.sum(axis=-1), 1)).max(axis=1)
         else:
             s = np.where(w, s * scale, -np.inf)
-            top = np.where(w[:, 0].any(axis=-1), s.max(axis=-1), 0)[..., None]
+            top = np.where(w.any(axis=-1), s.max(axis=-1), 0)[..., None]
             with np.errstate(divide="ignore"):
                 exact = (top[..., 0] + np.log(np.exp(s - top).sum(axis=-1))).max(axis=1)
         return np.where(w[:, 0].any(axis=-1), exact, -np.inf)
