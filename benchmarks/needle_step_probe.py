@@ -17,8 +17,7 @@ what that layer's query looks for. `--rankers` adds columns for other page ranke
 the same keys (`alt_page_scores`): "mean" (KIV's mean key), "lowrankR" (every token scored in the
 top-R principal directions of the layer's first `--fit` cold keys, Loki; the page takes its best
 token), "intB" (every token scored against its key quantised to B bits per channel in groups of
-32 tokens; the page takes its best token), "lse" (the log of the attention mass the page's tokens
-would get, log sum exp(q.k / sqrt(D)), per head; the group's max).
+32 tokens; the page takes its best token).
 
     python -m benchmarks.needle_step_probe MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
@@ -78,10 +77,6 @@ def alt_page_scores(kind: str, q: np.ndarray, keys: np.ndarray, ps: int, fit: in
     G, N, D = keys.shape
     if kind == "mean":
         return np.matmul(q, keys.reshape(G, N // ps, ps, D).mean(axis=2).transpose(0, 2, 1)).max(axis=1)
-    if kind == "lse":
-        s = np.matmul(q, keys.transpose(0, 2, 1)).reshape(G, -1, N // ps, ps) / np.sqrt(D)
-        top = s.max(axis=-1, keepdims=True)
-        return (top[..., 0] + np.log(np.exp(s - top).sum(axis=-1))).max(axis=1)
     if kind.startswith("lowrank"):
         r = int(kind[7:])
         basis = np.stack([np.linalg.svd(keys[g, :fit], full_matrices=False)[2][:r].T for g in range(G)])

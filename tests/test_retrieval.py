@@ -103,12 +103,11 @@ def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
         assert np.all(mine >= theirs - 1e-5)
 
 
-@pytest.mark.parametrize("unit, span_score", [("tokens", "max"), ("spans", "max"), ("spans", "mean"),
-                                              ("spans", "lse")])
+@pytest.mark.parametrize("unit, span_score", [("tokens", "max"), ("spans", "max"), ("spans", "mean")])
 def test_decode_host_pick_equals_the_pool_segment_pick(unit, span_score):
     """A decode step picks on the host (`_pick`) what `PoolSegment` picks on device for a chunk,
     from the same pool: the two implementations of one rule agree (pages by their best token
-    or by their tokens' mean score or attention mass); 3 query heads per KV head."""
+    or by their tokens' mean score); 3 query heads per KV head."""
     from tinygpt_mlx.cache.segments import PoolSegment
     for seed in range(5):
         store, q, _ = _pool_case(seed, rep=3, retrieve_unit=unit, retrieve_tokens=16, span_score=span_score)
@@ -116,11 +115,11 @@ def test_decode_host_pick_equals_the_pool_segment_pick(unit, span_score):
         idx, valid = store.pool_tokens(pool)
         units, u = (2, 8) if unit == "spans" else (16, 1)
         pool_keys = store.keys.view()[idx, np.arange(2)[:, None]]
-        pick, ok = store._pick(q[0].reshape(2, 3, -1), pool_keys, valid, units, u, 0.25)
+        pick, ok = store._pick(q[0].reshape(2, 3, -1), pool_keys, valid, units, u)
         host, ok = np.take_along_axis(idx, pick, axis=-1), ok & np.take_along_axis(valid, pick, axis=-1)
         keys = mx.array(pool_keys[None])
         seg = PoolSegment(keys, keys, mx.array(valid[None]), units, u, span_score)
-        mx.eval(seg.scores(mx.array(0.25 * q.reshape(1, 2, 3, 1, -1))))   # attention scales q first
+        mx.eval(seg.scores(mx.array(q.reshape(1, 2, 3, 1, -1))))
         dev = np.asarray(seg.last_picked())[0]
         for g in range(2):
             assert sorted(host[g][ok[g]].tolist()) == sorted(idx[g][dev[g]][valid[g][dev[g]]].tolist())
@@ -472,7 +471,7 @@ def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1
 
 
-@pytest.mark.parametrize("unit, units, span_score", [(1, 24, "max"), (8, 3, "max"), (8, 3, "mean"), (8, 3, "lse")])
+@pytest.mark.parametrize("unit, units, span_score", [(1, 24, "max"), (8, 3, "max"), (8, 3, "mean")])
 def test_pool_segment_fast_path_equals_the_gather_reference(unit, units, span_score):
     """PoolSegment scores whole pages by a page gather and forms its output by scattering the
     probabilities into the pool and one matmul; the simple path (gather each query's picked
@@ -513,9 +512,6 @@ def test_pool_segment_fast_path_equals_the_gather_reference(unit, units, span_sc
         real = valid.reshape(B, H, U // unit, unit, 1)
         mean_key = (keys.reshape(B, H, U // unit, unit, D) * real).sum(axis=3) / mx.maximum(real.sum(axis=3), 1)
         per_unit = mx.where(real.any(axis=(3, 4))[:, :, None], mx.einsum("bhrld,bhpd->bhrlp", q, mean_key).max(axis=2), -mx.inf)
-    elif span_score == "lse":   # log of the page's attention mass, its real tokens' exp-scores summed
-        mass = mx.where(valid[:, :, None, None], mx.exp(mx.einsum("bhrld,bhud->bhrlu", q, keys)), 0)
-        per_unit = mx.log(mass.reshape(B, H, rep, L, U // unit, unit).sum(axis=-1)).max(axis=2)
     else:
         best = mx.where(valid[:, :, None], (mx.einsum("bhrld,bhud->bhrlu", q, keys)).max(axis=2), -mx.inf)
         per_unit = best.reshape(B, H, L, U // unit, unit).max(axis=-1)

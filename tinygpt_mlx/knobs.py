@@ -28,7 +28,7 @@ SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "page", "slots")
 RETRIEVE_UNITS = ("tokens", "spans")
-SPAN_SCORES = ("max", "mean", "lse")
+SPAN_SCORES = ("max", "mean")
 #: The least tokens a retrieval step fetches (and pages kept), by default (`config.fetch_budget`).
 FETCH_FLOOR = 64
 
@@ -164,9 +164,8 @@ KNOBS: tuple[Knob, ...] = (
        "--kiv-positions slots).", "(spans|tokens)", "spans|tokens (what retrieval fetches)", choices=RETRIEVE_UNITS),
     Knob("span_score", "--kiv-span-score", str, "retrieval",
        "Retrieval: how the fine pass ranks the pages it fetches whole (--kiv-unit spans): max (the page's best "
-       "token by exact score), mean (the query against the page's mean key: the mean of its tokens' exact "
-       "scores) or lse (the attention mass its tokens would get: log sum exp of their scaled scores). "
-       "Default {default}.", r"span(max|mean|lse)", "spanmax|spanmean|spanlse (fine pass page score)",
+       "token by exact score) or mean (the query against the page's mean key: the mean of its tokens' exact "
+       "scores). Default {default}.", r"span(max|mean)", "spanmax|spanmean (fine pass page score)",
        choices=SPAN_SCORES),
     Knob("index_block", "--kiv-index-block", int, "retrieval",
        "Retrieval: pages per block of the two-level page index used on long cold stores (0 = scan every page "

@@ -148,7 +148,7 @@ class ColdStore(ColdRows):
             scored = int(valid.sum(axis=1).max())
             keys = self._gather(self.keys, idx)                                   # [G, U, D]
             if L == 1:    # decode: the fine pass on the host, then only the picked rows move
-                pick, ok = self._pick(rows[:, :, 0], keys, valid, units, ps if spans else 1, reading.scale)
+                pick, ok = self._pick(rows[:, :, 0], keys, valid, units, ps if spans else 1)
                 idx, keys = np.take_along_axis(idx, pick, axis=-1), np.take_along_axis(keys, pick[..., None], axis=1)
                 valid = ok & np.take_along_axis(valid, pick, axis=-1)
                 units, unit = idx.shape[1], 1
@@ -181,14 +181,14 @@ class ColdStore(ColdRows):
         valid = np.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
         return np.where(valid, idx, np.repeat(first, ps, axis=1)), valid
 
-    def _pick(self, q: np.ndarray, keys: np.ndarray, valid: np.ndarray, units: int, unit: int,
-              scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def _pick(self, q: np.ndarray, keys: np.ndarray, valid: np.ndarray, units: int, unit: int
+              ) -> tuple[np.ndarray, np.ndarray]:
         """A decode step's fine pass on the host (`PoolSegment`'s rule: the `units` best tokens,
         or pages of `unit` tokens, by the exact score, max over the query group; a page by its best
         token, or by its tokens' mean with `span_score` "mean"): query [G, rep, D] against the
         pool's keys [G, U, D]; the picked pool positions [G, T], in pool order, and whether each
         was scored (not padding)."""
-        exact = unit_scores(q, keys, valid, unit, self.config.span_score, scale)
+        exact = unit_scores(q, keys, valid, unit, self.config.span_score)
         k = min(units, exact.shape[1])
         pick = np.sort(np.argpartition(-exact, k - 1, axis=-1)[:, :k], axis=-1)
         ok = np.isfinite(np.take_along_axis(exact, pick, axis=-1))
@@ -259,25 +259,16 @@ class ColdStore(ColdRows):
             self._recent = mark.get("recent")
 
 
-def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, span_score: str = "max",
-                scale: float = 1.0) -> np.ndarray:
+def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, span_score: str = "max") -> np.ndarray:
     """The fine pass's score of each unit of a pool (`ColdStore._pick`): queries [G, rep, D]
     against keys [G, U, D] -> [G, U / unit], -inf where nothing is `valid` [G, U]; a token's
     score is the group's max; a page's its best token's ("max"), or the group's max of each
-    head's mean score over the page's real tokens ("mean") or of their log sum exp at the
-    attention `scale` ("lse", the log of the attention mass they would get)."""
+    head's mean score over the page's real tokens ("mean")."""
     G, rep = q.shape[:2]
     scores = np.matmul(q, keys.transpose(0, 2, 1))                                     # [G, rep, U]
-    if unit > 1 and span_score != "max":
+    if unit > 1 and span_score == "mean":
         w = valid.reshape(G, 1, -1, unit)
-        s = scores.reshape(G, rep, -1, unit)
-        if span_score == "mean":
-            exact = ((s * w).sum(axis=-1) / np.maximum(w.sum(axis=-1), 1)).max(axis=1)
-        else:
-            s = np.where(w, s * scale, -np.inf)
-            top = np.where(w.any(axis=-1), s.max(axis=-1), 0)[..., None]
-            with np.errstate(divide="ignore"):
-                exact = (top[..., 0] + np.log(np.exp(s - top).sum(axis=-1))).max(axis=1)
+        exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / np.maximum(w.sum(axis=-1), 1)).max(axis=1)
         return np.where(w[:, 0].any(axis=-1), exact, -np.inf)
     exact = np.where(valid, scores.max(axis=1), -np.inf)
     return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact

@@ -87,10 +87,6 @@ class PoolSegment:
             u = self.unit
             w = self.valid.reshape(B, H, 1, 1, U // u, u).astype(s.dtype)
             best = ((s.reshape(B, H, rep, L, U // u, u) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=2)
-        elif self.span_score == "lse":   # per head, the log of the page's attention mass; the group's max
-            u = self.unit
-            real = self.valid.reshape(B, H, 1, 1, U // u, u)
-            best = mx.logsumexp(mx.where(real, s.reshape(B, H, rep, L, U // u, u), -mx.inf), axis=-1).max(axis=2)
         else:
             best = s[:, :, 0]
             for r in range(1, rep):    # the group's max: elementwise, cheaper than a reduction here
