@@ -229,11 +229,11 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"tokens","sticky":true,"index_expand":4}}'),
     'sink4/hot256+spans+block32': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":32,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
-    'sink4/hot256+hybrid+nosticky+expand1+pages128': ('fp32 + retrieval hot 256 + top 8 pages',
+    'sink4/hot256+hybrid+nosticky+expand1+pages128': ('fp32 + retrieval hot 256 + top 8 pages (hybrid summary)',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":128,"summary":"hybrid","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
-    'sink4/hot256+hybrid+nosticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+    'sink4/hot256+hybrid+nosticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages (hybrid summary)',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
-    'sink4/hot256+hybrid+sticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
+    'sink4/hot256+hybrid+sticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages (hybrid summary)',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"hybrid","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":1}}'),
     'sink4/hot256+minmax+nosticky+expand1': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":false,"index_expand":1}}'),
@@ -255,6 +255,10 @@ SPEC_LABELS = {
         '{"storage":"fp16","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'fp16+k8v8+r64': ('int8, fp16 exact, R 64',
         '{"storage":"fp16","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":64,"rotate":true,"exact_sink":4}}'),
+    'sink4/hot1024+mean+spanmean': ('fp32 + retrieval hot 1024 + top 32 pages (mean summary, pages by mean score)',
+        '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"mean","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"span_score":"mean"}}'),
+    'sink4/hot1024+spanmean': ('fp32 + retrieval hot 1024 + top 32 pages (pages by mean score)',
+        '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"span_score":"mean"}}'),
 }
 
 

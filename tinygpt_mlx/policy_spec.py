@@ -74,7 +74,10 @@ def label(config: Any, default: Any) -> str:
     if config.retrieval:
         fetched = (f"top {config.retrieve_tokens} tokens" if config.retrieve_unit == "tokens" else
                    f"top {max(1, config.retrieve_tokens // config.page_size)} pages")
-        parts.append(f"retrieval hot {config.hot_budget} + {fetched}")
+        # the page rankings, where not the defaults (min/max bound, a page by its best token)
+        ranks = ([f"{config.summary} summary"] if config.summary != default("summary") else []) + (
+            [f"pages by {config.span_score} score"] if config.span_score != default("span_score") else [])
+        parts.append(f"retrieval hot {config.hot_budget} + {fetched}" + (f" ({', '.join(ranks)})" if ranks else ""))
     return " + ".join(parts)
 
 
