@@ -219,10 +219,18 @@ def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, 
 def greedy_tokens(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
                   progress: Optional[Callable[[int, int], None]] = None,
                   stats: Optional[GenerationStats] = None) -> list[int]:
-    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them), pipelined
-    (`steps`) where the device runs apart from the host (`pipelines`)."""
-    return list(generate_step(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk,
-                              stats, progress=progress, pipeline=pipelines()))
+    """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them): `greedy_steps`' tokens."""
+    return [s.token for s in greedy_steps(model, prompt, cache, max_tokens, prefill_chunk, progress, stats)
+            if s.token is not None]
+
+
+def greedy_steps(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 stats: Optional[GenerationStats] = None) -> Iterator[Step]:
+    """The `steps` of exactly `max_tokens` greedy tokens after `prompt` (EOS does not stop them),
+    pipelined where the device runs apart from the host (`pipelines`)."""
+    return steps(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk, stats,
+                 progress=progress, pipeline=pipelines())
 
 
 def pipelines() -> bool:

@@ -96,7 +96,7 @@ class PoolSegment:
             # only the page-level mask (a masked copy of every score costs more here)
             u = self.unit
             page_valid = self.valid.reshape(B, H, 1, U // u, u).any(axis=-1)
-            per_page = best if self.span_score != "max" else best.reshape(B, H, L, U // u, u).max(axis=-1)
+            per_page = best if self.span_score == "mean" else best.reshape(B, H, L, U // u, u).max(axis=-1)
             pages = mx.where(page_valid, per_page, -mx.inf)
             k = min(self.units, pages.shape[-1])
             top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]                      # [B, H, L, k]

@@ -38,8 +38,7 @@ from ..cache import make_cache
 from ..config import CacheConfig
 from ..corpus import fit_tokens, make_task_doc, random_value, values_right
 from ..chat_template import encode_fragment
-from ..generate import GenerationStats, pipelines, rss_bytes, steps
-from ..sampling import make_sampler
+from ..generate import GenerationStats, greedy_steps, rss_bytes
 from .inputs import HELDOUT_KJV
 
 POLICIES = ("full", "streaming", "retrieval")
@@ -134,8 +133,7 @@ def greedy_answer(model: Any, ids: list[int], cache: Any, want: list[int], n_new
     (tokens more probable), "got"}, ids; None where they never do."""
     out: list[int] = []
     miss = None
-    for step in steps(model, ids, cache, make_sampler(0.0), n_new, chunk, stats, progress=progress,
-                      pipeline=pipelines()):
+    for step in greedy_steps(model, ids, cache, n_new, chunk, progress, stats):
         if step.token is None:
             continue
         i = len(out)
