@@ -26,6 +26,7 @@ token), "intB" (every token scored against its key quantised to B bits per chann
 from __future__ import annotations
 
 import argparse
+import re
 from typing import Any
 
 import mlx.core as mx
@@ -151,6 +152,10 @@ def main() -> None:
         configs = [(spec, CacheConfig.from_spec(spec.removeprefix("oracle:"))) for spec in a.policies.split(",")]
     except ValueError as e:
         ap.error(f"--policies: {e}")
+    rankers = tuple(filter(None, a.rankers.split(",")))
+    bad = [r for r in rankers if not re.fullmatch(r"mean|lowrank\d+|int\d+", r)]
+    if bad:
+        ap.error(f"--rankers: unknown ranker {bad[0]!r} (mean, lowrankR, intB)")
     loaded = loading.load(a.model)
     tok = loaded.tokenizer
     filler = open(a.filler, encoding="utf-8").read()
@@ -171,7 +176,7 @@ def main() -> None:
                 logits = prefill(loaded.model, ids, cache, a.chunk)
                 if last:
                     ColdStore.pool = plain      # the answer's steps are not recorded
-                    print_ranks(last, truth, tuple(filter(None, a.rankers.split(","))), a.fit)
+                    print_ranks(last, truth, rankers, a.fit)
                 steps = []
                 for t in target:
                     p = mx.softmax(logits.astype(mx.float32))

@@ -30,6 +30,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
 @pytest.mark.parametrize("module, args, says", [
     ("needle_step_probe", ["--policies", "sink4/hot256+expand0"],
      "--policies: policy 'sink4/hot256+expand0': index_expand must be an integer >= 1, got 0"),
+    ("needle_step_probe", ["--rankers", "mean,bogus"], "--rankers: unknown ranker 'bogus' (mean, lowrankR, intB)"),
     ("chat_reach_grid", ["--policies", "retrieval,foo"],
      "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
     ("pipeline", ["/no/model", "--rounds", "0"], "--rounds must be at least 1, got 0"),
