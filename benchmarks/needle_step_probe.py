@@ -4,9 +4,10 @@ Rebuilds one cell of `posttrainllm needle` (the same document: seeded by seed, c
 depth), prefills it through retrieval, then feeds the right answer token by token (teacher
 forcing) and prints, for every answer token, its probability, its rank and the model's top token.
 Each policy is a `CacheConfig.from_spec` string; a policy prefixed `oracle:` also puts the
-pages holding the needle into every head's pool at every pass (the model still picks from the
-pool by its own scores): if the oracle answers where the policy does not, the needle's pages
-were out of reach (the coarse pass), not beyond the model.
+pages holding the needle into every head's pool at every pass (`KVCache.pin`, as `posttrainllm
+needle --probe` does; the model still picks from the pool by its own scores): if the oracle
+answers where the policy does not, the needle's pages were out of reach (the coarse pass),
+not beyond the model.
 
 `--ranks` also prints, per layer, where the needle's best page ranks among all complete cold
 pages for the prompt's last query (the one that answers) at the last prefill pass: by the
@@ -45,20 +46,6 @@ def needle_pages(store: ColdStore, truth: Any, n_pages: int) -> np.ndarray:
     """The complete pages among the first `n_pages` of `store` that hold the `truth` positions."""
     pages = np.unique(cold_indices(store.positions.view(), store.n, truth) // store.page_size)
     return pages[pages < n_pages]
-
-
-def oracle_pool(truth: list[int]):
-    """`ColdStore.pool` that adds the complete pages holding the `truth` positions to every row."""
-    plain = ColdStore.pool
-
-    def pool(self, rows):
-        out, last = plain(self, rows)
-        pages = needle_pages(self, truth, self.n_pages)
-        if pages.size:
-            extra = np.broadcast_to(pages, (out.shape[0], pages.size))
-            out = np.concatenate([out, extra], axis=1)
-        return out, last
-    return pool
 
 
 def recording_pool(last: dict):
@@ -170,9 +157,11 @@ def main() -> None:
     for spec, config in configs:
         last: dict = {}
         oracle = spec.startswith("oracle:")
-        ColdStore.pool = oracle_pool(truth) if oracle else recording_pool(last) if a.ranks else plain
+        ColdStore.pool = recording_pool(last) if a.ranks and not oracle else plain
         try:
             with make_cache(loaded.model, config) as cache:
+                if oracle:
+                    cache.pin(truth)
                 logits = prefill(loaded.model, ids, cache, a.chunk)
                 if last:
                     ColdStore.pool = plain      # the answer's steps are not recorded

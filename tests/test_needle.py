@@ -271,3 +271,65 @@ def test_first_seed_runs_the_later_documents_and_a_negative_one_is_refused(nativ
     assert [[c[k] for k in same] for c in got["cells"]] == [[c[k] for k in same] for c in cells[1:]]
     bad = CliRunner().invoke(app, args + ["--first-seed", "-1"])
     assert bad.exit_code != 0 and "--first-seed -1" in bad.output
+
+
+def test_the_oracle_offers_the_needle_s_pages_to_every_pass(native):
+    """`run_cell(oracle=True)` (`needle --probe`): the needle's pages are in every pass's pool, so
+    with a fetch budget larger than any pool every needle token is fetched at every pass, where
+    the coarse pass alone (top 1 page) misses them; the cell's pages are pinned, not its answer."""
+    tok = native.tokenizer
+    prompt, answer = needle.cell_document(tok, "The quick brown fox jumps over the lazy dog. " * 100, 240, 0.1, 0)
+    ids, truth = list(tok.encode(prompt)), needle_positions(tok.encode, prompt, answer)
+    config = CacheConfig(hot_budget=32, page_size=8, top_pages=1, retrieve_tokens=256, sticky=False)
+    plain = needle.run_cell(native.model, tok, config, ids, answer, truth, chunk=32)
+    oracle = needle.run_cell(native.model, tok, config, ids, answer, truth, chunk=32, oracle=True)
+    assert plain["telemetry"]["token_recall"] < 0.5
+    assert oracle["telemetry"]["token_recall"] == 1.0
+    assert oracle["prompt_tokens"] == plain["prompt_tokens"] == len(ids)
+
+
+def test_pin_is_refused_where_retrieval_has_no_pool(native):
+    from tinygpt_mlx.cache import make_cache
+
+    with make_cache(native.model, CacheConfig(hot_budget=32, page_size=8, retrieved_position="slots")) as cache:
+        with pytest.raises(ValueError, match="slots"):
+            cache.pin([3, 4])
+
+
+def test_probe_reruns_only_failed_retrieval_cells_and_counts_the_verdicts(native, monkeypatch):
+    """--probe: a failed retrieval cell runs again with the oracle, and keeps its verdict:
+    "ranking" where the oracle answers, "reading" where it does not; the summary counts them."""
+    calls = []
+
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, oracle=False):
+        calls.append((config.retrieval, oracle))
+        depth_low = truth[0] < len(ids) / 2
+        ok = (not config.retrieval) or (oracle and depth_low)   # the oracle rescues the shallow needle only
+        return {"passed": ok, "answer": answer, "output": answer if ok else "0", "values": 1,
+                "values_right": int(ok), "first_miss": None, "telemetry": {"token_any": 1.0 if oracle else 0.1}}
+
+    monkeypatch.setattr(needle, "run_cell", fake_run_cell)
+    retrieval = CacheConfig(hot_budget=24, page_size=8, top_pages=2, retrieve_tokens=8)
+    filler = "The quick brown fox jumps over the lazy dog. " * 100
+    r = needle.needle_grid(native, retrieval, [120], [0.1, 0.9], 2, ["full", "retrieval"], filler, probe=True)
+    assert calls.count((True, True)) == 4 and calls.count((False, False)) == 4    # 4 failed, 4 full cells
+    cells = {(c["policy"], c["depth"]): c for c in r["cells"]}
+    assert all("probe" not in c for c in r["cells"] if c["policy"] == "full")
+    assert cells["retrieval", 0.1]["probe"]["verdict"] == "ranking"
+    assert cells["retrieval", 0.9]["probe"]["verdict"] == "reading"
+    assert cells["retrieval", 0.9]["probe"]["oracle_token_recall"] == 1.0
+    assert r["summary"]["retrieval"]["probed"] == 4 and r["summary"]["retrieval"]["ranking_misses"] == 2
+    assert "probed" not in r["summary"]["full"]
+
+
+def test_probe_needs_a_pooled_retrieval_policy(native_path):
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    args = ["needle", str(native_path), "--contexts", "128", "--depths", "0.5", "--seeds", "1",
+            "--kiv-hot-budget", "64", "--probe"]
+    r = CliRunner().invoke(app, args + ["--policies", "full,streaming"])
+    assert r.exit_code != 0 and "--probe" in r.output and "'full,streaming'" in r.output
+    r = CliRunner().invoke(app, args + ["--policies", "retrieval", "--kiv-positions", "slots"])
+    assert r.exit_code != 0 and "--kiv-positions slots" in r.output

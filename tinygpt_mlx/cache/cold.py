@@ -55,7 +55,7 @@ import numpy as np
 from ..config import CacheConfig
 from .cold_rows import ColdRows
 from .segments import PoolSegment, Reading, RetrievedSegment
-from .telemetry import Selection, StageTimes
+from .telemetry import Selection, StageTimes, cold_indices
 
 __all__ = ["ColdStore"]
 
@@ -68,6 +68,7 @@ class ColdStore(ColdRows):
         self.top_pages = config.top_pages
         self.retrieve_tokens = config.retrieve_tokens
         self._recent: Optional[Any] = None   # sticky: () -> pages [G] the last pass's last query picked
+        self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
 
     def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
         """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
@@ -98,23 +99,22 @@ class ColdStore(ColdRows):
     def pool(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The pages a forward pass fetches: for query rows [G, rep, R, D] (the pass's last query,
         and for a chunk the mean of its queries, positioned as the keys will be), the union of
-        each row's `top_pages` pages (`top_pages_of`), plus the unfinished page. Returns page
+        each row's `top_pages` pages (`top_pages_of`), plus the unfinished page (and the oracle's
+        `pinned` pages: `KVCache.pin`). Returns page
         ids [G, K] in position order, padded with -1 (rows may differ in how many distinct pages
         they have), and the last query's own pages [G, k] (telemetry)."""
         P = self.n_pages
         if P > self.top_pages:
             lists = self.index.top_pages_of(rows)                             # [G, R, k]
-            rows_u = [np.unique(lists[g]) for g in range(self.G)]
-            K = max(len(u) for u in rows_u)
-            pool = np.full((self.G, K), -1, dtype=np.int64)
-            for g, u in enumerate(rows_u):
-                pool[g, :len(u)] = u
+            pool = _union(np.empty((self.G, 0), dtype=np.int64), [rows.ravel() for rows in lists])
             last = lists[:, 0]
         else:
             pool = np.broadcast_to(np.arange(P, dtype=np.int64), (self.G, P))
             last = pool
         if self.n > P * self.page_size:
             pool = np.concatenate([pool, np.full((self.G, 1), P, dtype=np.int64)], axis=1)
+        if self.pinned is not None:   # the oracle: their pages in every row, however they rank
+            pool = _union(pool, [_pages_holding(self.positions.view(), self.n, self.pinned, self.page_size)] * self.G)
         return pool, last
 
     def retrieve(self, reading: Reading) -> tuple[list, Selection]:
@@ -272,6 +272,12 @@ def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, s
         return np.where(w[:, 0].any(axis=-1), exact, -np.inf)
     exact = np.where(valid, scores.max(axis=1), -np.inf)
     return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact
+
+
+def _pages_holding(positions: np.ndarray, n: int, wanted: np.ndarray, page_size: int) -> np.ndarray:
+    """The pages (the unfinished one included) of a store's `n` rows at sorted `positions` that
+    hold the absolute `wanted` positions (those that are cold)."""
+    return np.unique(cold_indices(positions, n, wanted) // page_size)
 
 
 def _union(pool: np.ndarray, extra: list) -> np.ndarray:

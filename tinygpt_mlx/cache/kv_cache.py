@@ -20,6 +20,7 @@ import os
 from typing import Optional
 
 import mlx.core as mx
+import numpy as np
 
 from .. import quant
 from ..config import CacheConfig
@@ -171,6 +172,17 @@ class KVCache(list):
         for c in self.owned:
             if c.telemetry is not None:
                 c.telemetry.truth = positions
+
+    def pin(self, positions: Optional[list[int]]) -> None:
+        """An oracle for diagnosis: every retrieval pass of every layer also offers the pages
+        holding these absolute positions (once cold) to its fine pass, whatever the coarse pass
+        ranks them (`ColdStore.pinned`; None: off). The per-query `slots` rule has no pool: refused."""
+        for c in self.owned:
+            if c.config.retrieval:
+                if c.positions.shifted and c.positions.rule == "slots":
+                    raise ValueError("the oracle pins pages into the pass's pool; the 'slots' position rule "
+                                     "retrieves per query without one")
+                c.cold.pinned = None if positions is None else np.asarray(positions, dtype=np.int64)
 
     def reset_telemetry(self) -> None:
         for c in self.owned:

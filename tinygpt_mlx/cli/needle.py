@@ -114,6 +114,11 @@ def needle(
         "--lead-in", help="The answer's lead-in that ends each prompt, in place of the question's own "
         "('The pass key is'); e.g. 'The pass key is number' for a small instruct model that otherwise "
         "explains the phrase.", show_default=False)] = None,
+    probe: Annotated[bool, typer.Option(
+        "--probe", help="Run each failed retrieval cell again with the needle's pages offered to every "
+        "retrieval pass whatever their rank (an oracle coarse pass): 'ranking' where that answers (the "
+        "page ranking lost the needle), 'reading' where it still fails. Costs a second prefill per "
+        "failed cell.")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
@@ -146,6 +151,11 @@ def needle(
         raise typer.BadParameter(f"--facts {facts}: must be in 1..{len(NAMES)}")
     names = [p.strip() for p in policies.split(",") if p.strip()]
     cfg = cache_config
+    if probe and "retrieval" not in names:
+        raise typer.BadParameter(f"--probe re-runs failed retrieval cells: --policies {policies!r} has no retrieval")
+    if probe and cfg.retrieval and cfg.rope_mode == "shifted" and cfg.retrieved_position == "slots":
+        raise typer.BadParameter("--probe pins the needle's pages into each pass's pool; --kiv-positions slots "
+                                 "retrieves per query without one")
     c.check_writable(json_path, "--json")
     c.check_writable(plot, "--plot")
     with c.guarded():
@@ -169,6 +179,10 @@ def needle(
             miss = cell.get("first_miss")
             if miss:
                 rec += f" · first miss {miss['want']!r} p {miss['p']:.2f} (rank {miss['rank']}, took {miss['got']!r})"
+            if "probe" in cell:
+                pr = cell["probe"]
+                rec += (f" · oracle pages: {'pass' if pr['oracle_passed'] else 'fail'} ({pr['oracle_output']!r}), "
+                        f"a {pr['verdict']} miss")
             err.print(f"  {cell['policy']:>9} ctx {cell['context']:>7} depth {cell['depth']:<4g} seed {cell['seed']}: "
                       f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
                       f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")
@@ -181,7 +195,7 @@ def needle(
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
                                     on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in,
-                                    first_seed=first_seed)
+                                    first_seed=first_seed, probe=probe)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -20,7 +20,9 @@ Every cell also says where its greedy answer first leaves the answer's own token
 (`first_miss`: the step, the wanted token's probability and rank, the token taken), read from
 the logits the greedy decode computes anyway: with the recall it separates a miss of reach (the
 needle not fetched: low recall) from one of reading (fetched, yet a digit misread, e.g. '0' at
-p 0.08 ranked 4th).
+p 0.08 ranked 4th). `--probe` asks the other half directly: a failed retrieval cell runs again
+with the needle's pages pinned into every pass's pool (an oracle coarse pass); if that answers,
+the page ranking lost the needle, if not, it is out of the ranking's hands.
 """
 
 from __future__ import annotations
@@ -91,15 +93,20 @@ def passed(text: str, answer: str) -> bool:
 
 
 def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
-             truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None) -> dict:
+             truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None,
+             oracle: bool = False) -> dict:
     """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers.
-    `on_chunk(done, total, cache)` follows the prefill (long documents' progress)."""
+    `on_chunk(done, total, cache)` follows the prefill (long documents' progress). `oracle`:
+    every retrieval pass is offered the needle's pages whatever its coarse pass ranks them
+    (`KVCache.pin`; the fine pass still picks from the pool by score)."""
     want = encode_fragment(tokenizer, " " + answer)
     n_new = len(want) + 1
     stats = GenerationStats()
     with make_cache(model, config) as cache:
         if config.retrieval:
             cache.set_truth(truth)
+            if oracle:
+                cache.pin(truth)
 
         peak = {"anon": 0, "file": 0}
 
@@ -123,6 +130,17 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
         if config.retrieval:
             cell["telemetry"] = cache.retrieval_report()
     return cell
+
+
+def probe_record(oracle_cell: dict) -> dict:
+    """What a failed retrieval cell gave with the needle's pages pinned (`run_cell(oracle=True)`):
+    its answer, recall and first miss, and the verdict: "ranking" where it passes (the needle was
+    there to read once offered: the coarse pass lost it), "reading" where it still fails (offered
+    the pages, the fine pass or the model misses it: a better page ranking would not help)."""
+    tel = oracle_cell.get("telemetry", {})
+    return {"verdict": "ranking" if oracle_cell["passed"] else "reading", "oracle_passed": oracle_cell["passed"],
+            "oracle_output": oracle_cell["output"], "oracle_first_miss": oracle_cell["first_miss"],
+            "oracle_token_recall": tel.get("token_any"), "oracle_page_recall": tel.get("page_recall")}
 
 
 def greedy_answer(model: Any, ids: list[int], cache: Any, want: list[int], n_new: int, chunk: int,
@@ -185,7 +203,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
-                lead_in: Optional[str] = None, first_seed: int = 0) -> dict:
+                lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
@@ -193,7 +211,9 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     model's chat template (`as_chat`), as an instruct model is used. `lead_in` replaces the
     answer's lead-in that ends the prompt ("The pass key is"): a small model may need another
     ("The pass key is number") before even the full cache answers. The documents are seeds
-    `first_seed` .. `first_seed + seeds - 1`, so a grid can be extended by more seeds."""
+    `first_seed` .. `first_seed + seeds - 1`, so a grid can be extended by more seeds. `probe`:
+    every retrieval cell that fails runs again with the needle's pages pinned into each pass's
+    pool (`run_cell(oracle=True)`), and the cell keeps what that gave (`probe_record`)."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -209,6 +229,9 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                     if name == "full" and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
                     r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk)
+                    if probe and cfg.retrieval and not r["passed"]:
+                        r["probe"] = probe_record(run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk,
+                                                           on_chunk, oracle=True))
                     cell = {"policy": name, "context": context, "depth": depth, "seed": seed,
                             "passed": bool(r.pop("passed")), **r}
                     cells.append(cell)
@@ -229,6 +252,9 @@ def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], 
                          "pass_rate": (sum(c["passed"] for c in mine) / len(mine)) if mine else None,
                          "values_right": sum(c["values_right"] for c in mine),
                          "values": sum(c["values"] for c in mine)}
+        probed = [c["probe"]["verdict"] for c in mine if "probe" in c]
+        if probed:
+            summary[name].update(probed=len(probed), ranking_misses=probed.count("ranking"))
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
             "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
             "contexts": contexts, "depths": depths, "seeds": seeds, "first_seed": first_seed, "prefill_chunk": chunk,
