@@ -100,9 +100,9 @@ class ColdStore(ColdRows):
         """The pages a forward pass fetches: for query rows [G, rep, R, D] (the pass's last query,
         and for a chunk the mean of its queries, positioned as the keys will be), the union of
         each row's `top_pages` pages (`top_pages_of`), plus the unfinished page (and the oracle's
-        `pinned` pages: `KVCache.pin`). Returns page
-        ids [G, K] in position order, padded with -1 (rows may differ in how many distinct pages
-        they have), and the last query's own pages [G, k] (telemetry)."""
+        `pinned` pages: `KVCache.pin`). Returns page ids [G, K] in position order, padded with -1
+        (rows may differ in how many distinct pages they have), and the last query's own pages
+        [G, k] (telemetry)."""
         P = self.n_pages
         if P > self.top_pages:
             lists = self.index.top_pages_of(rows)                             # [G, R, k]
