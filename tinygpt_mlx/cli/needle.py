@@ -181,8 +181,9 @@ def needle(
                 rec += f" · first miss {miss['want']!r} p {miss['p']:.2f} (rank {miss['rank']}, took {miss['got']!r})"
             if "probe" in cell:
                 pr = cell["probe"]
-                rec += (f" · oracle pages: {'pass' if pr['oracle_passed'] else 'fail'} ({pr['oracle_output']!r}), "
-                        f"a {pr['verdict']} miss")
+                got = pr["oracle_token_recall"]
+                rec += (f" · oracle pages: {'pass' if pr['oracle_passed'] else 'fail'} ({pr['oracle_output']!r}"
+                        + (f", recall {got:.2f}" if got is not None else "") + f"), a {pr['verdict']} miss")
             err.print(f"  {cell['policy']:>9} ctx {cell['context']:>7} depth {cell['depth']:<4g} seed {cell['seed']}: "
                       f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
                       f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")
