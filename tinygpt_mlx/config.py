@@ -291,6 +291,12 @@ class CacheConfig:
         return self.hot_budget is not None
 
     @property
+    def retrieves_per_query(self) -> bool:
+        """Shifted retrieval under the `slots` rule: every query numbers its own retrieved tokens,
+        so each gets its own search (`ColdStore.select`) and no pass shares a pool."""
+        return self.retrieval and self.rope_mode == "shifted" and self.retrieved_position == "slots"
+
+    @property
     def retrieved_slots(self) -> int:
         """Shifted retrieval: the most cache slots retrieved tokens take between the sink and
         the hot window (positions.py): 1 (`fixed`), `page_size` (`page`), `retrieve_tokens`

@@ -124,7 +124,7 @@ class ColdStore(ColdRows):
         gathered once; every query picks its own `retrieve_tokens` tokens (or pages: "spans")
         from it by exact score inside attention (`PoolSegment`). The `slots` rule numbers each
         query's own tokens, so it keeps the per-query search (`select`, the reference)."""
-        if reading.positions.shifted and reading.positions.rule == "slots":
+        if self.config.retrieves_per_query:
             return self._retrieve_per_query(reading)
         queries, pos = reading.queries, reading.positions
         B, Hq, L, D = queries.shape

@@ -177,12 +177,13 @@ class KVCache(list):
         """An oracle for diagnosis: every retrieval pass of every layer also offers the pages
         holding these absolute positions (once cold) to its fine pass, whatever the coarse pass
         ranks them (`ColdStore.pinned`; None: off). The per-query `slots` rule has no pool: refused."""
+        pinned = None if positions is None else np.asarray(positions, dtype=np.int64)
         for c in self.owned:
             if c.config.retrieval:
-                if c.positions.shifted and c.positions.rule == "slots":
+                if c.config.retrieves_per_query:
                     raise ValueError("the oracle pins pages into the pass's pool; the 'slots' position rule "
                                      "retrieves per query without one")
-                c.cold.pinned = None if positions is None else np.asarray(positions, dtype=np.int64)
+                c.cold.pinned = pinned
 
     def reset_telemetry(self) -> None:
         for c in self.owned:

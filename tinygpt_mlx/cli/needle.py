@@ -153,7 +153,7 @@ def needle(
     cfg = cache_config
     if probe and "retrieval" not in names:
         raise typer.BadParameter(f"--probe re-runs failed retrieval cells: --policies {policies!r} has no retrieval")
-    if probe and cfg.retrieval and cfg.rope_mode == "shifted" and cfg.retrieved_position == "slots":
+    if probe and cfg.retrieves_per_query:
         raise typer.BadParameter("--probe pins the needle's pages into each pass's pool; --kiv-positions slots "
                                  "retrieves per query without one")
     c.check_writable(json_path, "--json")
