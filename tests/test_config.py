@@ -82,8 +82,17 @@ def test_from_flags_uses_the_precision_table():
     assert (c.key_bits, c.value_bits, c.storage) == (8, None, "bf16")
     for keyword in ("kv_quantize", "kv_quantize_keys", "kv_quantize_values"):
         with pytest.raises(ConfigError) as e:
-            CacheConfig.from_flags(**{keyword: "int3"})
+            CacheConfig.from_flags(**{keyword: "int7"})
         assert e.value.field == keyword
+    # one side takes every width MLX's kernels take; --kv-quantize names int8/int4/int2 only
+    c = CacheConfig.from_flags(kv_quantize="int4", kv_quantize_keys="int5", kv_quantize_values="int3")
+    assert (c.key_bits, c.value_bits) == (5, 3)
+    assert (CacheConfig.from_spec("k5v4").key_bits, CacheConfig.from_spec("k5v4").value_bits) == (5, 4)
+    with pytest.raises(ConfigError, match="int5") as e:
+        CacheConfig.from_flags(kv_quantize="int5")
+    assert e.value.field == "kv_quantize"
+    with pytest.raises(ConfigError, match="key_bits must be one of 8, 6, 5, 4, 3, 2, got 7"):
+        CacheConfig(key_bits=7)
 
 
 # ----- the one spec parser ---------------------------------------------------------------------------

@@ -177,7 +177,7 @@ def test_int8_logits_close_to_fp32(native32):
 def test_exact_byte_counts(native32):
     model = native32.model
     n_layers, H, D = 2, 2, 32
-    for kb, vb in ((8, 8), (4, 4), (2, 2), (8, 4), (4, None)):
+    for kb, vb in ((8, 8), (4, 4), (2, 2), (8, 4), (5, 4), (5, 3), (4, None)):
         cache = make_cache(model, CacheConfig(key_bits=kb, value_bits=vb, kivi_sink=0))
         run(model, cache, tokens(150), prefill=100)
         body = cache.owned[0].body

@@ -70,6 +70,7 @@ POLICIES: dict[str, CacheConfig] = {
     "int4+esink0": parse_policy("int4+esink0"),
     "int2": parse_policy("int2"),
     "k8v4": parse_policy("k8v4"),
+    "k5v4": parse_policy("k5v4"),
     f"sink{S}/window{W}:shifted": parse_policy(f"sink{S}/window{W}:shifted"),
     f"sink{S}/window{W}:absolute": parse_policy(f"sink{S}/window{W}:absolute"),
     f"hot{HOT}:shifted-fixed": _retrieval(),

@@ -23,7 +23,7 @@ from tinygpt_mlx.quant import (
     unpack_codes,
 )
 
-BITS = (8, 6, 4, 2)
+BITS = (8, 6, 5, 4, 3, 2)
 GROUPS = (32, 64, 128)
 
 
@@ -52,7 +52,7 @@ def _step_vals(scale: mx.array, group: int) -> mx.array:
 
 
 def test_levels_table():
-    assert LEVELS == {8: (0, 255), 6: (0, 63), 4: (0, 15), 2: (0, 3)}
+    assert LEVELS == {8: (0, 255), 6: (0, 63), 5: (0, 31), 4: (0, 15), 3: (0, 7), 2: (0, 3)}
     assert GROUP_SIZES == (32, 64, 128)
 
 
@@ -213,7 +213,7 @@ def test_element_order_within_word():
 # ------------------------------------------------------------ quantized matmul
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (6, 32), (4, 32), (4, 64), (2, 64), (2, 128)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (6, 32), (5, 32), (4, 32), (4, 64), (3, 64), (2, 64), (2, 128)])
 def test_quantized_matmul_keys_gqa(bits, group):
     mx.random.seed(21)
     B, n_kv, n_rep, L, T, D = 2, 2, 3, 4, 256, 64
@@ -237,7 +237,7 @@ def test_quantized_matmul_keys_gqa(bits, group):
     assert mx.allclose(direct, ref, rtol=1e-4, atol=1e-4).item()
 
 
-@pytest.mark.parametrize("bits,group", [(8, 64), (6, 64), (4, 32), (4, 64), (2, 64)])
+@pytest.mark.parametrize("bits,group", [(8, 64), (6, 64), (5, 32), (4, 32), (4, 64), (3, 32), (2, 64)])
 def test_quantized_matmul_values_gqa(bits, group):
     mx.random.seed(22)
     B, n_kv, n_rep, L, T, D = 1, 2, 2, 3, 96, 128
@@ -342,8 +342,8 @@ def test_float16_parameters_stay_within_half_a_step(bits):
 
 def test_invalid_arguments_raise():
     x = mx.random.normal((2, 128))
-    with pytest.raises(ValueError, match="bits=3"):
-        quantise_affine(x, 3, 64)
+    with pytest.raises(ValueError, match="bits=7"):
+        quantise_affine(x, 7, 64)
     with pytest.raises(ValueError, match="bits=16"):
         quantise_k(mx.zeros((1, 1, 64, 64)), 16, 64)
     with pytest.raises(ValueError, match="group=16"):

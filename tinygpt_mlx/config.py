@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
-                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, STORAGE_DTYPES, SUMMARY_KINDS, check_values)
+                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES, SUMMARY_KINDS,
+                    check_values)
 from .policy_spec import label, spec_flags
 
 __all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
@@ -58,11 +59,12 @@ def precision_fields(choice: str, keyword: str = "kv_quantize") -> dict[str, Any
     """The precision table: a `--kv-quantize` value -> the `CacheConfig` fields it sets
     ("int4" -> key_bits=value_bits=4, "bf16" -> storage="bf16"). A bad value is a ConfigError
     on `keyword`."""
-    if choice in QUANT_BITS:
-        return {"key_bits": QUANT_BITS[choice], "value_bits": QUANT_BITS[choice]}
+    table = QUANT_BITS if keyword == "kv_quantize" else SIDE_BITS
+    if choice in table:
+        return {"key_bits": table[choice], "value_bits": table[choice]}
     if choice in STORAGE_DTYPES:
         return {"storage": choice}
-    raise ConfigError(keyword, f"must be one of {', '.join(KV_QUANTIZE_CHOICES)}, got {choice!r}")
+    raise ConfigError(keyword, f"must be one of {', '.join(STORAGE_DTYPES + tuple(table))}, got {choice!r}")
 
 
 @dataclass(frozen=True)
@@ -204,8 +206,8 @@ class CacheConfig:
             raise ConfigError("storage", f"must be one of {', '.join(STORAGE_DTYPES)}, got {self.storage!r}")
         for name in ("key_bits", "value_bits"):
             bits = getattr(self, name)
-            if bits is not None and bits not in QUANT_BITS.values():
-                raise ConfigError(name, f"must be 8, 4 or 2, got {bits!r}")
+            if bits is not None and bits not in SIDE_BITS.values():
+                raise ConfigError(name, f"must be one of {', '.join(map(str, SIDE_BITS.values()))}, got {bits!r}")
         check_values({f.name: getattr(self, f.name) for f in dataclasses.fields(self)}, ConfigError)
         if self.quantised and self.residual % self.group_size:
             raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "

@@ -92,7 +92,7 @@ def _knob_part(knob: Knob) -> tuple["re.Pattern", Any, str]:
 _ROPE = r"(?::(?P<rope>absolute|shifted))?"
 # The parts that set several keywords at once, each listed beside the knob of the first keyword it sets.
 _COMPOSITE = {
-    "kv_quantize_keys": (re.compile(r"k([248])v([248])"),
+    "kv_quantize_keys": (re.compile(r"k([2-8])v([2-8])"),
                     lambda m: {"kv_quantize_keys": f"int{m[1]}", "kv_quantize_values": f"int{m[2]}"},
                     "kNvM (KIVI key/value bits)"),
     "near": (re.compile(r"near(/?)(\d+)(?:b(\d+))?"),

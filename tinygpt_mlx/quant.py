@@ -19,13 +19,13 @@ The packed codes use MLX's own affine layout, so the triple
 ``mx.quantized_matmul`` (MLX computes ``w = scale * q + bias``; our ``zero`` is
 that bias).  Facts verified against mlx 0.32.4:
 
-* ``bits`` in {2, 3, 4, 5, 6, 8} are accepted by MLX; we expose 2, 4, 6 and 8
-  (6: the KIVI near tier's width, ``--kv-near-bits 6``).
+* ``bits`` in {2, 3, 4, 5, 6, 8} are accepted by MLX, and here (``--kv-quantize`` names
+  8, 4 and 2; one side may take any, e.g. 5-bit keys; 6: the near tier's ``--kv-near-bits 6``).
 * ``group_size`` must be 32, 64 or 128 (16 is rejected by ``mx.quantize``).
 * Codes form one little-endian bit stream along the last axis: element ``i``
   occupies bits ``[i * bits, (i + 1) * bits)`` of it, 32 to a ``uint32`` word.
-  Widths that divide 32 keep an element inside a word; a 6-bit element may
-  straddle two (16 codes fill 3 words).
+  Widths that divide 32 keep an element inside a word; a 3-, 5- or 6-bit
+  element may straddle two (32 codes fill 3 or 5 words, 16 codes 3).
 * Scales/biases have shape ``[..., N // group]``; the dequantised dtype follows
   the scale dtype.  We always keep scale/zero in float32.
 * ``mx.quantized_matmul`` broadcasts batch dimensions of ``w`` (GQA works by
@@ -60,7 +60,9 @@ __all__ = [
 LEVELS: dict[int, tuple[int, int]] = {
     8: (0, 255),
     6: (0, 63),
+    5: (0, 31),
     4: (0, 15),
+    3: (0, 7),
     2: (0, 3),
 }
 
@@ -173,7 +175,7 @@ def unpack_codes(packed: mx.array, bits: int) -> mx.array:
 
 def _chunk(bits: int) -> tuple[int, int]:
     """(codes, words) of the shortest run of whole words that holds whole codes: (32 // bits,
-    1) for widths dividing 32, (16, 3) for 6 bits."""
+    1) for widths dividing 32, (16, 3) for 6 bits, (32, 3) and (32, 5) for 3 and 5."""
     words = bits // math.gcd(bits, _WORD_BITS)
     return words * _WORD_BITS // bits, words
 
