@@ -9,7 +9,7 @@ prefix match against the fp32 cache per variant:
 
     kKvV            keys K bits per channel over G=32 tokens, values V bits per token (KIVI)
     k4g16, k4g8     finer key groups (16 or 8 tokens)
-    v4g16, v4g8     finer value groups (16 or 8 channels)
+    v4g16, v4g8     finer value groups (16 or 8 channels); v4g64had: a group suffix before the others
     k4pre           keys quantised before RoPE (KVQuant)
     k4had, v4had    a Hadamard rotation of the head dimension before quantising (QuaRot)
     k4out2          the 2 largest-norm tokens of each key block kept exact (dense-and-sparse)
@@ -102,7 +102,7 @@ def value_quantiser(bits: int, group: int, how: str):
     return f
 
 
-_PART = re.compile(r"(k|v)(\d)(g\d+|pre|had|out\d+)?(L\d+)?")
+_PART = re.compile(r"(k|v)(\d)(g\d+)?(pre|had|out\d+)?(L\d+)?")
 
 
 def parse(spec: str) -> dict:
@@ -126,10 +126,10 @@ def parse(spec: str) -> dict:
         if part.startswith("exact"):
             out["exact"] = {int(i) for i in part[5:].split(".")}
             continue
-        for m in re.finditer(r"[kv]\d(?:g\d+|pre|had|out\d+)?(?:L\d+)?", part):
-            side, bits, how, layer = _PART.fullmatch(m[0]).groups()
+        for m in re.finditer(r"[kv]\d(?:g\d+)?(?:pre|had|out\d+)?(?:L\d+)?", part):
+            side, bits, g, how, layer = _PART.fullmatch(m[0]).groups()
             how = how or ""
-            group = int(how[1:]) if how.startswith("g") else 32
+            group = int(g[1:]) if g else 32
             make = key_quantiser if side == "k" else value_quantiser
             out[side] = make(int(bits), group, how)
             if layer:
