@@ -36,7 +36,7 @@ import numpy as np
 from tinygpt_mlx import loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
-from tinygpt_mlx.cache.telemetry import cold_indices
+from tinygpt_mlx.cache.telemetry import pages_holding
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, as_chat, cell_document, needle_positions, with_lead_in
 from tinygpt_mlx.generate import forward, prefill
@@ -44,7 +44,7 @@ from tinygpt_mlx.generate import forward, prefill
 
 def needle_pages(store: ColdStore, truth: Any, n_pages: int) -> np.ndarray:
     """The complete pages among the first `n_pages` of `store` that hold the `truth` positions."""
-    pages = np.unique(cold_indices(store.positions.view(), store.n, truth) // store.page_size)
+    pages = pages_holding(store.positions.view(), store.n, truth, store.page_size)
     return pages[pages < n_pages]
 
 

@@ -55,7 +55,7 @@ import numpy as np
 from ..config import CacheConfig
 from .cold_rows import ColdRows
 from .segments import PoolSegment, Reading, RetrievedSegment
-from .telemetry import Selection, StageTimes, cold_indices
+from .telemetry import Selection, StageTimes, pages_holding
 
 __all__ = ["ColdStore"]
 
@@ -114,7 +114,7 @@ class ColdStore(ColdRows):
         if self.n > P * self.page_size:
             pool = np.concatenate([pool, np.full((self.G, 1), P, dtype=np.int64)], axis=1)
         if self.pinned is not None:   # the oracle: their pages in every row, however they rank
-            pool = _union(pool, [_pages_holding(self.positions.view(), self.n, self.pinned, self.page_size)] * self.G)
+            pool = _union(pool, [pages_holding(self.positions.view(), self.n, self.pinned, self.page_size)] * self.G)
         return pool, last
 
     def retrieve(self, reading: Reading) -> tuple[list, Selection]:
@@ -272,12 +272,6 @@ def unit_scores(q: np.ndarray, keys: np.ndarray, valid: np.ndarray, unit: int, s
         return np.where(w[:, 0].any(axis=-1), exact, -np.inf)
     exact = np.where(valid, scores.max(axis=1), -np.inf)
     return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact
-
-
-def _pages_holding(positions: np.ndarray, n: int, wanted: np.ndarray, page_size: int) -> np.ndarray:
-    """The pages (the unfinished one included) of a store's `n` rows at sorted `positions` that
-    hold the absolute `wanted` positions (those that are cold)."""
-    return np.unique(cold_indices(positions, n, wanted) // page_size)
 
 
 def _union(pool: np.ndarray, extra: list) -> np.ndarray:

@@ -68,6 +68,12 @@ def cold_indices(positions: np.ndarray, n: int, wanted: Any) -> np.ndarray:
     return where[ok]
 
 
+def pages_holding(positions: np.ndarray, n: int, wanted: Any, page_size: int) -> np.ndarray:
+    """The pages (the unfinished one included) of a store's `n` rows at sorted `positions` that
+    hold the absolute `wanted` positions (those that are cold), sorted."""
+    return np.unique(cold_indices(positions, n, wanted) // page_size)
+
+
 class RetrievalTelemetry:
     """Per-retrieval records of one layer; `truth` = absolute positions of a known needle."""
 
