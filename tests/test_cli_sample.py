@@ -45,7 +45,7 @@ def assert_one_line_error(r, *named):
 # (command, arguments, the flag to name, the config field that used to be named instead)
 BAD_FLAGS = [
     ("sample", ["--kv-quantize", "int3"], "--kv-quantize", "kv_quantize"),
-    ("sample", ["--kv-quantize-keys", "int3"], "--kv-quantize-keys", "kv_quantize_keys"),
+    ("sample", ["--kv-quantize-keys", "int7"], "--kv-quantize-keys", "kv_quantize_keys"),
     ("sample", ["--kv-quantize-values", "fp8"], "--kv-quantize-values", "kv_quantize_values"),
     ("sample", ["--kv-group-size", "0"], "--kv-group-size", "group_size"),
     ("sample", ["--kv-quantize", "int4", "--kv-residual", "-1"], "--kv-residual", "residual"),
