@@ -8,6 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
+from tinygpt_mlx.knobs import SIDE_BITS
 from tinygpt_mlx import quant
 from tinygpt_mlx.quant import (
     GROUP_SIZES,
@@ -53,6 +54,7 @@ def _step_vals(scale: mx.array, group: int) -> mx.array:
 
 def test_levels_table():
     assert LEVELS == {8: (0, 255), 6: (0, 63), 5: (0, 31), 4: (0, 15), 3: (0, 7), 2: (0, 3)}
+    assert sorted(SIDE_BITS.values()) == sorted(LEVELS)   # a side takes every width quant packs
     assert GROUP_SIZES == (32, 64, 128)
 
 

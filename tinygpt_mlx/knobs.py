@@ -22,6 +22,7 @@ QUANT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 #: quantised kernels take (`quant.LEVELS`); `--kv-quantize` names the three above for both sides.
 SIDE_BITS = {"int8": 8, "int6": 6, "int5": 5, "int4": 4, "int3": 3, "int2": 2}
 KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
+SIDE_CHOICES = "|".join(STORAGE_DTYPES + tuple(SIDE_BITS))
 #: KIVI group sizes: the ones MLX's quantised kernels accept (`quant.py`).
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 ROPE_MODES = ("shifted", "absolute")
@@ -77,10 +78,10 @@ KNOBS: tuple[Knob, ...] = (
        "KV precision: {precisions} (int* = KIVI: keys per channel, values per token). Default {default}.",
        "(" + "|".join(KV_QUANTIZE_CHOICES) + ")", "precision " + "|".join(KV_QUANTIZE_CHOICES)),
     Knob("kv_quantize_keys", "--kv-quantize-keys", str, "precision",
-       "Key precision, overriding --kv-quantize: fp32|fp16|bf16 or int8|int6|int5|int4|int3|int2 (e.g. int5: "
-       "with int4 values, 10% more bytes than int4, where keys carry most of int4's error; docs/kivi.md)."),
+       "Key precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int5 with int4 values: keys carry "
+       "most of int4's error, docs/kivi.md)."),
     Knob("kv_quantize_values", "--kv-quantize-values", str, "precision",
-       "Value precision, overriding --kv-quantize: fp32|fp16|bf16 or int8|int6|int5|int4|int3|int2 (e.g. int4)."),
+       "Value precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int4)."),
     Knob("group_size", "--kv-group-size", int, "precision",
        "KIVI group size G (tokens per key block). Default {default}.", r"g(\d+)", "gN (group)",
        choices=GROUP_SIZES, minimum=1,
