@@ -873,3 +873,73 @@ def test_near_tier_costs_its_tokens_extra_bits_and_nothing_else(native32, native
     from tinygpt_mlx.cli.main import app
     r = CliRunner().invoke(app, ["cache-report", str(native32_path), "-l", "256", "--policies", f"{body_spec},{spec}"])
     assert r.exit_code == 0 and spec in r.output and "fp32" not in r.output, r.output
+
+
+# ----- value groups of their own (--kv-value-group) --------------------------------------------
+@pytest.fixture(scope="module")
+def native64(tmp_path_factory, tokenizer_json):
+    """Head dim 64: room for value groups of 64 channels."""
+    from tinygpt_mlx.loading import load
+    return load(build_native(tmp_path_factory.mktemp("native64") / "tiny64.tinygpt", tokenizer_json,
+                             d_model=256, n_heads=4, n_kv_heads=2, d_ff=256, context_length=512))
+
+
+VALUE_GROUP_CONFIGS = [
+    dict(key_bits=3, value_bits=2, value_group=64),
+    dict(key_bits=4, value_bits=4, value_group=64, near_share=4),
+    dict(key_bits=2, value_bits=2, value_group=64, near=32, near_bits=4, sink=4, window=96),
+    dict(key_bits=None, value_bits=4, value_group=64, rotate=False, kivi_sink=0),
+]
+
+
+@pytest.mark.parametrize("kw", VALUE_GROUP_CONFIGS, ids=lambda kw: CacheConfig(**kw).label())
+def test_value_groups_of_their_own_read_through_the_packed_kernels(native64, kw):
+    """Values in groups of 64 channels (keys in blocks of 32 tokens): each layer's packed
+    attention against dense SDPA over its dequantised `fetch()`, and the whole model's logits on
+    the packed path against the dequantised reference path."""
+    model, toks = native64.model, tokens(220)
+    cache = make_cache(model, CacheConfig(**kw))
+    run(model, cache, toks, prefill=120)
+    for i, layer in enumerate(cache.owned):
+        assert layer.body.n_packed > 0
+        for L in (1, 3):
+            q = mx.random.normal((1, 4, L, 64), key=mx.random.key(10 * i + L))
+            k, v = layer.fetch()
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=64 ** -0.5, mask=None)
+            assert mx.abs(layer.attend(q, 64 ** -0.5, None) - want).max().item() < 1e-5
+    outs = []
+    for installed in (True, False):
+        with routed(installed):
+            outs.append(run(model, make_cache(model, CacheConfig(**{"rotate": False, "kivi_sink": 0, **kw})),
+                            toks, prefill=120))
+    assert mx.abs(outs[0] - outs[1]).max().item() < 1e-4
+
+
+def test_value_groups_of_64_halve_the_values_scales_and_zeros(native64):
+    """Exact bytes: keys as before (codes + an fp16 scale and zero per 32 tokens and channel),
+    values' codes alike and one fp16 scale and zero per 64 channels instead of 32."""
+    model, H, D = native64.model, 2, 64
+    for vg in (None, 64):
+        cache = make_cache(model, CacheConfig(key_bits=3, value_bits=2, value_group=vg, kivi_sink=0))
+        run(model, cache, tokens(150), prefill=100)
+        P = cache.owned[0].body.n_packed
+        keys = P * H * D * 3 // 8 + 2 * 2 * P * H * D // 32
+        values = P * H * D * 2 // 8 + 2 * 2 * P * H * D // (vg or 32)
+        assert cache.nbytes_breakdown()["body_packed"] == len(cache.owned) * (keys + values)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-quantize", "int4", "--kv-value-group", "48"], "--kv-value-group': must be one of 32, 64, 128"),
+    (["--kv-value-group", "64"], "--kv-value-group': groups quantised values: it needs int* values"),
+    (["--kv-quantize-keys", "int4", "--kv-value-group", "64"], "--kv-value-group': groups quantised values"),
+    (["--kv-quantize", "int4", "--kv-value-group", "64"], "group size 64 does not divide head dim 32 "
+                                                         "(use --kv-value-group 32"),
+])
+def test_value_group_bad_values_are_one_line(native32_path, flags, words):
+    """A bad flag fails before the banner; a group the model's head dim refuses, on the first
+    frozen block, after it: one error line either way, the last, and no traceback."""
+    r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native32_path), "--prompt",
+                        "x " * 70, "--tokens", "1", *flags], capture_output=True, text=True)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and words in lines[-1] and "Traceback" not in r.stderr, r.stderr
+    assert sum(words in line for line in lines) == 1 and (len(lines) == 1) == ("head dim" not in words)

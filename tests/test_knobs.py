@@ -22,6 +22,7 @@ PRECISION = {"storage", "key_bits", "value_bits"}   # set through --kv-quantize*
 EXAMPLES = {
     "kv_quantize": ("", "int4", ["--kv-quantize", "int4"]),
     "group_size": ("int4+r128", "g64", ["--kv-group-size", "64"]),
+    "value_group": ("int4", "vg64", ["--kv-value-group", "64"]),
     "residual": ("int4", "r128", ["--kv-residual", "128"]),
     "exact_topk": ("int4", "top16", ["--kv-exact-topk", "16"]),
     "shadow_store": ("int4+top16", "shadowram", ["--kv-shadow", "ram"]),

@@ -131,6 +131,9 @@ class CacheConfig:
     key_bits     KIVI bits for keys (quantised per channel), None = exact
     value_bits   KIVI bits for values (quantised per token), None = exact
     group_size   KIVI group G: tokens per key block / channels per value group
+    value_group  KIVI: channels per value group where not G (None = G): a group of 64 halves the
+                 values' scales and zeros (int2 values: 3 bits a value become 2.5), whose bytes
+                 can go to the keys instead (docs/kivi.md)
     residual     KIVI residual R: newest tokens kept exact
     exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
@@ -173,6 +176,7 @@ class CacheConfig:
     key_bits: Optional[int] = None
     value_bits: Optional[int] = None
     group_size: int = 32
+    value_group: Optional[int] = None
     residual: int = 32
     exact_topk: int = 0
     shadow_store: str = "disk"
@@ -212,6 +216,9 @@ class CacheConfig:
         if self.quantised and self.residual % self.group_size:
             raise ConfigError("residual", f"must be a multiple of {{group_size}} ({self.group_size}), "
                               f"got {self.residual}", ("group_size",))
+        if self.value_group is not None and self.value_bits is None:
+            raise ConfigError("value_group", "groups quantised values: it needs int* values ({kv_quantize} or "
+                              "{kv_quantize_values})", ("kv_quantize", "kv_quantize_values"))
         if self.exact_topk and not self.quantised:
             raise ConfigError("exact_topk", "refines a KIVI cache: it needs int8/int4/int2 keys or values "
                               "({kv_quantize})", ("kv_quantize",))
@@ -266,6 +273,11 @@ class CacheConfig:
     @property
     def quantised(self) -> bool:
         return self.key_bits is not None or self.value_bits is not None
+
+    @property
+    def value_group_size(self) -> int:
+        """Channels per value group: `value_group`, or G."""
+        return self.value_group or self.group_size
 
     @property
     def near_tier(self) -> bool:
@@ -368,6 +380,8 @@ class CacheConfig:
         if self.quantised:
             d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
                            "group_size": self.group_size, "residual": self.residual})
+            if self.value_group is not None:
+                d["kivi"]["value_group"] = self.value_group
             d["kivi"]["rotate"] = self.rotate
             if self.near_tier:
                 d["kivi"].update(**({"near": self.near} if self.near else {"near_share": self.near_share}),

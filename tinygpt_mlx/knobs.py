@@ -86,6 +86,12 @@ KNOBS: tuple[Knob, ...] = (
        "KIVI group size G (tokens per key block). Default {default}.", r"g(\d+)", "gN (group)",
        choices=GROUP_SIZES, minimum=1,
        message="must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"),
+    Knob("value_group", "--kv-value-group", int, "precision",
+       "KIVI channels per value group (one fp16 scale and zero each), where not G: 64 halves the values' "
+       "scales and zeros (int2 values cost 2.5 bits instead of 3, int4 values 4.5 instead of 5); it must "
+       "divide the head dimension. Default: G.", r"vg(\d+)", "vgN (value group)",
+       choices=GROUP_SIZES, minimum=1,
+       message="must be one of {choices} (the group sizes MLX's quantised kernels take), got {value}"),
     Knob("residual", "--kv-residual", int, "precision",
        "KIVI residual R: newest tokens kept exact (a multiple of G). Default {default}. Each exact token costs "
        "the storage dtype's bytes in place of packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K "

@@ -57,6 +57,8 @@ def label(config: Any, default: Any) -> str:
             prec += f", {config.storage} exact"
         if config.group_size != default("group_size"):
             prec += f", G {config.group_size}"
+        if config.value_group_size != config.group_size:
+            prec += f", V groups {config.value_group_size}"
         if config.residual != default("residual"):
             prec += f", R {config.residual}"
         if not config.rotate:

@@ -108,7 +108,7 @@ class KiviStore:
         if L == 0:
             return
         if self.config.value_bits is not None:
-            _check_value_groups(values.shape[3], self.group)
+            _check_value_groups(values.shape[3], self.config.value_group_size, self.config.value_group is not None)
         self.residual.append(keys, values)
         n = (len(self.residual) - max(self.keep, L)) // self.group * self.group
         if n > 0:
@@ -258,10 +258,12 @@ class KiviStore:
         return out
 
 
-def _check_value_groups(D: int, group: int) -> None:
-    """KIVI's value groups run along the head dimension `D`: refuse a `group` that does not divide it."""
+def _check_value_groups(D: int, group: int, own: bool) -> None:
+    """KIVI's value groups run along the head dimension `D`: refuse a `group` that does not divide
+    it (`own`: set by --kv-value-group, else G's)."""
     if D % group:
         ok = [g for g in quant.GROUP_SIZES if D % g == 0]
+        flag = "--kv-value-group" if own else "--kv-group-size"
         raise ValueError(f"KIVI value groups run along the head dimension: group size {group} does not divide "
-                         f"head dim {D} (use --kv-group-size {ok[0] if ok else '<none: head dim too small>'} "
+                         f"head dim {D} (use {flag} {ok[0] if ok else '<none: head dim too small>'} "
                          "or exact values with --kv-quantize-values fp32)")

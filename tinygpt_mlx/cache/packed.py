@@ -46,14 +46,15 @@ def rotation(dim: int) -> mx.array:
 
 
 class PackedRun:
-    """`n` tokens packed at `key_bits` / `value_bits` (None: that side exact in `storage`), in
-    groups of `group`, quantised through `codec` (the `KVCache` class: `quantise_affine`,
+    """`n` tokens packed at `key_bits` / `value_bits` (None: that side exact in `storage`), keys
+    in blocks of `group` tokens, values in groups of `value_group` channels (None: `group`), quantised through `codec` (the `KVCache` class: `quantise_affine`,
     `dequantise_k`, `dequantise_v`); a quantised side is held as x R where `rotate`. Tokens come
     and go by whole groups, oldest first."""
 
     def __init__(self, key_bits: Optional[int], value_bits: Optional[int], group: int, storage: mx.Dtype,
-                 codec: Any, rotate: bool):
+                 codec: Any, rotate: bool, value_group: Optional[int] = None):
         self.key_bits, self.value_bits, self.group = key_bits, value_bits, group
+        self.value_group = value_group or group
         self.storage, self.codec, self.rotate = storage, codec, rotate
         self.keys: Optional[Side] = None
         self.values: Optional[Side] = None
@@ -62,7 +63,8 @@ class PackedRun:
     @classmethod
     def of(cls, keys: Side, values: Side, config: Any) -> "PackedRun":
         """A body's packed sides as a run to read (a compiled step's inputs, compiled.py)."""
-        run = cls(config.key_bits, config.value_bits, config.group_size, mx.float32, None, config.rotate)
+        run = cls(config.key_bits, config.value_bits, config.group_size, mx.float32, None, config.rotate,
+                  config.value_group_size)
         run.keys, run.values = keys, values
         return run
 
@@ -71,7 +73,7 @@ class PackedRun:
         """Tokens k, v (in the stored basis: `turn` first) quantised and appended: keys per
         channel (groups of G tokens along K^T's last axis), values per token."""
         kpart = self._pack_keys(k) if self.key_bits else (k.astype(self.storage),)
-        vpart = (self.codec.quantise_affine(v, self.value_bits, self.group, PARAMS) if self.value_bits
+        vpart = (self.codec.quantise_affine(v, self.value_bits, self.value_group, PARAMS) if self.value_bits
                  else (v.astype(self.storage),))
         self.keys = _concat(self.keys, kpart, _axes(self.key_bits, keys=True))
         self.values = _concat(self.values, vpart, _axes(self.value_bits, keys=False))
@@ -81,7 +83,7 @@ class PackedRun:
         """Tokens [lo, hi) dequantised, in the stored basis."""
         ks, vs = self._slice(lo, hi)
         k = self.codec.dequantise_k(*ks, self.key_bits, self.group) if self.key_bits else ks[0]
-        v = self.codec.dequantise_v(*vs, self.value_bits, self.group) if self.value_bits else vs[0]
+        v = self.codec.dequantise_v(*vs, self.value_bits, self.value_group) if self.value_bits else vs[0]
         return k, v
 
     def take_front(self, m: int) -> tuple[mx.array, mx.array]:
@@ -166,7 +168,7 @@ class NearTier(PackedRun):
                  codec: Any):
         bits = config.near_bits
         super().__init__(bits if key_bits else None, bits if value_bits else None, config.group_size, storage,
-                         codec, config.rotate)
+                         codec, config.rotate, config.value_group_size)
         self.size, self.share = config.near, config.near_share
 
     def cap(self, held: int) -> int:
@@ -231,7 +233,7 @@ class PackedSegment:
         B, H, rep, L, T = p.shape
         rows = p.reshape(B, H, rep * L, T)
         if s.value_bits:
-            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.group)
+            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.value_group)
             if s.rotate:     # the values are stored as v R: turned back by R^T
                 out = out @ rotation(out.shape[-1]).T
         else:
@@ -275,7 +277,7 @@ class FrozenTiers:
 
     def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
         kb, vb = config.key_bits, config.value_bits
-        self.packed = PackedRun(kb, vb, config.group_size, storage, codec, config.rotate)
+        self.packed = PackedRun(kb, vb, config.group_size, storage, codec, config.rotate, config.value_group_size)
         self.near: Optional[NearTier] = NearTier(config, kb, vb, storage, codec) if config.near_tier else None
 
     @property
