@@ -119,16 +119,21 @@ def test_packed_attention_equals_the_reference_on_the_same_stored_data(native32,
     against dense SDPA over its `fetch()` (blocks dequantised and turned back), for one query and
     for three: the property the end-to-end test below checks, without its sensitivity to a code
     that an upstream 1e-7 difference flips."""
-    model = native32.model
-    cache = make_cache(model, CacheConfig(**kw))
+    assert_packed_attention_reads_what_is_stored(native32.model, CacheConfig(**kw), head_dim=32)
+
+
+def assert_packed_attention_reads_what_is_stored(model, config, head_dim):
+    """After a 120-token prefill and 100 decode steps, each layer's packed attention for one
+    query and for three against dense SDPA over its `fetch()` (blocks dequantised, turned back)."""
+    cache = make_cache(model, config)
     run(model, cache, tokens(220), prefill=120)
     for i, layer in enumerate(cache.owned):
         assert layer.body.n_packed > 0
         for L in (1, 3):
-            q = mx.random.normal((1, 4, L, 32), key=mx.random.key(10 * i + L))
+            q = mx.random.normal((1, 4, L, head_dim), key=mx.random.key(10 * i + L))
             k, v = layer.fetch()
-            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5, mask=None)
-            got = layer.attend(q, 32 ** -0.5, None)
+            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5, mask=None)
+            got = layer.attend(q, head_dim ** -0.5, None)
             assert mx.abs(got - want).max().item() < 1e-5
 
 
@@ -898,15 +903,7 @@ def test_value_groups_of_their_own_read_through_the_packed_kernels(native64, kw)
     attention against dense SDPA over its dequantised `fetch()`, and the whole model's logits on
     the packed path against the dequantised reference path."""
     model, toks = native64.model, tokens(220)
-    cache = make_cache(model, CacheConfig(**kw))
-    run(model, cache, toks, prefill=120)
-    for i, layer in enumerate(cache.owned):
-        assert layer.body.n_packed > 0
-        for L in (1, 3):
-            q = mx.random.normal((1, 4, L, 64), key=mx.random.key(10 * i + L))
-            k, v = layer.fetch()
-            want = mx.fast.scaled_dot_product_attention(q, k, v, scale=64 ** -0.5, mask=None)
-            assert mx.abs(layer.attend(q, 64 ** -0.5, None) - want).max().item() < 1e-5
+    assert_packed_attention_reads_what_is_stored(model, CacheConfig(**kw), head_dim=64)
     outs = []
     for installed in (True, False):
         with routed(installed):
