@@ -243,6 +243,23 @@ def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
         assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
 
 
+def test_compiled_kivi_window_step_reads_value_groups_of_their_own(tmp_path, tokenizer_json):
+    """Values in groups of 64 channels (head dim 64; `PackedRun.of` hands the compiled step the
+    value group): the compiled quiet steps give the eager steps' logits and cache."""
+    from conftest import build_native
+    model = load(build_native(tmp_path / "hd64.tinygpt", tokenizer_json, d_model=256, n_heads=4, n_kv_heads=2,
+                              d_ff=256, context_length=512)).model
+    config = CacheConfig.from_spec("k3v2+vg64+sink4/window64")
+    toks = [(i * 37 + 11) % 300 for i in range(200)]
+    fast, cache, ran = _drive(model, config, True, rebase_every=150, tokens=toks)
+    slow, ref, _ = _drive(model, config, False, rebase_every=150, tokens=toks)
+    assert ran > 50
+    assert mx.abs(fast - slow).max().item() <= TOL
+    for x, y in zip(cache.owned, ref.owned):
+        (kx, vx), (ky, vy) = x.fetch(), y.fetch()
+        assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
+
+
 def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
     """While the body grows every step is a new shape (a new trace): those steps run eager; and
     KIVI without a window, with absolute positions or an exact top-k shadow is not covered."""

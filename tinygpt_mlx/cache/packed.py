@@ -47,9 +47,10 @@ def rotation(dim: int) -> mx.array:
 
 class PackedRun:
     """`n` tokens packed at `key_bits` / `value_bits` (None: that side exact in `storage`), keys
-    in blocks of `group` tokens, values in groups of `value_group` channels (None: `group`), quantised through `codec` (the `KVCache` class: `quantise_affine`,
-    `dequantise_k`, `dequantise_v`); a quantised side is held as x R where `rotate`. Tokens come
-    and go by whole groups, oldest first."""
+    in blocks of `group` tokens, values in groups of `value_group` channels (None: `group`),
+    quantised through `codec` (the `KVCache` class: `quantise_affine`, `dequantise_k`,
+    `dequantise_v`); a quantised side is held as x R where `rotate`. Tokens come and go by whole
+    groups, oldest first."""
 
     def __init__(self, key_bits: Optional[int], value_bits: Optional[int], group: int, storage: mx.Dtype,
                  codec: Any, rotate: bool, value_group: Optional[int] = None):
