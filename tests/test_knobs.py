@@ -126,3 +126,17 @@ def test_help_lists_each_part_of_the_policy_under_its_heading():
         section = text[text.index(PANELS[knob.part] + ":"):]
         assert knob.flag.split("/")[0] in section, knob.flag
     assert "--kv-quantize" not in text[:text.index(PANELS["precision"] + ":")].split("Options:")[1]
+
+
+def test_each_precision_knob_sets_the_bits_of_its_levels():
+    """`precision_fields` reads a precision knob's own `levels`: each name gives its bits to the
+    sides the knob sets, and a name of another knob's table only is refused on this one."""
+    side = {"kv_quantize": ("key_bits", "value_bits"), "kv_quantize_keys": ("key_bits",),
+            "kv_quantize_values": ("value_bits",)}
+    assert {k.keyword for k in KNOBS if k.levels} == set(side)
+    for knob in KNOBS:
+        for name, bits in (knob.levels or {}).items():
+            config = CacheConfig.from_flags(**{knob.keyword: name})
+            assert all(getattr(config, f) == bits for f in side[knob.keyword]), (knob.keyword, name)
+    with pytest.raises(ValueError, match="kv_quantize must be one of .*got 'int5'"):
+        CacheConfig.from_flags(kv_quantize="int5")

@@ -16,9 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KV_QUANTIZE_CHOICES, QUANT_BITS,
-                    RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES, SUMMARY_KINDS,
-                    check_values)
+from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KNOBS, KV_QUANTIZE_CHOICES,
+                    QUANT_BITS, RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES,
+                    SUMMARY_KINDS, check_values)
 from .policy_spec import label, spec_flags
 
 __all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
@@ -56,10 +56,10 @@ def _positive(name: str, value: Any, minimum: int = 1) -> None:
 
 
 def precision_fields(choice: str, keyword: str = "kv_quantize") -> dict[str, Any]:
-    """The precision table: a `--kv-quantize` value -> the `CacheConfig` fields it sets
-    ("int4" -> key_bits=value_bits=4, "bf16" -> storage="bf16"). A bad value is a ConfigError
-    on `keyword`."""
-    table = QUANT_BITS if keyword == "kv_quantize" else SIDE_BITS
+    """The precision table: a `--kv-quantize` (or `keyword`'s: its knob's `levels`) value -> the
+    `CacheConfig` fields it sets ("int4" -> key_bits=value_bits=4, "bf16" -> storage="bf16"). A
+    bad value is a ConfigError on `keyword`."""
+    table = next(knob.levels for knob in KNOBS if knob.keyword == keyword)
     if choice in table:
         return {"key_bits": table[choice], "value_bits": table[choice]}
     if choice in STORAGE_DTYPES:

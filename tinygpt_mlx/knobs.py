@@ -49,7 +49,8 @@ class Knob:
     `{rope}`, `{precisions}` for the constants of those names. `spec`: the regex of its part
     of a policy spec, whose group 1 is the value (a switch's: "no" or nothing), "" if it has
     none; `spec_help`: that part as `SPEC_HELP` lists it. `choices` / `minimum`: the values it
-    takes (`check_values`; `message` replaces the generic "must be one of ...")."""
+    takes (`check_values`; `message` replaces the generic "must be one of ..."). `levels`: a
+    precision knob's KIVI names and their bits (`config.precision_fields`)."""
     keyword: str
     flag: str
     kind: type
@@ -60,6 +61,7 @@ class Knob:
     choices: tuple = ()
     minimum: Optional[int] = None
     message: str = ""
+    levels: Optional[dict] = None
 
     @property
     def switch(self) -> bool:
@@ -76,12 +78,12 @@ KNOBS: tuple[Knob, ...] = (
     # ---- precision (KIVI) ----
     Knob("kv_quantize", "--kv-quantize", str, "precision",
        "KV precision: {precisions} (int* = KIVI: keys per channel, values per token). Default {default}.",
-       "(" + "|".join(KV_QUANTIZE_CHOICES) + ")", "precision " + "|".join(KV_QUANTIZE_CHOICES)),
+       "(" + "|".join(KV_QUANTIZE_CHOICES) + ")", "precision " + "|".join(KV_QUANTIZE_CHOICES), levels=QUANT_BITS),
     Knob("kv_quantize_keys", "--kv-quantize-keys", str, "precision",
        "Key precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int5 with int4 values: keys carry "
-       "most of int4's error, docs/kivi.md)."),
+       "most of int4's error, docs/kivi.md).", levels=SIDE_BITS),
     Knob("kv_quantize_values", "--kv-quantize-values", str, "precision",
-       "Value precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int4)."),
+       "Value precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int4).", levels=SIDE_BITS),
     Knob("group_size", "--kv-group-size", int, "precision",
        "KIVI group size G (tokens per key block). Default {default}.", r"g(\d+)", "gN (group)",
        choices=GROUP_SIZES, minimum=1,
