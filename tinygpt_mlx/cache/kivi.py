@@ -213,8 +213,7 @@ class KiviStore:
         doc)."""
         arrays, meta = self.tiers.state()
         meta.update(frozen=self.frozen, evicted=self.evicted)
-        parts = {"residual": self.residual, **({"shadow": self.shadow} if self.config.exact_topk else {})}
-        for name, part in parts.items():
+        for name, part in self._saved().items():
             pa, meta[name] = part.state()
             arrays.update({f"{name}.{k}": v for k, v in pa.items()})
         return arrays, meta
@@ -222,9 +221,12 @@ class KiviStore:
     def load_state(self, arrays, meta: dict) -> None:
         self.tiers.load_state(arrays, meta)
         self.frozen, self.evicted = int(meta["frozen"]), int(meta["evicted"])
-        self.residual.load_state(arrays.scope("residual."), meta["residual"])
-        if self.config.exact_topk:
-            self.shadow.load_state(arrays.scope("shadow."), meta["shadow"])
+        for name, part in self._saved().items():
+            part.load_state(arrays.scope(f"{name}."), meta[name])
+
+    def _saved(self) -> dict:
+        """The parts a file holds beside the frozen tiers: the residual, and a shadow's rows."""
+        return {"residual": self.residual, **self.shadow.saved()}
 
     # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
     def mark(self) -> dict:
@@ -253,9 +255,7 @@ class KiviStore:
         out = {"body_packed": self.tiers.packed.nbytes, "residual": self.residual.nbytes}
         if self.tiers.near is not None:
             out["body_near"] = self.tiers.near.nbytes
-        if self.config.exact_topk:
-            out[self.shadow.label] = self.shadow.nbytes
-        return out
+        return {**out, **self.shadow.breakdown()}
 
 
 def _check_value_groups(D: int, group: int, own: bool) -> None:

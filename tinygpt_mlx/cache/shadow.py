@@ -136,6 +136,14 @@ class ShadowStore:
     def nbytes(self) -> int:
         return sum(arr.nbytes for arr in self.arrays if arr is not None)
 
+    def breakdown(self) -> dict[str, int]:
+        """Its bytes under its label (`shadow`, or `shadow_disk` memory-mapped), for the body's."""
+        return {self.label: self.nbytes}
+
+    def saved(self) -> dict:
+        """The parts of a prompt-cache file it writes, by name (the body's `state`)."""
+        return {"shadow": self}
+
     def close(self) -> None:
         self.arrays = [None, None]
         if self.directory is not None:
@@ -181,6 +189,12 @@ class NoShadow:
 
     def truncate(self, n: int) -> None:
         pass
+
+    def breakdown(self) -> dict[str, int]:
+        return {}
+
+    def saved(self) -> dict:
+        return {}
 
     def close(self) -> None:
         pass
