@@ -85,13 +85,16 @@ KNOBS: tuple[Knob, ...] = (
     Knob("kv_quantize_values", "--kv-quantize-values", str, "precision",
        "Value precision, overriding --kv-quantize: " + SIDE_CHOICES + " (e.g. int4).", levels=SIDE_BITS),
     Knob("group_size", "--kv-group-size", int, "precision",
-       "KIVI group size G (tokens per key block). Default {default}.", r"g(\d+)", "gN (group)",
+       "KIVI group size G (tokens per key block; channels per value group unless --kv-value-group). Default "
+       "{default}.", r"g(\d+)", "gN (group)",
        choices=GROUP_SIZES, minimum=1,
        message="must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"),
     Knob("value_group", "--kv-value-group", int, "precision",
        "KIVI channels per value group (one fp16 scale and zero each), where not G: 64 halves the values' "
        "scales and zeros (int2 values cost 2.5 bits instead of 3, int4 values 4.5 instead of 5); it must "
-       "divide the head dimension. Default: G.", r"vg(\d+)", "vgN (value group)",
+       "divide the head dimension. With int4, --kv-value-group 64 --kv-near-share 3 --kv-near-bits 6 costs "
+       "what --kv-near-share 8 does and kept more of SmolLM2's greedy text on long prompts (docs/kivi.md). "
+       "Default: G.", r"vg(\d+)", "vgN (value group)",
        choices=GROUP_SIZES, minimum=1,
        message="must be one of {choices} (the group sizes MLX's quantised kernels take), got {value}"),
     Knob("residual", "--kv-residual", int, "precision",
