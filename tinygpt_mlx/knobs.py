@@ -93,8 +93,7 @@ KNOBS: tuple[Knob, ...] = (
        "KIVI channels per value group (one fp16 scale and zero each), where not G: 64 halves the values' "
        "scales and zeros (int2 values cost 2.5 bits instead of 3, int4 values 4.5 instead of 5); it must "
        "divide the head dimension. With int4, --kv-value-group 64 --kv-near-share 3 --kv-near-bits 6 costs "
-       "what --kv-near-share 8 does and kept more of SmolLM2's greedy text on long prompts (docs/kivi.md). "
-       "Default: G.", r"vg(\d+)", "vgN (value group)",
+       "what --kv-near-share 8 does, for a lower KL on SmolLM2's long prompts (docs/kivi.md). Default: G.", r"vg(\d+)", "vgN (value group)",
        choices=GROUP_SIZES, minimum=1,
        message="must be one of {choices} (the group sizes MLX's quantised kernels take), got {value}"),
     Knob("residual", "--kv-residual", int, "precision",
