@@ -25,6 +25,8 @@ KV_QUANTIZE_CHOICES = STORAGE_DTYPES + tuple(QUANT_BITS)
 SIDE_CHOICES = "|".join(STORAGE_DTYPES + tuple(SIDE_BITS))
 #: KIVI group sizes: the ones MLX's quantised kernels accept (`quant.py`).
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
+#: The error of a group size outside them (key blocks and value groups alike).
+GROUP_MESSAGE = "must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"
 ROPE_MODES = ("shifted", "absolute")
 #: The RoPE mode of a StreamingLLM or retrieval policy that names none.
 DEFAULT_ROPE_MODE = "shifted"
@@ -87,15 +89,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("group_size", "--kv-group-size", int, "precision",
        "KIVI group size G (tokens per key block; channels per value group unless --kv-value-group). Default "
        "{default}.", r"g(\d+)", "gN (group)",
-       choices=GROUP_SIZES, minimum=1,
-       message="must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"),
+       choices=GROUP_SIZES, minimum=1, message=GROUP_MESSAGE),
     Knob("value_group", "--kv-value-group", int, "precision",
        "KIVI channels per value group (one fp16 scale and zero each), where not G: 64 halves the values' "
        "scales and zeros (int2 values cost 2.5 bits instead of 3, int4 values 4.5 instead of 5); it must "
        "divide the head dimension. With int4, --kv-value-group 64 --kv-near-share 3 --kv-near-bits 6 costs "
-       "what --kv-near-share 8 does, for a lower KL on SmolLM2's long prompts (docs/kivi.md). Default: G.", r"vg(\d+)", "vgN (value group)",
-       choices=GROUP_SIZES, minimum=1,
-       message="must be one of {choices} (the group sizes MLX's quantised kernels take), got {value}"),
+       "what --kv-near-share 8 does, for a lower KL on SmolLM2's long prompts (docs/kivi.md). Default: G.",
+       r"vg(\d+)", "vgN (value group)", choices=GROUP_SIZES, minimum=1, message=GROUP_MESSAGE),
     Knob("residual", "--kv-residual", int, "precision",
        "KIVI residual R: newest tokens kept exact (a multiple of G). Default {default}. Each exact token costs "
        "the storage dtype's bytes in place of packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K "

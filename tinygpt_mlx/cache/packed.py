@@ -47,15 +47,15 @@ def rotation(dim: int) -> mx.array:
 
 class PackedRun:
     """`n` tokens packed at `key_bits` / `value_bits` (None: that side exact in `storage`), keys
-    in blocks of `group` tokens, values in groups of `value_group` channels (None: `group`),
+    in blocks of `group` tokens, values in groups of `value_group` channels,
     quantised through `codec` (the `KVCache` class: `quantise_affine`, `dequantise_k`,
     `dequantise_v`); a quantised side is held as x R where `rotate`. Tokens come and go by whole
     groups, oldest first."""
 
     def __init__(self, key_bits: Optional[int], value_bits: Optional[int], group: int, storage: mx.Dtype,
-                 codec: Any, rotate: bool, value_group: Optional[int] = None):
+                 codec: Any, rotate: bool, value_group: int):
         self.key_bits, self.value_bits, self.group = key_bits, value_bits, group
-        self.value_group = value_group or group
+        self.value_group = value_group
         self.storage, self.codec, self.rotate = storage, codec, rotate
         self.keys: Optional[Side] = None
         self.values: Optional[Side] = None
