@@ -1,15 +1,18 @@
 """Tiered retrieval: equivalence with the full cache, summary recall, O(page) appends, disk
 store == RAM store, bounded positions, retrieval during prefill, and the needle CLI."""
 
+import dataclasses
 import json
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from tinygpt_mlx.cli.main import app
 from prerope import make_cache
+from retrieval_reference import select
 from tinygpt_mlx.cache import KVCache
 from tinygpt_mlx.cache.arrays import GrowingArray
 from tinygpt_mlx.cache.cold import ColdStore
@@ -61,7 +64,7 @@ def _pool_case(seed, n=301, L=1, G=2, rep=2, D=16, **kw):
     q = rng.randn(1, G * rep, L, D).astype(np.float32)
     keys[0, 0, n - 2] = 3 * q[0, 0, -1]
     store.append(mx.array(keys), mx.array(rng.randn(1, G, n, D).astype(np.float32)), 0)
-    return store, q, Reading(mx.float32, Positions(cfg, None), 0, mx.array(q), 1.0)
+    return store, q, Reading(mx.float32, Positions(cfg, nn.RoPE(D)), 0, mx.array(q), 1.0)
 
 
 def _picked(store, reading):
@@ -81,9 +84,9 @@ def _exact(store, q, idx, g, rep=2):
 @pytest.mark.parametrize("seed", range(5))
 def test_pool_decode_fetches_what_the_per_query_search_fetches(seed):
     """A decode step's pool is its query's pages plus the unfinished page: it attends to exactly
-    the tokens the per-query search (`select`, the old path) picks, the planted tail key among them."""
+    the tokens the per-query search (`select`, the reference) picks, the planted tail key among them."""
     store, q, reading = _pool_case(seed)
-    ref = store.select(q.reshape(2, 2, 1, -1))[0][:, -1]
+    ref = select(store, q.reshape(2, 2, 1, -1))[0][:, -1]
     got = _picked(store, reading)
     for g in range(2):
         assert got[g].tolist() == sorted(ref[g].tolist())
@@ -95,12 +98,29 @@ def test_pool_chunk_serves_its_last_query_at_least_as_well(seed):
     """A chunk's pool holds its last query's own pages, so that query's picks score at least as
     high, rank by rank, as what the per-query search gives it."""
     store, q, reading = _pool_case(seed, L=6)
-    ref = store.select(q.reshape(1, 2, 2, 6, -1).transpose(1, 2, 0, 3, 4).reshape(2, 2, 6, -1))[0][:, -1]
+    ref = select(store, q.reshape(1, 2, 2, 6, -1).transpose(1, 2, 0, 3, 4).reshape(2, 2, 6, -1))[0][:, -1]
     got = _picked(store, reading)
     for g in range(2):
         mine, theirs = _exact(store, q, got[g], g), _exact(store, q, ref[g], g)
         assert len(mine) == len(theirs) == 8
         assert np.all(mine >= theirs - 1e-5)
+
+
+@pytest.mark.parametrize("seed, n, L", [(0, 301, 6), (1, 301, 1), (2, 2101, 6), (3, 2101, 1), (4, 296, 6)])
+def test_slots_pools_pick_what_the_per_query_search_picks(seed, n, L):
+    """Under the `slots` rule every query of a pass gets a pool of its own: the keys it attends
+    to (which tokens, in which order, at which slots) are exactly the per-query reference
+    search's, the unfinished page's tokens among the candidates (n 301, 2101), none (n 296), and
+    through the two-level page index (n 2101)."""
+    store, q, reading = _pool_case(seed, n=n, L=L, rope_mode="shifted", retrieved_position="slots")
+    pos = reading.positions
+    [segment], selection = store.retrieve(dataclasses.replace(reading, first_slot=40))
+    idx, _, m = select(store, np.asarray(pos.rotate_to(mx.array(q), -40)).reshape(2, 2, L, -1))
+    T = idx.shape[-1]
+    want = pos.place(mx.array(store.keys.view()[idx, np.arange(2).reshape(2, 1, 1)].reshape(1, 2, L, T, -1)), 40 - T + 1)
+    assert T == 8 < m == selection.tokens_scored
+    assert store.index.uses_index() == (n > 2048)
+    np.testing.assert_array_equal(np.asarray(segment.keys), np.asarray(want))
 
 
 @pytest.mark.parametrize("unit, span_score", [("tokens", "max"), ("spans", "max"), ("spans", "mean")])
@@ -226,7 +246,7 @@ def test_planted_key_always_retrieved_by_minmax_and_missed_by_mean():
             store = _micro_store(summary)
             k = mx.array(keys[None, None])
             store.append(k, k, start_position=100)
-            idx, pages, _ = store.select(q)
+            idx, pages, _ = select(store, q)
             misses[summary] += needle not in idx[0, 0]
     assert misses["minmax"] == 0
     assert misses["mean"] > 0
@@ -404,7 +424,7 @@ def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():
         smin, smax = store.index.smin.view(), store.index.smax.view()
         np.testing.assert_array_equal(store.index.bmin.view(), smin.reshape(-1, Bp, *smin.shape[1:]).min(axis=1))
         np.testing.assert_array_equal(store.index.bmax.view(), smax.reshape(-1, Bp, *smax.shape[1:]).max(axis=1))
-        idx, pages, _ = store.select(q)
+        idx, pages, _ = select(store, q)
         assert needle in idx[0, 0]
         assert pages[0, 0, 0] == needle // ps
 
@@ -469,6 +489,19 @@ def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     assert rows[1]["cold_bytes"] > 10 * rows[0]["cold_bytes"]
     assert rows[1]["decode_ms_per_token"] > 0
     assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1
+
+
+def test_summary_recall_reads_the_decode_steps_coarse_passes(native):
+    """The recall bench records the query rows of every decode step's coarse pass (the pool's
+    ranking) and scores each summary on them: until the pools it spied on the per-query search,
+    which decode no longer runs, and found nothing to score."""
+    from tinygpt_mlx.evaluate.retrieval_bench import summary_recall
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=8)
+    out = summary_recall(native.model, cfg, TOKENS[:400], decode_steps=3, k=4, chunk=64,
+                         variants=[("minmax", 0), ("mean", 0)])
+    assert out["cold_tokens"] > 8 * 2
+    assert all(r is not None and 0 < r <= 1 for r in out["recall"].values()), out
 
 
 @pytest.mark.parametrize("unit, units, span_score", [(1, 24, "max"), (8, 3, "max"), (8, 3, "mean")])

@@ -307,7 +307,7 @@ class CacheConfig:
     @property
     def retrieves_per_query(self) -> bool:
         """Shifted retrieval under the `slots` rule: every query numbers its own retrieved tokens,
-        so each gets its own search (`ColdStore.select`) and no pass shares a pool."""
+        so each gets a pool of its own (`ColdStore._retrieve_per_query`) and no pass shares one."""
         return self.retrieval and self.rope_mode == "shifted" and self.retrieved_position == "slots"
 
     @property

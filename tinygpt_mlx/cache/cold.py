@@ -24,9 +24,10 @@ fixed (../shared/REFERENCES.md):
   query then picks its own `retrieve_tokens` tokens, or its best pages whole ("spans"), from
   the pool by exact score inside attention (`segments.PoolSegment`). A decode step's pool is
   its query's own pages, so it fetches exactly what a per-query search would; a chunk's last
-  query (the question, in a needle prompt) keeps its own pages too. The per-query search
-  (`select`) stays as the reference and serves the `slots` rule, which numbers each query's
-  own tokens.
+  query (the question, in a needle prompt) keeps its own pages too. The `slots` rule numbers
+  each query's own tokens, so there every query gets a pool of its own (its coarse pages) and
+  the same fine pass on the host as a decode step; the per-query search that came before the
+  pool is the tests' reference (tests/retrieval_reference.py).
 * Positions (the `rope_mode` of the policy, "shifted" by default): cold keys are stored
   before RoPE; the hot window sits at cache slots right after the sink and the retrieval
   slots, so query-key distances never exceed sink + retrieve slots + hot_budget + prefill
@@ -70,31 +71,13 @@ class ColdStore(ColdRows):
         self._recent: Optional[Any] = None   # sticky: () -> pages [G] the last pass's last query picked
         self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
 
-    def select(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """Coarse + fine pass for queries [G, rep, L, D] (fp32, positioned as the keys will be).
-
-        Every query position gets its own pages and tokens (a prefill chunk retrieves per
-        query, exactly as decode does). Returns (cold indices [G, L, T] in position order,
-        pages [G, L, k], tokens scored per query m).
-        """
-        G, _, L, _ = q.shape
-        P, ps = self.n_pages, self.page_size
+    def coarse(self, rows: np.ndarray) -> np.ndarray:
+        """The coarse pass: the `top_pages` pages [G, R, k] of each query row [G, rep, R, D]
+        (best first; every complete page, in order, while there are no more of them)."""
+        P = self.n_pages
         if P > self.top_pages:
-            pages = self.index.top_pages_of(q)
-        else:
-            pages = np.broadcast_to(np.arange(P), (G, L, P))
-        idx = (pages[..., None] * ps + np.arange(ps)).reshape(G, L, -1)
-        if self.n > P * ps:
-            tail = np.broadcast_to(np.arange(P * ps, self.n), (G, L, self.n - P * ps))
-            idx = np.concatenate([idx, tail], axis=-1)
-        m = idx.shape[-1]
-        T = min(self.retrieve_tokens, m)
-        if T < m:
-            kk = self._gather(self.keys, idx)                        # [G, L, m, D]
-            exact = np.matmul(q.transpose(0, 2, 1, 3), kk.transpose(0, 1, 3, 2)).max(axis=2)  # [G, L, m]
-            pick = np.argpartition(-exact, T - 1, axis=-1)[..., :T]
-            idx = np.take_along_axis(idx, pick, axis=-1)
-        return np.sort(idx, axis=-1), pages, m
+            return self.index.top_pages_of(rows)
+        return np.broadcast_to(np.arange(P, dtype=np.int64), (self.G, rows.shape[2], P))
 
     def pool(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The pages a forward pass fetches: for query rows [G, rep, R, D] (the pass's last query,
@@ -104,15 +87,13 @@ class ColdStore(ColdRows):
         (rows may differ in how many distinct pages they have), and the last query's own pages
         [G, k] (telemetry)."""
         P = self.n_pages
+        lists = self.coarse(rows)                                               # [G, R, k]
         if P > self.top_pages:
-            lists = self.index.top_pages_of(rows)                             # [G, R, k]
             pool = _union(np.empty((self.G, 0), dtype=np.int64), [rows.ravel() for rows in lists])
-            last = lists[:, 0]
         else:
-            pool = np.broadcast_to(np.arange(P, dtype=np.int64), (self.G, P))
-            last = pool
-        if self.n > P * self.page_size:
-            pool = np.concatenate([pool, np.full((self.G, 1), P, dtype=np.int64)], axis=1)
+            pool = lists[:, 0]
+        last = lists[:, 0]
+        pool = self._with_unfinished(pool)
         if self.pinned is not None:   # the oracle: their pages in every row, however they rank
             pool = _union(pool, [pages_holding(self.positions.view(), self.n, self.pinned, self.page_size)] * self.G)
         return pool, last
@@ -123,7 +104,7 @@ class ColdStore(ColdRows):
         retrieved slot), and their `Selection` (telemetry): one pool per forward pass (`pool`),
         gathered once; every query picks its own `retrieve_tokens` tokens (or pages: "spans")
         from it by exact score inside attention (`PoolSegment`). The `slots` rule numbers each
-        query's own tokens, so it keeps the per-query search (`select`, the reference)."""
+        query's own tokens, so each query gets a pool of its own (`_retrieve_per_query`)."""
         if self.config.retrieves_per_query:
             return self._retrieve_per_query(reading)
         queries, pos = reading.queries, reading.positions
@@ -207,9 +188,17 @@ class ColdStore(ColdRows):
         at = mx.array((slot + idx % self.page_size).reshape(-1).astype(np.int32))
         return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
 
+    def _with_unfinished(self, pool: np.ndarray) -> np.ndarray:
+        """Pages [N, K] and, while it holds tokens, the unfinished page as one more column."""
+        P = self.n_pages
+        if self.n <= P * self.page_size:
+            return pool
+        return np.concatenate([pool, np.full((pool.shape[0], 1), P, dtype=np.int64)], axis=1)
+
     def _retrieve_per_query(self, reading: Reading) -> tuple[list, Selection]:
-        """Every query its own coarse and fine pass (`select`), its tokens gathered per query
-        [B, Hkv, L, T, D] and placed at consecutive slots ending at `reading.first_slot`."""
+        """Every query a pool of its own (its coarse pages and the unfinished page) and its own
+        fine pass on the host (`_pick`, tokens), its tokens gathered per query [B, Hkv, L, T, D]
+        and placed at consecutive slots ending at `reading.first_slot`."""
         queries, pos = reading.queries, reading.positions
         B, Hq, L, D = queries.shape
         hkv = self.G // B
@@ -219,8 +208,17 @@ class ColdStore(ColdRows):
         if slot:
             q = pos.rotate_to(q, -slot)
         qn = np.asarray(q).reshape(self.G, rep, L, D)
-        idx, pages, m = self.select(qn)
-        T = idx.shape[-1]
+        pages = self.coarse(qn)                                                    # [G, L, k]
+        idx, valid = self.pool_tokens(self._with_unfinished(pages.reshape(self.G * L, -1)))
+        idx = idx[:, valid[0]]   # every query's pool holds the same tokens: drop the unfinished page's padding
+        m = idx.shape[1]
+        T = min(self.retrieve_tokens, m)
+        if T < m:
+            keys = self._gather(self.keys, idx.reshape(self.G, L, m)).reshape(self.G * L, m, -1)
+            pick, _ = self._pick(qn.transpose(0, 2, 1, 3).reshape(self.G * L, rep, D), keys,
+                                 np.ones(idx.shape, dtype=bool), T, 1)
+            idx = np.take_along_axis(idx, pick, axis=-1)
+        idx = np.sort(idx, axis=-1).reshape(self.G, L, T)
         k = mx.array(self._gather(self.keys, idx).reshape(B, hkv, L, T, -1))
         v = mx.array(self._gather(self.values, idx).reshape(B, hkv, L, T, -1))
         if pos.shifted:

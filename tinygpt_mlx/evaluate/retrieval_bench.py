@@ -129,13 +129,13 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     _prefill(run)
     stores = [c.cold for c in cache.owned]
     queries: dict[int, list] = {id(s): [] for s in stores}
-    for s in stores:  # record the (positioned) queries each store is asked
-        orig = s.select
+    for s in stores:  # record the (positioned) query rows each store's coarse pass is asked
+        orig = s.coarse
 
         def spy(q, _orig=orig, _s=s):
-            queries[id(_s)].append(q.copy())  # [G, rep, L, D]
+            queries[id(_s)].append(q.copy())  # [G, rep, R, D]
             return _orig(q)
-        s.select = spy
+        s.coarse = spy
     for _ in run:  # the decode steps
         pass
     ps, tp = config.page_size, config.top_pages
@@ -165,6 +165,6 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         out[name] = hits / total if total else None
         if block and not indexed:
             out[name + " (index not engaged: store too short)"] = out.pop(name)
+    cold_tokens = max((s.n for s in stores), default=0)
     cache.close()
-    return {"top_k": k, "top_pages": tp, "page_size": ps, "cold_tokens": max((s.n for s in stores), default=0),
-            "recall": out}
+    return {"top_k": k, "top_pages": tp, "page_size": ps, "cold_tokens": cold_tokens, "recall": out}
