@@ -5,7 +5,10 @@
 For cache/: each class's length in lines (target <= 200), reads of another object's private
 attribute (`x._name` where x is not `self`/`cls`), and probes of which store a layer holds
 (`isinstance(..., <Store class>)`, `getattr(<store>, ...)`, `sink_store is None`); for the whole
-package: modules over 450 lines and function-level imports of the package's own modules; for the
+package: modules over 450 lines and function-level imports of the package's own modules (an
+import statement or a `lazy(...)` declaration inside a function), and, for the record, the
+modules declared at a module's top to load on first use (`lazy_modules`, tinygpt_mlx/lazy.py);
+for the
 measurement code and the tools beside the package (benchmarks/, scripts/): edits of `sys.path`
 (they import the installed package, and each other as `benchmarks.NAME`).
 """
@@ -59,7 +62,23 @@ def _local_imports(tree: ast.AST, package: str) -> list[str]:
                 out.append(f"{fn.name}: from {'.' * node.level}{node.module or ''} (line {node.lineno})")
             elif isinstance(node, ast.Import) and any(a.name.startswith(package) for a in node.names):
                 out.append(f"{fn.name}: import {', '.join(a.name for a in node.names)} (line {node.lineno})")
+            elif _lazy_name(node, package):
+                out.append(f"{fn.name}: lazy({_lazy_name(node, package)!r}) (line {node.lineno})")
     return out
+
+
+def _lazy_name(node: ast.AST, package: str) -> str:
+    """The package module a `lazy("...")` call names ('' for any other node)."""
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "lazy" and node.args
+            and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith(package)):
+        return str(node.args[0].value)
+    return ""
+
+
+def _lazy_modules(tree: ast.Module, package: str) -> list[str]:
+    """Module-level `NAME = lazy("package.module")` declarations."""
+    return [f"{ast.unparse(node.targets[0])} = {_lazy_name(node.value, package)} (line {node.lineno})"
+            for node in tree.body if isinstance(node, ast.Assign) and _lazy_name(node.value, package)]
 
 
 def _path_edits(tree: ast.AST) -> list[str]:
@@ -82,7 +101,7 @@ def measure(package: str) -> dict:
     if not pkg.is_dir():
         raise SystemExit(f"structure.py: no package folder {package!r} under {ROOT}")
     out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
-                 "function_level_imports": {}, "path_edits": {}}
+                 "function_level_imports": {}, "path_edits": {}, "lazy_modules": {}}
     for path in sorted(p for folder in BESIDE for p in (ROOT / folder).glob("*.py")):
         found = _path_edits(ast.parse(path.read_text()))
         if found:
@@ -97,6 +116,9 @@ def measure(package: str) -> dict:
         local = _local_imports(tree, package)
         if local:
             out["function_level_imports"][rel] = local
+        declared = _lazy_modules(tree, package)
+        if declared:
+            out["lazy_modules"][rel] = declared
         if path.parent.name != "cache":
             continue
         for node in ast.walk(tree):

@@ -1,8 +1,9 @@
 """`posttrainllm --help` and flag errors answer without loading MLX's model code.
 
 mlx-lm's package imports transformers (and torch where installed): seconds of start-up. The CLI
-modules import the library inside each command (tinygpt_mlx/cli/main.py), and `tinygpt_mlx` exports its
-names lazily; this checks the import graph rather than a time (no timed tests)."""
+modules declare the library at their top to load on first use (`lazy`, tinygpt_mlx/lazy.py;
+tinygpt_mlx/cli/main.py), and `tinygpt_mlx` exports its names lazily; this checks the import graph
+rather than a time (no timed tests)."""
 
 import subprocess
 import sys
@@ -60,3 +61,29 @@ def test_the_wheel_installs_only_the_project_namespace():
     assert {p.split(".")[0] for p in packages} == {"tinygpt_mlx"}, packages
     scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts == {"posttrainllm": "tinygpt_mlx.cli.main:app"}
+
+
+def test_lazy_modules_import_on_first_use_and_name_what_exists():
+    """`lazy(...)` (tinygpt_mlx/lazy.py) imports nothing until an attribute is read; every module
+    the package declares that way imports, and every attribute read through it exists there (a
+    typo fails here, not in a user's command)."""
+    import ast
+    import importlib
+
+    loaded = _loaded_after("from tinygpt_mlx.lazy import lazy\ng = lazy('tinygpt_mlx.generate')\nrepr(g)")
+    assert "tinygpt_mlx.generate" not in loaded and "mlx_lm" not in loaded
+    loaded = _loaded_after("from tinygpt_mlx.lazy import lazy\ng = lazy('tinygpt_mlx.generate')\n"
+                           "assert g.check_context is sys.modules['tinygpt_mlx.generate'].check_context")
+    assert "tinygpt_mlx.generate" in loaded
+    checked = 0
+    for path in sorted((ROOT / "tinygpt_mlx").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        declared = {node.targets[0].id: node.value.args[0].value for node in tree.body
+                    if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                    and isinstance(node.value.func, ast.Name) and node.value.func.id == "lazy"}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in declared:
+                module = importlib.import_module(declared[node.value.id])
+                assert hasattr(module, node.attr), f"{path.name}: {declared[node.value.id]} has no {node.attr}"
+                checked += 1
+    assert checked >= 19

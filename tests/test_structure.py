@@ -26,6 +26,19 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     assert m["counts"]["modules_over_450"] == 0, m["modules_over_450"]
     assert m["counts"]["classes_over_200"] == 0, m["classes_over_200"]
     assert m["path_edits"] == {} and m["counts"]["path_edits"] == 0
+    assert m["function_level_imports"] == {} and m["counts"]["function_level_imports"] == 0
+
+
+def test_function_level_imports_are_found():
+    """The import count is not vacuous: an import statement of the package, a relative one and a
+    `lazy(...)` declaration inside a function are each caught; the same at module level is not."""
+    structure = script_module("structure")
+    code = ("from tinygpt_mlx.lazy import lazy\nm = lazy('tinygpt_mlx.cache')\nimport tinygpt_mlx.config\n"
+            "def f():\n    from tinygpt_mlx import cache\n    import tinygpt_mlx.generate\n"
+            "    from ..format import save\n    g = lazy('tinygpt_mlx.generate')\n    import json\n")
+    tree = ast.parse(code)
+    assert len(structure._local_imports(tree, "tinygpt_mlx")) == 4
+    assert structure._lazy_modules(tree, "tinygpt_mlx") == ["m = tinygpt_mlx.cache (line 2)"]
 
 
 def test_path_edits_are_found():

@@ -176,13 +176,13 @@ class KVCache(list):
     def pin(self, positions: Optional[list[int]]) -> None:
         """An oracle for diagnosis: every retrieval pass of every layer also offers the pages
         holding these absolute positions (once cold) to its fine pass, whatever the coarse pass
-        ranks them (`ColdStore.pinned`; None: off). The per-query `slots` rule has no pool: refused."""
+        ranks them (`ColdStore.pinned`; None: off). The `slots` rule's per-query pools: refused."""
         pinned = None if positions is None else np.asarray(positions, dtype=np.int64)
         for c in self.owned:
             if c.config.retrieval:
                 if c.config.retrieves_per_query:
                     raise ValueError("the oracle pins pages into the pass's pool; the 'slots' position rule "
-                                     "retrieves per query without one")
+                                     "gives each query a pool of its own")
                 c.cold.pinned = pinned
 
     def reset_telemetry(self) -> None:

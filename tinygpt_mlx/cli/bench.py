@@ -12,9 +12,12 @@ from rich.table import Table
 
 from tinygpt_mlx.evaluate import defaults, inputs
 from tinygpt_mlx.evaluate.modes import SPEC_HELP
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+b = lazy("tinygpt_mlx.evaluate.bench")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -91,8 +94,6 @@ def bench(
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import bench as b  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     c.check_writable(json_path, "--json")
     c.check_writable(plot_path, "--plot")
     with c.guarded():

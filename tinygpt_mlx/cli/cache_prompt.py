@@ -12,9 +12,15 @@ import typer
 from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, SampleConfig
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+from .sample import read_prompt_file
+
+caches = lazy("tinygpt_mlx.cache")
+generate = lazy("tinygpt_mlx.generate")
+persist = lazy("tinygpt_mlx.cache.persist")
 
 
 @c.with_cache_options
@@ -41,12 +47,6 @@ def cache_prompt(
     `posttrainllm sample MODEL --prompt-cache FILE --prompt "question"`.
     """
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-    from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415
-    from tinygpt_mlx.generate import check_context, prefill  # noqa: PLC0415
-
-    from .sample import read_prompt_file  # noqa: PLC0415
-
     chunk = prefill_chunk if prefill_chunk is not None else SampleConfig().prefill_chunk
     try:
         SampleConfig(prefill_chunk=chunk)
@@ -60,17 +60,17 @@ def cache_prompt(
         ids = loaded.tokenizer.encode(text)
         if not ids:
             raise ValueError(f"{prompt_file} encodes to no tokens")
-        check_context(len(ids), loaded.context_length, cache_config)
+        generate.check_context(len(ids), loaded.context_length, cache_config)
         err.print(f"[bold]posttrainllm cache-prompt[/bold] · model [cyan]{escape(loaded.name)}[/cyan] · "
                   f"policy [green]{escape(cache_config.label())}[/green] · {len(ids)} tokens")
-        with make_cache(loaded.model, cache_config) as cache:
+        with caches.make_cache(loaded.model, cache_config) as cache:
             t0 = time.perf_counter()
             with c.Progress("prefill", total=len(ids), unit="tok") as bar:
-                logits = prefill(loaded.model, ids, cache,
+                logits = generate.prefill(loaded.model, ids, cache,
                                  cache_config.fitted_chunk(chunk, loaded.context_length, len(ids)), bar.update)
             t_prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
-            save_prompt_cache(out, cache, loaded, ids, logits)
+            persist.save_prompt_cache(out, cache, loaded, ids, logits)
             t_save = time.perf_counter() - t0
             report = {"path": str(out), "tokens": len(ids), "current_length": cache.current_length,
                       "stored_count": cache.stored_count, "cache_bytes": cache.nbytes,

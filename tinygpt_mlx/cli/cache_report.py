@@ -8,9 +8,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tinygpt_mlx.evaluate.modes import parse_policies
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+report = lazy("tinygpt_mlx.cache.report")
 
 # Two lengths by default: 20 s on the shipped model here (256, 1024, 4096 took 2 min 6 s); the bytes grow
 # linearly past the first frozen blocks, and -l 4096 (repeatable) measures any other length.
@@ -33,9 +37,6 @@ def cache_report(
     """Fill fp32 / bf16 / int8 / int4 / int2 / K8-V4 caches (or --policies) with random tokens and print
     their bytes."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache.report import REPORT_POLICIES, bytes_table  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-    from tinygpt_mlx.evaluate.modes import parse_policies  # noqa: PLC0415
-
     lengths = lengths or list(DEFAULT_LENGTHS)
     if any(n < 1 for n in lengths):
         raise typer.BadParameter("--length must be positive")
@@ -45,7 +46,7 @@ def cache_report(
         loaded = c.load_model(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
         err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
-                  f"({len(chosen or REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")
+                  f"({len(chosen or report.REPORT_POLICIES)} policies, up to {max(lengths)} tokens each)")
         longest, policies_done = max(lengths), []
 
         def measured(label: str, n: int) -> None:  # after each (policy, length)
@@ -56,8 +57,8 @@ def cache_report(
             if not bar.live:
                 err.print(f"  {label}: {n} tokens measured")
 
-        with c.Progress("cache-report: filling caches", total=len(chosen or REPORT_POLICIES) * longest, unit="tok") as bar:
-            rows = bytes_table(loaded.model, vocab, lengths, policies=chosen, chunk=prefill_chunk or 512,
+        with c.Progress("cache-report: filling caches", total=len(chosen or report.REPORT_POLICIES) * longest, unit="tok") as bar:
+            rows = report.bytes_table(loaded.model, vocab, lengths, policies=chosen, chunk=prefill_chunk or 512,
                                group_size=kv_group_size, residual=kv_residual, progress=measured)
     table = Table(title=f"KV cache bytes, {loaded.name} (measured: cache.nbytes after filling)")
     table.add_column("policy")

@@ -13,9 +13,14 @@ import typer
 from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, SampleConfig
+from tinygpt_mlx.errors import ContextLengthError
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+chat_session = lazy("tinygpt_mlx.chat")
+persist = lazy("tinygpt_mlx.cache.persist")
 
 _S = SampleConfig
 DEFAULT_CHAT_TOKENS = 256
@@ -113,11 +118,9 @@ def stats_lines(session) -> list[str]:
 
 
 def save(session, path: str) -> str:
-    from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     logits = session.flush()     # the last answer's final token goes into the cache first
     conv = session.conversation
-    save_prompt_cache(path, session.cache, session.loaded, conv.fed, logits)
+    persist.save_prompt_cache(path, session.cache, session.loaded, conv.fed, logits)
     return f"saved {len(conv.fed)} tokens to {path}"
 
 
@@ -177,8 +180,6 @@ def chat(
     StreamingLLM evicts is gone; retrieval keeps it reachable). See docs/chat.md.
     """
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.chat import ChatSession  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens if tokens is not None else DEFAULT_CHAT_TOKENS, temperature=temperature,
@@ -189,7 +190,7 @@ def chat(
     interactive = sys.stdin.isatty()
     with c.guarded():
         loaded = c.load_model(model, weights)
-        session = ChatSession(loaded, cache_config, sample_config, system, not no_chat_template)
+        session = chat_session.ChatSession(loaded, cache_config, sample_config, system, not no_chat_template)
         fmt = "the model's chat template" if session.templated else "the plain 'User: / Assistant:' format"
         err.print(f"[bold]posttrainllm chat[/bold] · [cyan]{escape(loaded.name)}[/cyan] · cache "
                   f"[green]{escape(cache_config.label())}[/green] · {fmt}")
@@ -221,8 +222,6 @@ def converse(session, interactive: bool) -> None:
 
 def answer(session, message: str) -> bool:
     """One turn; False when a second Ctrl-C ended the session."""
-    from tinygpt_mlx.errors import ContextLengthError  # noqa: PLC0415
-
     wrote = ""
     try:
         with Interrupts() as ints:

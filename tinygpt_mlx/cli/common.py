@@ -19,6 +19,10 @@ from rich.markup import escape
 from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.knobs import KNOBS, PANELS, Knob
 from tinygpt_mlx.errors import PosttrainError
+from tinygpt_mlx.lazy import lazy
+from tinygpt_mlx.resolve import resolve
+
+loading = lazy("tinygpt_mlx.loading")
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -292,14 +296,10 @@ def resolve_model(model):
     None (the shipped model) passes through as it is."""
     if model is None or not isinstance(model, (str, Path)):
         return model
-    from tinygpt_mlx.resolve import resolve  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     with guarded():
         return resolve(model)
 
 
 def load_model(model, weights: str = "auto"):
     """Load MODEL (a name, a path or what `resolve_model` returned)."""
-    from tinygpt_mlx.loading import load  # noqa: PLC0415
-
-    return load(model, weights)
+    return loading.load(model, weights)

@@ -12,9 +12,12 @@ from rich.table import Table
 
 from tinygpt_mlx.evaluate import defaults
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+cmp = lazy("tinygpt_mlx.evaluate.compare")
 
 DEFAULT_MODES = "fp16,bf16,int8,int4"
 
@@ -52,8 +55,6 @@ def compare(
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import compare as cmp  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     c.check_writable(json_path, "--json")
     with c.guarded():
         policies = parse_policies(modes)

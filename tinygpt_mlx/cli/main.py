@@ -1,10 +1,12 @@
 """The `posttrainllm` app: composes one typer module per command.
 
-Imports: a command module imports only light modules at the top (typer, rich, the configs,
-`tinygpt_mlx.evaluate.defaults`); the library proper (`loading`, `generate`, the evaluation
-modules) is imported inside each command's body. mlx-lm's package imports transformers (and
-torch where installed), seconds of start-up that `posttrainllm --help`, a typo or a bad flag
-should not pay. tests/test_cli_imports.py keeps it so.
+Imports: every import is at the top of its module. A command module imports light modules
+(typer, rich, the configs, `tinygpt_mlx.evaluate.defaults`) as usual and declares the library
+proper (`loading`, `generate`, `cache`, the evaluation modules) there too, to load on first use
+(`caches = lazy("tinygpt_mlx.cache")`, tinygpt_mlx/lazy.py): mlx-lm's package imports
+transformers (and torch where installed), seconds of start-up that `posttrainllm --help`, a typo
+or a bad flag should not pay. tests/test_cli_imports.py keeps it so, and checks that every lazy
+module imports and has each name read through it.
 
 Help is click's plain layout (flags shown as flags; rich's panels mis-render them with the
 click this project pins against), the cache flags grouped by the part of the policy they set
@@ -21,6 +23,8 @@ import sys
 import typer
 from typer._click import exceptions as cx  # typer vendors its own click
 from typer.core import TyperCommand, TyperGroup
+
+from tinygpt_mlx import distributed
 
 from .common import fail
 
@@ -73,8 +77,6 @@ def refuse_ranks(args: list[str]) -> None:
     """Under `mlx.launch` with several ranks only the commands in `distributed.COMMANDS`
     (sample) run; any other would run N times over or bind one port N times: one line, before
     any work (the world size is read from the launcher's environment, without MLX)."""
-    from tinygpt_mlx import distributed  # light: no MLX at import
-
     command = next((a for a in args if not a.startswith("-")), None)
     if command is None or command in distributed.COMMANDS or command not in COMMAND_NAMES:
         return

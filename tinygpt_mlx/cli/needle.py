@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -10,10 +11,15 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from tinygpt_mlx.corpus import NAMES, TASKS
 from tinygpt_mlx.evaluate import inputs
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+generate = lazy("tinygpt_mlx.generate")
+nd = lazy("tinygpt_mlx.evaluate.needle")
 
 
 def _list(text: str, name: str, kind=int) -> list:
@@ -36,9 +42,6 @@ class PrefillReport:
         self.start = self.last = 0.0
 
     def __call__(self, done: int, total: int, cache) -> None:
-        import time  # noqa: PLC0415
-
-        from tinygpt_mlx.generate import rss_bytes  # noqa: PLC0415
         now = time.monotonic()
         if done <= self.prev or not self.start:     # a new cell: rates count from its first chunk
             self.first, self.start, self.last = done, now, now
@@ -47,7 +50,7 @@ class PrefillReport:
             return
         self.last = now
         rate = (done - self.first) / max(now - self.start, 1e-9)
-        rss = rss_bytes()
+        rss = generate.rss_bytes()
         err.print(f"    prefill {done:,}/{total:,} tokens · {rate:,.0f} tok/s · ETA {(total - done) / rate / 60:.1f} min · "
                   f"RSS {c.fmt_bytes(rss['anon'])} (+{c.fmt_bytes(rss['file'])} mapped) · "
                   f"cold on disk {c.fmt_bytes(getattr(cache, 'disk_nbytes', 0))}")
@@ -130,8 +133,6 @@ def needle(
     The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
     StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import needle as nd  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
     if min(ctx_list) < 16:
@@ -144,7 +145,6 @@ def needle(
         raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
     if first_seed < 0:
         raise typer.BadParameter(f"--first-seed {first_seed}: must be 0 or more")
-    from tinygpt_mlx.corpus import NAMES, TASKS  # noqa: PLC0415
     if task not in TASKS:
         raise typer.BadParameter(f"--task {task!r}: choose from {', '.join(TASKS)}")
     if not 1 <= facts <= len(NAMES):
@@ -155,7 +155,7 @@ def needle(
         raise typer.BadParameter(f"--probe re-runs failed retrieval cells: --policies {policies!r} has no retrieval")
     if probe and cfg.retrieves_per_query:
         raise typer.BadParameter("--probe pins the needle's pages into each pass's pool; --kiv-positions slots "
-                                 "retrieves per query without one")
+                                 "gives each query a pool of its own")
     c.check_writable(json_path, "--json")
     c.check_writable(plot, "--plot")
     with c.guarded():

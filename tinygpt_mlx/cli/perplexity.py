@@ -13,9 +13,12 @@ from rich.table import Table
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate import defaults, inputs
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+ppl = lazy("tinygpt_mlx.evaluate.perplexity")
 
 
 @c.with_cache_options
@@ -55,8 +58,6 @@ def perplexity(
 ) -> None:
     """Perplexity of a text under a cache policy, and KL / top-1 agreement against a baseline."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.evaluate import perplexity as ppl  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     config = cache_config
     flags_given = config != CacheConfig()
     c.check_writable(json_path, "--json")

@@ -9,10 +9,14 @@ from typing import Optional
 
 import typer
 
+from tinygpt_mlx import distributed
 from tinygpt_mlx.config import SampleConfig
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
+
+arrays = lazy("tinygpt_mlx.cache.arrays")
 
 
 def print_ranks(r: dict) -> None:
@@ -47,20 +51,16 @@ class Ranks:
         """Refuse a model the ranks cannot split (every rank finds the same, rank 0 says it),
         shard it, then start the bounded waits (`distributed.Guard`): before that, a rank
         that mlx.launch stops ends silently, after it with one line."""
-        from tinygpt_mlx import distributed  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-        from tinygpt_mlx.cache.arrays import remove_private_dirs  # noqa: PLC0415
         distributed.shard(loaded, self.group)
         # a rank that ends at once (a lost or hung peer, SIGTERM) still removes its disk stores
-        self.guard = self._guards.enter_context(distributed.Guard(self.rank, cleanup=remove_private_dirs))
+        self.guard = self._guards.enter_context(distributed.Guard(self.rank, cleanup=arrays.remove_private_dirs))
 
     def shared_seed(self, sample_config: SampleConfig) -> SampleConfig:
         """Same seed on every rank: the given one, or rank 0's random one."""
-        from tinygpt_mlx import distributed  # noqa: PLC0415
         return dataclasses.replace(sample_config, seed=distributed.agree_seed(sample_config.seed, self.group))
 
     def report(self, report: dict, text: str) -> dict:
         """The world size and every rank's cache bytes; refuses ranks whose texts differ."""
-        from tinygpt_mlx import distributed  # noqa: PLC0415
         per_rank = distributed.gather_ints(report["cache_bytes"], self.group)
         disk = distributed.gather_ints(report["cache_disk_bytes"], self.group)
         prints = distributed.gather_ints(distributed.fingerprint(list(text.encode())), self.group)
@@ -77,8 +77,6 @@ def ranks():
     """The ranks of this run (`Ranks`), joined when `mlx.launch` started the process: ranks
     other than 0 write nothing but their own error line; a lost peer, a hung one (the
     watchdog) or mlx.launch's SIGTERM ends the rank with one line (`distributed.Guard`)."""
-    from tinygpt_mlx import distributed  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-
     if not distributed.launched():
         yield Ranks()
         return

@@ -13,11 +13,17 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from tinygpt_mlx.chat_template import has_template, user_prompt_ids
 from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
 from .ranks import Ranks, print_ranks, ranks
+
+caches = lazy("tinygpt_mlx.cache")
+generate = lazy("tinygpt_mlx.generate")
+persist = lazy("tinygpt_mlx.cache.persist")
 
 _S = SampleConfig
 
@@ -196,10 +202,6 @@ def sample(
     c.check_writable(report_json, "--report-json")
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-    from tinygpt_mlx.chat_template import has_template, user_prompt_ids  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-    from tinygpt_mlx.generate import check_context  # noqa: PLC0415
-
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
     with c.guarded(), ranks() as world:
@@ -224,7 +226,7 @@ def sample(
             if not ids:
                 raise ValueError("the prompt encodes to no tokens")
         context = loaded.context_length
-        check_context(len(ids), context, cache_config)
+        generate.check_context(len(ids), context, cache_config)
         fit = cache_config.prefill_fit(context, len(ids))
         narrowed = prefill_chunk is None and fit is not None and fit < sample_config.prefill_chunk
         if narrowed:   # the default chunk, narrowed so that prefill stays inside the trained context
@@ -245,7 +247,7 @@ def sample(
             if upfront:
                 warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
-        with make_cache(loaded.model, cache_config) as cache:
+        with caches.make_cache(loaded.model, cache_config) as cache:
             report = run(loaded, ids, cache_config, sample_config, context, passing, world, cache=cache,
                          done=saver(save_prompt_cache, loaded, ids, cache))
         print_report(report)
@@ -256,13 +258,11 @@ def sample(
 def read_prompt_cache(path: Path, cache_config: CacheConfig):
     """The file's metadata, before the model loads: a file that is not a usable prompt cache, or
     a policy flag that contradicts its policy, is a usage error naming the flag."""
-    from tinygpt_mlx.cache.persist import PromptCacheError, config_mismatch, read_prompt_cache_info  # noqa: PLC0415
-
     try:
-        info = read_prompt_cache_info(path)
-    except PromptCacheError as e:
+        info = persist.read_prompt_cache_info(path)
+    except persist.PromptCacheError as e:
         raise typer.BadParameter(str(e), param_hint="'--prompt-cache'") from None
-    field = config_mismatch(info.config, cache_config)
+    field = persist.config_mismatch(info.config, cache_config)
     if field is not None:
         flag = c.CONFIG_FLAGS.get(field, field)
         raise typer.BadParameter(f"{path} was made with {field}={getattr(info.config, field)!r}, not "
@@ -277,10 +277,8 @@ def saver(path: Optional[Path], loaded, ids: list[int], cache):
         return None
 
     def done(stats) -> None:
-        from tinygpt_mlx.cache.persist import save_prompt_cache  # noqa: PLC0415
-
         fed = (list(ids) + stats.tokens)[:cache.current_length]
-        save_prompt_cache(path, cache, loaded, fed, stats.logits)
+        persist.save_prompt_cache(path, cache, loaded, fed, stats.logits)
         note(f"saved the extended cache ({len(fed)} tokens) to {path}")
     return done
 
@@ -289,8 +287,6 @@ def run_from_prompt_cache(loaded, saved, text: Optional[str], sample_config: Sam
                           report_json: Optional[Path], save_to: Optional[Path]) -> None:
     """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
     checked first), feed what follows the cached tokens, generate, report."""
-    from tinygpt_mlx.cache.persist import load_prompt_cache  # noqa: PLC0415
-
     cached = saved.tokens
     ids: list[int] = []
     if text is not None:
@@ -300,7 +296,7 @@ def run_from_prompt_cache(loaded, saved, text: Optional[str], sample_config: Sam
     cache_config = saved.config
     context = loaded.context_length
     t0 = time.perf_counter()
-    cache, info = load_prompt_cache(saved.path, loaded, cold_path=None)
+    cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=None)
     load_seconds = time.perf_counter() - t0
     with cache:
         if not ids and info.logits is None:
@@ -328,11 +324,8 @@ def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: Sample
     several ranks (`world`), every rank runs this and only rank 0's output is shown. `cache`:
     one to continue (a loaded prompt cache, with `first_logits` when `ids` is empty); `done` is
     called with the stats at the end (before the cache is released)."""
-    from tinygpt_mlx.cache import make_cache  # noqa: PLC0415 (see tinygpt_mlx/cli/main.py)
-    from tinygpt_mlx.generate import stream_generate  # noqa: PLC0415
-
     world = world or Ranks()
-    cache = cache if cache is not None else make_cache(loaded.model, cache_config)
+    cache = cache if cache is not None else caches.make_cache(loaded.model, cache_config)
     long = len(ids) > sample_config.prefill_chunk or len(ids) >= PREFILL_PROGRESS_TOKENS
     wrote, report, text = "", None, []
     with contextlib.ExitStack() as prefilling:
@@ -343,7 +336,7 @@ def run(loaded, ids: list[int], cache_config: CacheConfig, sample_config: Sample
             if bar is not None:
                 bar.update(done, total)
 
-        stream = stream_generate(loaded, ids, cache_config, sample_config, cache=cache, progress=progress,
+        stream = generate.stream_generate(loaded, ids, cache_config, sample_config, cache=cache, progress=progress,
                                  first_logits=first_logits)
         for chunk in stream:
             world.beat()

@@ -10,10 +10,15 @@ import typer
 from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, field_default
+from tinygpt_mlx.lazy import lazy
 from tinygpt_mlx.server.config import ServerConfig
 
 from . import common as c
 from .common import err
+
+# the library and the web stack, imported once the names resolve (see tinygpt_mlx/lazy.py)
+server_app = lazy("tinygpt_mlx.server.app")
+uvicorn = lazy("uvicorn")
 
 
 _V = ServerConfig
@@ -85,14 +90,10 @@ def serve(
     # every name resolved before anything heavy is imported or loaded
     specs = [c.resolve_model(spec) for spec in (model or [None])]
     with c.guarded():
-        # The library and the web stack are imported here (see tinygpt_mlx/cli/main.py).
-        import uvicorn  # noqa: PLC0415
-
-        from tinygpt_mlx.server.app import create_app  # noqa: PLC0415
         others = specs[1:]
         loaded = c.load_model(specs[0], weights)
         logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
+        app = server_app.create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
                          default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops,

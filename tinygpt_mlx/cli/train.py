@@ -6,8 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.console import Console
 
 from tinygpt_mlx.config import ModelConfig, field_default
+from tinygpt_mlx.train import TrainArgs, run
 
 from . import common as c
 
@@ -47,10 +49,6 @@ def train(
     precision: str = typer.Option("bf16", "--precision", help="bf16 (autocast, fp32 weights) or fp32."),
 ) -> None:
     """Train a TinyGPT (PyTorch on CPU, needs the `train` extra) and export it for MLX."""
-    from rich.console import Console  # noqa: PLC0415
-
-    from tinygpt_mlx.train import TrainArgs, run  # noqa: PLC0415
-
     console = Console(stderr=True)
     with c.guarded():
         args = TrainArgs(

@@ -17,9 +17,13 @@ import numpy as np
 
 from .. import corpus
 from ..config import ModelConfig, field_default
+from ..lazy import lazy
 from . import data as data_mod
 from .tokenizer import encode_batch, train_tokenizer
 from .torch_model import build_model, require_torch, to_mlx
+
+# the MLX model file (mlx-lm's model code): only when a model file is read or written
+fmt = lazy("tinygpt_mlx.format")
 
 
 @dataclass
@@ -179,9 +183,8 @@ def init_weights(model, path: str, torch) -> None:
     if is_model_file(path):
         from mlx.utils import tree_flatten  # noqa: PLC0415
 
-        from ..format import load_file  # noqa: PLC0415
         state = {k: torch.from_numpy(np.array(v, dtype=np.float32))
-                 for k, v in tree_flatten(load_file(path).model.parameters())}
+                 for k, v in tree_flatten(fmt.load_file(path).model.parameters())}
     else:
         state = torch.load(path, map_location="cpu", weights_only=False)
         state = state.get("model", state)
@@ -203,9 +206,7 @@ def adopt_model_file(args: "TrainArgs", work: Path) -> "TrainArgs":
     """Fine-tuning a `.tinygpt`: its shape replaces the shape arguments and its tokenizer is
     the work directory's (written there; a different tokenizer already there is an error,
     since the cached token arrays were made with it)."""
-    from ..format import load_file  # noqa: PLC0415
-
-    f = load_file(args.init_from)
+    f = fmt.load_file(args.init_from)
     tok_path = work / "tokenizer.json"
     if tok_path.exists() and tok_path.read_text(encoding="utf-8") != f.tokenizer_json:
         raise ValueError(f"--init-from {args.init_from}: {tok_path} holds another tokenizer "
@@ -388,8 +389,7 @@ def run(args: TrainArgs, console=None) -> dict:
         "needle_acc_teacher_forced": metrics.get("needle_acc"), "answer_weight": args.answer_weight,
         "segments": segments, **args.extra,
     }
-    from ..format import save  # noqa: PLC0415
-    save(out, mlx_model, tok.to_str(), extra=extra)
+    fmt.save(out, mlx_model, tok.to_str(), extra=extra)
     log(f"wrote {out} ({out.stat().st_size / 1e6:.1f} MB)")
     return extra
 

@@ -13,6 +13,9 @@ from __future__ import annotations
 import math
 
 from ..config import ModelConfig
+from ..lazy import lazy
+
+model_module = lazy("tinygpt_mlx.model")   # MLX's side (mlx-lm's code): only for the export
 
 
 def require_torch():
@@ -147,9 +150,7 @@ def to_mlx(torch_model):
     import mlx.core as mx  # noqa: PLC0415
     from mlx.utils import tree_flatten, tree_unflatten  # noqa: PLC0415
 
-    from ..model import Model  # noqa: PLC0415
-
-    model = Model(torch_model.config)
+    model = model_module.Model(torch_model.config)
     expected = dict(tree_flatten(model.parameters()))
     state = {k: v.detach().to("cpu").float().numpy() for k, v in torch_model.state_dict().items()}
     if set(state) != set(expected):
