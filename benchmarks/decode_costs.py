@@ -9,7 +9,8 @@
    (the model call before `mx.eval`: `generate.forward`, the engine's call) and the whole step,
    for mlx-lm's RotatingKVCache(256, 4) and our StreamingLLM ring (sink 4 + window 252,
    absolute and shifted), each ring stepped eagerly and as the compiled step
-   (cache/compiled.py), interleaved step by step after a 1,024-token prefill;
+   (cache/compiled.py), interleaved step by step after a 1,024-token prefill (the split is
+   `posttrainllm bench --parts`'s, which runs it on any model and policies);
 3. kernels per steady decode step (`evaluate/opcount.py`: graph nodes that are not views, the
    mean over 32 steps after 400 tokens, so one KIVI block freeze and eviction each) for the
    full and windowed caches (the rings eager and compiled), KIVI's frame positions beside the
@@ -33,14 +34,13 @@ Microseconds, medians. Not a test; for benchmarks preload OpenBLAS (README of do
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from benchmarks._timing import ms_per_call
 from tinygpt_mlx import quant
+from tinygpt_mlx.evaluate.bench import step_parts
 
 
 def _us(f) -> float:
@@ -48,23 +48,10 @@ def _us(f) -> float:
 
 
 def _step_times(model, caches: dict, steps: int, warmup: int) -> dict[str, tuple[float, float]]:
-    """Median microseconds (graph build, whole step) of one decode step per cache (the engine's
-    `generate.forward`), the caches stepped in turn (interleaved) for `warmup` untimed and
-    `steps` timed steps."""
-    from tinygpt_mlx.generate import forward
-    build = {n: [] for n in caches}
-    whole = {n: [] for n in caches}
-    for step in range(steps + warmup):
-        for n, c in caches.items():
-            t0 = time.perf_counter()
-            out = forward(model, mx.array([[7 + step % 50]]), c)
-            t1 = time.perf_counter()
-            mx.eval(out)
-            t2 = time.perf_counter()
-            if step >= warmup:
-                build[n].append(t1 - t0)
-                whole[n].append(t2 - t0)
-    return {n: (statistics.median(build[n]) * 1e6, statistics.median(whole[n]) * 1e6) for n in caches}
+    """Median microseconds (graph build, whole step) of one decode step per cache, the caches
+    stepped in turn (interleaved): `bench --parts`'s split (`evaluate.bench.step_parts`)."""
+    parts = step_parts(model, list(caches.values()), steps, warmup)
+    return {n: (p["build"], p["whole"]) for n, p in zip(caches, parts)}
 
 
 def attention_parts(T: int) -> dict[str, float]:

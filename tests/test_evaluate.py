@@ -292,6 +292,34 @@ def test_bench_stage_split_of_retrieval(wide, native):
     assert all("prefill_stage_ms_per_token" not in x for x in plain["rows"])
 
 
+def test_bench_parts_split_each_decode_step(wide, native):
+    """--parts: every row (ours and mlx-lm's) gets its decode step split into graph build and
+    evaluation, which add up to the whole step; `step_parts` steps every cache once per step
+    (interleaved), warm-up included; runs without it have no split."""
+    r = bench.bench(wide.model, ["int4", "sink2/window8", "mlx"], [40], decode_steps=3, prefill_chunk=16, parts=True)
+    assert r["parts"] and len(r["rows"]) == 4
+    for row in r["rows"]:
+        us = row["decode_step_us"]
+        assert us["build"] > 0 and us["eval"] > 0 and us["build"] + us["eval"] == pytest.approx(us["whole"])
+    caches = [bench.make_policy(s, wide.model).make() for s in ("fp32", "sink2/window8")]
+    for cache in caches:
+        mx.eval(wide.model(mx.array([list(range(1, 21))]), cache=cache))
+    parts = bench.step_parts(wide.model, caches, steps=4, warmup=2)
+    assert len(parts) == 2 and [c.current_length for c in caches] == [26, 26]
+    plain = bench.bench(wide.model, ["int4"], [40], decode_steps=2, prefill_chunk=16)
+    assert not plain["parts"] and all("decode_step_us" not in x for x in plain["rows"])
+
+
+def test_cli_bench_parts_table_and_json(wide_path, tmp_path):
+    out = tmp_path / "b.json"
+    r = _run("bench", wide_path, "--contexts", "16", "--policies", "int8", "--decode-steps", 2, "--parts",
+             "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "decode step parts" in r.output and "graph build" in r.output
+    d = json.loads(out.read_text())
+    assert d["parts"] and all(set(x["decode_step_us"]) == {"build", "eval", "whole"} for x in d["rows"])
+
+
 def test_cli_bench_json_and_plot(wide_path, tmp_path):
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     r = _run("bench", wide_path, "--contexts", "16,32", "--policies", "int8,sink2/window8,mlx",

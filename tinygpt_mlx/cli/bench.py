@@ -64,6 +64,16 @@ def print_table(result: dict) -> None:
                 split.add_row(r["policy"], str(r["context"]), kind,
                               *(f"{ms.get(k, 0.0):.3f}" for k in ("model", "coarse", "gather", "attend", "other")))
         Console(highlight=False, width=112).print(split)
+    parted = [r for r in result["rows"] if "decode_step_us" in r]
+    if parted:
+        split = Table(title="decode step parts, median us (--parts: graph build on the host, then its evaluation)")
+        for col in ("policy", "context", "graph build", "evaluation", "whole step", "build share"):
+            split.add_column(col, justify="left" if col == "policy" else "right")
+        for r in sorted(parted, key=lambda r: r["context"]):
+            us = r["decode_step_us"]
+            split.add_row(r["policy"], str(r["context"]), f"{us['build']:.0f}", f"{us['eval']:.0f}",
+                          f"{us['whole']:.0f}", f"{us['build'] / us['whole']:.0%}")
+        Console(highlight=False, width=112).print(split)
 
 
 def bench(
@@ -91,6 +101,10 @@ def bench(
         "--stages", help="Retrieval policies also time their stages (model up to the query, coarse pass, "
         "gather from the cold store, attention) and print ms per token of each; every stage then ends "
         "in a sync, which those rows' tokens/s include.")] = False,
+    parts: Annotated[bool, typer.Option(
+        "--parts", help="Then split each policy's decode step, in --decode-steps more steps run interleaved, "
+        "into building its graph on the host (the Python of the model and the cache) and evaluating it "
+        "(the kernels): median microseconds of each. A step mostly build is bound by the host.")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
@@ -116,7 +130,7 @@ def bench(
             def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell
                 bar.update(done, total, f"bench · {what}" if bar.live else None)
             result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
-                             progress=advance, reference=reference, stages=stages)
+                             progress=advance, reference=reference, stages=stages, parts=parts)
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)

@@ -15,6 +15,11 @@ Every other spec is one of ours (`CacheConfig.from_spec`), optionally ending in 
 same cache with its decode steps run eagerly, never as the compiled step over full rings
 (cache/compiled.py), to measure what compiling gives. The fp32 full cache always runs: the
 ratios are against it, measured in the same process.
+
+`parts=True` (`bench --parts`) then splits each policy's decode step, in `decode_steps` more
+steps interleaved, into building its graph on the host (the model call before evaluation: the
+Python of the model and the cache) and evaluating it (the kernels), medians in microseconds
+(`step_parts`): a step whose build time is most of it is bound by the host, not the kernels.
 """
 
 from __future__ import annotations
@@ -144,7 +149,7 @@ def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
 
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
             prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None,
-            stages: bool = False) -> list[dict]:
+            stages: bool = False, parts: bool = False) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
     Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
@@ -153,6 +158,7 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     other processes on a shared machine falls on all policies alike. Prefill time is the sum
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
+    `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`).
     """
     caches = [p.make() for p in policies]
     for cache in caches:    # retrieval's stage times (each stage then ends in a sync)
@@ -185,12 +191,14 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         decode_stages = [stage_split(c, sum(t), len(t)) for c, t in zip(caches, step_s)]
         bytes_ = [int(c.nbytes) for c in caches]
         ops = [step_ops(model, c) for c in caches]
+        split = step_parts(model, caches, decode_steps) if parts else [None] * len(caches)
         # the median step: robust to the scheduler pausing us on a shared machine
         return [{"policy": p.name, "label": p.label, "context": len(tokens),
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
                  "cache_bytes": bytes_[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
                  "decode_ops_by_primitive": ops[i]["by_primitive"],
+                 **({"decode_step_us": split[i]} if split[i] else {}),
                  **({"prefill_stage_ms_per_token": prefill_stages[i], "decode_stage_ms_per_token": decode_stages[i]}
                     if prefill_stages[i] else {})} for i, p in enumerate(policies)]
     finally:
@@ -198,6 +206,30 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
             run.close()
             if isinstance(cache, KVCache):
                 cache.close()
+
+
+def step_parts(model: Any, caches: list, steps: int, warmup: int = 5) -> list[dict]:
+    """Median microseconds of one decode step on each of `caches`, split into building its graph
+    (`build`: the engine's model call, `generate.forward`, before evaluation) and evaluating it
+    (`eval`), and the `whole`; the caches stepped in turn (interleaved), `warmup` untimed steps
+    and `steps` timed ones, each feeding one token."""
+    build: list[list[float]] = [[] for _ in caches]
+    whole: list[list[float]] = [[] for _ in caches]
+    for step in range(warmup + steps):
+        for i, cache in enumerate(caches):
+            t0 = time.perf_counter()
+            logits = forward(model, mx.array([[7 + step % 50]]), cache)
+            t1 = time.perf_counter()
+            mx.eval(logits)
+            t2 = time.perf_counter()
+            if step >= warmup:
+                build[i].append(t1 - t0)
+                whole[i].append(t2 - t0)
+    out = []
+    for b, w in zip(build, whole):
+        b_us, w_us = statistics.median(b) * 1e6, statistics.median(w) * 1e6
+        out.append({"build": b_us, "eval": w_us - b_us, "whole": w_us})
+    return out
 
 
 def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
@@ -216,7 +248,7 @@ def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
           progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE,
-          stages: bool = False) -> dict:
+          stages: bool = False, parts: bool = False) -> dict:
     """Rows for every (context, policy), with ratios against `reference` (which always runs;
     fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
     too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
@@ -249,10 +281,10 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages)
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
-            "skipped": skipped, "stages": stages}
+            "skipped": skipped, "stages": stages, "parts": parts}
 
 
 def add_ratios(rows: list[dict], reference: str = REFERENCE) -> None:
