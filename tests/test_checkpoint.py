@@ -66,7 +66,7 @@ def test_a_checkpoint_is_bounded(loaded_models, policy):
     # 4 chunks, then 8 more: the same chunk pattern at the end (KIVI's residual depends on it)
     tokens = np.random.RandomState(3).randint(1, 300, 12 * CHUNK).tolist()
     def tier() -> int:       # a near tier sized to the context is held whole: 1/S of the frozen tokens
-        return sum(layer.body.tiers.near.nbytes for layer in cache.owned) if cfg.near_share else 0
+        return sum(layer.body.tiers.near.nbytes for layer in cache.owned) if cfg.tier_share else 0
 
     with make_cache(loaded.model, cfg) as cache:
         prefill(loaded.model, tokens[:4 * CHUNK], cache, CHUNK)
@@ -75,7 +75,7 @@ def test_a_checkpoint_is_bounded(loaded_models, policy):
         large, large_tier = cache.checkpoint().nbytes, tier()
         assert small > 0
         assert large - large_tier <= small - small_tier, (policy, small, large, cache.nbytes)
-        assert large_tier >= small_tier * 2 if cfg.near_share else large_tier == 0
+        assert large_tier >= small_tier * 2 if cfg.tier_share else large_tier == 0
         assert large < cache.nbytes or cfg.streaming, (policy, large, cache.nbytes)
 
 

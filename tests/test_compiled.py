@@ -243,6 +243,20 @@ def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
         assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
 
 
+def test_compiled_kivi_window_step_declines_a_near_tier_that_holds_tokens(native32):
+    """The compiled quiet step reads the packed body and the residual only: under a window whose
+    near tier holds tokens (a fixed tier of 32, or int4's own 1/8 in a window of 320) every step
+    runs eager (the same logits); int4's own tier while it is empty (a window of 64) does not
+    stop it (test above)."""
+    toks = [(i * 37 + 11) % 300 for i in range(420)]
+    for spec in ("int4+near32+sink4/window96", "int4+sink4/window320"):
+        config = CacheConfig.from_spec(spec)
+        fast, cache, ran = _drive(native32.model, config, True, tokens=toks)
+        slow, _, _ = _drive(native32.model, config, False, tokens=toks)
+        assert cache.owned[0].body.tiers.near.n > 0 and ran == 0, (spec, ran)
+        assert mx.abs(fast - slow).max().item() <= TOL
+
+
 def test_compiled_kivi_window_step_reads_value_groups_of_their_own(tmp_path, tokenizer_json):
     """Values in groups of 64 channels (head dim 64; `PackedRun.of` hands the compiled step the
     value group): the compiled quiet steps give the eager steps' logits and cache."""

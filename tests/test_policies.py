@@ -133,6 +133,9 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
         out["body"] = (len(body) - layer.n_sink) * per_token * item
     elif cfg.quantised:
         out["body_packed"] = sum(a.nbytes for s in (body.tiers.packed.keys, body.tiers.packed.values) if s for a in s)
+        near = body.tiers.near   # int4's own tier (1/8 of the frozen tokens at 8 bits), or one asked for
+        if cfg.near_tier and near.n:
+            out["body_near"] = sum(a.nbytes for s in (near.keys, near.values) if s for a in s)
         out["residual"] = len(body.residual) * per_token * item
         if cfg.exact_topk:
             sides = (cfg.key_bits is not None) * k.shape[-1] + (cfg.value_bits is not None) * v.shape[-1]

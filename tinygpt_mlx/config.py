@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, KNOBS, KV_QUANTIZE_CHOICES,
+from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, INT4_NEAR_SHARE, KNOBS, KV_QUANTIZE_CHOICES,
                     QUANT_BITS, RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES,
                     SUMMARY_KINDS, check_values)
 from .policy_spec import label, spec_flags
@@ -148,7 +148,7 @@ class CacheConfig:
                  the body's) and packed again at the body's bits as they age (0 = off;
                  cache/kivi.py: KiviStore.tiers.near, a second PackedRun)
     near_share   KIVI: a near tier sized to the context instead, the newest 1/near_share of the
-                 frozen tokens (whole groups; 0 = off; 8 keeps an int4 cache within +10% bytes)
+                 frozen tokens (whole groups; 0 = off; None: 8 for int4, else off: `tier_share`)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
                  window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled
@@ -184,7 +184,7 @@ class CacheConfig:
     rotate: bool = True
     near: int = 0
     near_bits: int = 8
-    near_share: int = 0
+    near_share: Optional[int] = None
     sink: int = 0
     window: Optional[int] = None
     rope_mode: Optional[str] = None
@@ -234,12 +234,10 @@ class CacheConfig:
             if getattr(self, name) and self.exact_topk:
                 raise ConfigError(name, "cannot be combined with {exact_topk} (its shadow refines the packed "
                                   "body alone)", ("exact_topk",))
-        if self.near:
-            if self.near % self.group_size:
-                raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
-                                  ("group_size",))
-        if self.near_tier and any(b is not None and b >= self.near_bits
-                                                  for b in (self.key_bits, self.value_bits)):
+        if self.near % self.group_size:
+            raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
+                              ("group_size",))
+        if self.near_tier and any(b is not None and b >= self.near_bits for b in (self.key_bits, self.value_bits)):
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
                               f"got {self.near_bits}")
         if self.window is None and self.sink and self.hot_budget is None:
@@ -280,9 +278,19 @@ class CacheConfig:
         return self.value_group or self.group_size
 
     @property
+    def tier_share(self) -> int:   # the near tier's share S in effect: `near_share`, or the precision's
+        return self.near_share if self.near_share is not None else self.default_near_share()
+
+    def default_near_share(self) -> int:
+        """int4 (4-bit keys and values, no fixed tier or exact top-k) holds its newest 1/8 frozen
+        tokens at `near_bits` unless told otherwise (knobs.INT4_NEAR_SHARE, docs/kivi.md); 0 else."""
+        plain_int4 = self.key_bits == 4 and self.value_bits == 4 and not self.near and not self.exact_topk
+        return INT4_NEAR_SHARE if plain_int4 else 0
+
+    @property
     def near_tier(self) -> bool:
         """A KIVI near tier, of `near` tokens or of 1/`near_share` of the frozen ones."""
-        return bool(self.near or self.near_share)
+        return bool(self.near or self.tier_share)
 
     @property
     def exact_prefix(self) -> int:
@@ -384,7 +392,7 @@ class CacheConfig:
                 d["kivi"]["value_group"] = self.value_group
             d["kivi"]["rotate"] = self.rotate
             if self.near_tier:
-                d["kivi"].update(**({"near": self.near} if self.near else {"near_share": self.near_share}),
+                d["kivi"].update(**({"near": self.near} if self.near else {"near_share": self.tier_share}),
                                  near_bits=self.near_bits)
             if not (self.streaming or self.retrieval):
                 d["kivi"]["exact_sink"] = self.kivi_sink

@@ -63,9 +63,13 @@ def label(config: Any, default: Any) -> str:
             prec += f", R {config.residual}"
         if not config.rotate:
             prec += ", unrotated"
-        if config.near_tier:
-            newest = config.near or f"1/{config.near_share}"
+        default_tier = (not config.near and config.tier_share == config.default_near_share()
+                        and config.near_bits == default("near_bits"))   # int4's own tier goes unnamed
+        if config.near_tier and not default_tier:
+            newest = config.near or f"1/{config.tier_share}"
             prec += f", newest {newest} frozen at int{config.near_bits}"
+        elif not config.near_tier and config.default_near_share():
+            prec += ", no near tier"
         if not (config.streaming or config.retrieval) and config.kivi_sink != default("kivi_sink"):
             prec += f", first {config.kivi_sink} exact" if config.kivi_sink else ", no exact sink"
     else:

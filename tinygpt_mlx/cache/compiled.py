@@ -165,12 +165,12 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
     """Whether this layer's next decode step, planned as `plan`, is a quiet step of KIVI under
     StreamingLLM on frame positions: the window full (blocks evicted before), the sink full,
     and neither a block to evict before the token (`plan.drop`) nor one to freeze after it, nor
-    a residual buffer to grow, nor a re-base."""
+    a residual buffer to grow, nor a re-base; a near tier (int4's own) only while it holds nothing."""
     if not isinstance(layer, LayerCache) or isinstance(layer, RingLayer) or layer.dtype is None:
         return False
     body, cfg = layer.body, layer.config
-    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk and not cfg.near_tier
-            and not cfg.retrieval):
+    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk
+            and not cfg.retrieval) or body.tiers.n != body.n_packed:
         return False
     res = body.residual
     # only once the window is full and blocks are evicted: then the step's shapes come back every

@@ -251,9 +251,9 @@ class KiviStore:
 
     def nbytes_breakdown(self) -> dict[str, int]:
         """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
-        side if any) and the residual's stored tokens."""
+        side if any), the near tier's once it holds any, and the residual's stored tokens."""
         out = {"body_packed": self.tiers.packed.nbytes, "residual": self.residual.nbytes}
-        if self.tiers.near is not None:
+        if self.tiers.near is not None and self.tiers.near.n:
             out["body_near"] = self.tiers.near.nbytes
         return {**out, **self.shadow.breakdown()}
 

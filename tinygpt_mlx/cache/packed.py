@@ -170,7 +170,7 @@ class NearTier(PackedRun):
         bits = config.near_bits
         super().__init__(bits if key_bits else None, bits if value_bits else None, config.group_size, storage,
                          codec, config.rotate, config.value_group_size)
-        self.size, self.share = config.near, config.near_share
+        self.size, self.share = config.near, config.tier_share
 
     def cap(self, held: int) -> int:
         """The tier's size with `held` frozen tokens held in all (body and tier)."""
@@ -292,9 +292,20 @@ class FrozenTiers:
     def add(self, k: mx.array, v: mx.array) -> None:
         """Newly frozen tokens (the model's basis; both runs store the same basis) into the near
         tier, whose overflow (dequantised from its codes and packed again: ~1/16 of a 4-bit step
-        more) goes on to the body."""
+        more) goes on to the body. New tokens the tier would not keep (past its cap as they come:
+        all of them while the cap is 0) go to the body directly, rounded once, after the tier's
+        older ones: below its first group a tier changes nothing."""
         k, v = self.packed.turn(k, v, back=False)
         if self.near is not None:
+            new = k.shape[2]
+            direct = new - self.near.cap(self.packed.n + self.near.n + new)
+            if direct > 0:
+                if self.near.n:
+                    self.packed.add(*self.near.take_front(self.near.n))
+                self.packed.add(k[:, :, :direct], v[:, :, :direct])
+                if direct == new:
+                    return
+                k, v = k[:, :, direct:], v[:, :, direct:]
             out = self.near.admit(k, v, self.packed.n)
             if out is None:
                 return
