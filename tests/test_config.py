@@ -99,6 +99,10 @@ def test_from_flags_uses_the_precision_table():
 # label() and describe() of every spec in docs/ (and the examples of the spec help and tests),
 # recorded from the code before `from_spec` was the one parser (commit 121c9e2).
 SPEC_LABELS = {
+    'int4+near/0': ('int4, no near tier',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+    'int4+norot+esink0+near/0': ('int4, unrotated, no near tier, no exact sink',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":false,"exact_sink":0}}'),
     'int4+near/4b6': ('int4, newest 1/4 frozen at int6',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"near_share":4,"near_bits":6,"exact_sink":4}}'),
     'int4+near/2b6': ('int4, newest 1/2 frozen at int6',

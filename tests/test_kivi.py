@@ -816,6 +816,25 @@ def test_near_tier_sized_to_the_context_stays_within_its_share_of_bytes(native32
     assert rows[1][0].nbytes == rows[0][0].nbytes and rows[1][-1].nbytes > rows[0][-1].nbytes
 
 
+def test_int4_default_tier_changes_nothing_until_it_holds_a_group(native32):
+    """int4's own near tier (1/8 of the frozen tokens at 8 bits) holds nothing below 8 x 32
+    frozen tokens: there `int4` and `int4+near/0` give the same logits, bit for bit (new tokens a
+    tier would not keep skip its 8-bit rounding); past it the tier holds the newest blocks, and
+    the logits move (closer to fp32's)."""
+    model, toks = native32.model, tokens(420, seed=5)
+    full = run(model, make_cache(model, CacheConfig()), toks, prefill=200)
+    caches = {s: make_cache(model, CacheConfig.from_spec(s)) for s in ("int4", "int4+near/0")}
+    out = {s: run(model, c, toks, prefill=200) for s, c in caches.items()}
+    tier = caches["int4"].owned[0].body.tiers.near
+    first = 8 * G + R - 1   # token 288 arrives: 256 frozen (1/8 of them a group) + 32 exact (4 first, 28 newest)
+    assert caches["int4+near/0"].owned[0].body.tiers.near is None
+    assert tier.n == caches["int4"].owned[0].body.tiers.n // 8 // G * G > 0
+    assert mx.array_equal(out["int4"][:, :first], out["int4+near/0"][:, :first])
+    assert not mx.array_equal(out["int4"][:, first], out["int4+near/0"][:, first])
+    err = {s: mx.abs(o[:, first:] - full[:, first:]).mean().item() for s, o in out.items()}
+    assert err["int4"] < err["int4+near/0"], err
+
+
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     """Under a window the tier is evicted from (its front, once the body is gone) and re-based
     with the body: exact keys and 8-bit values in the tier, re-based every 23 tokens, give the

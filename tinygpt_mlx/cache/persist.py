@@ -185,8 +185,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
     metadata = {
         "format": FORMAT_NAME,
         "format_version": str(FORMAT_VERSION),
-        # the near tier in effect, not None: a file keeps its tier if the precision's default moves
-        "cache_config": json.dumps({**dataclasses.asdict(cache.config), "near_share": cache.config.tier_share}),
+        "cache_config": json.dumps(dataclasses.asdict(cache.config)),
         "model": json.dumps(_model_identity(model)),
         "tokens": json.dumps([int(t) for t in tokens]),
         "token_count": str(len(tokens)),
