@@ -4,6 +4,7 @@ trajectories, byte counts, StreamingLLM composition, mlx-lm installation and the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 
@@ -220,6 +221,26 @@ def test_bytes_per_token_against_bf16_at_4k(spec, bound):
     ratio = store.nbytes / (len(store) * bf16_per_token)
     assert len(store) == i and store.tiers.n == i - R and ratio <= bound, ratio   # frozen: body + tier
     assert all(a.dtype == mx.float16 for side in (store.tiers.packed.keys, store.tiers.packed.values) for a in side[1:])
+
+
+@pytest.mark.parametrize("mode", ["shifted", "absolute"])
+def test_int4_default_tier_under_retrieval(native32, mode):
+    """A retrieval hot window of int4 big enough for its own near tier to hold a group: blocks go
+    cold from the body's front (the tier's newest tokens stay hot), nothing is lost (stored + cold
+    == seen), and with everything retrieved the logits stay within twice the measured distance
+    (0.056-0.059) of the same cache without the tier."""
+    model, toks = native32.model, tokens(700, seed=5)
+    outs, caches = {}, {}
+    for near in ("", "+near/0"):
+        cfg = dataclasses.replace(CacheConfig.from_spec(f"int4{near}+sink4/hot352:{mode}"), top_pages=512,
+                                  retrieve_tokens=4096)
+        caches[near] = make_cache(model, cfg)
+        outs[near] = run(model, caches[near], toks, prefill=300)
+    layer = caches[""].owned[0]
+    assert layer.body.tiers.near.n >= G and len(layer.cold) > 0
+    assert layer.stored_count + len(layer.cold) == layer.current_length == 700
+    assert len(caches["+near/0"].owned[0].cold) == len(layer.cold)
+    assert mx.abs(outs[""] - outs["+near/0"]).max().item() < 0.12
 
 
 def test_composes_with_streaming_llm(native32):
