@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-HEAVY = ("mlx_lm", "transformers", "torch", "fastapi", "uvicorn", "tinygpt_mlx.cache", "tinygpt_mlx.loading")
+HEAVY = ("mlx_lm", "transformers", "torch", "fastapi", "uvicorn", "tinygpt_mlx.cache", "tinygpt_mlx.loading", "numpy",
+         "tinygpt_mlx.resolve", "tinygpt_mlx.train")
 
 
 def _loaded_after(code: str) -> set:

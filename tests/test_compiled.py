@@ -243,18 +243,20 @@ def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
         assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
 
 
-def test_compiled_kivi_window_step_declines_a_near_tier_that_holds_tokens(native32):
-    """The compiled quiet step reads the packed body and the residual only: under a window whose
-    near tier holds tokens (a fixed tier of 32, or int4's own 1/8 in a window of 320) every step
-    runs eager (the same logits); int4's own tier while it is empty (a window of 64) does not
-    stop it (test above)."""
+@pytest.mark.parametrize("spec", ["int4+near32+sink4/window96", "int4+sink4/window320", "int4+near64b6+sink4/window160"])
+def test_compiled_kivi_window_step_reads_the_near_tier(native32, spec):
+    """Under a window whose near tier holds tokens (a fixed tier of 32, int4's own 1/8 in a
+    window of 320, a 6-bit tier) the compiled quiet step reads the tier as one more packed
+    segment, at its bits: the eager step's logits and cache, the tier held throughout."""
+    config = CacheConfig.from_spec(spec)
     toks = [(i * 37 + 11) % 300 for i in range(420)]
-    for spec in ("int4+near32+sink4/window96", "int4+sink4/window320"):
-        config = CacheConfig.from_spec(spec)
-        fast, cache, ran = _drive(native32.model, config, True, tokens=toks)
-        slow, _, _ = _drive(native32.model, config, False, tokens=toks)
-        assert cache.owned[0].body.tiers.near.n > 0 and ran == 0, (spec, ran)
-        assert mx.abs(fast - slow).max().item() <= TOL
+    fast, cache, ran = _drive(native32.model, config, True, rebase_every=150, tokens=toks)
+    slow, ref, _ = _drive(native32.model, config, False, rebase_every=150, tokens=toks)
+    assert cache.owned[0].body.tiers.near.n > 0 and ran > 40, (spec, ran)   # quiet steps once the window is full
+    assert mx.abs(fast - slow).max().item() <= TOL
+    for x, y in zip(cache.owned, ref.owned):
+        assert (x.body.tiers.near.n, x.body.n_packed, len(x.body.residual)) == \
+            (y.body.tiers.near.n, y.body.n_packed, len(y.body.residual))
 
 
 def test_compiled_kivi_window_step_reads_value_groups_of_their_own(tmp_path, tokenizer_json):

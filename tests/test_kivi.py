@@ -890,6 +890,8 @@ def test_near_tier_survives_eviction_truncation_and_rebase(native32):
      "--kv-near-share': sizes the near tier to the context: it replaces --kv-near, not both"),
     (["--kv-quantize", "int4", "--kv-near-share", "-8"], "--kv-near-share'"),
     (["--kv-quantize", "int8", "--kv-near-share", "8"], "--kv-near-bits': must be above the body's bits (8/8), got 8"),
+    (["--kv-quantize", "int4", "--kv-near-bits", "4"],
+     "--kv-near-bits': must be above the body's bits (4/4), got 4 for int4's own near tier (--kv-near-share 0 turns it off)"),
 ])
 def test_near_tier_bad_values_are_one_line(native32_path, flags, words):
     r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native32_path), "--prompt", "x",

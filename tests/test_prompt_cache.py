@@ -432,3 +432,20 @@ def test_cli_errors_and_save_extended(native_path, tmp_path, tokenizer_json):
     # continuing the extended file without a prompt first re-samples the token the run printed last
     r2 = cli("sample", native_path, "--prompt-cache", ext, "-n", "1", "--temperature", "0")
     assert r2.exit_code == 0, r2.output
+
+
+def test_int4_default_tier_matches_whether_named_or_not():
+    """int4's default near tier is 1/8 whether a config names it or not: a file made with plain
+    int4 serves `--kv-near-share 8` and the reverse (prompt caches and the server's slots); a file
+    made without the tier (`int4+near/0`, or before it was the default: near_share 0) is another
+    policy for the server, and for `sample` only when the flag is given."""
+    from tinygpt_mlx.cache.persist import config_mismatch
+    from tinygpt_mlx.server.state import policy_difference
+
+    plain, named, off = (CacheConfig.from_spec(s) for s in ("int4", "int4+near/8", "int4+near/0"))
+    assert plain.near_share is None and named.near_share == 8
+    assert config_mismatch(plain, named) is None and config_mismatch(named, plain) is None
+    assert policy_difference(plain, named) is None and policy_difference(named, plain) is None
+    assert config_mismatch(plain, off) == "near_share" and policy_difference(plain, off) == "near_share"
+    assert config_mismatch(off, plain) is None          # plain int4 given: the file's policy is used
+    assert policy_difference(off, plain) == "near_share"

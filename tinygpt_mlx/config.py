@@ -138,15 +138,12 @@ class CacheConfig:
     exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
-    kivi_sink    KIVI without StreamingLLM or retrieval: the first N tokens kept exact (attention
-                 sinks: their keys are outliers of their block, and heads attend to them most);
-                 they count toward `residual` (same bytes); under StreamingLLM and retrieval the
-                 `sink` is exact already
+    kivi_sink    KIVI alone (no window, no retrieval): the first N tokens exact (attention sinks),
+                 counted in `residual` (same bytes); under StreamingLLM and retrieval `sink` is exact
     rotate       KIVI: quantise keys and values in a randomized Hadamard basis of the head
                  dimension (queries turned alike, the output turned back; cache/kivi.py)
-    near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8, 6 or 4, above
-                 the body's) and packed again at the body's bits as they age (0 = off;
-                 cache/kivi.py: KiviStore.tiers.near, a second PackedRun)
+    near, near_bits  KIVI: the newest `near` frozen tokens held at `near_bits` (8, 6 or 4, above the
+                 body's), packed again at the body's bits as they age (0 = off; packed.py: NearTier)
     near_share   KIVI: a near tier sized to the context instead, the newest 1/near_share of the
                  frozen tokens (whole groups; 0 = off; None: 8 for int4, else off: `tier_share`)
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
@@ -238,8 +235,9 @@ class CacheConfig:
             raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
                               ("group_size",))
         if self.near_tier and any(b is not None and b >= self.near_bits for b in (self.key_bits, self.value_bits)):
+            own = " for int4's own near tier ({near_share} 0 turns it off)" if self.near_share is None else ""
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
-                              f"got {self.near_bits}")
+                              f"got {self.near_bits}{own}", ("near_share",) if own else ())
         if self.window is None and self.sink and self.hot_budget is None:
             raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
                               ("window", "hot_budget"))
@@ -287,9 +285,11 @@ class CacheConfig:
         plain_int4 = self.key_bits == 4 and self.value_bits == 4 and not self.near and not self.exact_topk
         return INT4_NEAR_SHARE if plain_int4 else 0
 
+    def in_effect(self, name: str) -> Any:   # a field as the cache uses it (`near_share`: `tier_share`)
+        return self.tier_share if name == "near_share" else getattr(self, name)
+
     @property
-    def near_tier(self) -> bool:
-        """A KIVI near tier, of `near` tokens or of 1/`near_share` of the frozen ones."""
+    def near_tier(self) -> bool:   # a KIVI near tier, of `near` tokens or of 1/`tier_share` of the frozen
         return bool(self.near or self.tier_share)
 
     @property

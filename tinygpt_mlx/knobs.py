@@ -131,7 +131,7 @@ KNOBS: tuple[Knob, ...] = (
        "(whole groups of G) at --kv-near-bits. An int4 tier token costs 80% more bytes than a body token (an "
        "int2 one at 4 bits, 67%), so S = 8 keeps an int4 cache within +10% of its bytes at every length (see "
        "docs/kivi.md). Default: " + str(INT4_NEAR_SHARE) + " under int4 (+6.4% of its bytes at 1K tokens to "
-       "+9.5% at 8K, none below 288 tokens; greedy text of fp32 kept 0.505 -> 0.696 of the way on SmolLM2's "
+       "+9.5% at 8K, none below 288 tokens; greedy text of fp32 kept 0.505 -> 0.723 of the way on SmolLM2's "
        "long prompts), off otherwise; 0 turns it off.", minimum=0),
     Knob("near_bits", "--kv-near-bits", int, "precision",
        "KIVI near tier's bits, 8, 6 or 4 (above the body's). A 6-bit tier holds twice an 8-bit one's tokens "

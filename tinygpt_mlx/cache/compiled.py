@@ -104,17 +104,17 @@ def _failed(steps: dict, key: Any, error: BaseException) -> None:
 
 class _TracedKivi:
     """One layer of KIVI under StreamingLLM (frame positions) during the trace of a quiet step
-    (no block frozen or evicted): the sink placed, the packed blocks and the residual (its
-    buffer and its live tokens) as inputs; the new token is written into the residual's buffer
+    (no block frozen or evicted): the sink placed, the packed blocks, the near tier's blocks if
+    it holds any, and the residual (its buffer and its live tokens) as inputs; the new token is written into the residual's buffer
     at `slot`, in the trace, so the buffer comes out with the logits (evaluated with them, on
     the thread that steps)."""
 
     reads_own_segments = True
 
-    def __init__(self, sink: tuple, packed: tuple, residual: tuple, head: mx.array, slot: mx.array,
+    def __init__(self, sink: tuple, packed: tuple, near: tuple, residual: tuple, head: mx.array, slot: mx.array,
                  mask: Optional[mx.array],
                  offset: mx.array, config: Any, positions: Any, storage: mx.Dtype, compute_dtype: mx.Dtype):
-        self.sink, self.packed, self.mask = sink, packed, mask
+        self.sink, self.packed, self.near, self.mask = sink, packed, near, mask
         self.buffers, self.live = residual[:2], residual[2:]
         self.head, self.slot, self.offset, self.config, self.positions = head, slot, offset, config, positions
         self.storage, self.compute_dtype = storage, compute_dtype
@@ -132,13 +132,15 @@ class _TracedKivi:
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         cfg = self.config
-        body = PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)
+        body = [PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)]
+        if self.near:     # the near tier, as the eager step reads it (packed.FrozenTiers.segments)
+            body.append(PackedSegment(PackedRun.of(*self.near, cfg, cfg.near_bits), self.positions))
         # the live tokens and the new one, read back from the written buffers (so the buffers are
         # part of the logits' graph); the live views' shapes give the length, a shape of the trace
         res_k, res_v = (mx.slice(b, self.head, (2,), (*live.shape[:2], live.shape[2] + 1, live.shape[3]))
                         for b, live in zip(self.buffers, self.live))
         dt = self.compute_dtype
-        segments = [DenseSegment(*self.sink), body, DenseSegment(res_k.astype(dt), res_v.astype(dt))]
+        segments = [DenseSegment(*self.sink), *body, DenseSegment(res_k.astype(dt), res_v.astype(dt))]
         return attend(segments, 0, queries, scale, mask)
 
 
@@ -165,12 +167,12 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
     """Whether this layer's next decode step, planned as `plan`, is a quiet step of KIVI under
     StreamingLLM on frame positions: the window full (blocks evicted before), the sink full,
     and neither a block to evict before the token (`plan.drop`) nor one to freeze after it, nor
-    a residual buffer to grow, nor a re-base; a near tier (int4's own) only while it holds nothing."""
+    a residual buffer to grow, nor a re-base."""
     if not isinstance(layer, LayerCache) or isinstance(layer, RingLayer) or layer.dtype is None:
         return False
     body, cfg = layer.body, layer.config
     if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk
-            and not cfg.retrieval) or body.tiers.n != body.n_packed:
+            and not cfg.retrieval):
         return False
     res = body.residual
     # only once the window is full and blocks are evicted: then the step's shapes come back every
@@ -182,14 +184,14 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
     """The compiled quiet step of KIVI under StreamingLLM for `key` = ("kivi", owners, masked,
-    compute dtype, storage, the layers' config)."""
+    compute dtype, storage, the layers' config, whether the near tier holds tokens)."""
     if key not in steps:
-        _, owners, masked, compute_dtype, storage, config = key
+        _, owners, masked, compute_dtype, storage, config, _ = key
         positions = SimpleNamespace(pre_rope=False)     # frame positions: the query is not turned
 
-        def step(tokens, offset, sinks, packed, residuals, head, slot, mask):
-            traced = [_TracedKivi(sinks[i], packed[i], residuals[i], head, slot, mask if masked else None, offset,
-                                  config, positions, storage, compute_dtype) for i in range(len(sinks))]
+        def step(tokens, offset, sinks, packed, nears, residuals, head, slot, mask):
+            traced = [_TracedKivi(sinks[i], packed[i], nears[i], residuals[i], head, slot, mask if masked else None,
+                                  offset, config, positions, storage, compute_dtype) for i in range(len(sinks))]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [t.buffers for t in traced]
         steps[key] = mx.compile(step)
@@ -282,26 +284,29 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
     first = layers[0]
     res0 = first.body.residual
     if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.n_packed != first.body.n_packed
+           or c.body.tiers.n != first.body.tiers.n
            or (c.body.residual.head, c.body.residual.n) != (res0.head, res0.n) for c in layers):
         return None
     mask = first.make_mask(1, return_array=False, window_size=None)   # as the model asks, before the step
     if isinstance(mask, str):
         return None
     cfg = first.config
-    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, cfg)
+    near_held = first.body.tiers.n > first.body.n_packed
+    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, cfg, near_held)
     if steps.get(key) is _FAILED:
         return None
-    sinks, packed, residuals = [], [], []
+    sinks, packed, nears, residuals = [], [], [], []
     for c in layers:
         sink_reading, _ = c.readings()
         k, v = c.sink_store.fetch(c.dtype)
         sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
         packed.append((c.body.tiers.packed.keys, c.body.tiers.packed.values))
+        nears.append((c.body.tiers.near.keys, c.body.tiers.near.values) if near_held else ())
         res = c.body.residual
         residuals.append((res.keys, res.values, *res.fetch()))
     step = _kivi_step_fn(model, steps, key)
     try:
-        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, residuals,
+        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, residuals,
                            mx.array([res0.head], mx.int32), mx.array([res0.head + res0.n], mx.int32), mask if mask is not None else mx.zeros((0,), mx.bool_))
     except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
         _failed(steps, key, e)

@@ -62,10 +62,12 @@ class PackedRun:
         self.n = 0
 
     @classmethod
-    def of(cls, keys: Side, values: Side, config: Any) -> "PackedRun":
-        """A body's packed sides as a run to read (a compiled step's inputs, compiled.py)."""
-        run = cls(config.key_bits, config.value_bits, config.group_size, mx.float32, None, config.rotate,
-                  config.value_group_size)
+    def of(cls, keys: Side, values: Side, config: Any, bits: Optional[int] = None) -> "PackedRun":
+        """A body's packed sides as a run to read (a compiled step's inputs, compiled.py); `bits`:
+        its near tier's (`config.near_bits`), on the sides the body quantises."""
+        kb, vb = ((bits if config.key_bits else None, bits if config.value_bits else None) if bits
+                  else (config.key_bits, config.value_bits))
+        run = cls(kb, vb, config.group_size, mx.float32, None, config.rotate, config.value_group_size)
         run.keys, run.values = keys, values
         return run
 

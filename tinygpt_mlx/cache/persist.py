@@ -341,14 +341,14 @@ def _verify(path: Path, header: dict, meta: dict, data_start: int, size: int) ->
 
 
 def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
-    """The first policy field that `given` sets (differs from the default) to another value than
-    the file's policy, or None. `cold_path` (where disk stores live) is not policy."""
+    """The first policy field that `given` sets (differs from the default) to another value in
+    effect than the file's policy (`CacheConfig.in_effect`: int4's default tier is 1/8 whether
+    named or not), or None. `cold_path` (where disk stores live) is not policy."""
     default = CacheConfig()
     for f in dataclasses.fields(CacheConfig):
         if f.name == "cold_path":
             continue
-        value = getattr(given, f.name)
-        if value != getattr(default, f.name) and value != getattr(saved, f.name):
+        if getattr(given, f.name) != getattr(default, f.name) and given.in_effect(f.name) != saved.in_effect(f.name):
             return f.name
     return None
 

@@ -104,7 +104,8 @@ def bench(
     parts: Annotated[bool, typer.Option(
         "--parts", help="Then split each policy's decode step, in --decode-steps more steps run interleaved, "
         "into building its graph on the host (the Python of the model and the cache) and evaluating it "
-        "(the kernels): median microseconds of each. A step mostly build is bound by the host.")] = False,
+        "(the kernels): median microseconds of each. A step mostly build is bound by the host (not so for "
+        "retrieval, whose build reads the query on the host and so waits for the layers before it).")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports

@@ -20,9 +20,9 @@ from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOIC
 from tinygpt_mlx.knobs import KNOBS, PANELS, Knob
 from tinygpt_mlx.errors import PosttrainError
 from tinygpt_mlx.lazy import lazy
-from tinygpt_mlx.resolve import resolve
 
 loading = lazy("tinygpt_mlx.loading")
+resolving = lazy("tinygpt_mlx.resolve")   # numpy and the GGUF reader: not for --help
 
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
@@ -297,7 +297,7 @@ def resolve_model(model):
     if model is None or not isinstance(model, (str, Path)):
         return model
     with guarded():
-        return resolve(model)
+        return resolving.resolve(model)
 
 
 def load_model(model, weights: str = "auto"):

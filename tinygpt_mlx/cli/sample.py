@@ -265,8 +265,8 @@ def read_prompt_cache(path: Path, cache_config: CacheConfig):
     field = persist.config_mismatch(info.config, cache_config)
     if field is not None:
         flag = c.CONFIG_FLAGS.get(field, field)
-        raise typer.BadParameter(f"{path} was made with {field}={getattr(info.config, field)!r}, not "
-                                 f"{getattr(cache_config, field)!r}; leave {flag} out to use the file's policy "
+        raise typer.BadParameter(f"{path} was made with {field}={info.config.in_effect(field)!r}, not "
+                                 f"{cache_config.in_effect(field)!r}; leave {flag} out to use the file's policy "
                                  f"({info.config.label()})", param_hint=f"'{flag}'")
     return info
 

@@ -9,9 +9,11 @@ import typer
 from rich.console import Console
 
 from tinygpt_mlx.config import ModelConfig, field_default
-from tinygpt_mlx.train import TrainArgs, run
+from tinygpt_mlx.lazy import lazy
 
 from . import common as c
+
+training = lazy("tinygpt_mlx.train")   # the training loop (and, through it, numpy and the data code)
 
 
 def train(
@@ -51,7 +53,7 @@ def train(
     """Train a TinyGPT (PyTorch on CPU, needs the `train` extra) and export it for MLX."""
     console = Console(stderr=True)
     with c.guarded():
-        args = TrainArgs(
+        args = training.TrainArgs(
             data=str(data), out=str(out), heldout=str(heldout) if heldout else None,
             work_dir=str(work_dir) if work_dir else None, steps=steps, tokens=tokens,
             seq_len=seq_len, batch_size=batch_size, lr=lr, warmup=warmup, seed=seed, resume=resume, stop_after=stop_after,
@@ -62,7 +64,7 @@ def train(
             init_from=str(init_from) if init_from else None,
             eval_every=eval_every, ckpt_every=ckpt_every, threads=threads, precision=precision)
         args.total_steps()
-        run(args, console=console)
+        training.run(args, console=console)
 
 
 def register(app: typer.Typer) -> None:

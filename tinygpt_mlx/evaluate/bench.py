@@ -19,7 +19,8 @@ ratios are against it, measured in the same process.
 `parts=True` (`bench --parts`) then splits each policy's decode step, in `decode_steps` more
 steps interleaved, into building its graph on the host (the model call before evaluation: the
 Python of the model and the cache) and evaluating it (the kernels), medians in microseconds
-(`step_parts`): a step whose build time is most of it is bound by the host, not the kernels.
+(`step_parts`): a step whose build time is most of it is bound by the host, not the kernels
+(except retrieval's, whose build reads the query on the host and so waits for the layers before).
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         decode_stages = [stage_split(c, sum(t), len(t)) for c, t in zip(caches, step_s)]
         bytes_ = [int(c.nbytes) for c in caches]
         ops = [step_ops(model, c) for c in caches]
+        for cache in caches:    # the split's steps run without the stage syncs (`--stages`)
+            for store in _cold_stores(cache):
+                store.stages.enabled = False
         split = step_parts(model, caches, decode_steps) if parts else [None] * len(caches)
         # the median step: robust to the scheduler pausing us on a shared machine
         return [{"policy": p.name, "label": p.label, "context": len(tokens),

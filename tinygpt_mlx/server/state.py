@@ -60,9 +60,10 @@ def probe(loaded: Any, cache_config: Any) -> None:
 
 def policy_difference(saved: Any, served: Any) -> Optional[str]:
     """The first cache-policy field in which a prompt-cache file's policy differs from the
-    served one (`cold_path`, where disk stores live, is not policy), or None."""
+    served one, as the caches use them (`CacheConfig.in_effect`), or None; `cold_path` (where disk
+    stores live) is not policy."""
     for f in dataclasses.fields(saved):
-        if f.name != "cold_path" and getattr(saved, f.name) != getattr(served, f.name):
+        if f.name != "cold_path" and saved.in_effect(f.name) != served.in_effect(f.name):
             return f.name
     return None
 
@@ -76,8 +77,8 @@ def load_for_server(path: Any, loaded: Any, cache_config: Any) -> tuple[Any, lis
     field = policy_difference(info.config, cache_config)
     if field is not None:
         raise PromptCacheError(f"{path}: the prompt cache was made with cache policy {info.config.label()} "
-                               f"({field}={getattr(info.config, field)!r}), but the server runs "
-                               f"{cache_config.label()} ({field}={getattr(cache_config, field)!r}); serve with "
+                               f"({field}={info.config.in_effect(field)!r}), but the server runs "
+                               f"{cache_config.label()} ({field}={cache_config.in_effect(field)!r}); serve with "
                                "the file's policy flags or re-create the file")
     cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path)
     return cache, info.tokens
