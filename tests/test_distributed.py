@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import select
 import signal
 import socket
@@ -51,13 +52,11 @@ def mlx_launch() -> list[str]:
 
 
 def free_port(n: int = 2) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1 (the ring listens on one per rank)."""
+    """A port p with p .. p+n-1 free on 127.0.0.1 (the ring listens on one per rank), below the
+    kernel's ephemeral range (32768 on), where outgoing connections take ports between our check
+    and the ring's bind."""
     for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + n >= 65535:
-            continue
+        p = random.randrange(20000, 32000 - n)
         try:
             socks = []
             for i in range(n):
@@ -85,8 +84,14 @@ def launch_cmd(n: int, command: list[str]) -> list[str]:
 
 
 def launch(n: int, command: list[str], timeout: float = LAUNCH_TIMEOUT, **extra) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_cmd(n, command), capture_output=True, text=True, timeout=timeout, env=env(),
-                          cwd=ROOT, **extra)
+    """Run `command` as n ranks; again on other ports (up to 3 tries) where a rank could not bind
+    its port (taken between `free_port`'s check and the ring's bind: another process's, not ours)."""
+    for _ in range(3):
+        p = subprocess.run(launch_cmd(n, command), capture_output=True, text=True, timeout=timeout, env=env(),
+                           cwd=ROOT, **extra)
+        if "Couldn't bind socket" not in p.stdout + p.stderr:
+            return p
+    return p
 
 
 def run_worker(model: Path, tmp: Path, prompt: str, policies=POLICIES) -> tuple[dict, dict]:
@@ -199,11 +204,8 @@ def _start_long_run(tmp_path, extra_env: dict | None = None) -> list[subprocess.
     ring hostfile on loopback) but directly, so that each rank's own stderr is read: mlx.launch
     stops relaying output once it sees a rank fail, and may drop the other rank's last line
     (its main loop stops draining the output queues; docs/distributed.md)."""
-    ports = []
-    for _ in range(2):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            ports.append(sock.getsockname()[1])
+    first = free_port(2)
+    ports = [first, first + 1]
     hostfile = tmp_path / "hosts.json"
     hostfile.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in ports]))
     cmd = [sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(SHIPPED), "--prompt", "And God said", "-n", "100000",
