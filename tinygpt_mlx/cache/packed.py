@@ -178,12 +178,21 @@ class NearTier(PackedRun):
         """The tier's size with `held` frozen tokens held in all (body and tier)."""
         return self.size or held // self.share // self.group * self.group
 
-    def admit(self, k: mx.array, v: mx.array, body: int) -> Optional[tuple[mx.array, mx.array]]:
+    def admit(self, k: mx.array, v: mx.array, body: int) -> list[tuple[mx.array, mx.array]]:
         """Add the newest frozen tokens (stored basis) beside a body of `body` tokens; returns
-        the oldest tokens past the cap, dequantised, or None."""
-        self.add(k, v)
-        over = self.n - self.cap(body + self.n)
-        return self.take_front(over) if over > 0 else None
+        the tokens past the cap, oldest first, for the body: the tier's oldest (dequantised from
+        its codes), then the new ones it would not keep as they come (all of them while the cap
+        is 0), never rounded at its bits, so below its first group a tier changes nothing."""
+        new = k.shape[2]
+        over = self.n + new - self.cap(body + self.n + new)
+        held = min(max(over, 0), self.n)
+        out = [self.take_front(held)] if held else []
+        direct = max(over - held, 0)
+        if direct:
+            out.append((k[:, :, :direct], v[:, :, :direct]))
+        if direct < new:
+            self.add(k[:, :, direct:], v[:, :, direct:])
+        return out
 
 class PackedSegment:
     """A packed run as an attention segment: scores and outputs straight from packed data with
@@ -294,25 +303,10 @@ class FrozenTiers:
     def add(self, k: mx.array, v: mx.array) -> None:
         """Newly frozen tokens (the model's basis; both runs store the same basis) into the near
         tier, whose overflow (dequantised from its codes and packed again: ~1/16 of a 4-bit step
-        more) goes on to the body. New tokens the tier would not keep (past its cap as they come:
-        all of them while the cap is 0) go to the body directly, rounded once, after the tier's
-        older ones: below its first group a tier changes nothing."""
+        more) goes on to the body, with the new tokens it would not keep (`NearTier.admit`)."""
         k, v = self.packed.turn(k, v, back=False)
-        if self.near is not None:
-            new = k.shape[2]
-            direct = new - self.near.cap(self.packed.n + self.near.n + new)
-            if direct > 0:
-                if self.near.n:
-                    self.packed.add(*self.near.take_front(self.near.n))
-                self.packed.add(k[:, :, :direct], v[:, :, :direct])
-                if direct == new:
-                    return
-                k, v = k[:, :, direct:], v[:, :, direct:]
-            out = self.near.admit(k, v, self.packed.n)
-            if out is None:
-                return
-            k, v = out
-        self.packed.add(k, v)
+        for part in (self.near.admit(k, v, self.packed.n) if self.near is not None else [(k, v)]):
+            self.packed.add(*part)
 
     def dense(self, lo: int, hi: int) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised, in the model's basis."""
