@@ -192,10 +192,12 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         decode_stages = [stage_split(c, sum(t), len(t)) for c, t in zip(caches, step_s)]
         bytes_ = [int(c.nbytes) for c in caches]
         ops = [step_ops(model, c) for c in caches]
-        for cache in caches:    # the split's steps run without the stage syncs (`--stages`)
-            for store in _cold_stores(cache):
-                store.stages.enabled = False
-        split = step_parts(model, caches, decode_steps) if parts else [None] * len(caches)
+        split = [None] * len(caches)
+        if parts:
+            for cache in caches:    # the split's steps run without the stage syncs (`--stages`)
+                for store in _cold_stores(cache):
+                    store.stages.enabled = False
+            split = step_parts(model, caches, decode_steps)
         # the median step: robust to the scheduler pausing us on a shared machine
         return [{"policy": p.name, "label": p.label, "context": len(tokens),
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
