@@ -97,8 +97,13 @@ def test_from_flags_uses_the_precision_table():
 
 # ----- the one spec parser ---------------------------------------------------------------------------
 # label() and describe() of every spec in docs/ (and the examples of the spec help and tests),
-# recorded from the code before `from_spec` was the one parser (commit 121c9e2).
+# recorded from the code before `from_spec` was the one parser (commit 121c9e2); a full int8
+# cache's entries name its long residual since it became int8's default (2026-12-04).
 SPEC_LABELS = {
+    'int8+lr0': ('int8, no long residual',
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+    'int4+lr64': ('int4, R 64 from 1024 tokens',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"exact_sink":4}}'),
     'int4+near/0': ('int4, no near tier',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int4+norot+esink0+near/0': ('int4, unrotated, no near tier, no exact sink',
@@ -140,7 +145,7 @@ SPEC_LABELS = {
     'bf16': ('bf16',
         '{"storage":"bf16"}'),
     'int8': ('int8',
-        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+        '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"exact_sink":4}}'),
     'int4': ('int4',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"near_share":8,"near_bits":8,"exact_sink":4}}'),
     'int2+norot+esink0': ('int2, unrotated, no exact sink',
@@ -282,7 +287,7 @@ SPEC_LABELS = {
     'fp16+k4v4+near/4': ('int4, fp16 exact, newest 1/4 frozen at int8',
         '{"storage":"fp16","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"near_share":4,"near_bits":8,"exact_sink":4}}'),
     'fp16+k8v8': ('int8, fp16 exact',
-        '{"storage":"fp16","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+        '{"storage":"fp16","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"exact_sink":4}}'),
     'fp16+k8v8+r64': ('int8, fp16 exact, R 64',
         '{"storage":"fp16","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":64,"rotate":true,"exact_sink":4}}'),
     'sink4/hot1024+mean+spanmean': ('fp32 + retrieval hot 1024 + top 32 pages (mean summary, pages by mean score)',

@@ -856,6 +856,58 @@ def test_int4_default_tier_changes_nothing_until_it_holds_a_group(native32):
     assert err["int4"] < err["int4+near/0"], err
 
 
+def test_int8_residual_grows_to_64_from_1024_tokens(native32):
+    """int8's default residual is R 32 until the cache holds 1,024 tokens (16 x 64), then 64: its
+    logits are `int8+lr0`'s bit for bit before that and differ after; once the next block would
+    freeze it holds what `int8+r64` holds (the same tokens frozen, the same exact ones)."""
+    model, toks = native32.model, tokens(1150, seed=3)
+    caches = {s: make_cache(model, CacheConfig.from_spec(s)) for s in ("int8", "int8+lr0", "int8+r64")}
+    out = {s: run(model, c, toks, chunk=200, prefill=1000) for s, c in caches.items()}
+    body = {s: c.owned[0].body for s, c in caches.items()}
+    assert (body["int8"].keep, body["int8+lr0"].keep, body["int8+r64"].keep) == (60, 28, 60)
+    assert mx.array_equal(out["int8"][:, :1023], out["int8+lr0"][:, :1023])
+    assert not mx.array_equal(out["int8"][:, 1023:], out["int8+lr0"][:, 1023:])
+    assert not mx.array_equal(out["int8"][:, 1000:1023], out["int8+r64"][:, 1000:1023])
+    # past the next freeze both rules hold the same tokens frozen: layer 0 (whose keys and values
+    # depend on the tokens alone, not on what earlier steps read) stores the same arrays
+    a, b = body["int8"], body["int8+r64"]
+    assert (a.frozen, len(a.residual)) == (b.frozen, len(b.residual))
+    assert all(mx.array_equal(x, y) for x, y in zip(a.tiers.packed.keys + a.tiers.packed.values,
+                                                    b.tiers.packed.keys + b.tiers.packed.values))
+    assert all(mx.array_equal(x, y) for x, y in zip(a.residual.fetch(), b.residual.fetch()))
+    # a window under 1,024 tokens never grows it (README's int8 + window 256 keeps R 32)
+    windowed = make_cache(model, CacheConfig.from_spec("int8+sink4/window256"))
+    run(model, windowed, toks[:, :1100], chunk=200, prefill=1000)
+    assert windowed.owned[0].body.keep == 32 and windowed.owned[0].body.frozen >= 1024
+
+
+def test_int8_long_residual_bytes(native32):
+    """The grown residual holds 32 more exact tokens per layer (one block fewer packed) from 1,024
+    tokens on, nothing before, and stays within +10% of `int8+lr0`'s bytes at every length."""
+    from tinygpt_mlx.cache.report import bytes_table
+    from tinygpt_mlx.evaluate.modes import parse_policies
+
+    lengths = [300, 1000, 1023, 1024, 1100, 2000]
+    grown, fixed = bytes_table(native32.model, 300, lengths, policies=parse_policies("int8,int8+lr0"))
+    H, D = native32.model.config.n_kv_heads, native32.model.config.head_dim
+    layers = len(native32.model.layers)
+    for T, g, f in zip(lengths, grown, fixed):
+        extra = g.breakdown["residual"] - f.breakdown["residual"]
+        assert extra == (layers * 32 * H * D * 4 * 2 if T >= 1024 else 0), (T, extra)
+        assert (g.nbytes > f.nbytes) == (T >= 1024) and g.nbytes <= 1.10 * f.nbytes, (T, g.nbytes / f.nbytes)
+
+
+@pytest.mark.parametrize("flags, words", [
+    (["--kv-quantize", "int8", "--kv-long-residual", "48"], "--kv-long-residual': must be a multiple of --kv-group-size (32), got 48"),
+    (["--kv-long-residual", "64"], "--kv-long-residual': grows KIVI's residual: it needs int8/int4/int2 keys or values"),
+    (["--kv-quantize", "int8", "--kv-long-residual", "-32"], "--kv-long-residual'"),
+])
+def test_long_residual_bad_values_are_one_line(native32_path, flags, words):
+    r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native32_path), "--prompt", "x",
+                        "--tokens", "1", *flags], capture_output=True, text=True)
+    assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     """Under a window the tier is evicted from (its front, once the body is gone) and re-based
     with the body: exact keys and 8-bit values in the tier, re-based every 23 tokens, give the

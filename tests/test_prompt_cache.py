@@ -39,7 +39,8 @@ from typer.testing import CliRunner
 from tinygpt_mlx.cli.main import app
 from conftest import TEXT, build_native
 from tinygpt_mlx.cache import make_cache
-from tinygpt_mlx.cache.persist import FORMAT_VERSION, PromptCacheError, load_prompt_cache, save_prompt_cache
+from tinygpt_mlx.cache.persist import (FORMAT_VERSION, READS_FROM, PromptCacheError, load_prompt_cache,
+                                       save_prompt_cache)
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.modes import parse_policy
 from tinygpt_mlx.generate import forward, prefill
@@ -253,8 +254,47 @@ def test_newer_format_version_is_refused(loaded_models, saved):
 
 
 def test_older_format_version_says_to_recreate(loaded_models, saved):
-    _edit_metadata(saved, format_version=str(FORMAT_VERSION - 1))
+    _edit_metadata(saved, format_version=str(READS_FROM - 1))
     assert "older posttrainllm" in _error(lambda: load_prompt_cache(saved, loaded_models["native"]))
+
+
+def test_version_4_files_read_as_saved(loaded_models, tmp_path, monkeypatch):
+    """A version-4 file (written before int8's long residual: its config lacks the field) loads,
+    and its int8 keeps the fixed R 32 it was saved under; this build writes version 5."""
+    from tinygpt_mlx.cache import persist
+
+    loaded = loaded_models["native"]
+    cache, logits = _prefilled(loaded, POLICIES["int8"])
+    asdict = dataclasses.asdict
+    monkeypatch.setattr(persist, "FORMAT_VERSION", 4)
+    monkeypatch.setattr(persist.dataclasses, "asdict",
+                        lambda c: {k: v for k, v in asdict(c).items() if k != "long_residual"})
+    path = save_prompt_cache(tmp_path / "v4.ptc", cache, loaded, DOC, logits)
+    monkeypatch.undo()
+    restored, info = load_prompt_cache(path, loaded)
+    assert info.config.long_residual == 0 and restored.config.in_effect("long_residual") == 0
+    assert json.loads(persist.tinygpt_format.read_header(path)[1]["format_version"]) == 4 < FORMAT_VERSION == 5
+    restored.close()
+    cache.close()
+
+
+def test_grown_residual_round_trips(loaded_models, tmp_path):
+    """int8 past 1,024 tokens (its residual grown to 64) saved and loaded continues as in process."""
+    loaded = loaded_models["native"]
+    doc = np.random.RandomState(1).randint(1, 300, 1100).tolist()
+    runs = []
+    for save in (False, True):
+        cache = make_cache(loaded.model, POLICIES["int8"])
+        logits = prefill(loaded.model, doc, cache, 256)
+        assert len(cache.owned[0].body.residual) >= 60
+        if save:
+            save_prompt_cache(tmp_path / "long.ptc", cache, loaded, doc, logits)
+            cache.close()
+            cache, info = load_prompt_cache(tmp_path / "long.ptc", loaded)
+            logits = info.logits
+        runs.append(_continue(loaded.model, cache, logits))
+        cache.close()
+    assert runs[0][0] == runs[1][0] and bool(mx.array_equal(runs[0][1], runs[1][1]))
 
 
 def test_edited_metadata_fails_the_checksum(loaded_models, saved):
@@ -449,3 +489,9 @@ def test_int4_default_tier_matches_whether_named_or_not():
     assert config_mismatch(plain, off) == "near_share" and policy_difference(plain, off) == "near_share"
     assert config_mismatch(off, plain) is None          # plain int4 given: the file's policy is used
     assert policy_difference(off, plain) == "near_share"
+    # int8's long residual likewise; under a window it never grows, so there it is no difference
+    grown, fixed = CacheConfig.from_spec("int8"), CacheConfig.from_spec("int8+lr0")
+    assert config_mismatch(grown, fixed) == "long_residual" == policy_difference(fixed, grown)
+    assert config_mismatch(grown, CacheConfig.from_spec("int8+lr64")) is None
+    windowed = (CacheConfig.from_spec(s) for s in ("int8+sink4/window256", "int8+sink4/window256+lr0"))
+    assert policy_difference(*windowed) is None

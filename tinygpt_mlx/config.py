@@ -16,10 +16,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, INT4_NEAR_SHARE, KNOBS, KV_QUANTIZE_CHOICES,
-                    QUANT_BITS, RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES,
+from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, INT4_NEAR_SHARE, INT8_LONG_RESIDUAL, KNOBS, KV_QUANTIZE_CHOICES,
+                    LONG_RESIDUAL_SHARE, QUANT_BITS, RETRIEVE_UNITS, RETRIEVED_POSITIONS, ROPE_MODES, SIDE_BITS, STORAGE_DTYPES,
                     SUMMARY_KINDS, check_values)
-from .policy_spec import label, spec_flags
+from .policy_spec import describe, label, spec_flags
 
 __all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
            "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "CacheConfig", "ConfigError",
@@ -135,6 +135,8 @@ class CacheConfig:
                  values' scales and zeros (int2 values: 3 bits a value become 2.5), whose bytes
                  can go to the keys instead (docs/kivi.md)
     residual     KIVI residual R: newest tokens kept exact
+    long_residual KIVI: R grows to this once the cache holds 16x as many tokens (`exact_residual`;
+                 0 = off; None: 64 for int8, else off: `grown_residual`)
     exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
@@ -175,6 +177,7 @@ class CacheConfig:
     group_size: int = 32
     value_group: Optional[int] = None
     residual: int = 32
+    long_residual: Optional[int] = None
     exact_topk: int = 0
     shadow_store: str = "disk"
     kivi_sink: int = 4
@@ -231,9 +234,13 @@ class CacheConfig:
             if getattr(self, name) and self.exact_topk:
                 raise ConfigError(name, "cannot be combined with {exact_topk} (its shadow refines the packed "
                                   "body alone)", ("exact_topk",))
-        if self.near % self.group_size:
-            raise ConfigError("near", f"must be a multiple of {{group_size}} ({self.group_size}), got {self.near}",
-                              ("group_size",))
+        if self.long_residual and not self.quantised:
+            raise ConfigError("long_residual", "grows KIVI's residual: it needs int8/int4/int2 keys or values "
+                              "({kv_quantize})", ("kv_quantize",))
+        for name in ("near", "long_residual"):
+            if (getattr(self, name) or 0) % self.group_size:
+                raise ConfigError(name, f"must be a multiple of {{group_size}} ({self.group_size}), got "
+                                  f"{getattr(self, name)}", ("group_size",))
         if self.near_tier and any(b is not None and b >= self.near_bits for b in (self.key_bits, self.value_bits)):
             own = " for int4's own near tier ({near_share} 0 turns it off)" if self.near_share is None else ""
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
@@ -285,8 +292,29 @@ class CacheConfig:
         plain_int4 = self.key_bits == 4 and self.value_bits == 4 and not self.near and not self.exact_topk
         return INT4_NEAR_SHARE if plain_int4 else 0
 
-    def in_effect(self, name: str) -> Any:   # a field as the cache uses it (`near_share`: `tier_share`)
-        return self.tier_share if name == "near_share" else getattr(self, name)
+    @property
+    def grown_residual(self) -> int:
+        """The residual a long context grows to: `long_residual`, or the precision's (int8 keys and values:
+        knobs.INT8_LONG_RESIDUAL rounded up to G, docs/kivi.md; 0 else)."""
+        grown = -(-INT8_LONG_RESIDUAL // self.group_size) * self.group_size if self.key_bits == self.value_bits == 8 else 0
+        return self.long_residual if self.long_residual is not None else grown
+
+    @property
+    def residual_grows(self) -> bool:
+        """Whether R can grow: `grown_residual` above it, and no window or hot budget under
+        LONG_RESIDUAL_SHARE x it (a body that never holds that many tokens keeps R)."""
+        cap = self.window if self.streaming else self.hot_budget
+        return self.grown_residual > self.residual and (cap or 1 << 62) >= LONG_RESIDUAL_SHARE * self.grown_residual
+
+    def exact_residual(self, held: int) -> int:
+        """KIVI's R for a body that has held `held` tokens: `residual`, or `grown_residual` from
+        LONG_RESIDUAL_SHARE x that many on (at most 1/16 of the context exact)."""
+        grows = self.residual_grows and held >= LONG_RESIDUAL_SHARE * self.grown_residual
+        return self.grown_residual if grows else self.residual
+
+    def in_effect(self, name: str) -> Any:   # a field as the cache uses it (`near_share`: `tier_share`...)
+        grown = self.grown_residual if self.residual_grows else 0
+        return {"near_share": self.tier_share, "long_residual": grown}.get(name, getattr(self, name))
 
     @property
     def near_tier(self) -> bool:   # a KIVI near tier, of `near` tokens or of 1/`tier_share` of the frozen
@@ -383,36 +411,8 @@ class CacheConfig:
             raise ValueError(f"policy {spec!r}: {e}") from None
 
     def describe(self) -> dict:
-        """The active settings, as shown in banners and JSON reports."""
-        d: dict[str, Any] = {"storage": self.storage}
-        if self.quantised:
-            d.update(kivi={"key_bits": self.key_bits, "value_bits": self.value_bits,
-                           "group_size": self.group_size, "residual": self.residual})
-            if self.value_group is not None:
-                d["kivi"]["value_group"] = self.value_group
-            d["kivi"]["rotate"] = self.rotate
-            if self.near_tier:
-                d["kivi"].update(**({"near": self.near} if self.near else {"near_share": self.tier_share}),
-                                 near_bits=self.near_bits)
-            if not (self.streaming or self.retrieval):
-                d["kivi"]["exact_sink"] = self.kivi_sink
-            if self.exact_topk:
-                d["kivi"].update(exact_topk=self.exact_topk, shadow_store=self.shadow_store)
-        if self.streaming:
-            d.update(streaming_llm={"sink": self.sink, "window": self.window,
-                                    "rope_mode": self.rope_mode})
-        if self.retrieval:
-            d.update(retrieval={"hot_budget": self.hot_budget, "sink": self.sink,
-                                "retrieve_tokens": self.retrieve_tokens,
-                                "page_size": self.page_size, "top_pages": self.top_pages,
-                                "summary": self.summary, "cold_store": self.cold_store,
-                                "cold_bits": self.cold_bits, "rope_mode": self.rope_mode,
-                                "retrieved_position": self.retrieved_position,
-                                "index_block": self.index_block, "retrieve_unit": self.retrieve_unit,
-                                "sticky": self.sticky, "index_expand": self.index_expand})
-            if self.span_score != "max":
-                d["retrieval"]["span_score"] = self.span_score
-        return d
+        """The active settings, as shown in banners and JSON reports (`policy_spec.describe`)."""
+        return describe(self)
 
     def label(self) -> str:
         """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'

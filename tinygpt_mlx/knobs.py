@@ -40,6 +40,10 @@ FETCH_FLOOR = 64
 #: int4's near tier unless told otherwise: the newest 1/8 of the frozen tokens at 8 bits
 #: (`CacheConfig.default_near_share`; +6.4% to +9.5% of an int4 cache's bytes, docs/kivi.md).
 INT4_NEAR_SHARE = 8
+#: int8's exact residual on a long context (`CacheConfig.grown_residual`): R grows to 64 once
+#: the cache holds LONG_RESIDUAL_SHARE x 64 tokens, so at most 1/16 of it is exact (+7.4% of int8's
+#: bytes at 1K tokens, +1.0% at 8K, none below 1K; docs/kivi.md).
+INT8_LONG_RESIDUAL, LONG_RESIDUAL_SHARE = 64, 16
 
 #: The parts of a policy, as `--help` groups their flags.
 PANELS = {"precision": "KV precision (KIVI)", "streaming": "StreamingLLM", "retrieval": "Retrieval (KIV)"}
@@ -105,6 +109,13 @@ KNOBS: tuple[Knob, ...] = (
        "the storage dtype's bytes in place of packed ones: int8 with R 64 holds 1.07x int8's bytes at 1K "
        "tokens, 1.01x at 8K, and kept the greedy text of the long prompts int8 loses on SmolLM2 "
        "(docs/kivi.md).", r"r(\d+)", "rN (residual)", minimum=0),
+    Knob("long_residual", "--kv-long-residual", int, "precision",
+       "KIVI: the residual grows to N exact tokens (a multiple of G) once the cache holds " + str(LONG_RESIDUAL_SHARE)
+       + " x N tokens (a window or hot budget under that never grows it), so at most 1/" + str(LONG_RESIDUAL_SHARE)
+       + " of a long context is exact. Default: " + str(INT8_LONG_RESIDUAL) + " under int8 (+7.4% of its bytes at "
+       "1K tokens, +1.0% at 8K, none below 1K; it kept the greedy text of all 36 long prompts on SmolLM2, where "
+       "R 32 lost 2), off otherwise; 0 turns it off.", r"lr(\d+)", "lrN (KIVI residual on long contexts)",
+       minimum=0),
     Knob("exact_topk", "--kv-exact-topk", int, "precision",
        "KIVI: per query head, re-score and re-value the K packed tokens with the highest scores from an exact "
        "shadow copy (sharp heads then see exact K/V; 0 = off). Default {default}.",

@@ -1,19 +1,20 @@
-"""The policy spec grammar (generated from `knobs.KNOBS`) and the short label of a policy.
+"""The policy spec grammar (generated from `knobs.KNOBS`), the short label of a policy and its settings.
 
 A policy spec such as "int4+sink4/window252:absolute" names a `CacheConfig` in one string
 (`compare --modes`, `perplexity`, `bench --policies`, needle's grid); `spec_flags` turns it into
-the `CacheConfig.from_flags` keywords and `label` names a config for humans. Nothing here
-validates: `CacheConfig` does, and `config.py` imports this module (never the other way).
+the `CacheConfig.from_flags` keywords, `label` names a config for humans and `describe` lists its
+settings for banners and JSON reports. Nothing here validates: `CacheConfig` does, and `config.py` imports this module (never the other way).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
-from .knobs import KNOBS, Knob
+from .knobs import KNOBS, LONG_RESIDUAL_SHARE, Knob
 
-__all__ = ["SPEC_HELP", "SPEC_PARTS", "label", "spec_flags"]
+__all__ = ["SPEC_HELP", "SPEC_PARTS", "describe", "label", "spec_flags"]
 
 
 def spec_flags(spec: str) -> dict[str, Any]:
@@ -41,6 +42,42 @@ def spec_flags(spec: str) -> dict[str, Any]:
     return flags
 
 
+def describe(config: Any) -> dict:
+    """The active settings of a `CacheConfig`, as shown in banners and JSON reports (derived
+    defaults as in effect: int4's near tier, int8's grown residual)."""
+    d: dict[str, Any] = {"storage": config.storage}
+    if config.quantised:
+        d.update(kivi={"key_bits": config.key_bits, "value_bits": config.value_bits,
+                       "group_size": config.group_size, "residual": config.residual})
+        if config.residual_grows:
+            d["kivi"]["long_residual"] = config.grown_residual
+        if config.value_group is not None:
+            d["kivi"]["value_group"] = config.value_group
+        d["kivi"]["rotate"] = config.rotate
+        if config.near_tier:
+            d["kivi"].update(**({"near": config.near} if config.near else {"near_share": config.tier_share}),
+                             near_bits=config.near_bits)
+        if not (config.streaming or config.retrieval):
+            d["kivi"]["exact_sink"] = config.kivi_sink
+        if config.exact_topk:
+            d["kivi"].update(exact_topk=config.exact_topk, shadow_store=config.shadow_store)
+    if config.streaming:
+        d.update(streaming_llm={"sink": config.sink, "window": config.window,
+                                "rope_mode": config.rope_mode})
+    if config.retrieval:
+        d.update(retrieval={"hot_budget": config.hot_budget, "sink": config.sink,
+                            "retrieve_tokens": config.retrieve_tokens,
+                            "page_size": config.page_size, "top_pages": config.top_pages,
+                            "summary": config.summary, "cold_store": config.cold_store,
+                            "cold_bits": config.cold_bits, "rope_mode": config.rope_mode,
+                            "retrieved_position": config.retrieved_position,
+                            "index_block": config.index_block, "retrieve_unit": config.retrieve_unit,
+                            "sticky": config.sticky, "index_expand": config.index_expand})
+        if config.span_score != "max":
+            d["retrieval"]["span_score"] = config.span_score
+    return d
+
+
 def label(config: Any, default: Any) -> str:
     """A short human name for a `CacheConfig`, e.g. 'int4 + sink4/window256 (shifted)'; the
     defaults (`default(field)`: `CacheConfig`'s) go unnamed."""
@@ -61,6 +98,10 @@ def label(config: Any, default: Any) -> str:
             prec += f", V groups {config.value_group_size}"
         if config.residual != default("residual"):
             prec += f", R {config.residual}"
+        grown = config.grown_residual   # named where it does what the precision's own does not
+        if config.in_effect("long_residual") != dataclasses.replace(config, long_residual=None).in_effect("long_residual"):
+            prec += (f", R {grown} from {LONG_RESIDUAL_SHARE * grown} tokens" if config.residual_grows
+                     else ", no long residual")
         if not config.rotate:
             prec += ", unrotated"
         default_tier = (not config.near and config.tier_share == config.default_near_share()

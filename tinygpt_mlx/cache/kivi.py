@@ -75,7 +75,7 @@ class KiviStore:
         self.group = config.group_size
         # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
         # toward the R exact tokens: blocks freeze where they would without it, at the same bytes
-        self.keep = max(0, config.residual - exact_before)
+        self.exact_before = exact_before
         self.residual = DenseStore(storage, label="residual", step=self.group)
         # the frozen blocks: the body's bits, and with a near tier its newest blocks at more bits
         self.tiers = FrozenTiers(config, storage, codec)
@@ -86,6 +86,13 @@ class KiviStore:
 
     def __len__(self) -> int:
         return self.held + len(self.residual)
+
+    @property
+    def keep(self) -> int:
+        """The newest tokens held exact: R (`CacheConfig.exact_residual`: grown on a long context,
+        counted over every token this body has held) less the exact sink's."""
+        held = self.exact_before + self.frozen + len(self.residual)
+        return max(0, self.config.exact_residual(held) - self.exact_before)
 
     @property
     def n_packed(self) -> int:

@@ -64,7 +64,11 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: positions, kivi.py); version-2 files held them before RoPE or at virtual slots
 #: 4: a shifted retrieval hot window keeps its keys as the model rotated them (frame positions,
 #: layer.py); version-3 files held them before RoPE
-FORMAT_VERSION = 4
+#: 5: the cache config may name fields a version-4 build does not know (int8's `long_residual`);
+#: version-4 files read the same (a field they lack has the behaviour they were saved under,
+#: `_OLDER_FILES`), so this build reads both and an older build calls a newer file newer, not corrupt
+FORMAT_VERSION = 5
+READS_FROM = 4
 
 
 class PromptCacheError(PosttrainError):
@@ -295,14 +299,14 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
     if int(version) > FORMAT_VERSION:
         raise PromptCacheError(f"{path}: prompt-cache format version {version} is newer than this build reads "
                                f"({FORMAT_VERSION}); upgrade posttrainllm or re-create the cache")
-    if int(version) != FORMAT_VERSION:
+    if int(version) < READS_FROM:
         raise PromptCacheError(f"{path}: prompt-cache format version {version} was written by an older "
-                               f"posttrainllm (this build reads {FORMAT_VERSION}); re-create it with cache-prompt")
+                               f"posttrainllm (this build reads {READS_FROM} to {FORMAT_VERSION}); re-create it with cache-prompt")
     return header, meta, data_start, path.stat().st_size
 
 
 #: fields a file written before they existed lacks, with the behaviour that file was saved under
-_OLDER_FILES = {"kivi_sink": 0, "rotate": False}
+_OLDER_FILES = {"kivi_sink": 0, "rotate": False, "long_residual": 0}
 
 
 def _json(path: Path, meta: dict, key: str) -> Any:
