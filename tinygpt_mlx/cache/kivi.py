@@ -69,10 +69,7 @@ class KiviStore:
     def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any,
                  exact_before: int = 0):
         # `CacheConfig` has checked the group size (MLX's set) and refused shifted retrieval.
-        self.config = config
-        self.storage = storage
-        self.positions = positions
-        self.group = config.group_size
+        self.config, self.storage, self.positions, self.group = config, storage, positions, config.group_size
         # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
         # toward the R exact tokens: blocks freeze where they would without it, at the same bytes
         self.exact_before = exact_before
@@ -88,11 +85,9 @@ class KiviStore:
         return self.held + len(self.residual)
 
     @property
-    def keep(self) -> int:
-        """The newest tokens held exact: R (`CacheConfig.exact_residual`: grown on a long context,
-        counted over every token this body has held) less the exact sink's."""
-        held = self.exact_before + self.frozen + len(self.residual)
-        return max(0, self.config.exact_residual(held) - self.exact_before)
+    def keep(self) -> int:   # the newest tokens held exact: R (grown on a long context) less the sink's
+        seen = self.exact_before + self.frozen + len(self.residual)
+        return max(0, self.config.exact_residual(seen) - self.exact_before)
 
     @property
     def n_packed(self) -> int:
@@ -122,8 +117,7 @@ class KiviStore:
             self._freeze(n)
 
     def took(self, keys: mx.array, values: mx.array) -> None:
-        """`append` of one token that freezes nothing, already written into the residual's
-        buffers `keys`, `values` (a compiled step's quiet step, compiled.py)."""
+        """`append` of one token that freezes nothing, already in the residual's buffers (compiled.py)."""
         self.residual.took(keys, values)
 
     def _freeze(self, n: int) -> None:
@@ -257,8 +251,8 @@ class KiviStore:
         return sum(self.nbytes_breakdown().values())
 
     def nbytes_breakdown(self) -> dict[str, int]:
-        """Bytes of the arrays really held: frozen blocks (codes, scales, zeros, and an exact
-        side if any), the near tier's once it holds any, and the residual's stored tokens."""
+        """Bytes held: frozen blocks (codes, scales, zeros, an exact side), the near tier's once it
+        holds any, the residual's tokens."""
         out = {"body_packed": self.tiers.packed.nbytes, "residual": self.residual.nbytes}
         if self.tiers.near is not None and self.tiers.near.n:
             out["body_near"] = self.tiers.near.nbytes
