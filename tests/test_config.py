@@ -103,7 +103,7 @@ SPEC_LABELS = {
     'int8+lr0': ('int8, no long residual',
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int4+lr64': ('int4, R 64 from 1024 tokens',
-        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"exact_sink":4}}'),
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"near_share":8,"near_bits":8,"exact_sink":4}}'),
     'int4+near/0': ('int4, no near tier',
         '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int4+norot+esink0+near/0': ('int4, unrotated, no near tier, no exact sink',
