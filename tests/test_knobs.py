@@ -24,6 +24,7 @@ EXAMPLES = {
     "group_size": ("int4+r128", "g64", ["--kv-group-size", "64"]),
     "value_group": ("int4", "vg64", ["--kv-value-group", "64"]),
     "residual": ("int4", "r128", ["--kv-residual", "128"]),
+    "long_residual": ("int4", "lr64", ["--kv-long-residual", "64"]),
     "exact_topk": ("int4", "top16", ["--kv-exact-topk", "16"]),
     "shadow_store": ("int4+top16", "shadowram", ["--kv-shadow", "ram"]),
     "kivi_sink": ("int4", "esink0", ["--kv-exact-sink", "0"]),
