@@ -883,6 +883,39 @@ def test_int8_residual_grows_to_64_from_1024_tokens(native32):
     assert windowed.owned[0].body.keep == 32 and windowed.owned[0].body.frozen >= 1024
 
 
+@pytest.mark.parametrize("spec", ["int8+sink4/window1020", "int8+sink4/hot1020"])
+def test_grown_residual_under_eviction_compiled_and_checkpointed(native32, spec):
+    """A window or hot window holding 1,024 tokens (the sink counted) grows int8's residual too:
+    the compiled decode step gives the eager step's logits bit for bit across the growth and
+    after it, with blocks evicted; a checkpoint taken before the growth and restored after it
+    decodes as a fresh cache does."""
+    from tinygpt_mlx.generate import forward, prefill
+
+    model, doc = native32.model, np.random.RandomState(2).randint(1, 300, 1060).tolist()
+
+    def decode(cache, logits, n):
+        out = []
+        for _ in range(n):
+            logits = forward(model, mx.array([[int(mx.argmax(logits).item())]]), cache)[0, -1]
+            out.append(logits)
+        return mx.stack(out)
+
+    runs = []
+    for compiled in (True, False):
+        cache = make_cache(model, CacheConfig.from_spec(spec))
+        cache.compile_decode = compiled
+        logits = prefill(model, doc[:1000], cache, 200)
+        mark = cache.checkpoint()
+        runs.append(decode(cache, logits, 120))
+        body = cache.owned[0].body
+        assert body.keep == 64 and body.evicted > 0, (body.keep, body.evicted)
+        cache.restore(mark)
+        assert cache.owned[0].body.keep == 32 and cache.current_length == 1000
+        again = decode(cache, logits, 40)
+        assert mx.array_equal(again, runs[-1][:40])
+    assert mx.array_equal(runs[0], runs[1])
+
+
 def test_int8_long_residual_bytes(native32):
     """The grown residual holds 32 more exact tokens per layer (one block fewer packed) from 1,024
     tokens on, nothing before, and stays within +10% of `int8+lr0`'s bytes at every length."""
@@ -903,6 +936,11 @@ def test_int8_long_residual_bytes(native32):
     (["--kv-quantize", "int8", "--kv-long-residual", "48"], "--kv-long-residual': must be a multiple of --kv-group-size (32), got 48"),
     (["--kv-long-residual", "64"], "--kv-long-residual': grows KIVI's residual: it needs int8/int4/int2 keys or values"),
     (["--kv-quantize", "int8", "--kv-long-residual", "-32"], "--kv-long-residual'"),
+    (["--kv-quantize", "int8", "--kv-residual", "64", "--kv-long-residual", "64"],
+     "--kv-long-residual': must be above --kv-residual (64) to grow the residual, got 64"),
+    (["--kv-quantize", "int4", "--kv-long-residual", "64", "--streaming-llm-sink", "4", "--streaming-llm-window", "512"],
+     "--kv-long-residual': must be at most 1/16 of what the cache holds (sink + --streaming-llm-window/--kiv-hot-budget: "
+     "516) to grow the residual, got 64"),
 ])
 def test_long_residual_bad_values_are_one_line(native32_path, flags, words):
     r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", str(native32_path), "--prompt", "x",

@@ -116,9 +116,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
+        if unknown := set(d) - {f.name for f in dataclasses.fields(cls)}:
             raise ValueError(f"unknown model config keys: {sorted(unknown)}")
         return cls(**d)
 
@@ -135,8 +133,7 @@ class CacheConfig:
                  values' scales and zeros (int2 values: 3 bits a value become 2.5), whose bytes
                  can go to the keys instead (docs/kivi.md)
     residual     KIVI residual R: newest tokens kept exact
-    long_residual KIVI: R grows to this once the cache holds 16x as many tokens (`exact_residual`;
-                 0 = off; None: 64 for int8, else off: `grown_residual`)
+    long_residual KIVI: R grows to this from 16x as many tokens stored (None: int8's 64; `exact_residual`)
     exact_topk   KIVI: per query head, the packed tokens with the K highest scores are re-scored
                  and re-valued from an exact shadow copy (0 = off; cache/kivi.py)
     shadow_store where that shadow lives: "disk" (memory-mapped, default) or "ram"
@@ -236,11 +233,17 @@ class CacheConfig:
                                   "body alone)", ("exact_topk",))
         if self.long_residual and not self.quantised:
             raise ConfigError("long_residual", "grows KIVI's residual: it needs int8/int4/int2 keys or values "
-                              "({kv_quantize})", ("kv_quantize",))
+                              f"({{kv_quantize}}), got {self.long_residual}", ("kv_quantize",))
         for name in ("near", "long_residual"):
             if (getattr(self, name) or 0) % self.group_size:
                 raise ConfigError(name, f"must be a multiple of {{group_size}} ({self.group_size}), got "
                                   f"{getattr(self, name)}", ("group_size",))
+        if self.long_residual and not self.residual_grows:   # a value that would change nothing
+            why = (f"above {{residual}} ({self.residual})" if self.long_residual <= self.residual else
+                   f"at most 1/{LONG_RESIDUAL_SHARE} of what the cache holds (sink + {{window}}/{{hot_budget}}: "
+                   f"{self.most_held})")
+            raise ConfigError("long_residual", f"must be {why} to grow the residual, got {self.long_residual}",
+                              ("residual", "window", "hot_budget"))
         if self.near_tier and any(b is not None and b >= self.near_bits for b in (self.key_bits, self.value_bits)):
             own = " for int4's own near tier ({near_share} 0 turns it off)" if self.near_share is None else ""
             raise ConfigError("near_bits", f"must be above the body's bits ({self.key_bits}/{self.value_bits}), "
@@ -248,10 +251,9 @@ class CacheConfig:
         if self.window is None and self.sink and self.hot_budget is None:
             raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
                               ("window", "hot_budget"))
-        if self.hot_budget is not None:
-            if self.window is not None:
-                raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
-                                  "eviction are alternatives", ("window",))
+        if self.hot_budget is not None and self.window is not None:
+            raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
+                              "eviction are alternatives", ("window",))
         if self.window is None and self.hot_budget is None:
             if self.rope_mode is not None:
                 raise ConfigError("rope_mode", "needs {window} (a StreamingLLM window) or {hot_budget} "
@@ -293,28 +295,26 @@ class CacheConfig:
         return INT4_NEAR_SHARE if plain_int4 else 0
 
     @property
-    def grown_residual(self) -> int:
-        """The residual a long context grows to: `long_residual`, or the precision's (int8 keys and values:
-        knobs.INT8_LONG_RESIDUAL rounded up to G, docs/kivi.md; 0 else)."""
-        grown = -(-INT8_LONG_RESIDUAL // self.group_size) * self.group_size if self.key_bits == self.value_bits == 8 else 0
-        return self.long_residual if self.long_residual is not None else grown
+    def grown_residual(self) -> int:   # R on a long context: `long_residual`, or int8's (INT8_LONG_RESIDUAL, up to G)
+        int8 = -(-INT8_LONG_RESIDUAL // self.group_size) * self.group_size if self.key_bits == self.value_bits == 8 else 0
+        return int8 if self.long_residual is None else self.long_residual
 
     @property
-    def residual_grows(self) -> bool:
-        """Whether R can grow: `grown_residual` above it, and no window or hot budget under
-        LONG_RESIDUAL_SHARE x it (a body that never holds that many tokens keeps R)."""
-        cap = self.window if self.streaming else self.hot_budget
-        return self.grown_residual > self.residual and (cap or 1 << 62) >= LONG_RESIDUAL_SHARE * self.grown_residual
+    def most_held(self) -> Optional[int]:   # tokens the cache can hold: sink + window or hot budget (None: no bound)
+        return self.capacity or (self.sink + self.hot_budget if self.retrieval else None)
 
-    def exact_residual(self, held: int) -> int:
-        """KIVI's R for a body that has held `held` tokens: `residual`, or `grown_residual` from
-        LONG_RESIDUAL_SHARE x that many on (at most 1/16 of the context exact)."""
-        grows = self.residual_grows and held >= LONG_RESIDUAL_SHARE * self.grown_residual
+    @property
+    def residual_grows(self) -> bool:   # R can grow: `grown_residual` above it, a cache able to hold 16x that
+        return self.residual < self.grown_residual <= (self.most_held or 1 << 62) // LONG_RESIDUAL_SHARE
+
+    def exact_residual(self, stored: int) -> int:
+        """KIVI's R once the cache has stored `stored` tokens (its sink counted): `residual`, or
+        `grown_residual` from LONG_RESIDUAL_SHARE x that many on (at most 1/16 of them exact)."""
+        grows = self.residual_grows and stored >= LONG_RESIDUAL_SHARE * self.grown_residual
         return self.grown_residual if grows else self.residual
 
     def in_effect(self, name: str) -> Any:   # a field as the cache uses it (`near_share`: `tier_share`...)
-        grown = self.grown_residual if self.residual_grows else 0
-        return {"near_share": self.tier_share, "long_residual": grown}.get(name, getattr(self, name))
+        return {"near_share": self.tier_share, "long_residual": self.grown_residual * self.residual_grows}.get(name, getattr(self, name))
 
     @property
     def near_tier(self) -> bool:   # a KIVI near tier, of `near` tokens or of 1/`tier_share` of the frozen

@@ -110,11 +110,12 @@ KNOBS: tuple[Knob, ...] = (
        "tokens, 1.01x at 8K, and kept the greedy text of the long prompts int8 loses on SmolLM2 "
        "(docs/kivi.md).", r"r(\d+)", "rN (residual)", minimum=0),
     Knob("long_residual", "--kv-long-residual", int, "precision",
-       "KIVI: the residual grows to N exact tokens (a multiple of G) once the cache holds " + str(LONG_RESIDUAL_SHARE)
-       + " x N tokens (a window or hot budget under that never grows it), so at most 1/" + str(LONG_RESIDUAL_SHARE)
-       + " of a long context is exact. Default: " + str(INT8_LONG_RESIDUAL) + " under int8 (+7.4% of its bytes at "
-       "1K tokens, +1.0% at 8K, none below 1K; it kept the greedy text of all 36 long prompts on SmolLM2, where "
-       "R 32 lost 2), off otherwise; 0 turns it off.", r"lr(\d+)", "lrN (KIVI residual on long contexts)",
+       "KIVI: the residual grows from --kv-residual to N exact tokens (a multiple of G, above R) once the cache "
+       "has stored " + str(LONG_RESIDUAL_SHARE) + " x N tokens, its sink counted (a window or hot budget must hold "
+       "that many), so at most 1/" + str(LONG_RESIDUAL_SHARE) + " of a long context is exact. Default: "
+       + str(INT8_LONG_RESIDUAL) + " under int8 (rounded up to G; +7.4% of its bytes at 1K tokens, +1.0% at 8K, "
+       "none below 1K; it kept the greedy text of all 36 long prompts on SmolLM2, where R 32 lost 2), off "
+       "otherwise; 0 turns it off.", r"lr(\d+)", "lrN (KIVI residual on long contexts)",
        minimum=0),
     Knob("exact_topk", "--kv-exact-topk", int, "precision",
        "KIVI: per query head, re-score and re-value the K packed tokens with the highest scores from an exact "

@@ -4,6 +4,7 @@ Quantization for KV Cache").
 Keys are quantised per channel over blocks of G tokens, values per token over groups of G
 channels (asymmetric affine, `quant.py`). The newest tokens stay exact in a residual of at
 least R; when it holds R + G, its oldest G tokens are quantised once and frozen into the body.
+R is the value in effect (`KiviStore.keep`): int8's grows from 32 to 64 on a long context.
 
 Frozen blocks live in one contiguous array per side, concatenated along T when a block freezes
 (every G decode steps), so decode scores the whole body with one `mx.quantized_matmul` and
@@ -85,9 +86,9 @@ class KiviStore:
         return self.held + len(self.residual)
 
     @property
-    def keep(self) -> int:   # the newest tokens held exact: R (grown on a long context) less the sink's
-        seen = self.exact_before + self.frozen + len(self.residual)
-        return max(0, self.config.exact_residual(seen) - self.exact_before)
+    def keep(self) -> int:   # the newest tokens held exact: R (grown on a long context) less the exact sink's
+        stored = self.config.held_sink + self.frozen + len(self.residual)   # every token stored, the sink's too
+        return max(0, self.config.exact_residual(stored) - self.exact_before)
 
     @property
     def n_packed(self) -> int:

@@ -65,8 +65,8 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: 4: a shifted retrieval hot window keeps its keys as the model rotated them (frame positions,
 #: layer.py); version-3 files held them before RoPE
 #: 5: the cache config may name fields a version-4 build does not know (int8's `long_residual`);
-#: version-4 files read the same (a field they lack has the behaviour they were saved under,
-#: `_OLDER_FILES`), so this build reads both and an older build calls a newer file newer, not corrupt
+#: this build reads version-4 files too (their int8 grows its residual from here on, which any
+#: int8 state allows), and an older build calls a newer file newer, not corrupt
 FORMAT_VERSION = 5
 READS_FROM = 4
 
@@ -306,7 +306,7 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
 
 
 #: fields a file written before they existed lacks, with the behaviour that file was saved under
-_OLDER_FILES = {"kivi_sink": 0, "rotate": False, "long_residual": 0}
+_OLDER_FILES = {"kivi_sink": 0, "rotate": False}
 
 
 def _json(path: Path, meta: dict, key: str) -> Any:
@@ -371,8 +371,8 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
     if config is not None:
         field = config_mismatch(info.config, config)
         if field is not None:
-            raise PromptCacheError(f"{path}: the prompt cache was made with {field}={getattr(info.config, field)!r}, "
-                                   f"not {getattr(config, field)!r}; leave the policy flags out to use the file's")
+            raise PromptCacheError(f"{path}: the prompt cache was made with {field}={info.config.in_effect(field)!r}, "
+                                   f"not {config.in_effect(field)!r}; leave the policy flags out to use the file's")
     mine = model_fingerprint(model)
     if info.model.get("fingerprint") != mine:
         raise PromptCacheError(f"{path}: the prompt cache was made with another model ({info.model.get('name')}, "
