@@ -91,7 +91,9 @@ def bench(
         "--reference", help="The policy every ratio is against, in the same run (e.g. mlx-rotating256 for "
         "long contexts, where our fp32 full cache is slow to prefill).")] = defaults.BENCH_REFERENCE,
     decode_steps: Annotated[int, typer.Option(
-        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step.")] = defaults.BENCH_DECODE_STEPS,
+        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step. A "
+        "KIVI + window policy's compiled step traces each of its ~2G step shapes the first time it meets it, so "
+        "fewer than ~4G steps (128 at G 32) bill those traces to it (docs/results.md).")] = defaults.BENCH_DECODE_STEPS,
     prefill_chunk: c.PrefillChunk = None,
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Write the rows as JSON to this path.", dir_okay=False)] = None,
