@@ -3,7 +3,8 @@
 A policy spec such as "int4+sink4/window252:absolute" names a `CacheConfig` in one string
 (`compare --modes`, `perplexity`, `bench --policies`, needle's grid); `spec_flags` turns it into
 the `CacheConfig.from_flags` keywords, `label` names a config for humans and `describe` lists its
-settings for banners and JSON reports. Nothing here validates: `CacheConfig` does, and `config.py` imports this module (never the other way).
+settings for banners and JSON reports. Nothing here validates: `CacheConfig` does, and
+`config.py` imports this module (never the other way).
 """
 
 from __future__ import annotations
