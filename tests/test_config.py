@@ -100,6 +100,8 @@ def test_from_flags_uses_the_precision_table():
 # recorded from the code before `from_spec` was the one parser (commit 121c9e2); a full int8
 # cache's entries name its long residual since it became int8's default (2026-12-04).
 SPEC_LABELS = {
+    'fp16+k4v4+lr64': ('int4, fp16 exact, R 64 from 1024 tokens',
+        '{"storage":"fp16","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"long_residual":64,"rotate":true,"near_share":8,"near_bits":8,"exact_sink":4}}'),
     'k6v6': ('int6',
         '{"storage":"fp32","kivi":{"key_bits":6,"value_bits":6,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int8+lr0': ('int8, no long residual',
