@@ -134,7 +134,7 @@ class _TracedKivi:
         cfg = self.config
         body = [PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)]
         if self.near:     # the near tier, as the eager step reads it (packed.FrozenTiers.segments)
-            body.append(PackedSegment(PackedRun.of(*self.near, cfg, cfg.near_bits), self.positions))
+            body.append(PackedSegment(PackedRun.of(*self.near, cfg, near=True), self.positions))
         # the live tokens and the new one, read back from the written buffers (so the buffers are
         # part of the logits' graph); the live views' shapes give the length, a shape of the trace
         res_k, res_v = (mx.slice(b, self.head, (2,), (*live.shape[:2], live.shape[2] + 1, live.shape[3]))

@@ -62,12 +62,10 @@ class PackedRun:
         self.n = 0
 
     @classmethod
-    def of(cls, keys: Side, values: Side, config: Any, bits: Optional[int] = None) -> "PackedRun":
-        """A body's packed sides as a run to read (a compiled step's inputs, compiled.py); `bits`:
-        its near tier's (`config.near_bits`), on the sides the body quantises."""
-        kb, vb = ((bits if config.key_bits else None, bits if config.value_bits else None) if bits
-                  else (config.key_bits, config.value_bits))
-        run = cls(kb, vb, config.group_size, mx.float32, None, config.rotate, config.value_group_size)
+    def of(cls, keys: Side, values: Side, config: Any, near: bool = False) -> "PackedRun":
+        """A body's packed sides (`near`: its near tier's) as a run to read (a compiled step's
+        inputs, compiled.py)."""
+        run = cls(*run_bits(config, near), config.group_size, mx.float32, None, config.rotate, config.value_group_size)
         run.keys, run.values = keys, values
         return run
 
@@ -161,17 +159,22 @@ class PackedRun:
 
 
 
+def run_bits(config: Any, near: bool = False) -> tuple[Optional[int], Optional[int]]:
+    """The key and value bits of a KIVI body's frozen run: the config's, or with `near` its near
+    tier's (`near_bits` on each side the body quantises; an exact side stays exact)."""
+    kb, vb = config.key_bits, config.value_bits
+    return (config.near_bits if kb else None, config.near_bits if vb else None) if near else (kb, vb)
+
+
 class NearTier(PackedRun):
     """A KIVI body's near tier: its newest frozen tokens at `near_bits` (`CacheConfig.near`
     tokens, or the newest 1/`near_share` of the frozen ones in whole groups), a `PackedRun` that
     blocks freeze into and leave, oldest first, once past its `cap`, to be packed again at the
     body's bits."""
 
-    def __init__(self, config: Any, key_bits: Optional[int], value_bits: Optional[int], storage: mx.Dtype,
-                 codec: Any):
-        bits = config.near_bits
-        super().__init__(bits if key_bits else None, bits if value_bits else None, config.group_size, storage,
-                         codec, config.rotate, config.value_group_size)
+    def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
+        super().__init__(*run_bits(config, near=True), config.group_size, storage, codec, config.rotate,
+                         config.value_group_size)
         self.size, self.share = config.near, config.tier_share
 
     def cap(self, held: int) -> int:
@@ -288,9 +291,9 @@ class FrozenTiers:
     its oldest blocks on to the body once past its cap. An exact side stays exact in both."""
 
     def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
-        kb, vb = config.key_bits, config.value_bits
-        self.packed = PackedRun(kb, vb, config.group_size, storage, codec, config.rotate, config.value_group_size)
-        self.near: Optional[NearTier] = NearTier(config, kb, vb, storage, codec) if config.near_tier else None
+        self.packed = PackedRun(*run_bits(config), config.group_size, storage, codec, config.rotate,
+                                config.value_group_size)
+        self.near: Optional[NearTier] = NearTier(config, storage, codec) if config.near_tier else None
 
     @property
     def n(self) -> int:

@@ -301,7 +301,8 @@ def _open(path: Path) -> tuple[dict, dict, int, int]:
                                f"({FORMAT_VERSION}); upgrade posttrainllm or re-create the cache")
     if int(version) < READS_FROM:
         raise PromptCacheError(f"{path}: prompt-cache format version {version} was written by an older "
-                               f"posttrainllm (this build reads {READS_FROM} to {FORMAT_VERSION}); re-create it with cache-prompt")
+                               f"posttrainllm (this build reads {READS_FROM} to {FORMAT_VERSION}); re-create it with "
+                               "cache-prompt")
     return header, meta, data_start, path.stat().st_size
 
 
