@@ -80,6 +80,73 @@ def test_directory_with_one_gguf(tmp_path, tiny_gguf):
         resolve(tmp_path)
 
 
+EXPECTED = ('not a model file: expected a GGUF file (magic "GGUF") or a safetensors file such as a .tinygpt model '
+            '(not a safetensors file: ')
+
+
+@pytest.mark.parametrize("name, content, tail", [
+    ("x.gguf", b"hello world, just some text\n", 'bad header length); it starts with "hello world, just some t" (text)'),
+    ("x.tinygpt", b"", "only 0 bytes); it is empty"),
+    ("x.tinygpt", b"GGU", "only 3 bytes); it starts with \"GGU\" (text)"),
+    ("x.tinygpt", bytes(64), "bad header length); it starts with 24 zero bytes"),
+    ("model.bin", b"PK\x03\x04" + bytes(40), "bad header length); it starts with bytes 50 4b 03 04 00 00 00 00 00 00 "
+                                              "00 00 00 00 00 00 (a ZIP archive, e.g. a PyTorch checkpoint)"),
+    ("x.gguf", b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n",
+     "bad header length); it is a Git LFS pointer, not the file itself (fetch it with `git lfs pull`)"),
+    ("x.tinygpt", (5).to_bytes(8, "little") + b"[1,2]", "header is not JSON); it starts with bytes 05 00 00 00 00 00 00 00 "
+                                                      "5b 31 2c 32 5d"),
+])
+def test_a_file_of_no_known_kind_names_both_kinds_and_its_start(tmp_path, name, content, tail):
+    """GGUF is told by its magic, safetensors (.tinygpt) by its header's shape; anything else is
+    one line naming both and what the file starts with (a text file named x.gguf used to get
+    'not a safetensors file (bad header length)', which named neither)."""
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    with pytest.raises(ModelFormatError) as e:
+        resolve(bad)
+    assert str(e.value) == f"{bad}: {EXPECTED}{tail}"
+
+
+def test_a_file_that_looks_like_safetensors_goes_to_the_tinygpt_reader(tmp_path, native_path):
+    """A truncated .tinygpt file keeps the reader's precise message (not the sniffing one)."""
+    raw = native_path.read_bytes()
+    cut = tmp_path / "cut.tinygpt"
+    cut.write_bytes(raw[:-100])
+    assert resolve(cut).format == "tinygpt"
+    from tinygpt_mlx.loading import load
+    with pytest.raises(ModelFormatError, match="truncated"):
+        load(cut)
+
+
+def test_a_directory_without_config_names_what_was_expected_and_what_it_holds(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    expected = ("not a model directory (no config.json): expected config.json and *.safetensors weights "
+                "(an mlx-lm / Hugging Face model) or one GGUF file; ")
+    with pytest.raises(ModelFormatError) as e:
+        resolve(empty)
+    assert str(e.value) == f"{empty}: {expected}it is empty"
+    held = tmp_path / "held"
+    (held / "sub").mkdir(parents=True)
+    for i in range(7):
+        (held / f"f{i}.txt").write_text("x")
+    with pytest.raises(ModelFormatError) as e:
+        resolve(held)
+    assert str(e.value) == f"{held}: {expected}it holds f0.txt, f1.txt, f2.txt, f3.txt, f4.txt, f5.txt and 2 more"
+
+
+def test_cli_names_a_text_file_posing_as_gguf_in_one_line(tmp_path):
+    from tinygpt_mlx.cli.main import app
+
+    bad = tmp_path / "x.gguf"
+    bad.write_text("hello world, just some text\n")
+    for command in (["sample", str(bad), "--prompt", "x"], ["info", str(bad)]):
+        r = CliRunner().invoke(app, command)
+        assert r.exit_code == 1 and r.stdout == ""
+        assert r.stderr.splitlines() == [f"error: {bad}: {EXPECTED}bad header length); it starts with "
+                                         '"hello world, just some t" (text)'], r.stderr
+
+
 def test_ollama_names(tmp_path, monkeypatch, tiny_gguf):
     _, gguf = tiny_gguf
     make_ollama_store(tmp_path, gguf, "tiny", "1b")

@@ -92,8 +92,64 @@ def _from_path(path: Path, source: str, name: str) -> Resolved:
             if len(ggufs) > 1:
                 raise ModelFormatError(f"{path}: holds {len(ggufs)} GGUF files "
                                        f"({', '.join(p.name for p in ggufs[:6])}); name one")
+            raise ModelFormatError(f"{path}: not a model directory (no config.json): expected config.json and "
+                                   f"*.safetensors weights (an mlx-lm / Hugging Face model) or one GGUF file; "
+                                   f"{_listing(path)}")
         return Resolved(path, "mlx-lm", source, name, str(path))
-    return Resolved(path, "gguf" if is_gguf(path) else "tinygpt", source, name, str(path))
+    if is_gguf(path):
+        return Resolved(path, "gguf", source, name, str(path))
+    _refuse_unknown_file(path)
+    return Resolved(path, "tinygpt", source, name, str(path))
+
+
+def _listing(path: Path) -> str:
+    """What a directory holds, in a few words (for the error naming what it is instead)."""
+    try:
+        names = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
+    except OSError as e:
+        return f"it cannot be listed ({e.strerror})"
+    if not names:
+        return "it is empty"
+    more = f" and {len(names) - 6} more" if len(names) > 6 else ""
+    return f"it holds {', '.join(names[:6])}{more}"
+
+
+def _refuse_unknown_file(path: Path) -> None:
+    """A file that is neither GGUF (checked before) nor safetensors (`.tinygpt` files are
+    safetensors: an 8-byte little-endian header length, then the JSON header's `{`) is refused
+    in one line naming both expected kinds and what the file starts with. A file that looks like
+    safetensors passes, for `format.load_file` to check in detail (truncation, metadata, ...)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(24)
+    except OSError as e:
+        raise ModelFormatError(f"{path}: cannot read file ({e.strerror})") from None
+    if len(head) >= 9 and 0 < int.from_bytes(head[:8], "little") <= size - 8 and head[8:9] == b"{":
+        return
+    why = (f"only {size} bytes" if size < 9 else "header is not JSON"
+           if 0 < int.from_bytes(head[:8], "little") <= size - 8 else "bad header length")
+    raise ModelFormatError(f"{path}: not a model file: expected a GGUF file (magic \"GGUF\") or a "
+                           f"safetensors file such as a .tinygpt model (not a safetensors file: {why}); "
+                           f"{starts_with(head)}")
+
+
+def starts_with(head: bytes) -> str:
+    """'it starts with ...' for a file's first bytes: the text when they read as text, else hex
+    (with the commonest wrong files named: an LFS pointer, a ZIP/PyTorch checkpoint, a pickle)."""
+    if not head:
+        return "it is empty"
+    if head.startswith(b"version https://git-lfs"):
+        return "it is a Git LFS pointer, not the file itself (fetch it with `git lfs pull`)"
+    kind = (" (a ZIP archive, e.g. a PyTorch checkpoint)" if head.startswith(b"PK\x03\x04")
+            else " (a Python pickle, e.g. a PyTorch checkpoint)" if head[:1] == b"\x80" and head[1:2] in b"\x02\x03\x04\x05"
+            else "")
+    text = head.decode("utf-8", errors="ignore") if not kind else ""
+    if text and len(text.encode()) >= len(head) - 3 and all(c.isprintable() or c in "\t\r\n" for c in text):
+        return f"it starts with {json.dumps(text)} (text)"
+    if not head.strip(b"\0"):
+        return f"it starts with {len(head)} zero bytes"
+    return f"it starts with bytes {head[:16].hex(' ')}{kind}"
 
 
 # -- ollama ----------------------------------------------------------------------------------
