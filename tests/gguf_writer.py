@@ -25,10 +25,20 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", quant: Optional[str] =
                quant_only: tuple = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                     "ffn_down", "token_embd"),
                tokenizer_model: str = "gpt2", pre: Optional[str] = None, extra_md: Optional[dict] = None,
-               chat_template: Optional[str] = None) -> Path:
-    """`src`: an mlx-lm model directory (config.json, model.safetensors, tokenizer.json)."""
+               chat_template: Optional[str] = None, tied: Optional[bool] = None) -> Path:
+    """`src`: an mlx-lm model directory (config.json, model.safetensors, tokenizer.json).
+
+    `tied` says whether the file has its own `output.weight`, as llama.cpp's converter decides:
+    None writes what the source holds (its `lm_head.weight` if it has one), True writes no output
+    tensor (the output is the token embeddings, so a source with its own lm_head becomes a different
+    model), False always writes one (a copy of the embeddings when the source ties them).
+    """
     config = json.loads((src / "config.json").read_text())
     weights = mx.load(str(src / "model.safetensors"))
+    if tied:
+        weights.pop("lm_head.weight", None)
+    elif tied is False and "lm_head.weight" not in weights:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
     w = gguf.GGUFWriter(str(out), arch)
     n_layers = config["num_hidden_layers"]
     w.add_context_length(config.get("max_position_embeddings", 2048))
@@ -52,7 +62,8 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", quant: Optional[str] =
     qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
     for name, value in weights.items():
         base, suffix = name.rsplit(".", 1)
-        gname = names.get_name(base)
+        # ggml's map lists no output tensor for the architectures llama.cpp always ties (gemma2)
+        gname = names.get_name(base) or ("output" if base == "lm_head" else None)
         assert gname, f"no GGUF name for {name}"
         arr = np.array(value.astype(mx.float32))
         if arch in PERMUTED and base.endswith(("q_proj", "k_proj")):

@@ -21,6 +21,7 @@ from tinygpt_mlx import generate_text
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.errors import ModelFormatError
+from tinygpt_mlx.ggml.header import read_header
 from tinygpt_mlx.loading import load
 
 PROMPT = [5, 17, 42, 99, 7, 3, 250, 11, 64, 31]
@@ -44,8 +45,10 @@ def _tokenizer_json() -> str:
     return tok.to_str()
 
 
-def _build_dir(path: Path, model_type: str, tok_json: str, seed: int = 0, **extra) -> Path:
-    """A tiny random mlx-lm model directory of `model_type`, with a chat template."""
+def _build_dir(path: Path, model_type: str, tok_json: str, seed: int = 0, drop_lm_head: bool = False,
+               **extra) -> Path:
+    """A tiny random mlx-lm model directory of `model_type`, with a chat template
+    (`drop_lm_head`: saved without lm_head.weight, which ties a model that has no tie flag)."""
     import importlib
 
     path.mkdir(parents=True, exist_ok=True)
@@ -57,7 +60,7 @@ def _build_dir(path: Path, model_type: str, tok_json: str, seed: int = 0, **extr
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     params = {k: v * 3.0 if v.ndim == 2 else v + 0.1 * mx.random.normal(v.shape)
-              for k, v in tree_flatten(model.parameters())}
+              for k, v in tree_flatten(model.parameters()) if not (drop_lm_head and k == "lm_head.weight")}
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text(tok_json)
@@ -72,35 +75,63 @@ def tok_json():
     return _tokenizer_json()
 
 
+ARCHS = [("llama", "llama", {}),
+         ("qwen2", "qwen2", {}),
+         ("qwen3", "qwen3", {"head_dim": 16}),
+         ("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16}),
+         ("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 16,
+                                    "sliding_window": 512, "rope_local_base_freq": 10000.0,
+                                    "sliding_window_pattern": 6, "num_hidden_layers": 6}),
+         ("phi3", "phi3", {"max_position_embeddings": 256, "original_max_position_embeddings": 256,
+                           "tie_word_embeddings": False})]
+# Whether `tiny` writes each architecture tied (no output.weight); `tiny_flipped` writes the other way.
+TIED_IN_TINY = {"llama": True, "qwen2": True, "qwen3": True, "gemma2": True, "gemma3": False, "phi3": False}
+
+
+def _write_tiny(root: Path, tok_json: str, flipped: bool) -> dict:
+    out = {}
+    for arch, model_type, extra in ARCHS:
+        tied = TIED_IN_TINY[arch] != flipped
+        extra, drop, write_tied = dict(extra), False, None
+        if not flipped:
+            pass
+        elif model_type == "gemma3_text":
+            drop = tied            # no tie flag: mlx-lm ties a checkpoint that has no lm_head.weight
+        elif model_type == "gemma2":
+            write_tied = tied      # mlx-lm's gemma2 always ties: untied = output.weight equal to the embeddings
+        else:
+            extra["tie_word_embeddings"] = tied
+        name = f"{arch}-{'tied' if tied else 'untied'}"
+        src = _build_dir(root / f"{name}-src", model_type, tok_json, drop_lm_head=drop, **extra)
+        md = ({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
+              if arch == "gemma2" else {})
+        out[arch] = (src, write_gguf(src, root / f"{name}.gguf", arch, extra_md=md, tied=write_tied))
+    return out
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tok_json):
     """name -> (source directory, GGUF written from it)."""
-    root = tmp_path_factory.mktemp("gguf")
-    out = {}
-    for arch, model_type, extra in [("llama", "llama", {}),
-                                    ("qwen2", "qwen2", {}),
-                                    ("qwen3", "qwen3", {"head_dim": 16}),
-                                    ("gemma2", "gemma2", {"head_dim": 16, "query_pre_attn_scalar": 16}),
-                                    ("gemma3", "gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 16,
-                                                               "sliding_window": 512, "rope_local_base_freq": 10000.0,
-                                                               "sliding_window_pattern": 6, "num_hidden_layers": 6}),
-                                    ("phi3", "phi3", {"max_position_embeddings": 256,
-                                                      "original_max_position_embeddings": 256,
-                                                      "tie_word_embeddings": False})]:
-        src = _build_dir(root / f"{arch}-src", model_type, tok_json, **extra)
-        md = ({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0}
-              if arch == "gemma2" else {})
-        out[arch] = (src, write_gguf(src, root / f"{arch}.gguf", arch, extra_md=md))
-    return out
+    return _write_tiny(tmp_path_factory.mktemp("gguf"), tok_json, flipped=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_flipped(tmp_path_factory, tok_json):
+    """As `tiny`, each architecture written the other way: tied where `tiny` is untied and back."""
+    return _write_tiny(tmp_path_factory.mktemp("gguf-flipped"), tok_json, flipped=True)
 
 
 def _logits(loaded, ids):
     return loaded.model(mx.array([ids]))[0].astype(mx.float32)
 
 
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3"])
-def test_f32_gguf_equals_source_directory(tiny, arch):
-    src, path = tiny[arch]
+def test_f32_gguf_equals_source_directory(tiny, tiny_flipped, arch, tied):
+    """Each architecture from a file whose output is tied to the token embeddings (no
+    output.weight, as llama.cpp writes Gemma and the small Llamas) and from one with its own."""
+    src, path = (tiny if TIED_IN_TINY[arch] == tied else tiny_flipped)[arch]
+    assert ("output.weight" in read_header(path).tensor_types) == (not tied)
     with load(src) as ref, load(path) as ours:
         assert ours.format == "gguf" and ours.info["architecture"] == arch
         a, b = _logits(ref, PROMPT), _logits(ours, PROMPT)
@@ -210,6 +241,41 @@ def test_unsupported_architecture_is_one_line(tmp_path, tiny):
     (tmp_path / "falcon.gguf").write_bytes(data)
     with pytest.raises(ModelFormatError, match=r"architecture 'falcn' is not supported \(supported: .*llama"):
         load(tmp_path / "falcon.gguf")
+
+
+def _one_error_line(r) -> str:
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def test_untied_output_for_an_always_tied_model_is_one_line(tmp_path, tiny):
+    """mlx-lm's gemma2 always computes its output with the token embeddings: a file with an
+    output.weight of its own would silently run without it, so it is refused, naming the tensor."""
+    src, _ = tiny["gemma2"]
+    odd = tmp_path / "src"
+    shutil.copytree(src, odd)
+    weights = mx.load(str(odd / "model.safetensors"))
+    weights["lm_head.weight"] = mx.random.normal(weights["model.embed_tokens.weight"].shape)
+    mx.save_safetensors(str(odd / "model.safetensors"), weights)
+    path = write_gguf(odd, tmp_path / "untied.gguf", "gemma2")
+    line = _one_error_line(_run(["sample", str(path), "--prompt", "x", "--tokens", "1"]))
+    assert str(path) in line and "output.weight" in line and "gemma2" in line and "ties" in line, line
+
+
+def test_tensor_that_does_not_fit_is_named(tmp_path, tiny):
+    """A tensor of the wrong shape: the one line names the parameter and the GGUF tensor."""
+    src, _ = tiny["llama"]
+    odd = tmp_path / "src"
+    shutil.copytree(src, odd)
+    weights = mx.load(str(odd / "model.safetensors"))
+    weights["model.norm.weight"] = weights["model.norm.weight"][:32]
+    mx.save_safetensors(str(odd / "model.safetensors"), weights)
+    path = write_gguf(odd, tmp_path / "narrow.gguf", "llama")
+    line = _one_error_line(_run(["sample", str(path), "--prompt", "x", "--tokens", "1"]))
+    assert str(path) in line and "model.norm.weight (GGUF output_norm.weight)" in line, line
+    assert "(32,)" in line and "(64,)" in line, line
 
 
 def test_truncated_gguf_is_one_line(tmp_path, tiny):

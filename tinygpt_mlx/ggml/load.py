@@ -16,6 +16,7 @@ block-quantised tensors MLX holds natively either stay packed (`QuantizedLinear`
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +67,14 @@ def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict,
     except (TypeError, ValueError, KeyError) as e:
         raise ModelFormatError(f"{path}: mlx-lm cannot build a {arch.model_type} model from this "
                                f"GGUF's metadata ({e})") from None
-    params = _gguf_params(model, contents, arch, config, mode, str(path))
+    params, sources = _gguf_params(model, contents, arch, config, mode, str(path))
     _quantize_packed(model, params)
     model.eval()
     try:
         model.load_weights(list(params.items()), strict=True)
     except ValueError as e:
         raise ModelFormatError(f"{path}: tensors do not fit mlx-lm's {arch.model_type} model "
-                               f"({str(e).splitlines()[0]})") from None
+                               f"({_one_line(str(e), sources)})") from None
     mx.eval(model.parameters())
     dtype_name = str(compute_dtype()).rsplit(".", 1)[-1]
     held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {dtype_name}"
@@ -91,36 +92,78 @@ def _dense(t: Any, dtype) -> mx.array:
 
 
 def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: dict, mode: str,
-                 source: str) -> dict[str, mx.array]:
-    """mlx-lm parameter name -> array (packed parameters as .weight/.scales/.biases)."""
+                 source: str) -> tuple[dict[str, mx.array], dict[str, str]]:
+    """(mlx-lm parameter name -> array, parameter name -> the GGUF tensor it came from); packed
+    parameters as .weight/.scales/.biases.
+
+    A file without `output.weight` ties its output to the token embeddings (llama.cpp's rule for
+    every architecture): a model that still has an `lm_head` (its config has no tie flag, as
+    mlx-lm's gemma3_text) gets `token_embd.weight` there, the same arrays as its embedding. A file
+    with an `output.weight` for a model that has no `lm_head` (mlx-lm's gemma2 always ties) loads
+    only if that tensor equals the embeddings; otherwise one line says the two do not fit.
+    """
     import gguf   # noqa: PLC0415 (the name map; imported only when a GGUF is loaded)
 
     arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.gguf]
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     dtype = compute_dtype()
+    flat = tree_flatten(model.parameters())
+    tied_file = "output.weight" not in contents.tensors
+    if not tied_file and not any(p.startswith("lm_head.") for p, _ in flat):
+        _check_output_is_embedding(contents, arch, source)
     out: dict[str, mx.array] = {}
-    for pname, _ in tree_flatten(model.parameters()):
+    sources: dict[str, str] = {}
+    done: dict[str, Any] = {}   # GGUF key -> the tensor after conversion (a tied pair shares it)
+    for pname, _ in flat:
         base, suffix = pname.rsplit(".", 1)
-        if config.get("tie_word_embeddings") and base == "lm_head":
-            continue
         gname = names.get_name(base)
         key = f"{gname}.{suffix}" if gname else None
+        if base == "lm_head" and tied_file:
+            key = f"token_embd.{suffix}"
         if key not in contents.tensors:
             raise ModelFormatError(f"{source}: no tensor for {pname} (looked for {key or 'a GGUF name'})")
-        t = contents.tensors[key]
-        if arch.permute_qk and suffix in ("weight", "bias") and base.endswith(("q_proj", "k_proj")):
-            heads = config["num_attention_heads"] if base.endswith("q_proj") else config["num_key_value_heads"]
-            t = _unpermute(t, heads)
-        if arch.norm_offset and "norm" in base and suffix == "weight":
-            t = _dense(t, mx.float32) - arch.norm_offset
-        if isinstance(t, Packed) and mode == "packed":
+        sources[pname] = key
+        if key in done:
+            t = done[key]
+        else:
+            t = contents.tensors[key]
+            if arch.permute_qk and suffix in ("weight", "bias") and base.endswith(("q_proj", "k_proj")):
+                heads = config["num_attention_heads"] if base.endswith("q_proj") else config["num_key_value_heads"]
+                t = _unpermute(t, heads)
+            if arch.norm_offset and "norm" in base and suffix == "weight":
+                t = _dense(t, mx.float32) - arch.norm_offset
+            if not (isinstance(t, Packed) and mode == "packed"):
+                t = _dense(t, dtype)
+            done[key] = t
+        if isinstance(t, Packed):
             # scales and biases in the compute dtype: a float32 activation on the CPU backend
             # keeps the matmul in float32 (fp16 scales would make it an fp16 matmul)
             out[f"{base}.weight"] = t.weight
             out[f"{base}.scales"], out[f"{base}.biases"] = t.scales.astype(dtype), t.biases.astype(dtype)
+            sources[f"{base}.scales"] = sources[f"{base}.biases"] = key
         else:
-            out[pname] = _dense(t, dtype)
-    return out
+            out[pname] = t
+    return out, sources
+
+
+def _check_output_is_embedding(contents: GGUFContents, arch: Arch, source: str) -> None:
+    """mlx-lm's model computes its output with the token embeddings: a file's own output.weight
+    must be those embeddings, or the model would silently run without it."""
+    output, embd = contents.tensors["output.weight"], contents.tensors.get("token_embd.weight")
+    same = embd is not None and bool(mx.array_equal(_dense(output, mx.float32), _dense(embd, mx.float32)))
+    if not same:
+        raise ModelFormatError(f"{source}: the GGUF has its own output.weight (an untied output), but "
+                               f"mlx-lm's {arch.model_type} model always ties its output to "
+                               "token_embd.weight; this file cannot run as it was made")
+
+
+def _one_line(message: str, sources: dict[str, str]) -> str:
+    """mlx's load_weights message on one line, each parameter it names followed by the GGUF
+    tensor it was read from."""
+    text = " ".join(part.strip() for part in message.splitlines() if part.strip())
+    return re.sub(r"[A-Za-z0-9_.]+\.(?:weight|bias|scales|biases)\b",
+                  lambda m: (f"{m.group(0)} (GGUF {sources[m.group(0)]})" if m.group(0) in sources
+                             else m.group(0)), text)
 
 
 def _unpermute(t: Any, heads: int) -> Any:
