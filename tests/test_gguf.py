@@ -146,6 +146,24 @@ def test_f32_gguf_equals_source_directory(tiny, tiny_flipped, arch, tied):
         assert generate_text(ours, PROMPT, **greedy) == generate_text(ref, PROMPT, **greedy)
 
 
+def test_tied_gemma3_is_tied_as_mlx_lm_ties_it(tiny_flipped, monkeypatch):
+    """mlx-lm's gemma3_text has no tie flag: a tied file drops its lm_head as mlx-lm's own sanitize
+    does for a checkpoint without lm_head.weight (the parameter count is the model's, not twice its
+    embedding); a model that kept an lm_head would get the embedding's own arrays there."""
+    import mlx_lm.models.gemma3_text as g3
+
+    src, path = tiny_flipped["gemma3"]
+    with load(src) as ref:
+        want = _logits(ref, PROMPT)
+        with load(path) as ours:
+            assert "lm_head" not in ours.model and ours.model.tie_word_embeddings
+            assert ours.info["parameters"] == ref.info["parameters"]
+        monkeypatch.setattr(g3.Model, "sanitize", lambda self, weights: weights)
+        with load(path) as kept:
+            assert kept.model.lm_head.weight is kept.model.model.embed_tokens.weight
+            assert float(mx.abs(_logits(kept, PROMPT) - want).max()) < 1e-5
+
+
 def test_llama_permutation_is_undone(tiny):
     """Loading without the un-permutation (what a loader that forgets llama.cpp's Q/K layout
     computes) is far off: the test above can fail."""

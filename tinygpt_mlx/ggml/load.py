@@ -97,8 +97,10 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
     parameters as .weight/.scales/.biases.
 
     A file without `output.weight` ties its output to the token embeddings (llama.cpp's rule for
-    every architecture): a model that still has an `lm_head` (its config has no tie flag, as
-    mlx-lm's gemma3_text) gets `token_embd.weight` there, the same arrays as its embedding. A file
+    every architecture). A model built with an `lm_head` all the same (its config has no tie flag)
+    is first tied by mlx-lm's own rule, its `sanitize` of a checkpoint without `lm_head.weight`
+    (gemma3_text drops its lm_head and uses the embedding); one that still has it gets
+    `token_embd.weight` there, the same arrays as its embedding. A file
     with an `output.weight` for a model that has no `lm_head` (mlx-lm's gemma2 always ties) loads
     only if that tensor equals the embeddings; otherwise one line says the two do not fit.
     """
@@ -107,8 +109,10 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
     arch_enum = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch.gguf]
     names = gguf.get_tensor_name_map(arch_enum, config["num_hidden_layers"])
     dtype = compute_dtype()
-    flat = tree_flatten(model.parameters())
     tied_file = "output.weight" not in contents.tensors
+    if tied_file and "lm_head" in model and hasattr(model, "sanitize"):
+        model.sanitize({})
+    flat = tree_flatten(model.parameters())
     if not tied_file and not any(p.startswith("lm_head.") for p, _ in flat):
         _check_output_is_embedding(contents, arch, source)
     out: dict[str, mx.array] = {}
