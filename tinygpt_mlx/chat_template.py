@@ -12,9 +12,18 @@ add_special_tokens=False)`: the template writes any BOS itself). Everything else
     Assistant:
 
 with "\\nUser:" as a stop string, so the model does not write the user's next line.
+
+Prompt-cache files (docs/prompt-cache.md). `posttrainllm cache-prompt` on a templated model
+saves the document as the opening of the user's message (`open_turn`): the file's tokens are
+those of the prompt `sample --prompt "DOCUMENT\n\nQUESTION"` would feed that every question
+shares, and its `PromptTurn` record names the template, the system message and the document,
+so that `sample --prompt-cache FILE --prompt QUESTION` feeds exactly what that one-shot prompt
+feeds after them (`PromptTurn.prompt_ids`).
 """
 from __future__ import annotations
 
+import hashlib
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 PLAIN_STOP = "\nUser:"
@@ -108,3 +117,83 @@ def turn_text(tokenizer: Any, messages: list[dict], user: str, use_template: boo
     eot = closed[closed.rindex(PLACEHOLDER) + 1:] if PLACEHOLDER in closed else ""
     system = [m for m in messages[:1] if m.get("role") == "system"]
     return eot + render(tokenizer, system + [new], True, use_template), "alone"
+
+
+# ----- prompt-cache files: the user's turn left open after a document ----------------------------
+#: Between a prompt-cache file's document and the question that completes the user's message.
+DOCUMENT_SEPARATOR = "\n\n"
+#: Questions starting with a letter, a space, a line break, a digit, punctuation, a quote, a
+#: non-ASCII letter: a file keeps only the tokens all their prompts share, so that where the
+#: tokenizer joins the document's end to what follows (".\n\n" is one piece for Llama 3's
+#: pre-tokenizer, "\n\n" before a letter two for GPT-2's) the join is left to the question.
+PROBES = ("What", " Which", "who", "\n", "\n\nQ", "1.", "?", '"', "-", "(", "\u00e9t\u00e9", "\u6771")
+
+
+def template_id(tokenizer: Any) -> Optional[str]:
+    """sha256 of the model's chat template text, or None where it has none."""
+    if not has_template(tokenizer):
+        return None
+    return hashlib.sha256(str(wrapper_of(tokenizer).chat_template).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class PromptTurn:
+    """Where a prompt-cache file's tokens stand in the chat format (the file's `chat` record).
+
+    `template`: `template_id` of the chat template the tokens were made with; None: raw text.
+    `turn`: "text" (raw text, continued as written), "user" (cache-prompt: the system message,
+    if any, then the user's message opened by `document`; a question completes and closes it)
+    or "reply" (the assistant's reply as far as it was generated: `sample --save-prompt-cache`
+    after a templated prompt)."""
+    template: Optional[str] = None
+    turn: str = "text"
+    system: Optional[str] = None
+    document: Optional[str] = None
+
+    TURNS = ("text", "user", "reply")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "PromptTurn":
+        """The record read back; ValueError names what is wrong with it."""
+        if not isinstance(d, dict) or set(d) - {"template", "turn", "system", "document"}:
+            raise ValueError(f"chat record {d!r}")
+        turn = cls(d.get("template"), d.get("turn", "text"), d.get("system"), d.get("document"))
+        strings = (turn.template, turn.system, turn.document)
+        if turn.turn not in cls.TURNS or any(v is not None and not isinstance(v, str) for v in strings) \
+                or (turn.turn != "text") != (turn.template is not None) \
+                or (turn.turn == "user") != (turn.document is not None):
+            raise ValueError(f"chat record {d!r}")
+        return turn
+
+    @property
+    def templated(self) -> bool:
+        return self.template is not None
+
+    def message(self, prompt: str) -> str:
+        """The user's message `prompt` completes (an open "user" turn): the document, a blank
+        line, the prompt; a prompt that repeats the document at its start (then whitespace, or
+        nothing) is the whole message."""
+        doc = self.document or ""
+        if prompt.startswith(doc) and (len(prompt) == len(doc) or prompt[len(doc)].isspace()):
+            return prompt
+        return doc + DOCUMENT_SEPARATOR + prompt
+
+    def prompt_ids(self, tokenizer: Any, prompt: str) -> list[int]:
+        """The whole one-shot prompt's ids: `sample --prompt MESSAGE [--system SYSTEM]`'s."""
+        return user_prompt_ids(tokenizer, self.message(prompt), self.system)
+
+
+def open_turn(tokenizer: Any, document: str, system: Optional[str] = None) -> tuple[list[int], PromptTurn]:
+    """A templated prompt-cache file's tokens and record: the document (trailing whitespace
+    dropped) opens the user's message; the tokens are those every `PROBES` question's whole
+    prompt starts with (the template's head and the document, up to where the tokenizer might
+    join the document's end to what follows)."""
+    turn = PromptTurn(template_id(tokenizer), "user", system, document.rstrip())
+    runs = [user_prompt_ids(tokenizer, turn.document + DOCUMENT_SEPARATOR + q, system) for q in PROBES]
+    n = min(len(r) for r in runs)
+    for r in runs[1:]:
+        n = next((i for i in range(n) if r[i] != runs[0][i]), n)
+    return runs[0][:n], turn

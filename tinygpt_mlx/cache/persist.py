@@ -9,7 +9,7 @@ Serialisation is owned store by store, data flowing down: the layer cache asks i
 `state()` -> (arrays, counters) and hands each its arrays back in `load_state` (store.py's
 `Persistent`). This module only writes and reads the file.
 
-The file (format "posttrainllm-prompt-cache", version 4) is standard safetensors, written here
+The file (format "posttrainllm-prompt-cache", version 6) is standard safetensors, written here
 by hand so that memory-mapped rows are streamed from their files and never read into RAM:
 
 * tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
@@ -18,8 +18,8 @@ by hand so that memory-mapped rows are streamed from their files and never read 
 * metadata (strings): `format`, `format_version`, `cache_config` (the CacheConfig as JSON),
   `model` (JSON: fingerprint, kind, name), `tokens` (JSON ids), `token_count`,
   `current_length`, `stored_count`, `cache_bytes`, `layers` (JSON: the layout and each layer's
-  counters), `checksum` (JSON: sha256 over the canonical header without the checksum, then
-  the data region).
+  counters), `chat` (JSON, optional: chat_template.PromptTurn's record), `checksum` (JSON:
+  sha256 over the canonical header without the checksum, then the data region).
 
 Disk stores (a memory-mapped cold store, KIVI's disk shadow) are written INTO the file; on load
 their byte ranges are copied file-to-file (`os.copy_file_range`: no RAM) into the new cache's
@@ -67,7 +67,9 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: 5: the cache config may name fields a version-4 build does not know (int8's `long_residual`);
 #: this build reads version-4 files too (their int8 grows its residual from here on, which any
 #: int8 state allows), and an older build calls a newer file newer, not corrupt
-FORMAT_VERSION = 5
+#: 6: a `chat` record (chat_template.PromptTurn: which chat template, where the turn stands);
+#: a version-4 or -5 file has none and is raw text (`PromptCacheInfo.chat` None)
+FORMAT_VERSION = 6
 READS_FROM = 4
 
 
@@ -87,6 +89,7 @@ class PromptCacheInfo:
     cache_bytes: int
     file_bytes: int
     logits: Optional[mx.array] = None   # filled by load_prompt_cache
+    chat: Optional[dict] = None         # the `chat` record; None: none (a file before version 6)
 
     @property
     def token_count(self) -> int:
@@ -170,11 +173,12 @@ def _alive(pid: int) -> bool:
 
 
 def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens: list[int],
-                      logits: Optional[mx.array] = None) -> Path:
+                      logits: Optional[mx.array] = None, chat: Optional[dict] = None) -> Path:
     """Write `cache` (holding `tokens`, fed to `model`) to `path`, atomically (module doc).
 
     `logits`: the fp32 logits after the last token (what the next token is sampled from), so
-    that a run may continue without new prompt tokens."""
+    that a run may continue without new prompt tokens. `chat`: where the tokens stand in the
+    chat format (chat_template.PromptTurn.as_dict()), written as the `chat` record."""
     path = Path(path)
     layout, owned = _layout(cache)
     tensors: dict = {}
@@ -197,6 +201,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
         "stored_count": str(cache.stored_count),
         "cache_bytes": str(cache.nbytes),
         "layers": json.dumps({"layout": layout, "owned": metas}),
+        **({} if chat is None else {"chat": json.dumps(chat)}),
     }
     remove_stale_temps(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
@@ -327,10 +332,13 @@ def read_prompt_cache_info(path: Union[str, Path]) -> PromptCacheInfo:
     except (TypeError, ValueError) as e:
         raise PromptCacheError(f"{path}: corrupt prompt cache (cache config: {e})") from None
     tokens = _json(path, meta, "tokens")
+    chat = _json(path, meta, "chat") if "chat" in meta else None
+    if chat is not None and not isinstance(chat, dict):
+        raise PromptCacheError(f"{path}: corrupt prompt cache (metadata 'chat')")
     try:
         return PromptCacheInfo(path, config, _json(path, meta, "model"), [int(t) for t in tokens],
                                int(meta["current_length"]), int(meta["stored_count"]),
-                               int(meta["cache_bytes"]), size)
+                               int(meta["cache_bytes"]), size, chat=chat)
     except (KeyError, TypeError, ValueError):
         raise PromptCacheError(f"{path}: corrupt prompt cache (counters)") from None
 

@@ -1,5 +1,7 @@
 """`posttrainllm cache-prompt`: prefill a document once under a cache policy and write the cache
-to a prompt-cache file, for `sample --prompt-cache` to continue from (docs/prompt-cache.md)."""
+to a prompt-cache file, for `sample --prompt-cache` and `serve --prompt-cache` to continue from
+(docs/prompt-cache.md). A model with a chat template gets the document as the opening of the
+user's message (chat_template.open_turn), as `sample` and `chat` would send it."""
 
 from __future__ import annotations
 
@@ -11,12 +13,13 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
+from tinygpt_mlx.chat_template import PromptTurn, has_template, open_turn
 from tinygpt_mlx.config import CacheConfig, SampleConfig
 from tinygpt_mlx.lazy import lazy
 
 from . import common as c
 from .common import err
-from .sample import read_prompt_file
+from .sample import note, read_prompt_file
 
 caches = lazy("tinygpt_mlx.cache")
 generate = lazy("tinygpt_mlx.generate")
@@ -38,8 +41,22 @@ def cache_prompt(
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Also write what was saved (tokens, bytes, timings) as JSON to this path.",
         dir_okay=False)] = None,
+    system: Annotated[Optional[str], typer.Option(
+        "--system", help="A system prompt: the chat template's system message before the document where the "
+        "model has a template, else written before the document and a blank line. Saved in the file.")] = None,
+    no_chat_template: Annotated[bool, typer.Option(
+        "--no-chat-template", help="Save the document as raw text, even where the model has a chat template "
+        "(continue it with sample --no-chat-template). By default a templated model's document opens the "
+        "user's message, which the question given to sample --prompt-cache completes.")] = False,
 ) -> None:
     """Prefill --prompt-file under the cache policy (with progress) and save the cache to --out.
+
+    Where the model has a chat template, the document (trailing whitespace dropped) opens the
+    user's message, as `sample` would send it: `sample --prompt-cache FILE --prompt QUESTION`
+    adds a blank line and the question, closes the turn and opens the assistant's, so its
+    answer is that of `sample --prompt "DOCUMENT<blank line>QUESTION"`. The file records the
+    template, the system prompt and where the turn stands. --no-chat-template (or a model
+    without a template) saves the text as written.
 
     The file holds the stored K/V as the policy stores them (packed KIVI blocks stay packed, a
     disk cold store or shadow is written into it), the policy, the model's fingerprint, the
@@ -57,12 +74,24 @@ def cache_prompt(
     text = read_prompt_file(prompt_file)
     with c.guarded():
         loaded = c.load_model(model, weights)
-        ids = loaded.tokenizer.encode(text)
+        templated = not no_chat_template and has_template(loaded.tokenizer)
+        if templated:
+            if not text.strip():
+                raise ValueError(f"{prompt_file} holds only whitespace: there is no document to open the "
+                                 "user's message with")
+            ids, turn = open_turn(loaded.tokenizer, text, system)
+        else:
+            ids, turn = loaded.tokenizer.encode(f"{system}\n\n{text}" if system else text), PromptTurn()
         if not ids:
             raise ValueError(f"{prompt_file} encodes to no tokens")
         generate.check_context(len(ids), loaded.context_length, cache_config)
         err.print(f"[bold]posttrainllm cache-prompt[/bold] · model [cyan]{escape(loaded.name)}[/cyan] · "
                   f"policy [green]{escape(cache_config.label())}[/green] · {len(ids)} tokens")
+        if templated:
+            note("the document opens the user's message in the model's chat template; sample --prompt-cache "
+                 "--prompt QUESTION completes it after a blank line (--no-chat-template: raw text)")
+        elif has_template(loaded.tokenizer):
+            note("the document is saved as raw text (--no-chat-template): continue it with sample --no-chat-template")
         with caches.make_cache(loaded.model, cache_config) as cache:
             t0 = time.perf_counter()
             with c.Progress("prefill", total=len(ids), unit="tok") as bar:
@@ -70,12 +99,13 @@ def cache_prompt(
                                  cache_config.fitted_chunk(chunk, loaded.context_length, len(ids)), bar.update)
             t_prefill = time.perf_counter() - t0
             t0 = time.perf_counter()
-            persist.save_prompt_cache(out, cache, loaded, ids, logits)
+            persist.save_prompt_cache(out, cache, loaded, ids, logits, chat=turn.as_dict())
             t_save = time.perf_counter() - t0
             report = {"path": str(out), "tokens": len(ids), "current_length": cache.current_length,
                       "stored_count": cache.stored_count, "cache_bytes": cache.nbytes,
                       "cache_bytes_breakdown": cache.nbytes_breakdown(), "file_bytes": out.stat().st_size,
-                      "prefill_seconds": t_prefill, "save_seconds": t_save, "policy": cache_config.describe()}
+                      "prefill_seconds": t_prefill, "save_seconds": t_save, "policy": cache_config.describe(),
+                      "chat": {"template": turn.template, "turn": turn.turn, "system": turn.system}}
         err.print(f"saved {len(ids)} tokens (stored {report['stored_count']}, cache {c.fmt_bytes(report['cache_bytes'])}) "
                   f"to {escape(str(out))}: {c.fmt_bytes(report['file_bytes'])}; prefill {t_prefill:.2f} s, "
                   f"save {t_save:.2f} s")

@@ -13,7 +13,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from tinygpt_mlx.chat_template import has_template, user_prompt_ids
+from tinygpt_mlx.chat_template import PromptTurn, has_template, template_id, user_prompt_ids
 from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.lazy import lazy
 
@@ -164,20 +164,25 @@ def sample(
         "--report-json", help="Also write the report as JSON to this path (checked writable before the "
         "model loads).", dir_okay=False)] = None,
     prompt_cache: Annotated[Optional[Path], typer.Option(
-        "--prompt-cache", help="Continue from a prompt-cache file (posttrainllm cache-prompt): the prompt is "
-        "what follows the cached tokens (if its tokens start with them, only the rest is fed); without a "
-        "prompt, generation continues the cached text. The file is not changed. Policy flags may be left "
-        "out (the file's policy is used); any given must match it.", exists=True, dir_okay=False)] = None,
+        "--prompt-cache", help="Continue from a prompt-cache file (posttrainllm cache-prompt). A file made with "
+        "the chat template holds the document as the opening of the user's message: the prompt (the question) "
+        "completes it after a blank line and the turn is closed, so the answer is that of `sample --prompt "
+        "\"DOCUMENT<blank line>QUESTION\"`. A raw file (--no-chat-template) is followed by the prompt as "
+        "written (if its tokens start with the cached ones, only the rest is fed); without a prompt, generation "
+        "continues the cached text. The file is not changed. Policy flags may be left out (the file's policy "
+        "is used); any given must match it.", exists=True, dir_okay=False)] = None,
     save_prompt_cache: Annotated[Optional[Path], typer.Option(
         "--save-prompt-cache", help="After generating, save the extended cache (cached + prompt + generated "
         "tokens) to this prompt-cache file (may be the --prompt-cache file itself; replaced atomically).",
         dir_okay=False)] = None,
     system: Annotated[Optional[str], typer.Option(
         "--system", help="A system prompt: the chat template's system message where the model has a "
-        "template, else written before the prompt and a blank line.")] = None,
+        "template, else written before the prompt and a blank line. With --prompt-cache the file's (from "
+        "cache-prompt --system) is used: one given must be the same.")] = None,
     no_chat_template: Annotated[bool, typer.Option(
         "--no-chat-template", help="Send the prompt as written, even where the model has a chat template "
-        "(mlx-lm models with one get it by default, like mlx_lm.generate).")] = False,
+        "(mlx-lm models with one get it by default, like mlx_lm.generate). With --prompt-cache it must "
+        "match the file (made with or without it).")] = False,
 ) -> None:
     """Generate text: banner, notes and report on stderr, only the generated text on stdout.
 
@@ -204,13 +209,15 @@ def sample(
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     text = read_prompt_file(prompt_file) if prompt_file is not None else prompt
     saved = read_prompt_cache(prompt_cache, cache_config) if prompt_cache is not None else None
+    turn = check_turn(saved, text, system, no_chat_template) if saved is not None else None
     with c.guarded(), ranks() as world:
         loaded = c.load_model(model, weights)
         if world.group is not None and (saved is not None or save_prompt_cache is not None):
             raise ValueError("prompt-cache files (--prompt-cache, --save-prompt-cache) are one process's "
                              "cache; they are not supported under several ranks yet")
         if saved is not None:
-            run_from_prompt_cache(loaded, saved, text, sample_config, report_json, save_prompt_cache)
+            run_from_prompt_cache(loaded, saved, turn, text, no_chat_template, sample_config, report_json,
+                                  save_prompt_cache)
             return
         if world.group is not None:
             world.shard(loaded)
@@ -248,8 +255,10 @@ def sample(
                 warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
         with caches.make_cache(loaded.model, cache_config) as cache:
+            templated = text is not None and not no_chat_template and has_template(loaded.tokenizer)
+            after = PromptTurn(template_id(loaded.tokenizer), "reply", system) if templated else PromptTurn()
             report = run(loaded, ids, cache_config, sample_config, context, passing, world, cache=cache,
-                         done=saver(save_prompt_cache, loaded, ids, cache))
+                         done=saver(save_prompt_cache, loaded, ids, cache, after))
         print_report(report)
         if report_json is not None and world.rank == 0:
             c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")
@@ -271,47 +280,114 @@ def read_prompt_cache(path: Path, cache_config: CacheConfig):
     return info
 
 
-def saver(path: Optional[Path], loaded, ids: list[int], cache):
-    """`run`'s `done`: write the extended cache (every token fed so far) to `path`, if given."""
+def check_turn(saved, text: Optional[str], system: Optional[str], raw: bool) -> Optional[PromptTurn]:
+    """The file's chat record (None: it has none, older than format 6 or saved by chat / serve:
+    raw text), checked against the flags before the model loads: every contradiction is a usage
+    error naming the flag."""
+    path = saved.path
+    try:
+        turn = None if saved.chat is None else PromptTurn.from_dict(saved.chat)
+    except ValueError as e:
+        raise typer.BadParameter(f"{path}: corrupt prompt cache ({e})", param_hint="'--prompt-cache'") from None
+    if turn is None or not turn.templated:
+        if system is not None:
+            raise typer.BadParameter(f"{path} holds raw text, which a system prompt cannot precede; give it "
+                                     "to cache-prompt --system", param_hint="'--system'")
+        return turn
+    if raw:
+        raise typer.BadParameter(f"{path} was made with the model's chat template; leave --no-chat-template out, "
+                                 "or make the file with cache-prompt --no-chat-template", param_hint="'--no-chat-template'")
+    if turn.turn == "user" and text is None:
+        raise typer.BadParameter(f"{path} ends inside the user's message (the document, in the chat template): "
+                                 "give the question with --prompt or --prompt-file", param_hint="'--prompt'")
+    if turn.turn == "reply" and text is not None:
+        raise typer.BadParameter(f"{path} ends inside the assistant's reply (saved by --save-prompt-cache): "
+                                 "continue it without --prompt, or hold a conversation with 'posttrainllm chat'",
+                                 param_hint="'--prompt'")
+    if system is not None and system != turn.system:
+        made = f"system prompt {turn.system!r}" if turn.system else "no system prompt"
+        raise typer.BadParameter(f"{path} was made with {made}; leave --system out (the file's is used)",
+                                 param_hint="'--system'")
+    return turn
+
+
+def saver(path: Optional[Path], loaded, ids: list[int], cache, turn: PromptTurn):
+    """`run`'s `done`: write the extended cache (every token fed so far) to `path`, if given,
+    with `turn` as its chat record."""
     if path is None:
         return None
 
     def done(stats) -> None:
         fed = (list(ids) + stats.tokens)[:cache.current_length]
-        persist.save_prompt_cache(path, cache, loaded, fed, stats.logits)
+        persist.save_prompt_cache(path, cache, loaded, fed, stats.logits, chat=turn.as_dict())
         note(f"saved the extended cache ({len(fed)} tokens) to {path}")
     return done
 
 
-def run_from_prompt_cache(loaded, saved, text: Optional[str], sample_config: SampleConfig,
-                          report_json: Optional[Path], save_to: Optional[Path]) -> None:
+def continuation(loaded, saved, turn: Optional[PromptTurn], text: Optional[str], raw: bool
+                 ) -> tuple[list[int], list[str]]:
+    """The prompt's tokens to feed after the file's, and the notes saying how it was joined: for
+    an open user turn, what the one-shot prompt (the document, a blank line, the question, in the
+    template) has after them; for raw text, the prompt as written (the rest, where its tokens
+    start with the cached ones)."""
+    cached, tok, notes = saved.tokens, loaded.tokenizer, []
+    if turn is not None and turn.templated:
+        mine = template_id(tok)
+        if mine != turn.template:
+            raise ValueError(f"{saved.path} was made with another chat template (sha256 {turn.template[:12]}…) "
+                             f"than this model's ({mine[:12] + '…' if mine else 'none'}); re-create it with cache-prompt")
+    elif has_template(tok) and not raw:
+        why = "made with --no-chat-template" if turn is not None else \
+            "no chat-template record: written before format 6, or saved by chat or serve"
+        notes.append(f"{saved.path} holds raw text ({why}): the prompt follows it as written, without the "
+                     "chat template (--no-chat-template turns this note off)")
+    if text is None:
+        return [], notes
+    if turn is not None and turn.turn == "user":
+        whole = turn.prompt_ids(tok, text)
+        if whole[:len(cached)] != cached:
+            raise ValueError(f"{saved.path}: the prompt's first characters tokenize together with the document's "
+                             f"end, so the file's {len(cached)} tokens do not begin this prompt's; begin it with a "
+                             "letter or a space, or ask without --prompt-cache")
+        notes.append("the prompt completes the user's message in the model's chat template (the document, a "
+                     "blank line, the prompt), as sample --prompt would send it")
+        return whole[len(cached):], notes
+    ids = tok.encode(text)
+    if len(ids) > len(cached) and ids[:len(cached)] == cached:
+        ids = ids[len(cached):]     # the whole document given again: feed only what follows
+    return ids, notes
+
+
+def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optional[str], raw: bool,
+                          sample_config: SampleConfig, report_json: Optional[Path], save_to: Optional[Path]) -> None:
     """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
-    checked first), feed what follows the cached tokens, generate, report."""
+    checked first), feed what follows the cached tokens (`continuation`), generate, report."""
     cached = saved.tokens
-    ids: list[int] = []
-    if text is not None:
-        ids = loaded.tokenizer.encode(text)
-        if len(ids) > len(cached) and ids[:len(cached)] == cached:
-            ids = ids[len(cached):]     # the whole document given again: feed only what follows
     cache_config = saved.config
     context = loaded.context_length
     t0 = time.perf_counter()
     cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=None)
     load_seconds = time.perf_counter() - t0
     with cache:
+        ids, notes = continuation(loaded, saved, turn, text, raw)
         if not ids and info.logits is None:
             raise ValueError(f"{saved.path} holds no logits to continue from; give --prompt")
         banner(loaded, cache_config, sample_config, len(ids))
         note(f"prompt cache {saved.path}: {len(cached)} cached tokens (stored {cache.stored_count}), "
              f"loaded in {load_seconds:.2f} s; {len(ids)} new prompt tokens")
+        for line in notes:
+            note(line)
         upfront = config_context_warning(context, cache_config)
         if upfront:
             warn(upfront)
         passing = passing_context_warning(context, cache_config) if context else None
+        after = PromptTurn(turn.template, "reply", turn.system) if turn is not None and turn.templated \
+            else PromptTurn()
         report = run(loaded, ids, cache_config, sample_config, context, passing, cache=cache,
-                     first_logits=info.logits, done=saver(save_to, loaded, cached + ids, cache))
+                     first_logits=info.logits, done=saver(save_to, loaded, cached + ids, cache, after))
         report["prompt_cache"] = {"path": str(saved.path), "cached_tokens": len(cached),
-                                  "load_seconds": load_seconds}
+                                  "load_seconds": load_seconds,
+                                  "turn": turn.turn if turn is not None else None}
     print_report(report)
     if report_json is not None:
         c.write_atomic(report_json, json.dumps(report, indent=2) + "\n")

@@ -48,7 +48,8 @@ def serve(
     prompt_cache: Annotated[Optional[list[Path]], typer.Option(
         "--prompt-cache", help="A prompt-cache file (posttrainllm cache-prompt) to pre-warm a slot with; repeatable. "
         "Its slot is reserved for it: a prompt starting with its document is answered without prefilling the "
-        "document. The file's policy must be the served one and its model this model.", exists=True,
+        "document (made with the chat template: a message that is the document, a blank line and a question). "
+        "The file's policy must be the served one, its model and chat template this model's.", exists=True,
         dir_okay=False, show_default=False)] = None,
     slot_dir: Annotated[Optional[Path], typer.Option(
         "--slot-dir", help="Keep the warm slots across restarts: at shutdown every slot's conversation is saved "
@@ -112,6 +113,8 @@ def serve(
         for d in app.state.server.pool.describe():
             if "prompt_cache" in d:
                 err.print(f"slot {d['slot']} pre-warmed from {escape(d['prompt_cache'])}: {d['tokens']} tokens")
+        for line in app.state.server.prewarm_notes:
+            err.print(f"[dim]note:[/dim] {escape(line)}")
         for path in app.state.server.restored:
             err.print(f"restored a conversation from {escape(path)}")
         err.print(f"ollama API: http://{cfg.host}:{cfg.port}/api  ·  OpenAI API: http://{cfg.host}:{cfg.port}/v1")

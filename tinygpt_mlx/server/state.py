@@ -16,6 +16,7 @@ from fastapi import Request
 
 from . import prompt as pr
 from ..cache import make_cache
+from ..chat_template import PromptTurn, has_template, template_id
 from ..cache.persist import PromptCacheError, load_prompt_cache, read_prompt_cache_info, save_prompt_cache
 from ..generate import prefill
 from .slots import SlotPool
@@ -68,12 +69,43 @@ def policy_difference(saved: Any, served: Any) -> Optional[str]:
     return None
 
 
+def prompt_turn(info: Any, loaded: Any) -> Optional[PromptTurn]:
+    """A prompt-cache file's chat record (None: none, raw text); a file made with a chat template
+    must have been made with the served model's (otherwise a one-line `PromptCacheError`)."""
+    try:
+        turn = None if info.chat is None else PromptTurn.from_dict(info.chat)
+    except ValueError as e:
+        raise PromptCacheError(f"{info.path}: corrupt prompt cache ({e})") from None
+    if turn is not None and turn.templated and turn.template != template_id(loaded.tokenizer):
+        mine = template_id(loaded.tokenizer)
+        raise PromptCacheError(f"{info.path}: the prompt cache was made with another chat template (sha256 "
+                               f"{turn.template[:12]}…) than the served model's ({mine[:12] + '…' if mine else 'none'}); "
+                               "re-create it with cache-prompt")
+    return turn
+
+
+def turn_note(path: Any, loaded: Any) -> Optional[str]:
+    """What the start-up says about a pre-warmed file's chat format, or None (raw text for a
+    model without a chat template: requests are raw too)."""
+    info = read_prompt_cache_info(path)
+    turn = prompt_turn(info, loaded)
+    if turn is not None and turn.turn == "user":
+        return (f"{path}: the document opens a user message in the chat template; a request whose message is the "
+                "document, a blank line and a question extends its slot")
+    if (turn is None or not turn.templated) and has_template(loaded.tokenizer):
+        why = "made with --no-chat-template" if turn is not None else "no chat-template record"
+        return (f"{path} holds raw text ({why}): templated requests do not begin with it; only raw ones "
+                "(/api/generate with \"raw\": true, /v1/completions) that begin with its text extend its slot")
+    return None
+
+
 def load_for_server(path: Any, loaded: Any, cache_config: Any) -> tuple[Any, list[int]]:
     """A prompt-cache file's cache and tokens for a pre-warmed slot: the file's policy must be
-    the served one, its model the served model (fingerprint), its checksum right; otherwise a
-    one-line `PromptCacheError` naming the file."""
+    the served one, its model the served model (fingerprint), its chat template the served
+    model's, its checksum right; otherwise a one-line `PromptCacheError` naming the file."""
     path = Path(path)
     info = read_prompt_cache_info(path)
+    prompt_turn(info, loaded)
     field = policy_difference(info.config, cache_config)
     if field is not None:
         raise PromptCacheError(f"{path}: the prompt cache was made with cache policy {info.config.label()} "
@@ -103,10 +135,15 @@ class Server:
             raise PromptCacheError(f"{prompt_caches[max_slots]}: {len(prompt_caches)} prompt caches but {max_slots} "
                                    "slot(s); each file takes one slot (raise --max-slots)")
         self.worker = Worker(loaded, self.pool, prefill_chunk, stop_loops)
+        self.prewarm_notes: list[str] = []      # what each pre-warmed file's chat format means
         try:
             for path in prompt_caches:          # pre-warmed slots: every file checked before serving
                 cache, tokens = self.worker.call(lambda p=path: load_for_server(p, loaded, cache_config))
                 self.pool.prewarm(str(path), cache, tokens)
+                note = turn_note(path, loaded)
+                if note:
+                    log.info("%s", note)
+                    self.prewarm_notes.append(note)
             self.slot_dir = None if slot_dir is None else Path(slot_dir)
             self.restored = self._restore_slots() if self.slot_dir is not None else []
         except BaseException:
