@@ -271,24 +271,29 @@ def test_server_extends_a_templated_file_like_a_cold_server(models, tmp_path):
     one_shot = ch.user_prompt_ids(loaded.tokenizer, DOC.rstrip() + "\n\n" + QUESTION)
     body = {"model": loaded.name, "prompt": DOC.rstrip() + "\n\n" + QUESTION, "stream": False,
             "options": {"temperature": 0, "num_predict": 8}}
-    answers = []
-    for files in ([ptc, raw], []):
+    chat = {"model": loaded.name, "messages": [{"role": "user", "content": body["prompt"]}], "stream": False,
+            "options": body["options"]}
+    answers = {}
+    for run, files in (("generate", [ptc, raw]), ("chat", [ptc, raw]), ("cold", [])):
         app = create_app(loaded, CacheConfig(), max_slots=3, prefill_chunk=64, prompt_caches=files)
         notes = app.state.server.prewarm_notes
         srv, thread, url = serve_in_thread(app)
         try:
-            answers.append(httpx.post(url + "/api/generate", json=body, timeout=60).json())
+            got = httpx.post(url + ("/api/chat" if run == "chat" else "/api/generate"),
+                             json=chat if run == "chat" else body, timeout=60).json()
             recent = httpx.get(url + "/api/slots").json()["recent"]
         finally:
             srv.should_exit = True
             thread.join(timeout=10)
+        answers[run] = (got["message"]["content"] if run == "chat" else got["response"], got["eval_count"])
         if files:
             assert [n.split(":")[0].split(" ")[0] for n in notes] == [str(ptc), str(raw)]
             assert "opens a user message" in notes[0] and "holds raw text" in notes[1]
-            assert recent[-1]["action"] == "extend"
-            assert answers[-1]["prompt_eval_count"] == len(one_shot) - len(cached)
-    assert answers[1]["prompt_eval_count"] == len(one_shot)
-    assert answers[0]["response"] == answers[1]["response"] and answers[0]["eval_count"] == answers[1]["eval_count"]
+            assert recent[-1]["action"] == "extend" and recent[-1]["slot"] == 0
+            assert got["prompt_eval_count"] == len(one_shot) - len(cached)
+        else:
+            assert got["prompt_eval_count"] == len(one_shot)
+    assert answers["generate"] == answers["chat"] == answers["cold"] and answers["cold"][1] > 0
     # a file made with another chat template does not start
     other = tmp_path / "other-template"
     shutil.copytree(models["dir"], other)
