@@ -32,7 +32,7 @@ EXAMPLES = {
     "retrieve_tokens": ("hot256", "fetch96", ["--kiv-top-p", "96"]),
     "top_pages": ("hot256", "pages80", ["--kiv-top-pages", "80"]),
     "summary": ("hot256", "mean", ["--kiv-summary", "mean"]),
-    "cold_store": ("hot256", "coldram", ["--kiv-cold-store", "ram"]),
+    "cold_store": ("hot256", "colddisk", ["--kiv-cold-store", "disk"]),
     "retrieved_position": ("hot256", "page", ["--kiv-positions", "page"]),
     "retrieve_unit": ("hot256", "tokens", ["--kiv-unit", "tokens"]),
     "span_score": ("hot256", "spanmean", ["--kiv-span-score", "mean"]),

@@ -148,11 +148,11 @@ def layer_bytes_expected(layer: LayerCache) -> dict[str, int]:
     elif cfg.retrieval:
         cold = layer.cold
         disk = "_disk" if cfg.cold_store == "disk" else ""   # everything that grows goes to disk
-        out["cold" + disk] = len(cold) * per_token * 4       # fp32 rows
+        # rows at the storage precision (the host store on disk: bf16 as fp32, numpy has none)
+        cold_item = 4 if cfg.storage == "fp32" or (cfg.storage == "bf16" and disk) else 2
+        out["cold" + disk] = len(cold) * per_token * cold_item
         out["cold_positions" + disk] = len(cold) * 8        # int64, one per token
-        out["cold_summary" + disk] = sum(a.nbytes for a in (cold.index.smin, cold.index.smax, cold.index.smean,
-                                                            cold.index.bmin, cold.index.bmax, cold.index.bmean)
-                                                  if a is not None)
+        out["cold_summary" + disk] = sum(a.nbytes for a in cold.index.arrays().values())
     return out
 
 

@@ -291,8 +291,9 @@ def test_growing_array_disk_grows_in_place(tmp_path):
 
 
 def test_disk_store_equals_ram_store_over_a_long_prefill(native, tmp_path):
-    """Thousands of tokens through the disk store (pages, the index and spans in play) give
-    the RAM store's logits exactly."""
+    """Thousands of tokens through the disk store (pages, the index and spans in play, its search
+    on the host) give the RAM store's logits (its search on the device: the same tokens, summed
+    in another order; tests/test_retrieval_device.py checks the tokens)."""
     tokens = [int(x) for x in np.random.RandomState(1).randint(1, 300, size=3000)]
     kw = dict(hot_budget=32, sink=4, page_size=8, top_pages=4, index_block=4, retrieve_unit="spans")
     ram, cache = run(native.model, CacheConfig(cold_store="ram", **kw), tokens, chunk=128, steps=2)
@@ -300,18 +301,19 @@ def test_disk_store_equals_ram_store_over_a_long_prefill(native, tmp_path):
     disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw), tokens,
                       chunk=128, steps=2)
     assert cache.nbytes_breakdown()["cold_disk"] > 0
-    assert mx.array_equal(ram, disk)
+    assert float(mx.abs(ram - disk).max()) < 1e-4
 
 
-def test_default_cold_store_keeps_ram_bounded(native):
-    """By default the cold store is on disk, its summaries and positions included: the bytes
+def test_disk_cold_store_keeps_ram_bounded(native):
+    """The disk cold store (`--kiv-cold-store disk`) maps everything, its summaries and positions included: the bytes
     held in RAM are the hot window's (and the open page's), the same after 400 tokens as after
     1,200, while the mapped bytes grow with the document."""
     rng = np.random.RandomState(2)
     held = []
     for n in (400, 1200):
         tokens = [int(x) for x in rng.randint(1, 300, size=n)]
-        _, cache = run(native.model, CacheConfig(hot_budget=32, sink=4, page_size=8), tokens, chunk=64, steps=1)
+        _, cache = run(native.model, CacheConfig(hot_budget=32, sink=4, page_size=8, cold_store="disk"), tokens,
+                       chunk=64, steps=1)
         parts = cache.nbytes_breakdown()
         assert not any(k.startswith("cold") and not k.endswith("_disk") for k in parts), parts
         held.append((cache.nbytes - cache.disk_nbytes, cache.disk_nbytes))
@@ -323,7 +325,7 @@ def test_disk_store_equals_ram_store(native, tmp_path):
     kw = dict(hot_budget=32, page_size=8, top_pages=2, retrieve_tokens=12)
     ram, _ = run(native.model, CacheConfig(cold_store="ram", **kw))
     disk, cache = run(native.model, CacheConfig(cold_store="disk", cold_path=str(tmp_path), **kw))
-    assert mx.array_equal(ram, disk)
+    assert float(mx.abs(ram - disk).max()) < 1e-4
     assert "cold_disk" in cache.nbytes_breakdown() and any(tmp_path.rglob("*.bin"))
     cache.close()
     assert not any(tmp_path.rglob("*.bin"))
@@ -353,8 +355,8 @@ def test_quantised_cold_store_is_close(tokenizer_json, tmp_path):
     model = load(build_native(tmp_path / "hd32.tinygpt", tokenizer_json, n_heads=2, n_kv_heads=1)).model
     ref, _ = run(model, covering(rope_mode="absolute"))
     q8, cache = run(model, covering(rope_mode="absolute", cold_bits=8))
-    exact_bytes = run(model, covering(rope_mode="absolute"))[1].nbytes_breakdown()["cold_disk"]
-    assert cache.nbytes_breakdown()["cold_disk"] < 0.4 * exact_bytes
+    exact_bytes = run(model, covering(rope_mode="absolute"))[1].nbytes_breakdown()["cold"]
+    assert cache.nbytes_breakdown()["cold"] < 0.4 * exact_bytes
     assert float(mx.abs(q8 - ref).max()) < 0.018   # measured 0.0086 (6-bit codes: 0.021)
 
 

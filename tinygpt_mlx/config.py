@@ -190,7 +190,7 @@ class CacheConfig:
     page_size: int = 8
     top_pages: Optional[int] = None
     summary: str = "minmax"
-    cold_store: str = "disk"
+    cold_store: str = "ram"
     cold_bits: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"

@@ -178,9 +178,13 @@ KNOBS: tuple[Knob, ...] = (
        "its better rank in either). Default {default}.", "(" + "|".join(SUMMARY_KINDS) + ")",
        "|".join(SUMMARY_KINDS) + " (page summary)", choices=SUMMARY_KINDS),
     Knob("cold_store", "--kiv-cold-store", str, "retrieval",
-       "Retrieval: cold store in ram or on disk (memory-mapped files: evicted tokens, page summaries and "
-       "positions, so RAM stays bounded by the hot window). Default {default}.", r"cold(disk|ram)",
-       "colddisk|coldram (retrieval's cold store on disk, the default, or in RAM)", choices=COLD_STORES),
+       "Retrieval: where the cold store lives. ram (the default): MLX arrays (unified memory on a Mac), its "
+       "search inside the step's graph, nothing read back per token. On SmolLM2-135M (30 layers, 3 KV heads "
+       "of 64) it holds 51.6 KiB per cold token at fp32 storage: 1.6 GiB at 32K tokens, 12.9 GiB at 256K, "
+       "51.6 GiB at 1M; 0.56x that at bf16/fp16, 0.37x with --kiv-cold-bits 8, 0.26x with 4. disk: memory-mapped files (evicted tokens, page "
+       "summaries and positions), so RAM stays bounded by the hot window, but its search runs on the host, "
+       "reading the query back layer by layer (slow on a GPU). Default {default}.", r"cold(disk|ram)",
+       "colddisk|coldram (retrieval's cold store on disk, or in RAM on the device, the default)", choices=COLD_STORES),
     Knob("cold_path", "--kiv-cold-path", str, "retrieval",
        "Directory for disk stores: retrieval's cold store, KIVI's exact shadow (default: a temp dir)."),
     Knob("cold_bits", "--kiv-cold-bits", int, "retrieval",

@@ -129,7 +129,11 @@ class ColdStore(ColdRows):
             scored = int(valid.sum(axis=1).max())
             keys = self._gather(self.keys, idx)                                   # [G, U, D]
             if L == 1:    # decode: the fine pass on the host, then only the picked rows move
-                pick, ok = self._pick(rows[:, :, 0], keys, valid, units, ps if spans else 1)
+                ranked = keys
+                if pos.shifted and not pos.fixed:   # `page`: token j sits j slots on
+                    at = mx.array((idx % ps).reshape(-1).astype(np.int32))
+                    ranked = np.asarray(pos.rope(mx.array(keys).reshape(-1, 1, D), offset=at)).reshape(keys.shape)
+                pick, ok = self._pick(rows[:, :, 0], ranked, valid, units, ps if spans else 1)
                 idx, keys = np.take_along_axis(idx, pick, axis=-1), np.take_along_axis(keys, pick[..., None], axis=1)
                 valid = ok & np.take_along_axis(valid, pick, axis=-1)
                 units, unit = idx.shape[1], 1
@@ -140,6 +144,7 @@ class ColdStore(ColdRows):
             k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
         segment = PoolSegment(k, v, mx.array(valid.reshape(B, hkv, -1)), units, unit, self.config.span_score)
+        segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
         picked = segment.last_picked
         if self.config.sticky:
             self._recent = _picked_pages(idx, valid, picked, ps)

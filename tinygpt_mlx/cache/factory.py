@@ -11,6 +11,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import attention
 from ..config import CacheConfig
 from .cold import ColdStore
+from .cold_device import DeviceColdStore
 from .kivi import KiviStore
 from .kv_cache import KVCache
 from .layer import LayerCache
@@ -53,8 +54,16 @@ def segmented_layer(config: CacheConfig, positions: Positions, layer_index: int 
     sink = DenseStore(storage, label="sink")
     body = (KiviStore(config, storage, positions, KVCache, config.exact_prefix) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
-    cold = ColdStore(config, KVCache, layer_index) if config.retrieval else Forgets()
+    cold = cold_store(config, layer_index) if config.retrieval else Forgets()
     return LayerCache(config, positions, sink, body, cold)
+
+
+def cold_store(config: CacheConfig, layer_index: int = 0) -> Any:
+    """Retrieval's cold store for one layer: in RAM on the device (its search in the step's graph,
+    cold_device.py), or on disk with its search on the host (cold.py)."""
+    if config.cold_store == "disk":
+        return ColdStore(config, KVCache, layer_index)
+    return DeviceColdStore(config, KVCache, layer_index)
 
 
 def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable = layer_cache) -> KVCache:

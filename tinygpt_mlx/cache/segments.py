@@ -78,6 +78,7 @@ class PoolSegment:
         self.valid, self.units, self.unit = valid, units, unit
         self.span_score = span_score if unit > 1 else "max"   # how a page is ranked (spans)
         self.picked: Optional[mx.array] = None      # [B, Hkv, L, T] pool indices, once scored
+        self.rows: Any = None    # the cold store's index of each pool position [B * Hkv, U] (its own to set)
 
     def scores(self, q: mx.array) -> mx.array:
         B, H, rep, L, D = q.shape

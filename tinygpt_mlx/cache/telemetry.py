@@ -28,7 +28,7 @@ class Selection:
     cold_tokens: int
     cold_pages: int
     page_size: int
-    tokens_scored: int
+    tokens_scored: Any         # an int, or (the device store) a lazy MLX scalar read at `summarise`
     indexed: bool
     pages: np.ndarray
     positions: np.ndarray      # absolute position of every cold token, in cold order
@@ -95,7 +95,7 @@ class RetrievalTelemetry:
     def record(self, s: Selection) -> None:
         rec = dict(step=len(self.records), layer=s.layer, queries=s.queries, cold_tokens=s.cold_tokens,
                    cold_pages=s.cold_pages, pages_selected=int(s.pages.shape[1]),
-                   tokens_scored=int(s.tokens_scored), tokens_retrieved=int(s.tokens_retrieved),
+                   tokens_scored=s.tokens_scored, tokens_retrieved=int(s.tokens_retrieved),
                    indexed=s.indexed)
         if self._truth is not None:
             cold_idx = cold_indices(s.positions, s.cold_tokens, self._truth)
@@ -121,7 +121,7 @@ def summarise(telemetries: Iterable[RetrievalTelemetry], last_steps: Optional[in
     out = {"retrievals": len(recs),
            "cold_tokens": max(r["cold_tokens"] for r in recs),
            "pages_selected": float(np.mean([r["pages_selected"] for r in recs])),
-           "tokens_scored": float(np.mean([r["tokens_scored"] for r in recs])),
+           "tokens_scored": float(np.mean([int(r["tokens_scored"]) for r in recs])),
            "tokens_retrieved": float(np.mean([r["tokens_retrieved"] for r in recs])),
            "indexed": float(np.mean([r["indexed"] for r in recs]))}
     hits = [r for r in recs if "page_recall" in r]

@@ -39,7 +39,7 @@ def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
         if store.cold_bits is not None:
             raise ValueError("grow_cold copies exact pages; use an exact cold store for scaling runs")
         B, H = store.B, store.G // store.B
-        src_k, src_v = mx.array(store.keys.view()), mx.array(store.values.view())
+        src_k, src_v = (_token_major(rows) for rows in (store.keys.view(), store.values.view()))
         want = target_tokens - lc.stored_count
         i = 0
         while store.n < want:
@@ -49,6 +49,12 @@ def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
             v = src_v[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
             lc.extend_cold(k, v)
             i += n
+
+
+def _token_major(rows: Any) -> mx.array:
+    """A cold store's rows [n, G, D]: the host store keeps them so (numpy), the device store as
+    MLX arrays [G, n, D]."""
+    return rows.swapaxes(0, 1) if isinstance(rows, mx.array) else mx.array(rows)
 
 
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
@@ -112,7 +118,7 @@ def _row(cache: KVCache, prompt_tokens: int, prefill_s: float, times: list[float
 def _store_like(store: ColdStore, config: CacheConfig) -> ColdStore:
     """A RAM cold store under `config` holding the same exact keys as `store` (values unused)."""
     out = ColdStore(config, KVCache, store.layer_index)
-    keys = mx.array(store.keys.view().astype(np.float32).transpose(1, 0, 2)[None])  # [1, G, n, D]
+    keys = _token_major(store.keys.view()).astype(mx.float32).transpose(1, 0, 2)[None]  # [1, G, n, D]
     out.append(keys, keys, 0)
     return out
 
@@ -133,7 +139,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
         orig = s.coarse
 
         def spy(q, _orig=orig, _s=s):
-            queries[id(_s)].append(q.copy())  # [G, rep, R, D]
+            queries[id(_s)].append(np.array(q))  # [G, rep, R, D] (a copy; the device store's as numpy)
             return _orig(q)
         s.coarse = spy
     for _ in run:  # the decode steps
@@ -143,7 +149,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     # ground truth, once for all variants: the pages holding each query's exact top-k tokens
     truth = {}
     for s in scored:
-        keys = s.keys.view()[:s.n_pages * ps].astype(np.float32)
+        keys = np.asarray(_token_major(s.keys.view())[:s.n_pages * ps].astype(mx.float32))
         truth[id(s)] = []
         for q in queries[id(s)][-decode_steps:]:
             qj = q.reshape(q.shape[0], -1, q.shape[-1])                     # [G, J, D]

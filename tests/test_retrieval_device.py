@@ -1,0 +1,232 @@
+"""The device cold store (cache/cold_device.py) against the host store (cache/cold.py), its
+reference: the same cold tokens for every query of a pass, prefill chunks and decode steps, under
+every selection rule; and a decode step's graph is built without one read back to the host."""
+
+import contextlib
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from prerope import make_cache
+from tinygpt_mlx.cache import KVCache
+from tinygpt_mlx.cache.cold import ColdStore
+from tinygpt_mlx.cache.cold_device import DeviceColdStore
+from tinygpt_mlx.cache.positions import Positions
+from tinygpt_mlx.cache.segments import PoolSegment, Reading, attend
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import forward, prefill
+
+
+def _stores(seed, n, G=2, D=16, **kw):
+    """A host store and a device store holding the same `n` random keys over G KV heads (a
+    strong key planted for head 0 near the end), appended in uneven pieces as evictions come."""
+    cfg = CacheConfig(**{**dict(hot_budget=8, rope_mode="absolute", page_size=8, top_pages=4, retrieve_tokens=16,
+                                retrieve_unit="tokens"), **kw})
+    rng = np.random.RandomState(seed)
+    keys = rng.randn(1, G, n, D).astype(np.float32)
+    values = rng.randn(1, G, n, D).astype(np.float32)
+    keys[0, 0, n - 2] = 3 * rng.randn(D)
+    stores = (ColdStore(cfg, KVCache), DeviceColdStore(cfg, KVCache))
+    cuts = [0] + sorted(rng.choice(np.arange(1, n), size=min(6, n - 1), replace=False).tolist()) + [n]
+    for a, b in zip(cuts, cuts[1:]):
+        for store in stores:
+            store.append(mx.array(keys[:, :, a:b]), mx.array(values[:, :, a:b]), a)
+    return cfg, stores, rng
+
+
+def _attended(store, reading):
+    """Per KV head and query, the sorted cold indices the query attends to, and the output."""
+    segments, selection = store.retrieve(reading)
+    out = attend(segments, 1, reading.queries, reading.scale, None)
+    mx.eval(out)
+    (seg,) = segments
+    if not isinstance(seg, PoolSegment):     # the slots rule: each query's own keys, in slot order
+        return np.asarray(seg.keys), np.asarray(out)
+    rows, valid = np.asarray(seg.rows), np.asarray(seg.valid).reshape(len(np.asarray(seg.rows)), -1)
+    picked = np.asarray(seg.picked).reshape(rows.shape[0], -1, np.asarray(seg.picked).shape[-1])
+    got = [[sorted(rows[g][p][valid[g][p]].tolist()) for p in picked[g]] for g in range(rows.shape[0])]
+    return got, np.asarray(out)
+
+
+CASES = {
+    "tokens": {},
+    "spans": dict(retrieve_unit="spans"),
+    "spans-mean": dict(retrieve_unit="spans", span_score="mean"),
+    "mean-summary": dict(summary="mean"),
+    "hybrid": dict(summary="hybrid"),
+    "no-index": dict(index_block=0),
+    "not-sticky": dict(sticky=False),
+    "cold-int8": dict(cold_bits=8),
+    "cold-int4-spans": dict(cold_bits=4, retrieve_unit="spans"),
+    "fixed": dict(rope_mode="shifted", retrieved_position="fixed", retrieve_unit="spans"),
+    "page": dict(rope_mode="shifted", retrieved_position="page", retrieve_unit="spans"),
+    "slots": dict(rope_mode="shifted", retrieved_position="slots"),
+}
+
+
+@pytest.mark.parametrize("n", [301, 2101])
+@pytest.mark.parametrize("case", list(CASES))
+def test_device_store_attends_to_what_the_host_store_does(case, n):
+    """Three passes (a chunk of 6 queries, two decode steps: the sticky pages of each joining
+    the next) over a store of 301 tokens (flat scan, an unfinished page) and 2,101 (the
+    two-level index): every query attends to the same cold tokens on the device as on the host,
+    and attention's output agrees."""
+    kw = CASES[case]
+    D = 32 if "cold_bits" in kw else 16
+    cfg, (host, dev), rng = _stores(n, n, D=D, **kw)
+    assert host.index.uses_index() == dev.index.uses_index() == (n > 2048 and cfg.index_block > 0)
+    pos = Positions(cfg, nn.RoPE(D))
+    for L in (6, 1, 1):
+        q = mx.array(rng.randn(1, 4, L, D).astype(np.float32))
+        reading = Reading(mx.float32, pos, 40 if pos.shifted else 0, q, 0.25)
+        want, out_host = _attended(host, reading)
+        got, out_dev = _attended(dev, reading)
+        if isinstance(want, list):
+            assert got == want
+        else:
+            np.testing.assert_allclose(got, want, atol=1e-5)
+        np.testing.assert_allclose(out_dev, out_host, atol=2e-5)
+
+
+def test_device_store_sticky_pages_are_the_host_stores():
+    """After a pass the device store's sticky pages are the host store's, page for page."""
+    cfg, (host, dev), rng = _stores(0, 2101, retrieve_unit="tokens")
+    q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+    reading = Reading(mx.float32, Positions(cfg, None), 0, q, 1.0)
+    for store in (host, dev):
+        _attended(store, reading)
+    want = host._recent()
+    got = np.asarray(dev._recent.pages())
+    for g in range(2):
+        assert sorted(set(got[g][got[g] >= 0].tolist())) == want[g].tolist()
+
+
+def test_device_store_pins_the_oracles_pages():
+    """The needle oracle (`KVCache.pin`) puts the pages holding given positions into every pool."""
+    cfg, (host, dev), rng = _stores(1, 2101, top_pages=1, retrieve_tokens=8)
+    for store in (host, dev):
+        store.pinned = np.array([17, 18])
+    q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+    reading = Reading(mx.float32, Positions(cfg, None), 0, q, 1.0)
+    pool_host, _ = host.pool(np.asarray(q).reshape(2, 2, 1, 16))
+    pool_dev, _ = dev.pool(q.reshape(2, 2, 1, 16))
+    for g in range(2):
+        assert 2 in pool_host[g] and 2 in np.asarray(pool_dev)[g]
+    assert _attended(host, reading)[0] == _attended(dev, reading)[0]
+
+
+def test_device_store_grows_by_doubling_and_rewinds():
+    """Rows and summaries grow by doubling (a few growths for thousands of tokens); a mark and
+    a rewind cut the store back and the tokens appended after it are those the store then holds."""
+    cfg, (host, dev), rng = _stores(2, 300)
+    mark = dev.mark()
+    extra = rng.randn(1, 2, 1900, 16).astype(np.float32)
+    dev.append(mx.array(extra), mx.array(extra), 300)
+    assert dev.keys.growths == 2 and dev.keys.capacity == 4096 and dev.index.n_pages == 2200 // 8
+    dev.rewind(mark)
+    host_mark = host.mark()
+    for store in (host, dev):
+        store.append(mx.array(extra[:, :, :37]), mx.array(extra[:, :, :37]), 300)
+    q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+    reading = Reading(mx.float32, Positions(cfg, None), 0, q, 1.0)
+    assert _attended(host, reading)[0] == _attended(dev, reading)[0]
+    np.testing.assert_array_equal(np.asarray(dev.index.rows["smax"].view()),
+                                  host.index.smax.view().transpose(1, 0, 2))
+    host.rewind(host_mark)
+
+
+# ----- no host sync while a decode step is built ---------------------------------------------
+
+@contextlib.contextmanager
+def counting_syncs():
+    """Counts every read of an MLX array back to the host (np.asarray / np.array of an MLX array,
+    `.item()`, `.tolist()`, int/float/bool of one) and every `mx.eval`."""
+    count = {"n": 0, "where": []}
+    saved = {}
+
+    def hit(name):
+        import traceback
+        count["n"] += 1
+        count["where"].append((name, traceback.format_stack(limit=4)[0]))
+
+    def wrap_np(fn, name):
+        def wrapped(a, *args, **kw):
+            if isinstance(a, mx.array):
+                hit(name)
+            return fn(a, *args, **kw)
+        return wrapped
+
+    def wrap_method(fn, name):
+        def wrapped(self, *args, **kw):
+            hit(name)
+            return fn(self, *args, **kw)
+        return wrapped
+
+    saved[(np, "asarray")], saved[(np, "array")] = np.asarray, np.array
+    np.asarray, np.array = wrap_np(np.asarray, "np.asarray"), wrap_np(np.array, "np.array")
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__array__"):
+        saved[(mx.array, name)] = getattr(mx.array, name)
+        setattr(mx.array, name, wrap_method(getattr(mx.array, name), name))
+    saved[(mx, "eval")] = mx.eval
+    mx.eval = wrap_method(mx.eval, "mx.eval")
+    try:
+        yield count
+    finally:
+        for (owner, name), fn in saved.items():
+            setattr(owner, name, fn)
+
+
+SYNC_CASES = {**{k: v for k, v in CASES.items() if k not in ("cold-int4-spans",)},
+              "default": {}, "int4": dict(key_bits=4, value_bits=4), "sink": dict(sink=4)}
+
+
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+def test_a_retrieval_decode_step_reads_nothing_back(native, case):
+    """Building a decode step's graph (the model call; its logits are evaluated after) through
+    every retrieval configuration reads nothing back from the device: the index (1,100 tokens
+    through a hot window of 32: 134 pages, past the index's threshold), sticky pages, eviction
+    into the cold store, every position rule."""
+    kw = {**dict(hot_budget=32, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4, index_expand=2), **SYNC_CASES[case]}
+    if kw.get("retrieve_unit") is None and kw.get("retrieved_position") != "slots":
+        kw.setdefault("retrieve_unit", "tokens")
+    if "cold_bits" in kw or "key_bits" in kw:
+        pytest.skip("packed cold rows and KIVI need a head dimension of 32: test_..._native32")
+    _no_syncs(native.model, CacheConfig(**kw))
+
+
+@pytest.mark.parametrize("kw", [dict(cold_bits=8), dict(key_bits=4, value_bits=4, sink=4),
+                                dict(key_bits=8, value_bits=8, retrieved_position="slots")],
+                         ids=["cold-int8", "int4", "int8-slots"])
+def test_a_retrieval_decode_step_reads_nothing_back_native32(native32, kw):
+    _no_syncs(native32.model, CacheConfig(**{**dict(hot_budget=64, page_size=8, top_pages=2, retrieve_tokens=16,
+                                                   index_block=4, index_expand=2), **kw}))
+
+
+def _no_syncs(model, cfg):
+    tokens = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=1100)]
+    cache = make_cache(model, cfg)
+    logits = prefill(model, tokens, cache, 256)
+    mx.eval(logits)
+    assert cache[0].cold.index.uses_index() == bool(cfg.index_block)
+    for t in range(3):
+        with counting_syncs() as count:
+            logits = model(mx.array([[5 + t]]), cache=cache)
+        assert count["n"] == 0, count["where"]
+        mx.eval(logits)
+
+
+def test_the_sync_counter_counts(native):
+    """The counter is not vacuous: it counts each kind of read, and the host store (on disk),
+    which reads the query back in every layer, fails the test above."""
+    with counting_syncs() as count:
+        np.asarray(mx.array([1.0]))
+        mx.array([2]).item()
+        mx.eval(mx.array([3]))
+        int(mx.array(4))
+    assert count["n"] == 4
+    with pytest.raises(AssertionError, match="np.asarray"):
+        _no_syncs(native.model, CacheConfig(hot_budget=32, page_size=8, top_pages=2, retrieve_tokens=16,
+                                            index_block=4, index_expand=2, cold_store="disk"))

@@ -1,0 +1,374 @@
+"""Tiered retrieval on the device: the cold store in MLX arrays and its search in the step's graph.
+
+The same store and the same selection rules as the host store (cold.py: Quest's min/max page
+summaries or KIV's mean, the two-level index, sticky pages, spans or tokens, the `fixed`, `page`
+and `slots` position rules, packed cold rows), with nothing read back to the host while a step
+is built: evicted rows, summaries and the unfinished page's exact keys are written by slice
+updates into arrays that double when full; the coarse pass is a matmul with the summaries and
+`mx.argpartition`; the pool's union (its pages, the unfinished page, the sticky pages) is a sort
+of a fixed number of page ids with repeats and padding pushed to the end; the gather is
+`mx.take_along_axis`; the fine pass is attention's own (`segments.PoolSegment`). Every size that
+shapes the graph (tokens, pages, blocks) is counted on the host as tokens are evicted, so a
+step's graph is built while the previous one runs (`mx.async_eval`), layer after layer, without
+waiting for any of them.
+
+On Apple Silicon memory is unified: a cold page is already where the GPU reads it. A store that
+must stay out of RAM is the host store on disk (`--kiv-cold-store disk`, cold.py), whose search
+runs on the host; the host store is also the reference this one is tested against
+(tests/test_retrieval_device.py: the same tokens for every query, prefill and decode).
+
+Positions (absolute, one per token, not per head) are host data known when a token is evicted:
+they stay in a host array for telemetry, the needle oracle and files.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import CacheConfig
+from ..quant import GROUP_SIZES
+from .arrays import GrowingArray
+from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, union
+from .segments import PoolSegment, Reading, RetrievedSegment
+from .telemetry import Selection, StageTimes, pages_holding
+
+__all__ = ["DeviceColdStore"]
+
+#: the cold rows' storage: the cache's storage precision (the host store keeps bf16 as fp32: numpy has none)
+_DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
+
+
+class _PackedRows:
+    """Cold rows quantised per token (KIVI's value layout) with the cache's codec: codes, scale
+    and zero as `DeviceRows`."""
+
+    def __init__(self, G: int, D: int, bits: int, codec: Any):
+        groups = [g for g in sorted(GROUP_SIZES, reverse=True) if D % g == 0]
+        if not groups:
+            raise ValueError(f"cold_bits needs a head dimension that is a multiple of {min(GROUP_SIZES)}, got {D}")
+        self.codec, self.bits, self.group = codec, bits, groups[0]
+        self.codes = DeviceRows(G, (D * bits // 32,), mx.uint32)
+        self.scale = DeviceRows(G, (D // self.group,), mx.float32)
+        self.zero = DeviceRows(G, (D // self.group,), mx.float32)
+
+    def append(self, rows: mx.array) -> None:
+        packed, scale, zero = self.codec.quantise_affine(rows, self.bits, self.group)
+        self.codes.append(packed)
+        self.scale.append(scale)
+        self.zero.append(zero)
+
+    def gather(self, idx: mx.array) -> mx.array:
+        parts = [a.gather(idx) for a in (self.codes, self.scale, self.zero)]
+        return self.codec.dequantise_v(*parts, self.bits, self.group)
+
+    def parts(self) -> dict:
+        return {"codes": self.codes, "scale": self.scale, "zero": self.zero}
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.zero.nbytes
+
+
+class DeviceColdStore:
+    """One layer's cold store on the device: rows, summaries and the retrieval over them."""
+
+    def __init__(self, config: CacheConfig, codec: Any, layer_index: int = 0):
+        self.config, self.codec, self.layer_index = config, codec, layer_index
+        self.page_size, self.cold_bits = config.page_size, config.cold_bits
+        self.top_pages = config.top_pages
+        self.retrieve_tokens = config.retrieve_tokens
+        self.stages = StageTimes()   # per-stage seconds of retrieval (off unless `enabled`)
+        self.n = 0
+        self.G: Optional[int] = None   # B * Hkv
+        self.B: Optional[int] = None
+        self.keys = self.values = None   # DeviceRows [G, n, D] or _PackedRows
+        self.positions: Optional[GrowingArray] = None   # host: absolute position of each token
+        self.index: Optional[DevicePageIndex] = None
+        self._recent: Optional[mx.array] = None   # sticky: pages [G, S] the last pass's last query picked (-1: none)
+        self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
+
+    # ----- storage --------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def n_pages(self) -> int:
+        return self.n // self.page_size
+
+    def _init_arrays(self, B: int, H: int, Dk: int, Dv: int) -> None:
+        self.B, self.G = B, B * H
+        self.dims = (Dk, Dv)
+        if self.config.cold_bits is None:
+            dtype = _DTYPES[self.config.storage]
+            self.keys, self.values = DeviceRows(self.G, (Dk,), dtype), DeviceRows(self.G, (Dv,), dtype)
+        else:
+            self.keys = _PackedRows(self.G, Dk, self.config.cold_bits, self.codec)
+            self.values = _PackedRows(self.G, Dv, self.config.cold_bits, self.codec)
+        self.positions = GrowingArray((), np.int64)
+        self.index = DevicePageIndex(self.config, self.G, Dk)
+
+    def append(self, keys: mx.array, values: mx.array, start_position: int) -> None:
+        """Append evicted tokens [B, H, n, D] whose first has absolute position `start_position`:
+        slice updates of the rows and of the summaries of the pages they complete."""
+        B, H, n, Dk = keys.shape
+        if n == 0:
+            return
+        if self.G is None:
+            self._init_arrays(B, H, Dk, values.shape[3])
+        k = keys.astype(mx.float32).reshape(self.G, n, Dk)
+        self.keys.append(k)
+        self.values.append(values.astype(mx.float32).reshape(self.G, n, -1))
+        self.positions.append(np.arange(start_position, start_position + n, dtype=np.int64))
+        self.index.add(k)   # summaries of the pages this completes (exact keys, before rounding)
+        self.n += n
+
+    def _gather(self, rows: Any, idx: mx.array) -> mx.array:
+        return rows.gather(idx).astype(mx.float32)
+
+    # ----- retrieval ------------------------------------------------------------------------
+    def coarse(self, rows: mx.array) -> mx.array:
+        """The coarse pass: `top_pages` pages [G, R, k] of each query row [G, rep, R, D] (every
+        complete page while there are no more of them)."""
+        P = self.n_pages
+        if P > self.top_pages:
+            return self.index.top_pages_of(rows)
+        return mx.broadcast_to(mx.arange(P), (self.G, rows.shape[2], P))
+
+    def _unfinished(self) -> Optional[mx.array]:
+        """The unfinished page as a column [G, 1] of page ids, while it holds tokens."""
+        P = self.n_pages
+        return mx.full((self.G, 1), P, dtype=mx.int32) if self.n > P * self.page_size else None
+
+    def pool(self, rows: mx.array) -> tuple[mx.array, mx.array]:
+        """The pages a forward pass fetches [G, K] (sorted, -1 padding at the end) for its query
+        rows [G, rep, R, D]: each row's `top_pages`, the unfinished page, the sticky pages of the
+        last pass and the oracle's; and the last query's own pages [G, k] (telemetry)."""
+        lists = self.coarse(rows)                                              # [G, R, k]
+        last = lists[:, 0]
+        parts = [lists.reshape(self.G, -1) if self.n_pages > self.top_pages else last]
+        if (tail := self._unfinished()) is not None:
+            parts.append(tail)
+        if self.config.sticky and self._recent is not None:
+            parts.append(_recent_array(self._recent))
+        if self.pinned is not None:
+            held = pages_holding(self.positions.view(), self.n, self.pinned, self.page_size)
+            parts.append(mx.broadcast_to(mx.array(held.astype(np.int32)), (self.G, held.size)))
+        plain = len(parts) == 1 and (lists.shape[1] == 1 or self.n_pages <= self.top_pages)
+        return (parts[0] if plain else union(parts)), last
+
+    def pool_tokens(self, pool: mx.array) -> tuple[mx.array, mx.array]:
+        """The cold-token rows [G, K * page_size] a pool of pages [G, K] (-1: none) gathers and
+        which are real tokens; padding gathers its page's first token (a real one wherever any of
+        the page is), so a span's max needs no token-level mask (PoolSegment)."""
+        ps = self.page_size
+        first = mx.maximum(pool, 0) * ps
+        idx = (first[..., None] + mx.arange(ps)).reshape(pool.shape[0], -1)
+        valid = mx.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
+        return mx.where(valid, idx, mx.repeat(first, ps, axis=1)), valid
+
+    def retrieve(self, reading: Reading) -> tuple[list, Selection]:
+        """Attention segments of the cold tokens retrieved for `reading.queries` [B, Hq, L, D]
+        and their `Selection`: one pool per forward pass, gathered once; every query picks its
+        own tokens (or pages) from it inside attention (`PoolSegment`). The `slots` rule gives
+        each query a pool of its own (`_retrieve_per_query`)."""
+        if self.config.retrieves_per_query:
+            return self._retrieve_per_query(reading)
+        queries, pos = reading.queries, reading.positions
+        B, Hq, L, D = queries.shape
+        rep = Hq // (self.G // B)
+        ps = self.page_size
+        slot = reading.first_slot if pos.shifted else 0
+        with self.stages.timed("coarse"):
+            q = queries.astype(mx.float32)
+            if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
+                q = pos.rotate_to(q, -slot)
+            rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
+            pool, last = self.pool(rows.reshape(self.G, rep, -1, D))
+            self.stages.sync(pool)
+        spans = self.config.retrieve_unit == "spans"
+        units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
+        unit = ps if spans else 1
+        with self.stages.timed("gather"):
+            idx, valid = self.pool_tokens(pool)
+            k = self._gather(self.keys, idx).reshape(B, -1, idx.shape[1], D)
+            v = self._gather(self.values, idx).reshape(B, k.shape[1], idx.shape[1], -1)
+            k = self._place(k, idx, slot, pos)
+            self.stages.sync(k, v)
+        segment = PoolSegment(k, v, valid.reshape(B, -1, idx.shape[1]), units, unit, self.config.span_score)
+        segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
+        if self.config.sticky:
+            self._recent = _PickedPages(idx, valid, segment, unit, ps)
+        scored = valid.sum(axis=1).max()
+        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
+                              page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
+                              pages=last, positions=self.positions.view(),
+                              tokens_retrieved=min(units * unit, idx.shape[1]),
+                              fetched=_fetched(idx, valid, segment))
+        return [segment], selection
+
+    def _place(self, k: mx.array, idx: mx.array, slot: int, pos: Any) -> mx.array:
+        """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
+        every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute)."""
+        if not pos.shifted:
+            return k
+        if pos.fixed:     # (slot 0: the query was turned to their slot instead, layer.py)
+            return pos.rotate_to(k, slot) if slot else k
+        at = (slot + idx % self.page_size).reshape(-1).astype(mx.int32)
+        return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
+
+    def _retrieve_per_query(self, reading: Reading) -> tuple[list, Selection]:
+        """The `slots` rule: every query a pool of its own (its coarse pages and the unfinished
+        page's tokens) and its own `retrieve_tokens` best tokens by exact score, gathered per
+        query [B, Hkv, L, T, D] and placed at consecutive slots ending at `reading.first_slot`."""
+        queries, pos = reading.queries, reading.positions
+        B, Hq, L, D = queries.shape
+        G, ps, P = self.G, self.page_size, self.n_pages
+        rep = Hq // (G // B)
+        q = queries.astype(mx.float32)
+        slot = reading.first_slot if pos.shifted else 0
+        if slot:
+            q = pos.rotate_to(q, -slot)
+        qn = q.reshape(G, rep, L, D)
+        pages = self.coarse(qn)                                                    # [G, L, k]
+        idx = (pages[..., None] * ps + mx.arange(ps)).reshape(G, L, -1)
+        if self.n > P * ps:
+            idx = mx.concatenate([idx, mx.broadcast_to(mx.arange(P * ps, self.n), (G, L, self.n - P * ps))], axis=-1)
+        m = idx.shape[-1]
+        T = min(self.retrieve_tokens, m)
+        if T < m:
+            keys = self._gather(self.keys, idx)                                    # [G, L, m, D]
+            exact = (qn.transpose(0, 2, 1, 3) @ keys.swapaxes(-1, -2)).max(axis=2)  # [G, L, m]
+            idx = mx.take_along_axis(idx, mx.argpartition(-exact, T - 1, axis=-1)[..., :T].astype(mx.int32), axis=-1)
+        idx = mx.sort(idx, axis=-1)
+        k = self._gather(self.keys, idx).reshape(B, -1, L, T, D)
+        v = self._gather(self.values, idx).reshape(B, k.shape[1], L, T, -1)
+        if pos.shifted:
+            k = pos.place(k, slot - T + 1)
+        last = idx[:, -1]
+        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=P,
+                              page_size=ps, tokens_scored=m, indexed=self.index.uses_index(),
+                              pages=pages[:, -1], positions=self.positions.view(), tokens_retrieved=T,
+                              fetched=lambda: list(np.asarray(last)))
+        return [RetrievedSegment(k, v)], selection
+
+    def segments(self, reading: Reading) -> list:
+        """The `Store` interface: the retrieved segments alone."""
+        return self.retrieve(reading)[0] if self.n else []
+
+    # ----- accounting -----------------------------------------------------------------------
+    def _row_arrays(self) -> dict:
+        """Every array of this store by name, as the host store names them."""
+        out: dict = {}
+        for side in ("keys", "values"):
+            rows = getattr(self, side)
+            if isinstance(rows, _PackedRows):
+                out.update({f"{side}.{p}": a for p, a in rows.parts().items()})
+            elif rows is not None:
+                out[side] = rows
+        out["positions"] = self.positions
+        out.update(self.index.arrays())
+        return out
+
+    def nbytes_breakdown(self) -> dict[str, int]:
+        if self.G is None:
+            return {"cold": 0}
+        out: dict[str, int] = {}
+        for name, array in self._row_arrays().items():
+            part = "cold_positions" if name == "positions" else "cold_summary" if name in SUMMARIES else "cold"
+            out[part] = out.get(part, 0) + array.nbytes
+        return out
+
+    # ----- prompt-cache files (cache/persist.py): the host store's names and layout ------------
+    def state(self) -> tuple[dict, dict]:
+        meta: dict = {"n": self.n, "G": self.G, "B": self.B}
+        if self.G is None:
+            return {}, meta
+        meta["dims"] = list(self.dims)
+        arrays: dict = {}
+        for name, arr in self._row_arrays().items():
+            arrays[name], meta[name] = arr.state()
+        tail = self.index.tail
+        arrays["tail_keys"] = (np.asarray(tail.swapaxes(0, 1)) if tail is not None
+                               else np.zeros((0, self.G, self.dims[0]), np.float32))
+        if self._recent is not None:
+            meta["recent"] = [row[row >= 0].tolist() for row in np.asarray(_recent_array(self._recent))]
+        return arrays, meta
+
+    def load_state(self, arrays, meta: dict) -> None:
+        if meta["G"] is None:
+            return
+        G, B = int(meta["G"]), int(meta["B"])
+        self._init_arrays(B, G // B, *meta["dims"])
+        for name, arr in self._row_arrays().items():
+            entry = arrays[name]
+            if isinstance(arr, GrowingArray):
+                arr.load_state(entry, meta[name])
+            else:
+                arr.load_state(entry.np(), meta[name])
+        tail = arrays["tail_keys"].np()
+        self.index.truncate(int(meta["n"]), mx.array(tail).swapaxes(0, 1) if len(tail) else None)
+        self.n = int(meta["n"])
+        if "recent" in meta:
+            rows = meta["recent"]
+            width = max([len(r) for r in rows] + [1])
+            self._recent = mx.array(np.array([list(r) + [-1] * (width - len(r)) for r in rows], dtype=np.int32))
+
+    # ----- checkpoints (cache/checkpoint.py) --------------------------------------------------
+    def mark(self) -> dict:
+        """This append-only store's extent, to cut it back to (`rewind`): its token count, the
+        unfinished page's exact keys and the sticky pages (arrays are immutable: kept as they are)."""
+        if self.G is None:
+            return {"n": 0}
+        return {"n": self.n, "tail": self.index.tail, "recent": self._recent}
+
+    def rewind(self, mark: dict) -> None:
+        if self.G is None:
+            return
+        n = mark["n"]
+        for name, arr in self._row_arrays().items():
+            if name not in SUMMARIES:
+                arr.truncate(n)
+        self.index.truncate(n, mark.get("tail"))
+        self.n = n
+        self._recent = mark.get("recent")
+
+    def close(self) -> None:
+        self.keys = self.values = None
+        self.n = 0
+
+
+class _PickedPages:
+    """The pages [G, S] (-1: none) holding the tokens a pass's last query picked, read from its
+    `PoolSegment` once attention has scored (at the next pass: still lazy, never on the host)."""
+
+    def __init__(self, idx: mx.array, valid: mx.array, segment: PoolSegment, unit: int, page_size: int):
+        self.idx, self.valid, self.segment, self.unit, self.page_size = idx, valid, segment, unit, page_size
+        self._pages: Optional[mx.array] = None
+
+    def pages(self) -> mx.array:
+        if self._pages is None:
+            G = self.idx.shape[0]
+            picked = self.segment.last_picked().reshape(G, -1)[:, :: self.unit]   # a span's first token
+            tok = mx.take_along_axis(self.idx, picked, axis=-1)
+            ok = mx.take_along_axis(self.valid, picked, axis=-1)
+            self._pages = mx.where(ok, tok // self.page_size, -1)
+            self.idx = self.valid = self.segment = None
+        return self._pages
+
+
+def _recent_array(recent: Any) -> mx.array:
+    return recent.pages() if isinstance(recent, _PickedPages) else recent
+
+
+def _fetched(idx: mx.array, valid: mx.array, segment: PoolSegment):
+    """() -> the cold indices each row's last query fetched (telemetry, asked where a needle is
+    known: it reads them back)."""
+    def fetched() -> list:
+        G = idx.shape[0]
+        picked = np.asarray(segment.last_picked()).reshape(G, -1)
+        rows, ok = np.asarray(idx), np.asarray(valid)
+        return [row[i[o[i]]] for row, o, i in zip(rows, ok, picked)]
+    return fetched

@@ -1,0 +1,252 @@
+"""Retrieval's page index on the device: the page summaries of a cold store in MLX arrays and
+the coarse pass as matmuls and `mx.argpartition`, built lazily into the step's graph.
+
+The same rules as the host index (pages.py): every `page_size` evicted tokens make a page,
+summarised from its exact keys by the per-channel min and max (Quest), the mean key (KIV), or
+both ("hybrid"); long stores add blocks of `index_block` pages (the min of their mins, the max
+of their maxes, the mean of their means) and a decode step expands only its best blocks.
+Nothing here reads a value back to the host: the page counts that shape the graph are known
+there already (they follow from the number of tokens evicted).
+
+Summaries are [G, capacity, D] float32 (G = batch x KV heads), page-major within a row, grown
+by doubling and written by slice updates (`DeviceRows`).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+
+from ..config import CacheConfig
+
+__all__ = ["DeviceRows", "DevicePageIndex", "NONE"]
+
+#: a page id greater than any real one: what sorting pushes to the end (then read as "none")
+NONE = 2 ** 30
+
+
+class DeviceRows:
+    """Rows [G, capacity, *shape] in one MLX array that doubles its capacity when full
+    (amortised O(1) per row: a growth copies the live rows once); appends are slice updates,
+    which MLX does in place when nothing else holds the old array."""
+
+    def __init__(self, G: int, shape: tuple, dtype: mx.Dtype, initial: int = 256):
+        self.G, self.shape, self.dtype = G, tuple(shape), dtype
+        self.n = 0
+        self.growths = 0
+        self.array = mx.zeros((G, initial) + self.shape, dtype=dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.array.shape[1]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def append(self, rows: mx.array) -> None:
+        """Rows [G, n, *shape] after the live ones."""
+        n = rows.shape[1]
+        if self.n + n > self.capacity:
+            cap = self.capacity
+            while cap < self.n + n:
+                cap *= 2
+            grown = mx.zeros((self.G, cap) + self.shape, dtype=self.dtype)
+            grown[:, : self.n] = self.array[:, : self.n]
+            self.array = grown
+            self.growths += 1
+        self.array[:, self.n: self.n + n] = rows.astype(self.dtype)
+        self.n += n
+
+    def view(self) -> mx.array:
+        return self.array[:, : self.n]
+
+    def truncate(self, n: int) -> None:
+        """Keep the oldest `n` rows (what follows is overwritten by later appends)."""
+        self.n = min(self.n, n)
+
+    def gather(self, idx: mx.array) -> mx.array:
+        """Rows at `idx` [G, *I] (each row of G its own indices) -> [G, *I, *shape]."""
+        flat = idx.reshape(self.G, -1)
+        tail = (1,) * len(self.shape)
+        out = mx.take_along_axis(self.array, flat.reshape(flat.shape + tail), axis=1)
+        return out.reshape(idx.shape + self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        size = 1
+        for s in self.shape:
+            size *= s
+        return self.n * self.G * size * self.dtype.size
+
+    # ----- files (the host store's layout: token-major [n, G, *shape]) ------------------------
+    def state(self) -> tuple:
+        import numpy as np   # (a file is written off the per-token path)
+        return (np.asarray(self.view().swapaxes(0, 1)),
+                {"n": self.n, "capacity": max(self.capacity, 1), "growths": self.growths})
+
+    def load_state(self, rows, meta: dict) -> None:
+        n = int(meta["n"])
+        cap = max(int(meta.get("capacity", n)), n, 1)
+        if tuple(rows.shape) != (n, self.G) + self.shape:
+            raise ValueError(f"saved rows have shape {tuple(rows.shape)}, expected {(n, self.G) + self.shape}")
+        self.array = mx.zeros((self.G, cap) + self.shape, dtype=self.dtype)
+        if n:
+            self.array[:, :n] = mx.array(rows).swapaxes(0, 1).astype(self.dtype)
+        self.n, self.growths = n, int(meta.get("growths", 0))
+
+
+#: the summary arrays each `summary` keeps, and their block-level counterparts
+_WANTED = {"minmax": ("smin", "smax"), "mean": ("smean",), "hybrid": ("smin", "smax", "smean")}
+_BLOCKS = {"smin": "bmin", "smax": "bmax", "smean": "bmean"}
+NAMES = ("smin", "smax", "smean", "bmin", "bmax", "bmean")
+_REDUCE = {"smin": mx.min, "smax": mx.max, "smean": mx.mean}
+
+
+class DevicePageIndex:
+    """Summaries of the completed pages of G rows of keys, and the coarse pass over them for
+    queries [G, rep, R, D], on the device."""
+
+    def __init__(self, config: CacheConfig, G: int, D: int):
+        self.config, self.G, self.D = config, G, D
+        self.page_size, self.top_pages, self.summary = config.page_size, config.top_pages, config.summary
+        self.rows: dict[str, DeviceRows] = {}
+        for name in _WANTED[self.summary]:
+            self.rows[name] = DeviceRows(G, (D,), mx.float32, initial=16)
+            if config.index_block:
+                self.rows[_BLOCKS[name]] = DeviceRows(G, (D,), mx.float32, initial=16)
+        self.tail: Optional[mx.array] = None   # exact fp32 keys [G, t, D] of the unfinished page
+        self.tail_n = 0
+
+    @property
+    def n_pages(self) -> int:
+        return len(next(iter(self.rows.values())))
+
+    @property
+    def n_blocks(self) -> int:
+        Bp = self.config.index_block
+        return self.n_pages // Bp if Bp else 0
+
+    def arrays(self) -> dict:
+        """The summary arrays held, by name (smin, smax, smean and their blocks' bmin, ...)."""
+        return dict(self.rows)
+
+    # ----- growth ---------------------------------------------------------------------------
+    def add(self, k: mx.array) -> None:
+        """Exact fp32 keys [G, n, D] that follow the ones added before: the pages they complete
+        are summarised (one reduction over all of them), the rest wait in `tail`."""
+        ps = self.page_size
+        keys = k if not self.tail_n else mx.concatenate([self.tail, k], axis=1)
+        total = self.tail_n + k.shape[1]
+        full = total // ps * ps
+        if full:
+            pages = keys[:, :full].reshape(self.G, full // ps, ps, self.D)
+            for name in ("smin", "smax", "smean"):
+                if name in self.rows:
+                    self.rows[name].append(_REDUCE[name](pages, axis=2))
+            self._add_blocks()
+        self.tail_n = total - full
+        self.tail = keys[:, full:] if self.tail_n else None
+
+    def _add_blocks(self) -> None:
+        Bp = self.config.index_block
+        if not Bp:
+            return
+        done, NB = len(self.rows[_BLOCKS[next(iter(_WANTED[self.summary]))]]), self.n_blocks
+        if NB <= done:
+            return
+        for name in ("smin", "smax", "smean"):
+            if name in self.rows:
+                pages = self.rows[name].array[:, done * Bp: NB * Bp].reshape(self.G, NB - done, Bp, self.D)
+                self.rows[_BLOCKS[name]].append(_REDUCE[name](pages, axis=2))
+
+    def truncate(self, n_tokens: int, tail: Optional[mx.array]) -> None:
+        """Back to what `n_tokens` evicted tokens make, with the unfinished page's exact `tail`."""
+        P = n_tokens // self.page_size
+        for name, rows in self.rows.items():
+            rows.truncate(P if name.startswith("s") else (P // self.config.index_block))
+        self.tail, self.tail_n = tail, 0 if tail is None else tail.shape[1]
+
+    def uses_index(self) -> bool:
+        """The two-level index pays once the flat scan covers > 2x the pages it would score."""
+        Bp = self.config.index_block
+        return bool(Bp) and self.n_pages > 2 * self.config.index_expand * self.top_pages * Bp
+
+    # ----- the coarse pass ------------------------------------------------------------------
+    def _scan(self, q: mx.array, summary: str, prefix: str, count: int) -> mx.array:
+        """Scores [G, R, count] of queries [G, rep, R, D] against the first `count` summaries
+        ("s": pages, "b": blocks): matmuls, the max over the query group."""
+        G, rep, R, D = q.shape
+        x = q.reshape(G, rep * R, D)
+
+        def score(x: mx.array, name: str) -> mx.array:
+            return x @ self.rows[prefix + name].array[:, :count].swapaxes(1, 2)
+        out = _bound(x, summary, score)
+        return out.reshape(G, rep, R, count).max(axis=1)
+
+    def _candidate_scores(self, q: mx.array, summary: str, cand: mx.array) -> mx.array:
+        """Scores [G, R, C] of queries [G, rep, R, D] against the pages `cand` [G, R, C] only."""
+        x = q.transpose(0, 2, 1, 3)                                           # [G, R, rep, D]
+
+        def score(x: mx.array, name: str) -> mx.array:
+            return x @ self.rows["s" + name].gather(cand).swapaxes(-1, -2)    # [G, R, D, C]
+        return _bound(x, summary, score).max(axis=2)
+
+    def ranked_pages(self, q: mx.array, summary: str, ordered: bool = False) -> mx.array:
+        """The `top_pages` best pages [G, R, k] of each query row, by one summary (best first
+        when `ordered`; otherwise in no particular order). The two-level index as the host's."""
+        P = self.n_pages
+        k = min(self.top_pages, P)
+        cand = None
+        if self.uses_index():
+            Bp, NB = self.config.index_block, self.n_blocks
+            bs = self._scan(q, summary, "b", NB)                               # [G, R, NB]
+            kb = min(self.config.index_expand * self.top_pages if q.shape[2] == 1 else self.top_pages, NB)
+            blocks = mx.argpartition(-bs, kb - 1, axis=-1)[..., :kb].astype(mx.int32)
+            cand = (blocks[..., None] * Bp + mx.arange(Bp)).reshape(*blocks.shape[:2], -1)
+            if P > NB * Bp:
+                rest = mx.broadcast_to(mx.arange(NB * Bp, P), cand.shape[:2] + (P - NB * Bp,))
+                cand = mx.concatenate([cand, rest], axis=-1)
+            sc = self._candidate_scores(q, summary, cand)
+        else:
+            sc = self._scan(q, summary, "s", P)
+        top = mx.argpartition(-sc, k - 1, axis=-1)[..., :k].astype(mx.int32) if k < sc.shape[-1] else \
+            mx.broadcast_to(mx.arange(sc.shape[-1]), sc.shape)
+        if ordered:
+            order = mx.argsort(-mx.take_along_axis(sc, top, axis=-1), axis=-1).astype(mx.int32)
+            top = mx.take_along_axis(top, order, axis=-1)
+        return top if cand is None else mx.take_along_axis(cand, top, axis=-1)
+
+    def top_pages_of(self, q: mx.array) -> mx.array:
+        """The `top_pages` pages [G, R, k] of each query row. "hybrid" interleaves the min/max
+        ranking and the mean ranking and keeps the first k distinct pages (as a set, in id
+        order)."""
+        k = self.top_pages
+        if self.summary != "hybrid":
+            return self.ranked_pages(q, self.summary)
+        lists = [self.ranked_pages(q, s, ordered=True) for s in ("minmax", "mean")]
+        both = mx.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], -1)    # mm0, mean0, mm1, ...
+        n = both.shape[-1]
+        earlier = mx.tril(mx.ones((n, n), dtype=mx.bool_), k=-1)
+        repeat = ((both[..., :, None] == both[..., None, :]) & earlier).any(axis=-1)
+        rank = mx.cumsum((~repeat).astype(mx.int32), axis=-1)
+        kept = mx.where(~repeat & (rank <= k), both, NONE)
+        return mx.sort(kept, axis=-1)[..., :k]
+
+
+def _bound(x: mx.array, summary: str, score) -> mx.array:
+    """Quest's bound sum_i max(x_i min_i, x_i max_i) (minmax) or x . mean (mean)."""
+    if summary == "mean":
+        return score(x, "mean")
+    return score(mx.maximum(x, 0), "max") + score(mx.minimum(x, 0), "min")
+
+
+def union(parts: list) -> mx.array:
+    """Page ids [G, *] joined row by row: each row sorted, without repeats, padded with -1 at
+    its end (`parts`: arrays [G, *], -1 or NONE for none). Fixed size: the sum of the parts."""
+    cat = (mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).astype(mx.int32)
+    cat = mx.where(cat < 0, NONE, cat)
+    s = mx.sort(cat, axis=-1)
+    repeat = mx.concatenate([mx.zeros(s.shape[:-1] + (1,), dtype=mx.bool_), s[..., 1:] == s[..., :-1]], axis=-1)
+    s = mx.sort(mx.where(repeat, NONE, s), axis=-1)
+    return mx.where(s == NONE, -1, s)
