@@ -140,9 +140,8 @@ class Server:
             for path in prompt_caches:          # pre-warmed slots: every file checked before serving
                 cache, tokens = self.worker.call(lambda p=path: load_for_server(p, loaded, cache_config))
                 self.pool.prewarm(str(path), cache, tokens)
-                note = turn_note(path, loaded)
+                note = turn_note(path, loaded)      # said once, by `serve` on stderr
                 if note:
-                    log.info("%s", note)
                     self.prewarm_notes.append(note)
             self.slot_dir = None if slot_dir is None else Path(slot_dir)
             self.restored = self._restore_slots() if self.slot_dir is not None else []
