@@ -186,28 +186,64 @@ class DeviceColdStore:
             if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
                 q = pos.rotate_to(q, -slot)
             rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
-            pool, last = self.pool(rows.reshape(self.G, rep, -1, D))
+            rows = rows.reshape(self.G, rep, -1, D)
+            pool, last = self.pool(rows)
             self.stages.sync(pool)
         spans = self.config.retrieve_unit == "spans"
         units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
         unit = ps if spans else 1
         with self.stages.timed("gather"):
             idx, valid = self.pool_tokens(pool)
-            k = self._gather(self.keys, idx).reshape(B, -1, idx.shape[1], D)
+            scored = valid.sum(axis=1).max()
+            keys = self._gather(self.keys, idx)                                      # [G, U, D]
+            if L == 1:    # decode: the fine pass first, then only the picked rows move on
+                idx, keys, valid = self._pick(rows[:, :, 0], idx, keys, valid, units, unit, pos)
+                units, unit = idx.shape[1], 1
+            k = keys.reshape(B, -1, idx.shape[1], D)
             v = self._gather(self.values, idx).reshape(B, k.shape[1], idx.shape[1], -1)
             k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
         segment = PoolSegment(k, v, valid.reshape(B, -1, idx.shape[1]), units, unit, self.config.span_score)
         segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
         if self.config.sticky:
-            self._recent = _PickedPages(idx, valid, segment, unit, ps)
-        scored = valid.sum(axis=1).max()
+            self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
                               page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
                               pages=last, positions=self.positions.view(),
                               tokens_retrieved=min(units * unit, idx.shape[1]),
                               fetched=_fetched(idx, valid, segment))
         return [segment], selection
+
+    def _pick(self, q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
+              pos: Any) -> tuple[mx.array, mx.array, mx.array]:
+        """A decode step's fine pass (`PoolSegment`'s rule, as the host store's `_pick`): query rows
+        [G, rep, D] (turned to the retrieved slot) against the pool's keys [G, U, D], scored where
+        they will sit; the `units` best tokens, or pages of `unit` tokens (by their best token, or
+        their tokens' mean with `span_score` "mean"). Returns the picked cold indices, their
+        keys (as stored) and whether each was a real token."""
+        G, rep = q.shape[:2]
+        ranked = keys
+        if pos.shifted and not pos.fixed:   # `page`: token j of a page sits j slots on
+            at = (idx % self.page_size).reshape(-1).astype(mx.int32)
+            ranked = pos.rope(keys.reshape(-1, 1, keys.shape[-1]), offset=at).reshape(keys.shape)
+        scores = q @ ranked.swapaxes(-1, -2)                                             # [G, rep, U]
+        if unit > 1 and self.config.span_score == "mean":
+            w = valid.reshape(G, 1, -1, unit).astype(mx.float32)
+            exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=1)
+            exact = mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
+        else:
+            exact = mx.where(valid, scores.max(axis=1), -mx.inf)
+            if unit > 1:
+                exact = exact.reshape(G, -1, unit).max(axis=-1)
+        k = min(units, exact.shape[1])
+        pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
+                else mx.broadcast_to(mx.arange(k), (G, k))).astype(mx.int32)
+        ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
+        if unit > 1:
+            pick = (pick[..., None] * unit + mx.arange(unit)).reshape(G, -1)
+            ok = mx.repeat(ok, unit, axis=1)
+        keys = mx.take_along_axis(keys, pick[..., None], axis=1)
+        return (mx.take_along_axis(idx, pick, axis=-1), keys, ok & mx.take_along_axis(valid, pick, axis=-1))
 
     def _place(self, k: mx.array, idx: mx.array, slot: int, pos: Any) -> mx.array:
         """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
