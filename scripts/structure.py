@@ -2,7 +2,8 @@
 
     python scripts/structure.py [--json FILE] [--package tinygpt_mlx]
 
-For cache/: each class's length in lines (target <= 200), reads of another object's private
+Lengths are reported for the record, never a target (code splits where responsibilities part,
+not to fit a number: issue #54). For cache/: classes over 200 lines, reads of another object's private
 attribute (`x._name` where x is not `self`/`cls`), and probes of which store a layer holds
 (`isinstance(..., <Store class>)`, `getattr(<store>, ...)`, `sink_store is None`); for the whole
 package: modules over 450 lines and function-level imports of the package's own modules (an
