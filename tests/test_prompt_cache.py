@@ -156,6 +156,33 @@ def test_save_load_continue_equals_in_process(loaded_models, tmp_path, model_nam
         assert _sha(path) == digest              # a run from the file never changes it
 
 
+@pytest.mark.parametrize("policy", ["hot:ram", "hot:disk", "hot:cold8:disk", "hot:sticky+sink"])
+def test_a_file_loads_into_either_cold_store(loaded_models, tmp_path, policy):
+    """The device store (ram) and the host store (disk) write the same rows: a file saved from one
+    loads into the other (`cold_store=`, as `serve --kiv-cold-store` asks) and continues with the
+    tokens and logits of the cache it was saved from (the two stores sum in another order). The
+    document's tokens are distinct: DOC repeats tokens, whose equal keys tie page scores, which
+    numpy and MLX break differently (an equally good page, another sticky page after it)."""
+    from tinygpt_mlx.server.state import policy_difference
+    loaded, cfg = loaded_models["native"], POLICIES[policy]
+    other = "disk" if cfg.cold_store == "ram" else "ram"
+    doc = np.random.RandomState(3).permutation(np.arange(1, 300))[:len(DOC)].tolist()
+    ref_cache = make_cache(loaded.model, cfg)
+    logits = prefill(loaded.model, doc, ref_cache, CHUNK)
+    path = tmp_path / "doc.ptc"
+    save_prompt_cache(path, ref_cache, loaded, doc, logits)
+    want = _continue(loaded.model, ref_cache, logits)
+    ref_cache.close()
+    assert policy_difference(cfg, dataclasses.replace(cfg, cold_store=other)) is None
+    restored, info = load_prompt_cache(path, loaded, cold_store=other)
+    assert restored.owned[0].config.cold_store == other and info.config == cfg
+    got = _continue(loaded.model, restored, info.logits)
+    restored.close()
+    assert got[0] == want[0]
+    assert float(mx.abs(got[1] - want[1]).max()) < 1e-4
+    assert got[2]["stored_count"] == want[2]["stored_count"]
+
+
 @pytest.mark.parametrize("policy", ["int4", "hot:disk", "int4+sink/window:shifted"])
 def test_continue_from_saved_logits_without_a_prompt(loaded_models, tmp_path, policy):
     loaded, cfg = loaded_models["native"], POLICIES[policy]

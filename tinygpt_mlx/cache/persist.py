@@ -353,13 +353,17 @@ def _verify(path: Path, header: dict, meta: dict, data_start: int, size: int) ->
                                "'posttrainllm cache-prompt'")
 
 
+#: fields that say where stores live, not what they keep: a file loads under either value
+PLACEMENT = ("cold_path", "cold_store")
+
+
 def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
     """The first policy field that `given` sets (differs from the default) to another value in
     effect than the file's policy (`CacheConfig.in_effect`: int4's default tier is 1/8 whether
-    named or not), or None. `cold_path` (where disk stores live) is not policy."""
+    named or not), or None. Where the stores live (`PLACEMENT`) is not policy."""
     default = CacheConfig()
     for f in dataclasses.fields(CacheConfig):
-        if f.name == "cold_path":
+        if f.name in PLACEMENT:
             continue
         if getattr(given, f.name) != getattr(default, f.name) and given.in_effect(f.name) != saved.in_effect(f.name):
             return f.name
@@ -367,11 +371,14 @@ def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
 
 
 def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[str] = None,
-                      config: Optional[CacheConfig] = None) -> tuple[KVCache, PromptCacheInfo]:
+                      config: Optional[CacheConfig] = None, cold_store: Optional[str] = None
+                      ) -> tuple[KVCache, PromptCacheInfo]:
     """Rebuild the cache saved at `path` for `model` (a LoadedModel, or the module with our
     attention routed). Checked before anything is built: format and version, the model's
     fingerprint, the checksum, and (if `config` is given) that every field it sets matches the
-    file's policy. `cold_path`: where the new cache's disk stores go (default: a temp dir).
+    file's policy. `cold_path`: where the new cache's disk stores go (default: a temp dir);
+    `cold_store`: where its cold store lives (default: the file's, or `config`'s where it sets one;
+    both stores write and read the same rows).
     Returns (cache, info); `info.logits` holds the saved logits (or None)."""
 
     path = Path(path)
@@ -393,7 +400,9 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
     for name, h in header.items():
         lo, hi = (int(x) for x in h["data_offsets"])
         entries[name] = Entry(path, h["dtype"], tuple(h["shape"]), data_start + lo, data_start + hi)
-    cfg = dataclasses.replace(info.config, cold_path=cold_path)
+    if cold_store is None and config is not None and config.cold_store != CacheConfig().cold_store:
+        cold_store = config.cold_store
+    cfg = dataclasses.replace(info.config, cold_path=cold_path, cold_store=cold_store or info.config.cold_store)
     cache = make_cache(getattr(model, "model", model), cfg)
     try:
         layout, owned = _layout(cache)

@@ -17,7 +17,7 @@ from fastapi import Request
 from . import prompt as pr
 from ..cache import make_cache
 from ..chat_template import PromptTurn, has_template, template_id
-from ..cache.persist import PromptCacheError, load_prompt_cache, read_prompt_cache_info, save_prompt_cache
+from ..cache.persist import PLACEMENT, PromptCacheError, load_prompt_cache, read_prompt_cache_info, save_prompt_cache
 from ..generate import prefill
 from .slots import SlotPool
 from .worker import Job, Worker
@@ -61,10 +61,11 @@ def probe(loaded: Any, cache_config: Any) -> None:
 
 def policy_difference(saved: Any, served: Any) -> Optional[str]:
     """The first cache-policy field in which a prompt-cache file's policy differs from the
-    served one, as the caches use them (`CacheConfig.in_effect`), or None; `cold_path` (where disk
-    stores live) is not policy."""
+    served one, as the caches use them (`CacheConfig.in_effect`), or None; where the cold store
+    lives (`cold_store`, `cold_path`) is not policy: either store retrieves the same tokens and
+    reads the other's rows."""
     for f in dataclasses.fields(saved):
-        if f.name != "cold_path" and saved.in_effect(f.name) != served.in_effect(f.name):
+        if f.name not in PLACEMENT and saved.in_effect(f.name) != served.in_effect(f.name):
             return f.name
     return None
 
@@ -112,7 +113,7 @@ def load_for_server(path: Any, loaded: Any, cache_config: Any) -> tuple[Any, lis
                                f"({field}={info.config.in_effect(field)!r}), but the server runs "
                                f"{cache_config.label()} ({field}={cache_config.in_effect(field)!r}); serve with "
                                "the file's policy flags or re-create the file")
-    cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path)
+    cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path, cold_store=cache_config.cold_store)
     return cache, info.tokens
 
 
