@@ -26,8 +26,8 @@ HOT="--streaming-llm-sink 4 --kiv-hot-budget 1024"
 declare -A FLAGS=(
   [full]=""
   [ram]="$HOT --kiv-cold-store ram"
-  [disk]="$HOT --kiv-cold-path $COLD"                    # the default cold store
-  [bits8]="$HOT --kiv-cold-bits 8 --kiv-cold-path $COLD"  # on disk, 8-bit
+  [disk]="$HOT --kiv-cold-store disk --kiv-cold-path $COLD"   # the default cold store until 2026-12-04
+  [bits8]="$HOT --kiv-cold-bits 8 --kiv-cold-store disk --kiv-cold-path $COLD"  # on disk, 8-bit
   [int4win]="--kv-quantize int4 --streaming-llm-sink 4 --streaming-llm-window 1020")
 for name in $POLICIES; do
   echo "smollm2_cold_store: $name at $N tokens" >&2
