@@ -1,0 +1,138 @@
+"""The real Gemma 3 270M (the pretrained model, Q4_K_M GGUF; Gemma terms of use) from its GGUF:
+the config its metadata gives, greedy tokens equal to transformers' own GGUF loader's (recorded by
+`python -m benchmarks.gemma3_hf_reference --json docs/results/gemma3_hf_greedy.json`, fp32 both),
+through the API and through `posttrainllm sample`, and a chat template carried in its metadata.
+
+The file is not fetched here (about 253 MB, four wheels): `python scripts/fetch_gemma3.py` puts it
+in the cache (`$POSTTRAINLLM_CACHE`, default ~/.cache/posttrainllm); without it these tests skip,
+and CI (`$CI` set) fetches it like any user, a failed fetch failing the run."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tinygpt_mlx.errors import PosttrainError
+
+REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "results" / "gemma3_hf_greedy.json"
+# Gemma 3's chat template as its instruction-tuned checkpoints ship it (string contents only)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}"
+    "{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf():
+    from tinygpt_mlx.realmodel import gemma3_path
+
+    try:
+        return gemma3_path(fetch=bool(os.environ.get("CI")))
+    except PosttrainError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"Gemma 3 270M not available here: {e}")
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_gguf):
+    from tinygpt_mlx.loading import load
+
+    with load(gemma3_gguf) as loaded:
+        yield loaded
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return json.loads(REFERENCE.read_text())
+
+
+def test_config_from_metadata(gemma3):
+    info, c = gemma3.info, gemma3.info["config"]
+    assert info["architecture"] == "gemma3" and info["model_type"] == "gemma3_text"
+    assert gemma3.context_length == 32768
+    assert (c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"], c["hidden_size"],
+            c["head_dim"]) == (18, 4, 1, 640, 256)
+    assert (c["sliding_window"], c["sliding_window_pattern"], c["query_pre_attn_scalar"]) == (512, 6, 256)
+    assert (c["rope_theta"], c["rope_local_base_freq"]) == (1e6, 1e4)
+    # no output.weight: the output is the token embeddings, counted once (mlx-lm ties it)
+    assert c["tie_word_embeddings"] and "lm_head" not in gemma3.model
+    assert info["parameters"] == 268_098_176
+    assert {t: v["count"] for t, v in info["tensor_types"].items()} == \
+        {"F32": 109, "Q4_K": 27, "Q5_0": 81, "Q6_K": 9, "Q8_0": 10}
+    assert gemma3.tokenizer.encode("The capital of France is")[0] == 2   # BOS, as llama.cpp adds it
+
+
+def test_greedy_equals_transformers(gemma3, reference):
+    """Our greedy ids (full policy) equal transformers' for the short prompts and for one that
+    passes the 512-token window (the sliding layers' rotating caches at work)."""
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.evaluate.inputs import HELDOUT_KJV
+    from tinygpt_mlx.generate import greedy_tokens
+
+    rows = reference["prompts"]
+    checked = 0
+    for row in rows:
+        if "prompt_chars" in row:
+            if row["prompt_chars"] > 3000:
+                continue   # the ~2,000-token prompt: the benchmark's
+            text = HELDOUT_KJV.read_text(encoding="utf-8")[: row["prompt_chars"]]
+        else:
+            text = row["prompt"]
+        ids = gemma3.tokenizer.encode(text)
+        assert len(ids) == row["prompt_tokens"]
+        if "prompt_ids" in row:
+            assert ids == row["prompt_ids"]
+        got = greedy_tokens(gemma3.model, ids, make_cache(gemma3.model, CacheConfig()), reference["tokens"], 512)
+        assert got == row["transformers"]["ids"], (row["prompt"], gemma3.tokenizer.decode(got))
+        checked += 1
+    assert checked == 5 and any(r["prompt_tokens"] > 512 for r in rows)
+
+
+def test_cli_sample(gemma3_gguf, reference):
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    row = reference["prompts"][0]
+    r = CliRunner().invoke(app, ["sample", str(gemma3_gguf), "--prompt", row["prompt"], "--temperature", "0",
+                                 "--tokens", str(reference["tokens"])])
+    assert r.exit_code == 0, r.output
+    assert r.stdout.strip() == row["transformers"]["text"].strip(), r.stdout
+    assert "GGUF gemma3 via mlx-lm" in r.stderr
+
+
+def test_chat_template_from_metadata(gemma3_gguf, gemma3):
+    """The pretrained file carries no chat template (chat falls back to the plain turn format); one
+    written into its metadata, as the instruction-tuned files carry Gemma's, renders Gemma's turns
+    with one BOS and its turn markers as single tokens."""
+    import gguf
+
+    from tinygpt_mlx.chat_template import encode_fragment, has_template, prompt_ids
+    from tinygpt_mlx.ggml.tensors import _field_value
+    from tinygpt_mlx.ggml.tokenizer import tokenizer_from_metadata
+    from tinygpt_mlx.tokenizer import Tokenizer
+
+    reader = gguf.GGUFReader(str(gemma3_gguf))
+    md = {name: _field_value(f, gguf) for name, f in reader.fields.items()
+          if name.startswith(("tokenizer.", "general.architecture"))}
+    assert "tokenizer.chat_template" not in md and not has_template(gemma3.tokenizer)
+    tok = Tokenizer(wrapper=tokenizer_from_metadata({**md, "tokenizer.chat_template": GEMMA_TEMPLATE}, "test"))
+    assert has_template(tok)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    assert tok.chat_prompt(messages) == \
+        "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    ids = prompt_ids(tok, messages)
+    start, end = encode_fragment(tok, "<start_of_turn>"), encode_fragment(tok, "<end_of_turn>")
+    assert len(start) == len(end) == 1
+    assert ids[0] == 2 and ids.count(2) == 1 and ids.count(start[0]) == 2 and ids.count(end[0]) == 1
