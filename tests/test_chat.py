@@ -227,6 +227,7 @@ def test_prefix_and_fallback_rules(tmp_path):
 
 
 # ----- Ctrl-C mid-answer keeps the session ----------------------------------------------------------
+@pytest.mark.slow
 def test_ctrl_c_stops_the_answer_not_the_session(chat_llama_dir, tmp_path):
     out = tmp_path / "c.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -395,6 +396,7 @@ def _ask_after_filler(loaded, config: CacheConfig, rounds: int) -> tuple[str, in
 
 
 @pytest.mark.skipif(not KEYED.exists(), reason="models/tinygpt-keyed.tinygpt not in this checkout")
+@pytest.mark.slow
 def test_retrieval_lets_a_late_question_reach_an_early_turn():
     """The keyed model (docs/model.md, stage 3) in a chat: the pass key in turn 1, then 40
     filler turns (1,501 tokens: 2.9x the model's context, 5.7x the hot budget), then the

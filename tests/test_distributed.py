@@ -29,6 +29,8 @@ import pytest
 
 from tests.conftest import TEXT, build_llama_dir   # also imported by benchmarks/distributed_table.py
 
+pytestmark = pytest.mark.slow   # README: `-m "not slow"` skips these
+
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "tinygpt-base.tinygpt"
 WORKER = Path(__file__).resolve().parent / "distributed_worker.py"

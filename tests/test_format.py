@@ -212,6 +212,7 @@ def test_cli_info_shows_the_checksum_state(native_path, tmp_path):
 
 
 @pytest.mark.parametrize("command", [["info"], ["sample", "--prompt", "hello", "--tokens", "2"]])
+@pytest.mark.slow
 def test_cli_refuses_a_corrupted_file_in_one_line(big_path, tmp_path, command):
     import subprocess
     import sys

@@ -419,6 +419,7 @@ def test_exact_topk_covering_every_token_equals_the_exact_cache(native32, kw):
     assert mx.abs(plain - ref).max().item() > 1e-3   # the packed cache alone is not exact
 
 
+@pytest.mark.slow
 def test_exact_topk_in_shifted_streaming_mode_removes_the_quantisation(native32):
     """Shifted StreamingLLM: packed keys sit at virtual slots and the query is rotated by the
     evicted count. With K covering the cache the refinement must use the same rotation, so
@@ -630,6 +631,7 @@ def test_frame_rebase_turns_the_body_back(native32):
         assert err < 0.5
 
 
+@pytest.mark.slow
 def test_frame_decode_step_runs_no_rope_in_the_cache(native32):
     """A decode step of int4 + window on frame positions runs the kernels of the full int4 cache
     plus the window's mask (built once per step) and the sink's segment (two matmuls, a select

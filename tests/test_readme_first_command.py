@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -41,6 +43,7 @@ def _variable(line: str) -> str:
     return re.sub(r"peak RSS [\d.]+ \w+", "peak RSS N", line)
 
 
+@pytest.mark.slow
 def test_readme_first_command_prints_what_readme_shows():
     args = first_command_args()
     assert args[0] == "sample" and "--seed" in args, "README's command must be reproducible (--seed)"

@@ -158,6 +158,7 @@ def test_the_sink_turn_is_rope_by_sink_steps(native, rope):
                                                          frame=True)).sink_block.rope_turn(D, SINK_STEPS) is None
 
 
+@pytest.mark.slow
 def test_an_advanced_sink_block_equals_the_simple_path_past_a_refresh(native, monkeypatch):
     """900 tokens through a shifted ring (110 blocks of SINK_STEPS steps: advanced by the turn,
     computed exactly again after REFRESH_BLOCKS) give the simple path's logits; the blocks were

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--parts", "kernels,speed"], "--parts 'kernels,speed': expected some of attention,python,kernels,far,retrieval"),
     (["--retrieval-context", "100"], "--retrieval-context must be at least 512, got 100"),
 ])
+@pytest.mark.slow
 def test_decode_costs_refuses_bad_arguments(args, says):
     r = subprocess.run([sys.executable, "-m", "benchmarks.decode_costs", *args],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)
@@ -36,6 +37,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("pipeline", ["/no/model", "--rounds", "0"], "--rounds must be at least 1, got 0"),
     ("pipeline", ["/no/model", "--tokens", "1"], "--tokens must be at least 2, got 1"),
 ])
+@pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
     r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
                        capture_output=True, text=True, timeout=60, cwd=ROOT)

@@ -222,6 +222,7 @@ def test_client_disconnect_cancels(server, client, name, monkeypatch):
     assert client.generate(name, "Still there?", options=GREEDY).done
 
 
+@pytest.mark.slow
 def test_a_silent_prefill_keeps_the_stream_alive(server, client, oai, name, monkeypatch):
     """While the worker is silent (here: each model call slowed to 0.3 s), a streamed response
     sends empty text chunks every KEEPALIVE_S; the text is unchanged, for ollama and OpenAI."""
@@ -253,6 +254,7 @@ def test_a_silent_prefill_keeps_the_stream_alive(server, client, oai, name, monk
     assert contents.count("") >= 3 and "".join(x or "" for x in contents) == want_oai
 
 
+@pytest.mark.slow
 def test_twenty_concurrent_requests(server, name):
     def one(i):
         c = ollama.Client(host=server)
@@ -407,6 +409,7 @@ def _stop(srv, thread):
 
 @pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(key_bits=4, sink=4, window=64)],
                          ids=["full", "int4keys+streaming"])
+@pytest.mark.slow
 def test_prewarmed_slot_answers_without_prefilling_the_document(native, tmp_path, cfg):
     doc_ids = _ptc(native, cfg, tmp_path / "doc.ptc")
     q_ids = native.tokenizer.encode(DOC + QUESTION)[len(doc_ids):]

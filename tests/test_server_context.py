@@ -140,6 +140,7 @@ def live(shipped):
     thread.join(timeout=10)
 
 
+@pytest.mark.slow
 def test_conversation_longer_than_the_context_gets_real_replies(live, shipped, caplog):
     """Open WebUI's case: every turn after the context filled, and a background title request
     holding the whole chat in one message, still get real replies (not 1 token)."""
@@ -169,6 +170,7 @@ def test_conversation_longer_than_the_context_gets_real_replies(live, shipped, c
     assert any(s.startswith("context 512: the newest message alone") for s in lines), lines
 
 
+@pytest.mark.slow
 def test_unbounded_request_stops_at_the_context(live, shipped):
     """No num_predict: the reply runs until prompt + reply fill the context (512), not to a cap;
     a bounded request asking for more than fits also stops there ("length")."""

@@ -12,6 +12,8 @@ from typer.testing import CliRunner
 from tests.test_resolve import make_hf_cache, make_ollama_store
 from tinygpt_mlx.errors import PosttrainError
 
+pytestmark = pytest.mark.slow   # README: `-m "not slow"` skips these
+
 QUESTION = "What is the capital of France?"
 
 

@@ -10,9 +10,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_the_wheel_carries_the_default_model_and_runs(tmp_path):
     # a copy without build outputs: setuptools builds in the tree and never empties build/
     src = tmp_path / "src"
