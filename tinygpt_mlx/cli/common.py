@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from tinygpt_mlx import blas
 from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
 from tinygpt_mlx.knobs import KNOBS, PANELS, Knob
 from tinygpt_mlx.errors import PosttrainError
@@ -300,6 +301,20 @@ def resolve_model(model):
         return resolving.resolve(model)
 
 
-def load_model(model, weights: str = "auto"):
-    """Load MODEL (a name, a path or what `resolve_model` returned)."""
-    return loading.load(model, weights)
+def load_model(model, weights: str = "auto", compute: bool = True):
+    """Load MODEL (a name, a path or what `resolve_model` returned); a command that will
+    compute with it (`compute`) then notes a missing OpenBLAS (`blas_note`)."""
+    loaded = loading.load(model, weights)
+    if compute:
+        blas_note()
+    return loaded
+
+
+def blas_note(stream: Optional[typing.TextIO] = None) -> None:
+    """On a terminal, the one line saying that MLX runs its reference BLAS because this Linux
+    has no OpenBLAS, how much faster prefill would be and the command that installs it
+    (`blas.hint`). Captured stderr (a script's, the tests') stays as it was."""
+    if (stream or sys.stderr).isatty():
+        line = blas.hint()
+        if line:
+            err.print(escape(line))

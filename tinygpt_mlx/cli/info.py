@@ -17,7 +17,7 @@ def info(model: c.ModelArg = None,
     checksum state."""
 
     with c.guarded():
-        loaded = c.load_model(model, weights)
+        loaded = c.load_model(model, weights, compute=False)
         out = {"path": str(loaded.path), "kind": loaded.kind, "parameters": loaded.info["parameters"],
                "context_length": loaded.context_length, "tokenizer": loaded.tokenizer.kind,
                "vocab_size": loaded.tokenizer.vocab_size, "file_bytes": loaded.info["file_bytes"],

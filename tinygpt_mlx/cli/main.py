@@ -12,6 +12,9 @@ Help is click's plain layout (flags shown as flags; rich's panels mis-render the
 click this project pins against), the cache flags grouped by the part of the policy they set
 (`PanelledHelp`), and every usage error is one line on stderr:
 `error: Invalid value for '--tokens' / '-n': ...`, exit code 2.
+
+On Linux the command first re-executes itself once with the system's OpenBLAS preloaded, before
+anything here imports MLX (tinygpt_mlx/blas.py); a program or a test importing this module never.
 """
 
 from __future__ import annotations
@@ -20,13 +23,18 @@ import importlib
 import os
 import sys
 
-import typer
-from typer._click import exceptions as cx  # typer vendors its own click
-from typer.core import TyperCommand, TyperGroup
+from tinygpt_mlx import blas
 
-from tinygpt_mlx import distributed
+if blas.started_as_command(__name__):
+    blas.reexec_with_openblas(sys.argv[1:])
 
-from .common import fail
+import typer  # noqa: E402  (after the re-execution above: the imports below load MLX)
+from typer._click import exceptions as cx  # noqa: E402  (typer vendors its own click)
+from typer.core import TyperCommand, TyperGroup  # noqa: E402
+
+from tinygpt_mlx import distributed  # noqa: E402
+
+from .common import fail  # noqa: E402
 
 
 class OneLineErrors(TyperGroup):
