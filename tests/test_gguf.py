@@ -259,6 +259,8 @@ def test_unsupported_architecture_is_one_line(tmp_path, tiny):
     (tmp_path / "falcon.gguf").write_bytes(data)
     with pytest.raises(ModelFormatError, match=r"architecture 'falcn' is not supported \(supported: .*llama"):
         load(tmp_path / "falcon.gguf")
+    line = _one_error_line(_run(["sample", str(tmp_path / "falcon.gguf"), "--prompt", "x", "--tokens", "1"]))
+    assert str(tmp_path / "falcon.gguf") in line and "'falcn' is not supported" in line, line
 
 
 def _one_error_line(r) -> str:
