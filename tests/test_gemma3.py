@@ -17,6 +17,8 @@ import pytest
 
 from tinygpt_mlx.errors import PosttrainError
 
+pytestmark = pytest.mark.slow   # a real model: README's `-m "not slow"` skips these
+
 REFERENCE = Path(__file__).resolve().parent.parent / "docs" / "results" / "gemma3_hf_greedy.json"
 # Gemma 3's chat template as its instruction-tuned checkpoints ship it (string contents only)
 GEMMA_TEMPLATE = (
