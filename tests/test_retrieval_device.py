@@ -15,7 +15,7 @@ from tinygpt_mlx.cache import KVCache
 from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.cache.cold_device import DeviceColdStore
 from tinygpt_mlx.cache.positions import Positions
-from tinygpt_mlx.cache.segments import PoolSegment, Reading, attend
+from tinygpt_mlx.cache.segments import PickedSegment, PoolSegment, Reading, attend
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import forward, prefill
 
@@ -43,6 +43,9 @@ def _attended(store, reading):
     out = attend(segments, 1, reading.queries, reading.scale, None)
     mx.eval(out)
     (seg,) = segments
+    if isinstance(seg, PickedSegment):       # a decode step's pick, made before attention
+        rows, valid = np.asarray(seg.rows), np.asarray(seg.valid).reshape(len(np.asarray(seg.rows)), -1)
+        return [[sorted(row[ok].tolist())] for row, ok in zip(rows, valid)], np.asarray(out)
     if not isinstance(seg, PoolSegment):     # the slots rule: each query's own keys, in slot order
         return np.asarray(seg.keys), np.asarray(out)
     rows, valid = np.asarray(seg.rows), np.asarray(seg.valid).reshape(len(np.asarray(seg.rows)), -1)
@@ -64,6 +67,7 @@ CASES = {
     "fixed": dict(rope_mode="shifted", retrieved_position="fixed", retrieve_unit="spans"),
     "page": dict(rope_mode="shifted", retrieved_position="page", retrieve_unit="spans"),
     "slots": dict(rope_mode="shifted", retrieved_position="slots"),
+    "every-page": dict(top_pages=300, retrieve_unit="spans"),
 }
 
 
@@ -77,7 +81,7 @@ def test_device_store_attends_to_what_the_host_store_does(case, n):
     kw = CASES[case]
     D = 32 if "cold_bits" in kw else 16
     cfg, (host, dev), rng = _stores(n, n, D=D, **kw)
-    assert host.index.uses_index() == dev.index.uses_index() == (n > 2048 and cfg.index_block > 0)
+    assert host.index.uses_index() == dev.index.uses_index() == (n > 2048 and case not in ("no-index", "every-page"))
     pos = Positions(cfg, nn.RoPE(D))
     for L in (6, 1, 1):
         q = mx.array(rng.randn(1, 4, L, D).astype(np.float32))
@@ -99,7 +103,7 @@ def test_device_store_sticky_pages_are_the_host_stores():
     for store in (host, dev):
         _attended(store, reading)
     want = host._recent()
-    got = np.asarray(dev._recent.pages())
+    got = np.asarray(dev._recent)
     for g in range(2):
         assert sorted(set(got[g][got[g] >= 0].tolist())) == want[g].tolist()
 
@@ -194,7 +198,7 @@ def test_a_retrieval_decode_step_reads_nothing_back(native, case):
         kw.setdefault("retrieve_unit", "tokens")
     if "cold_bits" in kw or "key_bits" in kw:
         pytest.skip("packed cold rows and KIVI need a head dimension of 32: test_..._native32")
-    _no_syncs(native.model, CacheConfig(**kw))
+    _no_syncs(native.model, CacheConfig(**kw), indexed=case not in ("no-index", "every-page"))
 
 
 @pytest.mark.parametrize("kw", [dict(cold_bits=8), dict(key_bits=4, value_bits=4, sink=4),
@@ -205,12 +209,12 @@ def test_a_retrieval_decode_step_reads_nothing_back_native32(native32, kw):
                                                    index_block=4, index_expand=2), **kw}))
 
 
-def _no_syncs(model, cfg):
+def _no_syncs(model, cfg, indexed=True):
     tokens = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=1100)]
     cache = make_cache(model, cfg)
     logits = prefill(model, tokens, cache, 256)
     mx.eval(logits)
-    assert cache[0].cold.index.uses_index() == bool(cfg.index_block)
+    assert cache[0].cold.index.uses_index() == indexed
     for t in range(3):
         with counting_syncs() as count:
             logits = model(mx.array([[5 + t]]), cache=cache)

@@ -32,7 +32,8 @@ from ..config import CacheConfig
 from ..quant import GROUP_SIZES
 from .arrays import GrowingArray
 from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, union
-from .segments import PoolSegment, Reading, RetrievedSegment
+from .device_select import Static, select
+from .segments import PickedSegment, PoolSegment, Reading, RetrievedSegment
 from .telemetry import Selection, StageTimes, pages_holding
 
 __all__ = ["DeviceColdStore"]
@@ -89,6 +90,7 @@ class DeviceColdStore:
         self.index: Optional[DevicePageIndex] = None
         self._recent: Optional[mx.array] = None   # sticky: pages [G, S] the last pass's last query picked (-1: none)
         self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
+        self._rope_ready = False
 
     # ----- storage --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -181,38 +183,77 @@ class DeviceColdStore:
         rep = Hq // (self.G // B)
         ps = self.page_size
         slot = reading.first_slot if pos.shifted else 0
+        spans = self.config.retrieve_unit == "spans"
+        units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
+        unit = ps if spans else 1
         with self.stages.timed("coarse"):
             q = queries.astype(mx.float32)
             if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
                 q = pos.rotate_to(q, -slot)
             rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
             rows = rows.reshape(self.G, rep, -1, D)
-            pool, last = self.pool(rows)
-            self.stages.sync(pool)
-        spans = self.config.retrieve_unit == "spans"
-        units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
-        unit = ps if spans else 1
+            if L == 1 and self.pinned is None:    # decode: the whole selection, compiled
+                idx, keys, v, valid, last, scored, recent = self._compiled_pick(rows[:, :, 0], units, unit, pos)
+                pool = None
+            else:
+                pool, last = self.pool(rows)
+            self.stages.sync(last)
         with self.stages.timed("gather"):
-            idx, valid = self.pool_tokens(pool)
-            scored = valid.sum(axis=1).max()
-            keys = self._gather(self.keys, idx)                                      # [G, U, D]
-            if L == 1:    # decode: the fine pass first, then only the picked rows move on
-                idx, keys, valid = self._pick(rows[:, :, 0], idx, keys, valid, units, unit, pos)
+            if pool is not None:
+                idx, valid = self.pool_tokens(pool)
+                scored = valid.sum(axis=1).max()
+                keys = self._gather(self.keys, idx)                                      # [G, U, D]
+                if L == 1:    # decode: the fine pass first, then only the picked rows move on
+                    idx, keys, valid = self._pick(rows[:, :, 0], idx, keys, valid, units, unit, pos)
+                v = self._gather(self.values, idx)
+            if L == 1:
                 units, unit = idx.shape[1], 1
             k = keys.reshape(B, -1, idx.shape[1], D)
-            v = self._gather(self.values, idx).reshape(B, k.shape[1], idx.shape[1], -1)
+            v = v.reshape(B, k.shape[1], idx.shape[1], -1)
             k = self._place(k, idx, slot, pos)
             self.stages.sync(k, v)
-        segment = PoolSegment(k, v, valid.reshape(B, -1, idx.shape[1]), units, unit, self.config.span_score)
+        if pool is None:   # picked already (and the next pass's sticky pages with it)
+            segment = PickedSegment(k, v, valid.reshape(B, -1, idx.shape[1]))
+            if self.config.sticky:
+                self._recent = recent
+        else:
+            segment = PoolSegment(k, v, valid.reshape(B, -1, idx.shape[1]), units, unit, self.config.span_score)
+            if self.config.sticky:
+                self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
-        if self.config.sticky:
-            self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
                               page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
                               pages=last, positions=self.positions.view(),
                               tokens_retrieved=min(units * unit, idx.shape[1]),
                               fetched=_fetched(idx, valid, segment))
         return [segment], selection
+
+    def _compiled_pick(self, q: mx.array, units: int, unit: int, pos: Any) -> tuple:
+        """A decode step's selection for query rows [G, rep, D] through `device_select` (one
+        compiled function per regime and capacity, shared by every layer): the picked cold
+        indices, keys, values and validity, the coarse pass's pages and the tokens scored."""
+        cfg, index = self.config, self.index
+        P, NB = self.n_pages, index.n_blocks
+        uses = index.uses_index()
+        page_rule = pos.shifted and not pos.fixed
+        if page_rule and not self._rope_ready:   # (its first call measures the rope's scale: not in a trace)
+            pos.rope(mx.zeros((1, 1, q.shape[-1])), offset=0)
+            self._rope_ready = True
+        static = Static(summary=cfg.summary, top_pages=self.top_pages, few=P <= self.top_pages, index=uses,
+                        index_block=cfg.index_block,
+                        blocks_kept=min(cfg.index_expand * self.top_pages, NB) if uses else 0,
+                        page_size=self.page_size, units=units, unit=unit, span_score=cfg.span_score,
+                        page_rule=page_rule, sticky=cfg.sticky and self._recent is not None,
+                        packed=None if self.config.cold_bits is None else (self.keys.bits, self.keys.group))
+        # summaries up to a power of two past the count (the compiled scans' shapes), not the
+        # capacity: a store cut back by a checkpoint then scores exactly as a fresh one
+        summaries = {name: rows.array[:, :_bucket(len(rows), rows.capacity)] for name, rows in index.arrays().items()}
+        parts = (lambda rows: tuple(a.array for a in rows.parts().values()) if isinstance(rows, _PackedRows)
+                 else (rows.array,))
+        recent = _recent_array(self._recent) if static.sticky else None
+        counts = mx.array([self.n, P, NB], dtype=mx.int32)
+        return select(static, self.codec, pos.rope if page_rule else None, q, counts, summaries,
+                      parts(self.keys), parts(self.values), recent)
 
     def _pick(self, q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
               pos: Any) -> tuple[mx.array, mx.array, mx.array]:
@@ -376,6 +417,11 @@ class DeviceColdStore:
         self.n = 0
 
 
+def _bucket(n: int, capacity: int) -> int:
+    """The least power of two >= n (at least 16), at most `capacity`."""
+    return min(capacity, max(16, 1 << max(n - 1, 0).bit_length()))
+
+
 class _PickedPages:
     """The pages [G, S] (-1: none) holding the tokens a pass's last query picked, read from its
     `PoolSegment` once attention has scored (at the next pass: still lazy, never on the host)."""
@@ -404,7 +450,9 @@ def _fetched(idx: mx.array, valid: mx.array, segment: PoolSegment):
     known: it reads them back)."""
     def fetched() -> list:
         G = idx.shape[0]
-        picked = np.asarray(segment.last_picked()).reshape(G, -1)
         rows, ok = np.asarray(idx), np.asarray(valid)
+        if not isinstance(segment, PoolSegment):   # picked before attention: all of them
+            return [row[o] for row, o in zip(rows, ok)]
+        picked = np.asarray(segment.last_picked()).reshape(G, -1)
         return [row[i[o[i]]] for row, o, i in zip(rows, ok, picked)]
     return fetched

@@ -44,6 +44,19 @@ class DenseSegment:
         return (p.reshape(B, H, rep * L, T) @ self.values).reshape(B, H, rep, L, -1)
 
 
+class PickedSegment(DenseSegment):
+    """Retrieved keys/values [B, Hkv, T, D] a decode step has already picked (cold_device.py), of
+    which `valid` [B, Hkv, T] are real tokens: a dense segment with the rest masked (no pick
+    inside attention, as `PoolSegment` would make)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, valid: mx.array):
+        super().__init__(keys, values)
+        self.valid = valid
+
+    def scores(self, q: mx.array) -> mx.array:
+        return mx.where(self.valid[:, :, None, None], super().scores(q), -mx.inf)
+
+
 class RetrievedSegment:
     """Retrieved keys/values [B, Hkv, L, T, D]: each of the L queries has its own T tokens."""
 

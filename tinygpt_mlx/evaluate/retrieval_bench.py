@@ -130,7 +130,9 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     the cold store's own (`PageIndex.top_pages_of`): flat scans (index_block 0) and the
     two-level index, minmax vs mean vs hybrid."""
     variants = variants or [(s, 0) for s in ("minmax", "mean", "hybrid")]
-    cache = make_cache(model, config)
+    # the host store (on disk): its coarse pass is a method the spy below can wrap (the device
+    # store's decode steps run theirs inside one compiled function); both rank pages alike
+    cache = make_cache(model, dataclasses.replace(config, cold_store="disk"))
     run = steps(model, tokens, cache, make_sampler(0.0), decode_steps + 1, chunk)
     _prefill(run)
     stores = [c.cold for c in cache.owned]

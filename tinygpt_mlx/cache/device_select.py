@@ -1,0 +1,186 @@
+"""A decode step's retrieval selection as one compiled MLX function (cold_device.py).
+
+The device cold store's search, for one query row per KV-head group, is a fixed chain of array
+ops: the coarse pass over the page summaries (or the two-level index), the pool's union with
+the unfinished page and the sticky pages, the pool's tokens, the fine pass that picks
+`units` tokens or pages, and the gathers. Built op by op in Python it costs the host about
+100 graph nodes per layer and step; `mx.compile` replays it from one call. Its shapes depend
+only on the arrays' capacities (which double) and on a few regimes (fewer pages than the coarse
+pass keeps, the index engaged), not on the token count: the counts (tokens, pages, blocks) are
+array inputs, and the scans run over every allocated summary with those past the count masked.
+So a function is traced once per regime and capacity, and every layer shares it.
+
+The selection is the same as `DeviceColdStore`'s uncompiled path (and so the host store's):
+tests/test_retrieval_device.py compares them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import mlx.core as mx
+
+from .device_pages import NONE, union
+
+__all__ = ["Static", "select"]
+
+
+@dataclass(frozen=True)
+class Static:
+    """What a compiled selection is specialised on (besides its inputs' shapes)."""
+
+    summary: str            # minmax | mean | hybrid
+    top_pages: int          # k of the coarse pass (min(top_pages, pages) is top_pages here)
+    few: bool               # no more pages than top_pages: the pool holds every page
+    index: bool             # the two-level index is engaged
+    index_block: int
+    blocks_kept: int        # kb: blocks the index expands (min(index_expand x top_pages, blocks))
+    page_size: int
+    units: int              # pages (spans) or tokens a query picks
+    unit: int               # page_size (spans) or 1
+    span_score: str
+    page_rule: bool         # `page`: token j of a page sits j slots after the retrieved slot
+    sticky: bool            # a sticky part is given
+    packed: Optional[tuple]  # (bits, group) of packed cold rows, or None
+
+
+_COMPILED: dict[Static, Callable] = {}
+
+
+def select(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array, counts: mx.array,
+           summaries: dict, keys: tuple, values: tuple, recent: Optional[mx.array]) -> tuple:
+    """(picked cold indices [G, T], their keys [G, T, D] as stored, values [G, T, Dv], which are
+    real tokens [G, T], the coarse pass's pages [G, k], tokens scored, the pages of the picked
+    tokens [G, S] (-1: none; the next pass's sticky pages)) for query rows [G, rep, D]
+    (turned to the retrieved slot); `counts` = [tokens, pages, blocks] as an int32 array;
+    `summaries` the index's capacity arrays by name; `keys`/`values` the rows' capacity arrays
+    (codes, scale, zero where packed); `recent` the sticky pages [G, S] or None."""
+    fn = _COMPILED.get(static)
+    if fn is None:
+        def run(rows, counts, summaries, keys, values, recent):
+            return _select(static, codec, rope, rows, counts, summaries, keys, values, recent)
+        fn = _COMPILED[static] = mx.compile(run)
+    return fn(rows, counts, summaries, keys, values, recent if recent is not None else mx.zeros((1,), mx.int32))
+
+
+def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, counts: mx.array,
+            summaries: dict, keys: tuple, values: tuple, recent: mx.array) -> tuple:
+    n, P, NB = counts[0], counts[1], counts[2]
+    G = q.shape[0]
+    cap = next(iter(summaries.values())).shape[1] if summaries else 0
+    if st.few:
+        pages = mx.arange(cap)
+        last = mx.broadcast_to(mx.where(pages < P, pages, -1), (G, cap))
+    elif st.summary == "hybrid":
+        lists = [_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")]
+        both = mx.stack(lists, axis=-1).reshape(G, -1)                     # mm0, mean0, mm1, ...
+        m = both.shape[-1]
+        earlier = mx.tril(mx.ones((m, m), dtype=mx.bool_), k=-1)
+        repeat = ((both[..., :, None] == both[..., None, :]) & earlier).any(axis=-1)
+        rank = mx.cumsum((~repeat).astype(mx.int32), axis=-1)
+        last = mx.sort(mx.where(~repeat & (rank <= st.top_pages), both, NONE), axis=-1)[..., :st.top_pages]
+    else:
+        last = _ranked(st, q, st.summary, summaries, P, NB)
+    parts = [last, mx.broadcast_to(P.astype(mx.int32), (G, 1))]          # the unfinished page (maybe empty)
+    if st.sticky:
+        parts.append(recent)
+    pool = union(parts)
+    ps = st.page_size
+    first = mx.maximum(pool, 0) * ps
+    idx = (first[..., None] + mx.arange(ps)).reshape(G, -1)
+    valid = mx.repeat(pool >= 0, ps, axis=1) & (idx < n)
+    idx = mx.where(valid, idx, mx.repeat(first, ps, axis=1))
+    scored = valid.sum(axis=1).max()
+    k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
+    idx, k, valid = _pick(st, rope, q, idx, k, valid)
+    stride = st.unit                                                      # a picked page's first token
+    recent = mx.where(valid[:, ::stride], idx[:, ::stride] // ps, -1)     # the next pass's sticky pages
+    return idx, k, _gather(codec, st.packed, values, idx), valid, last, scored, recent
+
+
+def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array, NB: mx.array,
+            ordered: bool = False) -> mx.array:
+    """The `top_pages` best pages [G, k] by one summary, over every allocated summary with those
+    past the count masked (the two-level index: over the blocks, then the kept blocks' pages and
+    the unfinished block's)."""
+    k = st.top_pages
+    if st.index:
+        bs = _bound(q, summary, summaries, "b")                               # [G, capB]
+        bs = mx.where(mx.arange(bs.shape[-1]) < NB, bs, -mx.inf)
+        kb, Bp = st.blocks_kept, st.index_block
+        blocks = mx.argpartition(-bs, kb - 1, axis=-1)[:, :kb].astype(mx.int32)
+        cand = (blocks[..., None] * Bp + mx.arange(Bp)).reshape(blocks.shape[0], -1)
+        rest = mx.broadcast_to(NB.astype(mx.int32) * Bp + mx.arange(Bp), (blocks.shape[0], Bp))
+        cand = mx.concatenate([cand, rest], axis=-1)
+        cap = summaries["s" + ("mean" if summary == "mean" else "min")].shape[1]
+        sc = _bound_at(q, summary, summaries, mx.minimum(cand, cap - 1))
+        sc = mx.where(cand < P, sc, -mx.inf)
+    else:
+        cand = None
+        sc = _bound(q, summary, summaries, "s")
+        sc = mx.where(mx.arange(sc.shape[-1]) < P, sc, -mx.inf)
+    top = mx.argpartition(-sc, k - 1, axis=-1)[:, :k].astype(mx.int32)
+    if ordered:
+        top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(sc, top, axis=-1), axis=-1).astype(mx.int32),
+                                 axis=-1)
+    return top if cand is None else mx.take_along_axis(cand, top, axis=-1)
+
+
+def _bound(q: mx.array, summary: str, summaries: dict, level: str) -> mx.array:
+    """Scores [G, cap] of query rows [G, rep, D] against every allocated summary of a level
+    ("s" pages, "b" blocks): Quest's bound (minmax) or the mean key's product, max over rep."""
+    if summary == "mean":
+        s = q @ summaries[level + "mean"].swapaxes(1, 2)
+    else:
+        s = (mx.maximum(q, 0) @ summaries[level + "max"].swapaxes(1, 2)
+             + mx.minimum(q, 0) @ summaries[level + "min"].swapaxes(1, 2))
+    return s.max(axis=1)
+
+
+def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx.array:
+    """Scores [G, C] of query rows [G, rep, D] against the page summaries at `pages` [G, C]."""
+    def at(name: str) -> mx.array:
+        return mx.take_along_axis(summaries[name], pages[..., None], axis=1).swapaxes(1, 2)   # [G, D, C]
+    if summary == "mean":
+        s = q @ at("smean")
+    else:
+        s = mx.maximum(q, 0) @ at("smax") + mx.minimum(q, 0) @ at("smin")
+    return s.max(axis=1)
+
+
+def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) -> mx.array:
+    """Rows at `idx` [G, U] from capacity arrays [G, cap, *] (dequantised where packed), fp32."""
+    got = [mx.take_along_axis(a, idx[..., None], axis=1) for a in parts]
+    if packed is None:
+        return got[0].astype(mx.float32)
+    return codec.dequantise_v(*got, *packed)
+
+
+def _pick(st: Static, rope: Optional[Callable], q: mx.array, idx: mx.array, keys: mx.array,
+          valid: mx.array) -> tuple:
+    """The fine pass (`DeviceColdStore._pick`'s rule): the `units` best tokens or pages."""
+    G, rep = q.shape[:2]
+    ranked = keys
+    if st.page_rule:
+        at = (idx % st.page_size).reshape(-1).astype(mx.int32)
+        ranked = rope(keys.reshape(-1, 1, keys.shape[-1]), offset=at).reshape(keys.shape)
+    scores = q @ ranked.swapaxes(-1, -2)                                             # [G, rep, U]
+    unit = st.unit
+    if unit > 1 and st.span_score == "mean":
+        w = valid.reshape(G, 1, -1, unit).astype(mx.float32)
+        exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=1)
+        exact = mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
+    else:
+        exact = mx.where(valid, scores.max(axis=1), -mx.inf)
+        if unit > 1:
+            exact = exact.reshape(G, -1, unit).max(axis=-1)
+    k = min(st.units, exact.shape[1])
+    pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
+            else mx.broadcast_to(mx.arange(k), (G, k))).astype(mx.int32)
+    ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
+    if unit > 1:
+        pick = (pick[..., None] * unit + mx.arange(unit)).reshape(G, -1)
+        ok = mx.repeat(ok, unit, axis=1)
+    return (mx.take_along_axis(idx, pick, axis=-1), mx.take_along_axis(keys, pick[..., None], axis=1),
+            ok & mx.take_along_axis(valid, pick, axis=-1))
