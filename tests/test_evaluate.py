@@ -179,6 +179,48 @@ def test_bench_rows(wide, native):
     assert set(r["skipped"]) == {"int4", "mlx-q4"} and len(r["rows"]) == 1
 
 
+def test_bench_measures_every_policy_it_can(native, native_path, monkeypatch, tmp_path):
+    """A policy that fails on this backend (MLX raises at evaluation: a kernel missing for a
+    shape, as mlx-lm's quantised cache did on CUDA) gets its row marked with the one-line reason
+    and the others are still measured; one that fails in the warm-up is listed as skipped; the
+    CLI prints the reason in the table and writes the rest to JSON."""
+    from mlx_lm.models.cache import KVCache as MlxKVCache
+
+    class Failing(MlxKVCache):
+        def __init__(self, after):
+            super().__init__()
+            self.after = after
+
+        def update_and_fetch(self, keys, values):
+            if self.offset + keys.shape[2] > self.after:
+                raise RuntimeError("[quantized_matmul] No implementation for problem shape: 8x8x64x9\nmore")
+            return super().update_and_fetch(keys, values)
+
+    plain = bench.make_policy
+
+    def make_policy(spec, model):
+        if spec in ("mlx", "mlx-q4"):   # a failure past the warm-up's tokens (at 40 only) / at once
+            after = 30 if spec == "mlx" else 0
+            return bench.Policy(spec, f"failing {spec}", lambda: bench.MlxLmCache(Failing(after) for _ in model.layers))
+        return plain(spec, model)
+    monkeypatch.setattr(bench, "make_policy", make_policy)
+    r = bench.bench(native.model, ["mlx", "mlx-q4", "sink4/window8"], [16, 40], decode_steps=2)
+    assert r["skipped"] == {"mlx-q4": "RuntimeError: [quantized_matmul] No implementation for problem shape: 8x8x64x9"}
+    rows = {(row["policy"], row["context"]): row for row in r["rows"]}
+    assert set(rows) == {(p, c) for p in ("fp32", "mlx", "sink4/window8") for c in (16, 40)}
+    assert rows[("mlx", 16)]["decode_tokens_per_s_vs_fp32"] > 0 and "error" not in rows[("mlx", 16)]
+    assert rows[("mlx", 40)]["error"] == "RuntimeError: [quantized_matmul] No implementation for problem shape: 8x8x64x9"
+    assert "decode_tokens_per_s" not in rows[("mlx", 40)]
+    for c in (16, 40):
+        assert rows[("sink4/window8", c)]["decode_tokens_per_s_vs_fp32"] > 0
+    out = tmp_path / "b.json"
+    monkeypatch.setattr(bench, "bench", lambda *a, **k: r)
+    res = _run("bench", native_path, "--contexts", "16", "--policies", "mlx", "--json", out)
+    assert res.exit_code == 0, res.output
+    assert "failed" in res.output and "skipped mlx-q4" in res.output
+    assert json.loads(out.read_text())["rows"] == r["rows"]
+
+
 # ----- CLI ------------------------------------------------------------------------------------
 
 def _run(*args):

@@ -47,6 +47,9 @@ def print_table(result: dict) -> None:
         if last is not None and r["context"] != last:
             table.add_section()
         last = r["context"]
+        if "error" in r:    # this backend could not run it: the reason, and the others measured
+            table.add_row(r["policy"], str(r["context"]), f"[red]failed[/red]: {r['error']}", "", "", "")
+            continue
         table.add_row(r["policy"], str(r["context"]),
                       f"{r['prefill_tokens_per_s']:.0f}{_ratio(r[f'prefill_tokens_per_s_vs_{ref}'])}",
                       f"{r['decode_tokens_per_s']:.1f}{_ratio(r[f'decode_tokens_per_s_vs_{ref}'])}",

@@ -168,10 +168,15 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     runs = [steps(model, tokens, c, make_sampler(0.0), decode_steps + 1, prefill_chunk) for c in caches]
     prefill_s = [0.0] * len(policies)
     step_s: list[list[float]] = [[] for _ in policies]
+    failed: dict[int, str] = {}   # a policy this backend cannot run: its one-line reason (the others go on)
 
     def timed(i: int) -> float:
         t0 = time.perf_counter()
-        next(runs[i])
+        try:
+            next(runs[i])
+        except (RuntimeError, ValueError, MemoryError) as e:   # MLX is lazy: a kernel's error comes at eval
+            failed[i] = failure(e)
+            return 0.0
         dt = time.perf_counter() - t0
         if tick is not None:
             tick(policies[i].name)
@@ -179,27 +184,40 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
 
     def rotated(k: int) -> list[int]:
         n = len(policies)
-        return [(i + k) % n for i in range(n)]
+        return [(i + k) % n for i in range(n) if (i + k) % n not in failed]
+
+    def each(fn: Callable[[int], Any]) -> list:
+        out = []
+        for i in range(len(policies)):
+            try:
+                out.append(None if i in failed else fn(i))
+            except (RuntimeError, ValueError, MemoryError) as e:
+                failed[i] = failure(e)
+                out.append(None)
+        return out
 
     try:
         for k in range(-(-len(tokens) // prefill_chunk)):
             for i in rotated(k):
                 prefill_s[i] += timed(i)
-        prefill_stages = [stage_split(c, t, len(tokens)) for c, t in zip(caches, prefill_s)]
+        prefill_stages = each(lambda i: stage_split(caches[i], prefill_s[i], len(tokens)))
         for k in range(decode_steps):
             for i in rotated(k):
                 step_s[i].append(timed(i))
-        decode_stages = [stage_split(c, sum(t), len(t)) for c, t in zip(caches, step_s)]
-        bytes_ = [int(c.nbytes) for c in caches]
-        ops = [step_ops(model, c) for c in caches]
-        split = [None] * len(caches)
+        decode_stages = each(lambda i: stage_split(caches[i], sum(step_s[i]), len(step_s[i])))
+        bytes_ = each(lambda i: int(caches[i].nbytes))
+        ops = each(lambda i: step_ops(model, caches[i]))
+        split: list = [None] * len(caches)
         if parts:
             for cache in caches:    # the split's steps run without the stage syncs (`--stages`)
                 for store in _cold_stores(cache):
                     store.stages.enabled = False
-            split = step_parts(model, caches, decode_steps)
+            live = [i for i in range(len(caches)) if i not in failed]
+            for i, us in zip(live, step_parts(model, [caches[i] for i in live], decode_steps)):
+                split[i] = us
         # the median step: robust to the scheduler pausing us on a shared machine
-        return [{"policy": p.name, "label": p.label, "context": len(tokens),
+        return [{"policy": p.name, "label": p.label, "context": len(tokens), "error": failed[i]} if i in failed else
+                {"policy": p.name, "label": p.label, "context": len(tokens),
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
                  "cache_bytes": bytes_[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
@@ -269,11 +287,13 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
     policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
     vocab = model(mx.array([[0]])).shape[-1]
     skipped: dict[str, str] = {}
-    for p in list(policies):  # warm-up, and find the caches that cannot be made here
+    for p in list(policies):  # warm-up, and find the caches that cannot be made or run here
         try:
-            measure(model, [p], list(range(8)), 2)
-        except ValueError as e:
-            skipped[p.name] = str(e)
+            row = measure(model, [p], list(range(8)), 2)[0]
+        except (ValueError, RuntimeError, MemoryError) as e:
+            row = {"error": failure(e)}
+        if "error" in row:
+            skipped[p.name] = row["error"]
             policies.remove(p)
     # one chunk-sized pass first, so the allocator's first growth is not billed to a policy
     mx.eval(model(mx.zeros((1, min(prefill_chunk, max(contexts))), dtype=mx.int32)))
@@ -293,10 +313,19 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             "skipped": skipped, "stages": stages, "parts": parts}
 
 
+def failure(e: BaseException) -> str:
+    """A policy's failure as one line: its kind and the first line of its message."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".strip()
+
+
 def add_ratios(rows: list[dict], reference: str = REFERENCE) -> None:
-    """Each row gets `<metric>_vs_<reference>`: its value over the reference row at the same context."""
-    ref = {r["context"]: r for r in rows if r["policy"] == reference}
+    """Each row gets `<metric>_vs_<reference>`: its value over the reference row at the same context
+    (None where either failed)."""
+    ref = {r["context"]: r for r in rows if r["policy"] == reference and "error" not in r}
     for r in rows:
+        if "error" in r:
+            continue
         base = ref.get(r["context"])
         for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "cache_bytes"):
             denom = base[key] if base else 0
@@ -314,7 +343,7 @@ def plot(rows: list[dict], path) -> None:
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in dict.fromkeys(r["policy"] for r in rows):
-        mine = sorted((r for r in rows if r["policy"] == name), key=lambda r: r["context"])
+        mine = sorted((r for r in rows if r["policy"] == name and "error" not in r), key=lambda r: r["context"])
         ctx = [r["context"] for r in mine]
         ax_t.plot(ctx, [1000 / r["decode_tokens_per_s"] for r in mine], marker="o", label=name)
         ax_m.plot(ctx, [r["cache_bytes"] / 2**20 for r in mine], marker="o", label=name)
