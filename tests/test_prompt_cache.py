@@ -302,7 +302,7 @@ def test_version_4_files_load_as_todays_int8(loaded_models, tmp_path, monkeypatc
     monkeypatch.undo()
     restored, info = load_prompt_cache(path, loaded)
     assert info.config == POLICIES["int8"] and policy_difference(info.config, POLICIES["int8"]) is None
-    assert json.loads(persist.tinygpt_format.read_header(path)[1]["format_version"]) == 4 < FORMAT_VERSION == 6
+    assert json.loads(persist.tinygpt_format.read_header(path)[1]["format_version"]) == 4 < FORMAT_VERSION == 7
     restored.close()
     cache.close()
 

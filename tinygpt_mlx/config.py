@@ -384,6 +384,14 @@ class CacheConfig:
         """Stored tokens the StreamingLLM policy allows per layer (None = unbounded)."""
         return None if self.window is None else self.sink + self.window
 
+    def sliding_layer(self, window: int, rope: bool = True) -> "CacheConfig":
+        """The cache of a sliding-window layer (Gemma 2/3's local layers) under this policy: an
+        exact ring of the layer's own `window` (no sink, no KIVI, no retrieval) in this policy's
+        storage, whatever the policy's own window. On frame positions with no sink, query-key
+        distances are the positions' (cache/ring.py), so it is the model's absolute sliding
+        window; `rope` False (a layer without a RoPE module): absolute positions."""
+        return CacheConfig(storage=self.storage, window=window, rope_mode=None if rope else "absolute")
+
     @classmethod
     def from_flags(cls, kv_quantize: Optional[str] = None, kv_quantize_keys: Optional[str] = None,
                    kv_quantize_values: Optional[str] = None, **kwargs: Any) -> "CacheConfig":

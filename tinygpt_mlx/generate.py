@@ -57,6 +57,9 @@ class GenerationStats:
             "stored_count": c.stored_count if c is not None else 0,
             "cache_bytes": c.nbytes if c is not None else 0,
             "cache_bytes_breakdown": c.nbytes_breakdown() if c is not None else {},
+            # the global layers' bytes (the policy's) and the sliding-window layers' rings'
+            "cache_bytes_split": c.nbytes_split() if c is not None else {},
+            "sliding_windows": c.sliding_windows if c is not None else {},
             "cache_disk_bytes": c.disk_nbytes if c is not None else 0,
             "layers_with_kv": c.layers_with_kv if c is not None else 0,
             "prefill_seconds": self.prefill_seconds,

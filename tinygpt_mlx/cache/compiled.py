@@ -63,14 +63,17 @@ class _TracedRing:
     reads_own_segments = True     # attention.scaled_dot_product_attention calls `attend`
 
     def __init__(self, keys: mx.array, values: mx.array, sink_rows: Optional[mx.array], slot: mx.array,
-                 offset: mx.array, compute_dtype: mx.Dtype):
+                 offset: mx.array, compute_dtype: mx.Dtype, unmasked_within: Optional[int] = None):
         self.keys, self.values, self.sink_rows = keys, values, sink_rows
         self.slot, self.offset, self.compute_dtype = slot, offset, compute_dtype
+        #: a ring without a sink holds only its last `window` positions: a model's sliding-window
+        #: mask at least that wide masks nothing (RingLayer.sees_all); None: any such mask would
+        self.unmasked_within = unmasked_within
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:     # a sliding-window layer's mask: not this trace's (eager builds it)
-            raise ValueError("a windowed mask is not traced")
-        return None     # one query over a full ring sees every stored token
+        if window_size is not None and (self.unmasked_within is None or window_size < self.unmasked_within):
+            raise ValueError("a windowed mask is not traced")   # eager builds it
+        return None     # one query over a full ring sees every stored token (a sliding layer's ring too)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         dtype = self.keys.dtype
@@ -200,13 +203,13 @@ def _kivi_step_fn(model: Any, steps: dict, key: tuple):
 
 def _step_fn(model: Any, steps: dict, key: tuple):
     """The compiled step for caches laid out as `key` = (owners: for each model layer, the
-    index of the distinct layer cache it uses; shifted; the compute dtype), made once per model
-    and layout."""
+    index of the distinct layer cache it uses; shifted; the compute dtype; the widest sliding
+    mask that masks nothing, `_TracedRing.unmasked_within`), made once per model and layout."""
     if key not in steps:
-        owners, shifted, compute_dtype = key
+        owners, shifted, compute_dtype, unmasked = key
 
         def step(tokens, offset, slot, buffers, sink_rows):
-            traced = [_TracedRing(k, v, sink_rows[i] if shifted else None, slot, offset, compute_dtype)
+            traced = [_TracedRing(k, v, sink_rows[i] if shifted else None, slot, offset, compute_dtype, unmasked)
                       for i, (k, v) in enumerate(buffers)]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [(t.keys, t.values) for t in traced]
@@ -255,7 +258,8 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
            for c in layers):
         return None     # one position and one pointer serve every layer in the trace
     shifted = first.positions.frame and first.body.n_sink > 0
-    key = (owners, shifted, first.dtype)
+    # every ring has one window and sink here (one pointer and one position serve them all)
+    key = (owners, shifted, first.dtype, first.config.window if first.config.sink == 0 else None)
     if steps.get(key) is _FAILED:
         return None
     S = first.config.sink

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from mlx_lm.models.cache import KVCache as MlxLayerCache
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from .. import attention
 from ..config import CacheConfig
@@ -66,35 +66,64 @@ def cold_store(config: CacheConfig, layer_index: int = 0) -> Any:
     return DeviceColdStore(config, KVCache, layer_index)
 
 
-def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable = layer_cache) -> KVCache:
+def sliding_window(c: Any) -> Optional[int]:
+    """The window of a model's own sliding-window layer cache (mlx-lm's `RotatingKVCache` with
+    nothing kept at the front: Gemma 2/3's local layers), else None."""
+    if type(c) is RotatingKVCache and c.keep == 0:
+        return int(c.max_size)
+    return None
+
+
+def sliding_layer(config: CacheConfig, window: int, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
+    """A sliding-window layer's cache under `config`: an exact ring of the layer's own `window`
+    (`CacheConfig.sliding_layer`: no sink, KIVI or retrieval), on its own RoPE; `sliding` says
+    so (kv_cache.py counts, reports and saves it apart from the global layers)."""
+    cache = layer_cache(config.sliding_layer(window, rope is not None), rope, layer_index)
+    cache.sliding = window
+    return cache
+
+
+def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable = layer_cache,
+               windowed: bool = True) -> KVCache:
     """Per-layer caches for `model` under `config`, usable as `cache=` / `prompt_cache=`.
 
     Starts from the caches the model itself makes (mlx-lm's `make_prompt_cache`; the native
-    model makes mlx-lm `KVCache`s too): each plain full-attention layer cache becomes ours,
-    layers that share one (YOCO) share ours, and layers with another cache type (the
-    sliding-window layers of Gemma 2/3 and similar) keep the model's.
+    model makes mlx-lm `KVCache`s too): each plain full-attention layer cache becomes ours under
+    the policy, layers that share one (YOCO) share ours, and each sliding-window layer (a
+    `RotatingKVCache` keeping nothing at the front: Gemma 2/3's local layers) becomes our exact
+    ring of its own window whatever the policy (`sliding_layer`): the long-context policy
+    applies to the global layers, and a sliding layer holds at most its window, as the model's
+    own cache does. `windowed` False gives a sliding layer the policy's cache instead (its mask
+    still limits it to the window: the "every layer under the policy" reference). Any other
+    cache type the model makes stays the model's.
 
     Our layer caches attend over their own stores, so the model's attention must be routed
     through `tinygpt_mlx.attention` (the native model always is; `loading.load` routes an
     mlx-lm model, `attention.install(model)` does it by hand): a model that is not is refused
     here, whatever the policy, rather than silently attending to the new tokens only.
-    `layer(config, rope, layer_index)` builds each layer's cache (`layer_cache`; the tests
+    `layer(config, rope, layer_index)` builds each global layer's cache (`layer_cache`; the tests
     build reference paths with their own).
     """
     config = config or CacheConfig()
     own = make_prompt_cache(model)
-    if any(type(c) is MlxLayerCache for c in own) and not attention.routes(model):
+    ours = [type(c) is MlxLayerCache or sliding_window(c) is not None for c in own]
+    if any(ours) and not attention.routes(model):
         raise ValueError(f"posttrainllm caches need our attention in the model's code, which is not routed "
                          f"for {type(model).__module__}: load the model with tinygpt_mlx.loading.load "
                          "(or call tinygpt_mlx.attention.install(model))")
     out: list = []
     made: dict[int, LayerCache] = {}
-    for i, (model_layer, c) in enumerate(zip(model.layers, own)):
-        if type(c) is not MlxLayerCache:
+    for i, (model_layer, c, mine) in enumerate(zip(model.layers, own, ours)):
+        if not mine:
             out.append(c)
         elif id(c) in made:
             out.append(made[id(c)])
         else:
-            made[id(c)] = layer(config, find_rope(model_layer), i)
+            window = sliding_window(c)
+            if window is not None and windowed:
+                made[id(c)] = sliding_layer(config, window, find_rope(model_layer), i)
+            else:
+                made[id(c)] = layer(config, find_rope(model_layer), i)
+                made[id(c)].sliding = window
             out.append(made[id(c)])
     return KVCache(out, config)

@@ -17,7 +17,7 @@ Naming, for readers who know mlx-lm: mlx-lm's `KVCache` is ONE layer's cache; he
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -47,7 +47,9 @@ class KVCache(list):
 
     It is a list of per-layer caches, so it can be passed as `cache=` to the native model and
     as `prompt_cache=` to mlx-lm's `generate`; layers that share K/V (YOCO) hold their owner's
-    object, and layers with their own cache type (sliding-window layers) keep it. It owns the
+    object, sliding-window layers (Gemma 2/3's local layers) hold an exact ring of their own
+    window whatever the policy (`LayerCache.sliding`, factory.sliding_layer), and layers with
+    another cache type keep the model's. The policy is the global layers'. It owns the
     whole-cache operations (eviction, trimming, bytes, telemetry, closing) and the KIVI codec
     that the stores round through (`quantise_affine`, `dequantise_k`, `dequantise_v`).
     Use it as a context manager, or call `close()`, to remove disk stores at once.
@@ -57,6 +59,8 @@ class KVCache(list):
         super().__init__(layers)
         self.config = config
         self._owned = [c for c in self.distinct() if isinstance(c, LayerCache)]
+        #: the layers under the policy (not sliding-window rings): what the counts count
+        self._global = [c for c in self._owned if getattr(c, "sliding", None) is None] or self._owned
         #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py);
         #: the one switch, its default from the environment
         self.compile_decode = compile_by_default()
@@ -104,14 +108,40 @@ class KVCache(list):
     def layers_with_kv(self) -> int:
         return len(self.distinct())
 
+    @property
+    def global_layers(self) -> list[LayerCache]:
+        """Our distinct caches under the policy (every one but sliding-window layers' rings)."""
+        return self._global
+
+    def kinds(self) -> list[str]:
+        """Each layer's kind, model layer by layer: "global" (the policy's cache), "sliding W"
+        (an exact ring of its own window W), or "model-owned" (the model's own cache type)."""
+        def kind(c: Any) -> str:
+            if not isinstance(c, LayerCache):
+                return "model-owned"
+            return "global" if getattr(c, "sliding", None) is None else f"sliding {c.sliding}"
+        return [kind(c) for c in self]
+
+    @property
+    def sliding_windows(self) -> dict[int, int]:
+        """{window: distinct sliding-window layers holding it} (empty: no sliding layer)."""
+        out: dict[int, int] = {}
+        for c in self._owned:
+            if getattr(c, "sliding", None) is not None:
+                out[c.sliding] = out.get(c.sliding, 0) + 1
+        return out
+
     # ----- counts and bytes -----------------------------------------------------------------
     @property
     def current_length(self) -> int:
-        return max((c.current_length for c in self.owned), default=0)
+        """Tokens seen (the global layers'; every layer has seen the same)."""
+        return max((c.current_length for c in self._global), default=0)
 
     @property
     def stored_count(self) -> int:
-        return max((c.stored_count for c in self.owned), default=0)
+        """Tokens a global layer holds (what the policy keeps; a sliding layer holds at most its
+        window, `nbytes_split`)."""
+        return max((c.stored_count for c in self._global), default=0)
 
     @property
     def nbytes(self) -> int:
@@ -123,18 +153,35 @@ class KVCache(list):
         return sum(v for k, v in self.nbytes_breakdown().items() if k.endswith("_disk"))
 
     def nbytes_breakdown(self) -> dict[str, int]:
+        """Bytes by part, summed over layers (they add up to `nbytes`): the global layers' stores
+        by name ("sink", "body", "packed", "cold"...), every sliding-window layer's ring as
+        "sliding", a model-owned cache as "model-owned"."""
         total: dict[str, int] = {}
         for c in self.distinct():
-            parts = c.nbytes_breakdown() if isinstance(c, LayerCache) else {"model-owned": c.nbytes}
+            if not isinstance(c, LayerCache):
+                parts = {"model-owned": c.nbytes}
+            elif getattr(c, "sliding", None) is not None:
+                parts = {"sliding": c.nbytes}
+            else:
+                parts = c.nbytes_breakdown()
             for k, v in parts.items():
                 total[k] = total.get(k, 0) + v
         return total
 
+    def nbytes_split(self) -> dict[str, int]:
+        """Bytes of the global layers (the policy's) and of the sliding-window layers (their
+        rings), and of any model-owned caches: `cache-report`'s and the report line's split."""
+        parts = self.nbytes_breakdown()
+        sliding, owned = parts.pop("sliding", 0), parts.pop("model-owned", 0)
+        return {"global": sum(parts.values()), "sliding": sliding, **({"model-owned": owned} if owned else {})}
+
     # ----- whole-cache operations -----------------------------------------------------------
     def evict_middle_if_needed(self) -> int:
         """Trim every layer to exactly its policy between model calls (a call of several tokens
-        leaves a window's layers `window - 1 + L`, plan.py); returns tokens dropped per layer."""
-        return max((c.evict_middle_if_needed() for c in self._owned), default=0)
+        leaves a window's layers `window - 1 + L`, plan.py; a sliding layer's ring its own
+        window); returns tokens dropped per global layer."""
+        dropped = {id(c): c.evict_middle_if_needed() for c in self._owned}
+        return max((dropped[id(c)] for c in self._global), default=0)
 
     def is_trimmable(self) -> bool:
         """Whether `trim` can roll any number of tokens back (plain full caches, ours or the

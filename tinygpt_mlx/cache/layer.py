@@ -46,6 +46,9 @@ class LayerCache(LayerReads):
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
         self.masks = Masks(config)   # make_mask's, with the decode steps' masks kept by shape
+        #: a sliding-window layer's own window (factory.sliding_layer: Gemma 2/3's local layers,
+        #: an exact ring whatever the policy), None for a global layer (the policy's cache)
+        self.sliding: Optional[int] = None
 
     # ----- policy ---------------------------------------------------------------------------
     @property

@@ -9,7 +9,7 @@ Serialisation is owned store by store, data flowing down: the layer cache asks i
 `state()` -> (arrays, counters) and hands each its arrays back in `load_state` (store.py's
 `Persistent`). This module only writes and reads the file.
 
-The file (format "posttrainllm-prompt-cache", version 6) is standard safetensors, written here
+The file (format "posttrainllm-prompt-cache", version 7) is standard safetensors, written here
 by hand so that memory-mapped rows are streamed from their files and never read into RAM:
 
 * tensors: `logits` (fp32 [vocab], what the next token is sampled from) and, per distinct
@@ -17,8 +17,8 @@ by hand so that memory-mapped rows are streamed from their files and never read 
   KIVI codes as U32 with their F16 scales and zeros, cold positions I64, bf16 shadow rows U16).
 * metadata (strings): `format`, `format_version`, `cache_config` (the CacheConfig as JSON),
   `model` (JSON: fingerprint, kind, name), `tokens` (JSON ids), `token_count`,
-  `current_length`, `stored_count`, `cache_bytes`, `layers` (JSON: the layout and each layer's
-  counters), `chat` (JSON, optional: chat_template.PromptTurn's record), `checksum` (JSON:
+  `current_length`, `stored_count`, `cache_bytes`, `layers` (JSON: the layout, each layer's
+  kind, "global" or "sliding W", and each distinct layer's counters), `chat` (JSON, optional: chat_template.PromptTurn's record), `checksum` (JSON:
   sha256 over the canonical header without the checksum, then the data region).
 
 Disk stores (a memory-mapped cold store, KIVI's disk shadow) are written INTO the file; on load
@@ -69,7 +69,10 @@ FORMAT_NAME = "posttrainllm-prompt-cache"
 #: int8 state allows), and an older build calls a newer file newer, not corrupt
 #: 6: a `chat` record (chat_template.PromptTurn: which chat template, where the turn stands);
 #: a version-4 or -5 file has none and is raw text (`PromptCacheInfo.chat` None)
-FORMAT_VERSION = 6
+#: 7: sliding-window layers (Gemma 2/3's local layers) are ours, exact rings of their own window,
+#: and `layers` records each layer's kind ("global" / "sliding W"); a version-4 to -6 file has
+#: no sliding layer (a model with one could not be saved) and loads as before
+FORMAT_VERSION = 7
 READS_FROM = 4
 
 
@@ -200,7 +203,7 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
         "current_length": str(cache.current_length),
         "stored_count": str(cache.stored_count),
         "cache_bytes": str(cache.nbytes),
-        "layers": json.dumps({"layout": layout, "owned": metas}),
+        "layers": json.dumps({"layout": layout, "kinds": cache.kinds(), "owned": metas}),
         **({} if chat is None else {"chat": json.dumps(chat)}),
     }
     remove_stale_temps(path)
@@ -214,6 +217,17 @@ def save_prompt_cache(path: Union[str, Path], cache: KVCache, model: Any, tokens
     return path
 
 
+def _kinds(kinds: list) -> str:
+    """Layer kinds in a line: runs of one kind counted ("sliding 512 x5, global x1, ...")."""
+    runs: list[list] = []
+    for k in kinds:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return ", ".join(f"{k} x{n}" for k, n in runs)
+
+
 def _layout(cache: KVCache) -> tuple[list[int], list[LayerCache]]:
     """For each layer, the index of its (distinct) layer cache; model-owned caches refused."""
     owned = cache.owned
@@ -221,8 +235,8 @@ def _layout(cache: KVCache) -> tuple[list[int], list[LayerCache]]:
     layout = []
     for c in cache:
         if id(c) not in index:
-            raise PromptCacheError(f"layer cache {type(c).__name__} is the model's own (e.g. a sliding-window "
-                                   "layer): prompt-cache files hold only posttrainllm's layer caches")
+            raise PromptCacheError(f"layer cache {type(c).__name__} is the model's own (not a plain or sliding-"
+                                   "window attention layer): prompt-cache files hold only posttrainllm's layer caches")
         layout.append(index[id(c)])
     return layout, owned
 
@@ -409,6 +423,10 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
         if layout != layers.get("layout") or len(owned) != len(layers.get("owned", [])):
             raise PromptCacheError(f"{path}: the prompt cache's layers ({layers.get('layout')}) do not match the "
                                    f"model's ({layout})")
+        kinds = layers.get("kinds", ["global"] * len(layout))   # before version 7: no sliding layer
+        if kinds != cache.kinds():
+            raise PromptCacheError(f"{path}: the prompt cache's layer kinds ({_kinds(kinds)}) do not match the "
+                                   f"model's ({_kinds(cache.kinds())})")
         arrays = Arrays(entries, path)
         for i, (layer, m) in enumerate(zip(owned, layers["owned"])):
             load_layer(layer, arrays.scope(f"layer{i}."), m)

@@ -34,6 +34,8 @@ class CacheBytes:
     stored: int
     nbytes: int
     breakdown: dict = field(default_factory=dict)
+    #: the global layers' bytes (the policy's) and the sliding-window layers' (`KVCache.nbytes_split`)
+    split: dict = field(default_factory=dict)
 
 
 def fill_and_measure(model: Any, config: CacheConfig, lengths: Iterable[int], vocab_size: int,
@@ -58,7 +60,7 @@ def fill_and_measure(model: Any, config: CacheConfig, lengths: Iterable[int], vo
         mx.eval(model(tokens[:, done:done + 1], cache=cache))
         done += 1
         out.append(CacheBytes(label or config.label(), n, cache.stored_count, cache.nbytes,
-                              cache.nbytes_breakdown()))
+                              cache.nbytes_breakdown(), cache.nbytes_split()))
         if progress is not None:
             progress(label or config.label(), n)
     return out

@@ -142,6 +142,16 @@ class RingStore:
     def droppable(self, n: int) -> int:
         return min(n, self.n)
 
+    def truncate(self, length: int) -> None:
+        """Keep the oldest `length` tokens (the sink's included): only for a ring that has never
+        evicted (its window starts at slot 0, `RingLayer.trimmable`), whose next token then goes
+        to the slot after the kept ones."""
+        if length < self.n_sink or length > len(self):
+            raise ValueError(f"cannot cut {len(self)} ring tokens back to {length} (sink {self.n_sink})")
+        self.n = length - self.n_sink
+        if self.ring:
+            self.ptr = self.n % self.window
+
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
         """Forget the oldest `n` window tokens (a ring slot is overwritten by the next token).
         Returns nothing: an exact StreamingLLM window has no cold tier to hand them to."""
@@ -266,10 +276,29 @@ class RingLayer(LayerCache):
             return no_tokens(self.dtype or mx.float32)
         return self.body.attention_kv(self._sink_slot0(), True, self.dtype)
 
+    def sees_all(self, window_size: Optional[int]) -> bool:
+        """Whether one query sees every stored token under the model's own sliding-window mask
+        of `window_size` (None: no such mask): a ring with no sink holds only the last `window`
+        positions, so a model window at least as wide masks nothing."""
+        return window_size is None or (self.config.sink == 0 and window_size >= self.config.window)
+
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if N == 1 and window_size is None:
-            return None     # one query sees every stored token
+        if N == 1 and self.sees_all(window_size):
+            return None     # one query sees every stored token (a sliding layer's ring too)
         return super().make_mask(N, return_array, window_size)
+
+    def _never_evicted(self) -> bool:
+        return self.seen == len(self.body) and self.positions.base == 0
+
+    def is_trimmable(self) -> bool:
+        """A sliding layer's ring, while it has evicted nothing (as mlx-lm's `RotatingKVCache`
+        until it wraps); a StreamingLLM window never (layer.py)."""
+        return self.sliding is not None and self.config.sink == 0 and self._never_evicted()
+
+    def trimmable(self) -> int:
+        """A sliding layer's ring that has evicted nothing: every token (what a ring fed only
+        the rest would hold); else none."""
+        return len(self.body) if self.is_trimmable() else 0
 
     def segments(self) -> list:
         return self.body.segments(Reading(self.dtype, self.positions, self._sink_slot0()))

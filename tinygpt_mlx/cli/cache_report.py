@@ -65,10 +65,19 @@ def cache_report(
     for n in sorted(set(lengths)):
         table.add_column(f"{n} tokens", justify="right")
     base = [r.nbytes for r in rows[0]]
+    sliding = any(r.split.get("sliding") for row in rows for r in row)
+
+    def cell(r, b) -> str:
+        text = f"{c.fmt_bytes(r.nbytes)} ({r.nbytes / b:.3f}x)"
+        if sliding:     # the split: the policy's global layers + the sliding-window layers' own rings
+            text += f"\nglobal {c.fmt_bytes(r.split['global'])} + sliding {c.fmt_bytes(r.split['sliding'])}"
+        return text
     for row in rows:
-        table.add_row(row[0].policy, *(f"{c.fmt_bytes(r.nbytes)} ({r.nbytes / b:.3f}x)"
-                                       for r, b in zip(row, base)))
+        table.add_row(row[0].policy, *(cell(r, b) for r, b in zip(row, base)))
     Console(highlight=False, width=200).print(table)
+    if sliding:
+        err.print("global: the layers under each policy; sliding: the sliding-window layers, each an exact "
+                  "ring of its own window whatever the policy")
 
 
 def register(app: typer.Typer) -> None:

@@ -52,14 +52,24 @@ def print_report(r: dict) -> None:
     stored = f"stored {r['stored_count']}"
     if r["stored_count"] != r["current_length"]:
         stored += " (StreamingLLM cap)" if "streaming_llm" in r["policy"] else " (policy cap)"
-    parts = ", ".join(f"{escape(k)} {c.fmt_bytes(v)}" for k, v in r["cache_bytes_breakdown"].items() if v)
+    parts = ", ".join(f"{escape(k)} {c.fmt_bytes(v)}" for k, v in r["cache_bytes_breakdown"].items()
+                      if v and k != "sliding")
+    windows = r.get("sliding_windows") or {}
+    layers = f"{r['layers_with_kv']} layers"
+    if windows:     # the split: the policy's global layers, the sliding-window layers' own rings
+        split, n_sliding = r["cache_bytes_split"], sum(windows.values())
+        at = ", ".join(f"{n} at {w}" for w, n in sorted(windows.items()))
+        layers += (f": {r['layers_with_kv'] - n_sliding} global {c.fmt_bytes(split['global'])}"
+                   f"{' (' + parts + ')' if parts else ''}, {n_sliding} sliding-window ({at}) "
+                   f"{c.fmt_bytes(split['sliding'])}")
+        parts = ""
     err.print(f"\n[bold]report[/bold]: prompt {r['prompt_tokens']} tokens, generated {r['generated_tokens']} "
               f"({escape(r['finish_reason'])}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
     disk = r["cache_disk_bytes"]
     where = (f", {c.fmt_bytes(r['cache_bytes'] - disk)} in RAM + {c.fmt_bytes(disk)} memory-mapped on disk"
              if disk else "")
-    err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])}{where} over {r['layers_with_kv']} layers"
+    err.print(f"cache: {c.fmt_bytes(r['cache_bytes'])}{where} over {layers}"
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
     if r.get("world_size", 1) > 1:
         print_ranks(r)

@@ -1,0 +1,287 @@
+"""Sliding-window layers (Gemma 2/3's local layers) as our exact rings of their own window,
+under every policy (issue 55): the long-context policy applies to the global layers only.
+
+On a tiny mlx-lm gemma3_text (sliding window 16, every third layer global) fed prompts longer
+than the window, in chunks that cross it:
+
+* under every policy (full, bf16, int4, StreamingLLM, retrieval) the logits and greedy tokens
+  equal those of the same policy with mlx-lm's own `RotatingKVCache` on the sliding layers (the
+  behaviour before: the policy already applied to the global layers only; bf16 storage: full
+  bf16 sliding layers, which the model's mask limits), and under the full policy mlx-lm's own
+  caches on every layer;
+* a sliding layer holds at most W + L - 1 tokens during a call of L, exactly min(seen, W) between
+  calls, whatever the policy's window; the counts and the bytes split count the global layers;
+* a prompt-cache file and a checkpoint of it round-trip (same logits afterwards), a file
+  records each layer's kind and one whose kinds differ from the model's is one line;
+* trimming: a sliding ring trims as mlx-lm's RotatingKVCache does (everything until it
+  evicts, nothing after);
+* the CLI: `cache-prompt` then `sample --prompt-cache`, and the report line's split.
+
+Mutations checked to fail here (one at a time, then reverted): the factory keeping the policy's
+cache on sliding layers (windowed=False); the ring's sees_all ignoring the sink (masks nothing
+with a sink); `KVCache.stored_count` over every layer; persist not checking the kinds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import RotatingKVCache
+from typer.testing import CliRunner
+
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.cache.kv_cache import KVCache
+from tinygpt_mlx.cache.persist import PromptCacheError, load_prompt_cache, save_prompt_cache
+from tinygpt_mlx.cache.ring import RingLayer
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.evaluate.modes import parse_policy
+
+W = 16            # the tiny model's sliding window
+PATTERN = 3       # layers 0, 1 sliding, 2 global, ...
+PROMPT = np.random.RandomState(3).randint(1, 300, 57).tolist()
+CHUNK = 12        # prefill chunks that cross the window
+DECODE = 20
+
+POLICIES = {
+    "full": CacheConfig(),
+    "bf16": parse_policy("bf16"),
+    "int4": parse_policy("int4"),
+    "streaming": CacheConfig(sink=4, window=24),
+    "streaming-narrow": CacheConfig(sink=2, window=8),      # the policy's window below the layer's
+    "retrieval": CacheConfig(sink=4, hot_budget=24, retrieve_tokens=8, page_size=4),
+}
+
+
+def build_gemma3_dir(path: Path, tokenizer_json: str, seed: int = 0, n_layers: int = 6) -> Path:
+    """A tiny mlx-lm gemma3_text checkpoint (safetensors + config + tokenizer), as
+    conftest.build_llama_dir builds its Llama: sliding window W, every PATTERN-th layer global."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": n_layers,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+              "query_pre_attn_scalar": 32, "vocab_size": len(vocab) + 1, "sliding_window": W,
+              "sliding_window_pattern": PATTERN, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
+              "rope_theta": 10000.0, "rope_local_base_freq": 1000.0}
+    mx.random.seed(seed)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    # random init is small; widen it so the tiny model's greedy paths are not all one token
+    params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    mx.save_safetensors(str(path / "model.safetensors"), params)
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer.json").write_text(tokenizer_json)
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 512}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma_dir(tmp_path_factory, tokenizer_json) -> Path:
+    return build_gemma3_dir(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3", tokenizer_json)
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_dir):
+    from tinygpt_mlx.loading import load
+    return load(gemma_dir)
+
+
+def with_rotating(model, cfg: CacheConfig) -> KVCache:
+    """`cfg` on the global layers, mlx-lm's own RotatingKVCache on the sliding ones: how the
+    sliding layers were held before (the reference). A policy storing bf16/fp16 stores the
+    sliding rings so too (RotatingKVCache keeps the compute dtype): there the reference's
+    sliding layers are full caches in that storage, which the model's mask limits to the window."""
+    ours = make_cache(model, cfg)
+    if cfg.storage == "fp32":
+        return KVCache([RotatingKVCache(max_size=c.sliding) if c.sliding else c for c in ours], cfg)
+    full = make_cache(model, CacheConfig(storage=cfg.storage), windowed=False)
+    return KVCache([f if c.sliding else c for c, f in zip(ours, full)], cfg)
+
+
+def evict(cache) -> None:
+    """Between calls, as the engine does (mlx-lm's own caches have nothing to do)."""
+    if isinstance(cache, KVCache):
+        cache.evict_middle_if_needed()
+
+
+def run(model, cache, prompt=PROMPT, decode=DECODE, watch=None) -> tuple[mx.array, list[int]]:
+    """Prefill `prompt` in CHUNK chunks, then `decode` greedy steps; every call's last logits
+    (fp32) and the greedy tokens. `watch(cache, L)` after every call."""
+    logits, tokens = [], []
+    for i in range(0, len(prompt), CHUNK):
+        chunk = prompt[i:i + CHUNK]
+        out = model(mx.array([chunk]), cache=cache)[0, -1].astype(mx.float32)
+        if watch:
+            watch(cache, len(chunk))
+        evict(cache)
+        logits.append(out)
+    for _ in range(decode):
+        tokens.append(int(mx.argmax(logits[-1]).item()))
+        logits.append(model(mx.array([[tokens[-1]]]), cache=cache)[0, -1].astype(mx.float32))
+        if watch:
+            watch(cache, 1)
+        evict(cache)
+    return mx.stack(logits), tokens
+
+
+def test_sliding_layers_are_rings_of_their_window(gemma):
+    cache = make_cache(gemma.model, CacheConfig(sink=4, window=24))
+    assert cache.kinds() == [f"sliding {W}", f"sliding {W}", "global"] * 2
+    for c in cache:
+        assert isinstance(c, RingLayer)
+        assert (c.sliding, c.config.window, c.config.sink) == ((W, W, 0) if c.sliding else (None, 24, 4))
+    assert cache.sliding_windows == {W: 4} and len(cache.global_layers) == 2
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_every_policy_equals_mlx_lm_rotating_sliding_layers(gemma, policy):
+    """The same policy's logits and greedy tokens with mlx-lm's RotatingKVCache on the sliding
+    layers; every sliding layer holds at most W + L - 1 during a call and min(seen, W) after."""
+    cfg = POLICIES[policy]
+    want, want_tokens = run(gemma.model, with_rotating(gemma.model, cfg))
+    held = []
+
+    def watch(cache, L):
+        for c in cache.owned:
+            if c.sliding:
+                assert c.stored_count <= W + L - 1
+        held.append(cache)
+
+    cache = make_cache(gemma.model, cfg)
+    got, tokens = run(gemma.model, cache, watch=watch)
+    assert tokens == want_tokens
+    assert mx.abs(got - want).max().item() < 1e-4
+    seen = len(PROMPT) + DECODE
+    assert cache.current_length == seen
+    for c in cache.owned:
+        if c.sliding:
+            assert c.stored_count == W and c.current_length == seen
+            assert c.body.keys.dtype == {"fp32": mx.float32, "bf16": mx.bfloat16}[cfg.storage]
+    globals_ = cache.global_layers
+    assert cache.stored_count == max(c.stored_count for c in globals_)
+    if cfg.streaming:
+        assert cache.stored_count == cfg.sink + cfg.window
+    split = cache.nbytes_split()
+    assert split["global"] + split["sliding"] == cache.nbytes == sum(cache.nbytes_breakdown().values())
+    assert split["sliding"] == sum(c.nbytes for c in cache.owned if c.sliding) > 0
+    cache.close()
+
+
+def test_full_policy_equals_mlx_lm_own_caches(gemma):
+    """Every layer on mlx-lm's own caches (the model's make_cache) against our full policy."""
+    want, want_tokens = run(gemma.model, gemma.model.make_cache())
+    got, tokens = run(gemma.model, make_cache(gemma.model, CacheConfig()))
+    assert tokens == want_tokens and mx.abs(got - want).max().item() < 1e-4
+
+
+def test_windowed_false_holds_every_token_with_the_same_logits(gemma):
+    """The reference of "every layer under the policy": the sliding layers' masks still limit
+    them to the window, so the logits are the same, and they hold everything (the bytes saved)."""
+    cache = make_cache(gemma.model, CacheConfig(), windowed=False)
+    assert cache.kinds()[:2] == [f"sliding {W}"] * 2 and not any(isinstance(c, RingLayer) for c in cache)
+    got, _ = run(gemma.model, cache)
+    ring = make_cache(gemma.model, CacheConfig())
+    want, _ = run(gemma.model, ring)
+    assert mx.abs(got - want).max().item() < 1e-4
+    seen = len(PROMPT) + DECODE
+    assert all(c.stored_count == seen for c in cache.owned)
+    # 4 sliding layers at W of `seen` tokens, 2 global at all of them
+    assert ring.nbytes * (6 * seen) == cache.nbytes * (4 * W + 2 * seen)
+
+
+def test_trim_as_rotating_kv_cache(gemma):
+    """Below the window a sliding ring trims everything (then decodes as if the tokens were never
+    fed); once it has evicted, nothing (a checkpoint restores instead)."""
+    m = gemma.model
+    short = PROMPT[:10]
+    cache = make_cache(m, CacheConfig())
+    m(mx.array([short]), cache=cache)
+    assert cache.trimmable() == 10 and cache.trim(4) == 4 and cache.current_length == 6
+    after = m(mx.array([short[6:9]]), cache=cache)[0, -1]
+    fresh = make_cache(m, CacheConfig())
+    want = m(mx.array([short[:9]]), cache=fresh)[0, -1]
+    assert mx.abs(after - want).max().item() < 1e-4
+    m(mx.array([PROMPT[:W + 3]]), cache=cache)
+    cache.evict_middle_if_needed()
+    assert cache.trimmable() == 0 and cache.trim(2) == 0
+
+
+def test_checkpoint_restores_sliding_layers(gemma):
+    m = gemma.model
+    for cfg in (CacheConfig(), POLICIES["streaming"]):
+        cache = make_cache(m, cfg)
+        run(m, cache, decode=0)
+        cp = cache.checkpoint()
+        assert cp is not None
+        first, tokens = run(m, cache, prompt=PROMPT[:5], decode=6)
+        cache.restore(cp)
+        again, tokens_again = run(m, cache, prompt=PROMPT[:5], decode=6)
+        # a restored ring is laid out in position order (its keys summed in another order)
+        assert tokens == tokens_again and mx.abs(first - again).max().item() < 1e-4
+
+
+@pytest.mark.parametrize("policy", ["full", "int4", "streaming", "retrieval"])
+def test_prompt_cache_round_trip(gemma, tmp_path, policy):
+    """Save after the prompt, load, continue: the logits of continuing in process."""
+    m, cfg = gemma.model, POLICIES[policy]
+    cache = make_cache(m, cfg)
+    logits, _ = run(m, cache, decode=0)
+    want, want_tokens = run(m, cache, prompt=PROMPT[:7], decode=8)
+    cache.close()
+    cache = make_cache(m, cfg)
+    logits, _ = run(m, cache, decode=0)
+    path = save_prompt_cache(tmp_path / "g.ptc", cache, gemma, PROMPT, logits[-1])
+    header = json.loads(__import__("tinygpt_mlx.format", fromlist=["x"]).read_header(path)[1]["layers"])
+    assert header["kinds"] == cache.kinds()
+    loaded, info = load_prompt_cache(path, gemma)
+    assert loaded.kinds() == cache.kinds() and loaded.nbytes_split() == cache.nbytes_split()
+    assert (loaded.current_length, loaded.stored_count) == (cache.current_length, cache.stored_count)
+    for a, b in zip(cache.owned, loaded.owned):
+        if a.sliding:     # the sliding rings come back as they were, bit for bit
+            assert all(mx.array_equal(x, y).item() for x, y in zip(a.fetch(), b.fetch()))
+    got, tokens = run(m, loaded, prompt=PROMPT[:7], decode=8)
+    if cfg.streaming:     # a shifted sink is placed afresh from its block (1e-6 off; not the sliding layers')
+        assert tokens == want_tokens and mx.abs(got - want).max().item() < 1e-4
+    else:
+        assert mx.array_equal(got, want).item()
+    loaded.close()
+    cache.close()
+
+
+def test_a_file_whose_kinds_differ_is_one_line(gemma, tmp_path, monkeypatch):
+    from tinygpt_mlx.cache import persist
+
+    cache = make_cache(gemma.model, CacheConfig())
+    logits, _ = run(gemma.model, cache, decode=0)
+    monkeypatch.setattr(KVCache, "kinds", lambda self: ["global"] * len(self))
+    path = save_prompt_cache(tmp_path / "g.ptc", cache, gemma, PROMPT, logits[-1])
+    monkeypatch.undo()
+    with pytest.raises(PromptCacheError, match=r"layer kinds \(global x6\) do not match the model's "
+                                               rf"\(sliding {W} x2, global x1, sliding {W} x2, global x1\)"):
+        load_prompt_cache(path, gemma)
+    assert persist.FORMAT_VERSION == 7
+
+
+def test_cli_cache_prompt_then_sample(gemma_dir, tmp_path):
+    """`cache-prompt` then `sample --prompt-cache` on a model with sliding layers (refused before),
+    and the report line's split."""
+    from tinygpt_mlx.cli.main import app
+
+    runner = CliRunner()
+    doc = tmp_path / "doc.txt"
+    doc.write_text("the quick brown fox jumps over the lazy dog " * 6)
+    out = tmp_path / "doc.ptc"
+    r = runner.invoke(app, ["cache-prompt", str(gemma_dir), "--prompt-file", str(doc), "--out", str(out),
+                            "--prefill-chunk", "12", "--no-chat-template"])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["sample", str(gemma_dir), "--prompt-cache", str(out), "--prompt", " and then",
+                            "--temperature", "0", "--tokens", "8", "--no-chat-template"])
+    assert r.exit_code == 0, r.output
+    assert "cached tokens" in r.output
+    assert f"2 global" in r.output and f"4 sliding-window (4 at {W})" in r.output
