@@ -17,9 +17,9 @@ than the window, in chunks that cross it:
   evicts, nothing after);
 * the CLI: `cache-prompt` then `sample --prompt-cache`, and the report line's split.
 
-Mutations checked to fail here (one at a time, then reverted): the factory keeping the policy's
-cache on sliding layers (windowed=False); the ring's sees_all ignoring the sink (masks nothing
-with a sink); `KVCache.stored_count` over every layer; persist not checking the kinds.
+Mutations checked to fail here (one at a time, then reverted): the ring's sees_all ignoring the
+sink (masks nothing with a sink); `KVCache.stored_count` over every layer; persist not checking
+the kinds; the ring's truncate leaving its pointer one slot on.
 """
 
 from __future__ import annotations
@@ -137,6 +137,13 @@ def test_sliding_layers_are_rings_of_their_window(gemma):
         assert isinstance(c, RingLayer)
         assert (c.sliding, c.config.window, c.config.sink) == ((W, W, 0) if c.sliding else (None, 24, 4))
     assert cache.sliding_windows == {W: 4} and len(cache.global_layers) == 2
+    run(gemma.model, cache, decode=2)
+    sliding, global_ = cache[0], cache[2]
+    # one query over a sliding ring: the model's own window masks nothing; a ring with a sink
+    # holds tokens farther than a window of its own width, which such a mask must hide
+    assert sliding.make_mask(1, window_size=W) is None and sliding.make_mask(1, window_size=W - 1) is not None
+    mask = global_.make_mask(1, window_size=26)     # the sink's 4 far behind: hidden, the window's 24 seen
+    assert mask is not None and mask.shape[-1] == 4 + 24 and mask.sum().item() == 24
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -201,9 +208,12 @@ def test_trim_as_rotating_kv_cache(gemma):
     m = gemma.model
     short = PROMPT[:10]
     cache = make_cache(m, CacheConfig())
-    m(mx.array([short]), cache=cache)
+    m(mx.array([short[:8]]), cache=cache)
+    for t in short[8:10]:       # one token at a time: the sliding layers' buffers are rings now
+        m(mx.array([[t]]), cache=cache)
     assert cache.trimmable() == 10 and cache.trim(4) == 4 and cache.current_length == 6
-    after = m(mx.array([short[6:9]]), cache=cache)[0, -1]
+    for t in short[6:9]:
+        after = m(mx.array([[t]]), cache=cache)[0, -1]
     fresh = make_cache(m, CacheConfig())
     want = m(mx.array([short[:9]]), cache=fresh)[0, -1]
     assert mx.abs(after - want).max().item() < 1e-4
