@@ -234,3 +234,53 @@ def test_the_sync_counter_counts(native):
     with pytest.raises(AssertionError, match="np.asarray"):
         _no_syncs(native.model, CacheConfig(hot_budget=32, page_size=8, top_pages=2, retrieve_tokens=16,
                                             index_block=4, index_expand=2, cold_store="disk"))
+
+
+# ----- edges a review found -------------------------------------------------------------------
+
+def test_a_store_at_its_capacity_reads_no_row_past_it():
+    """256 tokens (the rows' first capacity, whole pages: no unfinished page) and more tokens
+    wanted than there are: the always-offered unfinished page holds none, and its padding must
+    read a real row, not row n (past the array: garbage, NaN through p = 0)."""
+    cfg, (host, dev), rng = _stores(4, 256, top_pages=64, retrieve_tokens=600)
+    assert dev.keys.capacity == dev.n == 256
+    q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+    reading = Reading(mx.float32, Positions(cfg, None), 0, q, 1.0)
+    [seg], _ = dev.retrieve(reading)
+    assert int(mx.max(seg.rows)) < 256
+    assert _attended(host, reading)[0] == _attended(dev, reading)[0]
+
+
+def test_bf16_rows_are_written_as_the_host_store_writes_them():
+    """A bf16 cache's device rows go to files as fp32 (the host store's layout; numpy has no bf16)
+    and load back into either store."""
+    cfg = CacheConfig(hot_budget=8, storage="bf16", rope_mode="absolute", page_size=8, top_pages=4)
+    dev = DeviceColdStore(cfg, KVCache)
+    keys = mx.random.normal((1, 2, 50, 16), key=mx.random.key(0))
+    dev.append(keys, keys, 0)
+    arrays, meta = dev.state()
+    assert arrays["keys"].dtype == np.float32 and arrays["keys"].shape == (50, 2, 16)
+    np.testing.assert_array_equal(arrays["keys"], np.asarray(keys.astype(mx.bfloat16).astype(mx.float32)[0].swapaxes(0, 1)))
+
+
+@pytest.mark.parametrize("first", [10000.0, 3.0])
+def test_compiled_selections_keep_their_own_rope(first):
+    """Under the `page` rule the compiled pick turns keys by the layer's RoPE: two models with
+    other RoPE bases in one process each pick what their host store picks."""
+    for base in (first, 13000.0 - first):
+        cfg, (host, dev), rng = _stores(6, 301, rope_mode="shifted", retrieved_position="page", retrieve_unit="spans")
+        pos = Positions(cfg, nn.RoPE(16, base=base))
+        q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+        reading = Reading(mx.float32, pos, 40, q, 0.25)
+        assert _attended(host, reading)[0] == _attended(dev, reading)[0], base
+
+
+def test_telemetry_keeps_the_newest_records_only(monkeypatch):
+    from tinygpt_mlx.cache.telemetry import RetrievalTelemetry, Selection
+    monkeypatch.setattr(RetrievalTelemetry, "KEEP", 4)
+    t = RetrievalTelemetry()
+    sel = Selection(layer=0, queries=1, cold_tokens=8, cold_pages=1, page_size=8, tokens_scored=8, indexed=False,
+                    pages=np.zeros((1, 1)), positions=np.arange(8), tokens_retrieved=8, fetched=lambda: [])
+    for _ in range(20):
+        t.record(sel)
+    assert 4 <= len(t.records) <= 8 and t.records[-1]["step"] == 19 and t.steps == 20

@@ -221,10 +221,11 @@ class DeviceColdStore:
             if self.config.sticky:
                 self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
-        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=self.n_pages,
+        P = self.n_pages
+        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=P,
                               page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
-                              pages=last, positions=self.positions.view(),
-                              tokens_retrieved=min(units * unit, idx.shape[1]),
+                              pages=last[:, :P] if P <= self.top_pages else last, positions=self.positions.view(),
+                              tokens_retrieved=min(units * unit, idx.shape[1], -(-self.n // ps) * ps if spans else self.n),
                               fetched=_fetched(idx, valid, segment))
         return [segment], selection
 

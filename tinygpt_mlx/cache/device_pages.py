@@ -82,7 +82,8 @@ class DeviceRows:
     # ----- files (the host store's layout: token-major [n, G, *shape]) ------------------------
     def state(self) -> tuple:
         import numpy as np   # (a file is written off the per-token path)
-        return (np.asarray(self.view().swapaxes(0, 1)),
+        rows = self.view().swapaxes(0, 1)    # bf16 as fp32, as the host store keeps it (numpy has no bf16)
+        return (np.asarray(rows.astype(mx.float32) if self.dtype == mx.bfloat16 else rows),
                 {"n": self.n, "capacity": max(self.capacity, 1), "growths": self.growths})
 
     def load_state(self, rows, meta: dict) -> None:

@@ -8,7 +8,9 @@ the unfinished page and the sticky pages, the pool's tokens, the fine pass that 
 only on the arrays' capacities (which double) and on a few regimes (fewer pages than the coarse
 pass keeps, the index engaged), not on the token count: the counts (tokens, pages, blocks) are
 array inputs, and the scans run over every allocated summary with those past the count masked.
-So a function is traced once per regime and capacity, and every layer shares it.
+So a function is traced once per regime and power-of-two bucket of those counts, and every
+layer of a model shares it (the `page` rule's, which turns keys by the layer's RoPE: one per
+layer).
 
 The selection is the same as `DeviceColdStore`'s uncompiled path (and so the host store's):
 tests/test_retrieval_device.py compares them.
@@ -45,7 +47,7 @@ class Static:
     packed: Optional[tuple]  # (bits, group) of packed cold rows, or None
 
 
-_COMPILED: dict[Static, Callable] = {}
+_COMPILED: dict[tuple, Callable] = {}
 
 
 def select(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array, counts: mx.array,
@@ -56,11 +58,12 @@ def select(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array,
     (turned to the retrieved slot); `counts` = [tokens, pages, blocks] as an int32 array;
     `summaries` the index's capacity arrays by name; `keys`/`values` the rows' capacity arrays
     (codes, scale, zero where packed); `recent` the sticky pages [G, S] or None."""
-    fn = _COMPILED.get(static)
+    key = (static, codec, rope)    # a trace keeps its codec and RoPE (one per model; None off the page rule)
+    fn = _COMPILED.get(key)
     if fn is None:
         def run(rows, counts, summaries, keys, values, recent):
             return _select(static, codec, rope, rows, counts, summaries, keys, values, recent)
-        fn = _COMPILED[static] = mx.compile(run)
+        fn = _COMPILED[key] = mx.compile(run)
     return fn(rows, counts, summaries, keys, values, recent if recent is not None else mx.zeros((1,), mx.int32))
 
 
@@ -90,7 +93,9 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     first = mx.maximum(pool, 0) * ps
     idx = (first[..., None] + mx.arange(ps)).reshape(G, -1)
     valid = mx.repeat(pool >= 0, ps, axis=1) & (idx < n)
-    idx = mx.where(valid, idx, mx.repeat(first, ps, axis=1))
+    # padding reads its page's first token: a real one wherever any of the page is; the always
+    # offered unfinished page may hold none (its first row is n, maybe past the capacity): row n - 1
+    idx = mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), ps, axis=1))
     scored = valid.sum(axis=1).max()
     k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
     idx, k, valid = _pick(st, rope, q, idx, k, valid)

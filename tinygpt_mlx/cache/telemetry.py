@@ -77,8 +77,12 @@ def pages_holding(positions: np.ndarray, n: int, wanted: Any, page_size: int) ->
 class RetrievalTelemetry:
     """Per-retrieval records of one layer; `truth` = absolute positions of a known needle."""
 
+    #: records kept per layer (the newest): telemetry stays bounded on a long-lived server slot
+    KEEP = 4096
+
     def __init__(self):
         self.records: list[dict] = []
+        self.steps = 0    # retrievals recorded since the last reset (records keeps the newest KEEP..2 KEEP)
         self._truth: Optional[np.ndarray] = None
 
     @property
@@ -91,9 +95,10 @@ class RetrievalTelemetry:
 
     def reset(self) -> None:
         self.records = []
+        self.steps = 0
 
     def record(self, s: Selection) -> None:
-        rec = dict(step=len(self.records), layer=s.layer, queries=s.queries, cold_tokens=s.cold_tokens,
+        rec = dict(step=self.steps, layer=s.layer, queries=s.queries, cold_tokens=s.cold_tokens,
                    cold_pages=s.cold_pages, pages_selected=int(s.pages.shape[1]),
                    tokens_scored=s.tokens_scored, tokens_retrieved=int(s.tokens_retrieved),
                    indexed=s.indexed)
@@ -108,6 +113,9 @@ class RetrievalTelemetry:
                 rec.update(needle_tokens=int(cold_idx.size), page_recall=float(page_hit.mean()),
                            token_recall=float(tok_hit.mean()), token_any=float(tok_hit.any(axis=1).mean()))
         self.records.append(rec)
+        self.steps += 1
+        if len(self.records) > 2 * self.KEEP:     # amortised: drop the oldest half at once
+            del self.records[:-self.KEEP]
 
 
 def summarise(telemetries: Iterable[RetrievalTelemetry], last_steps: Optional[int] = None) -> dict:
