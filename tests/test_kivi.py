@@ -1080,3 +1080,22 @@ def test_value_group_bad_values_are_one_line(native32_path, flags, words):
     lines = r.stderr.strip().splitlines()
     assert r.returncode != 0 and words in lines[-1] and "Traceback" not in r.stderr, r.stderr
     assert sum(words in line for line in lines) == 1 and (len(lines) == 1) == ("head dim" not in words)
+
+
+@pytest.mark.parametrize("policy", ["int4", "int2+sink4/window64", "k8v4"])
+def test_kivi_through_the_dequantise_path_equals_the_packed_path(native32, monkeypatch, policy):
+    """KIVI's packed segments through dequantise-then-matmul (what MLX's CUDA backend runs,
+    `quant.matmul_path`) give the packed path's logits, prefill and decode, on CPU."""
+    from tinygpt_mlx import quant
+    from tinygpt_mlx.evaluate.modes import parse_policy
+    from tinygpt_mlx.generate import forward, prefill
+    tokens = np.random.RandomState(5).randint(1, 300, 300).tolist()
+    out = {}
+    for path in quant.MATMUL_PATHS:
+        monkeypatch.setattr(quant, "FORCE_PATH", path)
+        cache = make_cache(native32.model, parse_policy(policy))
+        logits = [prefill(native32.model, tokens, cache, 128)]
+        for t in range(3):
+            logits.append(forward(native32.model, mx.array([[7 + t]]), cache)[0, -1])
+        out[path] = mx.stack(logits)
+    assert float(mx.abs(out["packed"] - out["dequantise"]).max()) < 2e-4

@@ -362,3 +362,27 @@ def test_invalid_arguments_raise():
         dequantise(mx.zeros((1, 8), dtype=mx.uint32), mx.ones((1, 1)), mx.zeros((1, 1)), 5, 64)
     with pytest.raises(ValueError, match="group=256"):
         packed_nbytes((1, 256), 4, 256)
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_dequantise_path_equals_the_packed_matmul(monkeypatch, transpose, bits):
+    """The dequantise-then-matmul path (MLX's CUDA backend, `quant.matmul_path`) computes what
+    `mx.quantized_matmul` does on the codes, for KIVI's layout and the transposed one, with GQA
+    broadcasting; a bad forced path is one line."""
+    rng = mx.random.key(bits)
+    w = mx.random.normal((2, 1, 64, 96), key=rng)               # [B, 1 (GQA), K, N], groups along N
+    packed, scale, zero = quant.quantise_affine(w, bits, 32)
+    x = mx.random.normal((2, 3, 5, 96 if transpose else 64), key=mx.random.key(7))
+    got = {}
+    for path in quant.MATMUL_PATHS:
+        monkeypatch.setattr(quant, "FORCE_PATH", path)
+        assert quant.matmul_path(transpose) == path
+        got[path] = quant.quantised_matmul(x, packed, scale, zero, bits=bits, group=32, transpose=transpose)
+    assert got["packed"].shape == got["dequantise"].shape == (2, 3, 5, 64 if transpose else 96)
+    assert mx.allclose(got["packed"], got["dequantise"], atol=1e-4, rtol=1e-5)
+    monkeypatch.setattr(quant, "FORCE_PATH", None)
+    assert quant.matmul_path(False) == ("dequantise" if quant._on_cuda() else "packed")
+    monkeypatch.setenv("POSTTRAINLLM_QMATMUL", "fast")
+    with pytest.raises(ValueError, match="POSTTRAINLLM_QMATMUL must be one of packed, dequantise, got 'fast'"):
+        quant.matmul_path(False)

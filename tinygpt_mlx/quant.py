@@ -36,6 +36,8 @@ that bias).  Facts verified against mlx 0.32.4:
 from __future__ import annotations
 
 import math
+import os
+from typing import Optional
 
 import mlx.core as mx
 
@@ -296,6 +298,34 @@ def dequantise_v(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, g
 # ------------------------------------------------------------------------- matmul
 
 
+#: how `quantised_matmul` runs: None = by backend (`matmul_path`), or "packed" / "dequantise" to
+#: force one (tests; the POSTTRAINLLM_QMATMUL environment variable does the same for a run)
+FORCE_PATH: Optional[str] = None
+MATMUL_PATHS = ("packed", "dequantise")
+
+
+def matmul_path(transpose: bool) -> str:
+    """How a packed matmul runs on this backend, chosen up front (MLX is lazy: a missing kernel
+    raises at evaluation, where no `try` around the call can catch it).
+
+    "packed": `mx.quantized_matmul` straight on the codes (Metal, CPU). "dequantise": the codes
+    dequantised, then a plain matmul, on MLX's CUDA backend, whose `quantized_matmul` has only a
+    naive kernel for `transpose=False` (KIVI's layout) and none for small-M shapes with
+    `transpose=True` (mlx-lm's QuantizedKVCache died on 8x8x64x9 there); a cache's packed
+    segment is small next to the weights, so dequantising it per step costs little there."""
+    forced = FORCE_PATH or os.environ.get("POSTTRAINLLM_QMATMUL") or None
+    if forced is not None:
+        if forced not in MATMUL_PATHS:
+            raise ValueError(f"POSTTRAINLLM_QMATMUL must be one of {', '.join(MATMUL_PATHS)}, got {forced!r}")
+        return forced
+    return "dequantise" if _on_cuda() else "packed"
+
+
+def _on_cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available() and mx.default_device().type == mx.gpu)
+
+
 def quantised_matmul(
     x: mx.array,
     packed: mx.array,
@@ -319,6 +349,9 @@ def quantised_matmul(
         )
     _check_bits(bits)
     _check_group(group)
+    if matmul_path(transpose) == "dequantise":
+        w = dequantise(packed, scale, zero, bits, group)
+        return x.astype(mx.float32) @ (mx.swapaxes(w, -1, -2) if transpose else w)
     return mx.quantized_matmul(
         x, packed, scale, zero, transpose=transpose, group_size=group, bits=bits
     )
