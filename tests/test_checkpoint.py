@@ -33,6 +33,7 @@ FULL = {"fp32", "bf16"}       # trimmable all the way: the slot pool takes no ch
 
 @pytest.mark.parametrize("model_name", ("native", "llama"))
 @pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.slow
 def test_restore_continues_as_a_fresh_cache(loaded_models, model_name, policy):
     loaded, cfg = loaded_models[model_name], POLICIES[policy]
     model = loaded.model
@@ -61,6 +62,7 @@ def test_restore_continues_as_a_fresh_cache(loaded_models, model_name, policy):
 
 
 @pytest.mark.parametrize("policy", sorted(set(POLICIES) - FULL))
+@pytest.mark.slow
 def test_a_checkpoint_is_bounded(loaded_models, policy):
     loaded, cfg = loaded_models["native"], POLICIES[policy]
     # 4 chunks, then 8 more: the same chunk pattern at the end (KIVI's residual depends on it)

@@ -190,6 +190,7 @@ def test_plot_without_matplotlib_fails_at_once_naming_the_extra(tmp_path, monkey
 
 # --- progress on stderr, stdout clean --------------------------------------------------------
 
+@pytest.mark.slow
 def test_cache_report_piped_prints_stage_lines_on_stderr_only():
     """stderr is a pipe (not a terminal): a start line, a line per policy and length, a done line."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))

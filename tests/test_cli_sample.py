@@ -191,6 +191,7 @@ def test_report_json_written_whole(native_path, tmp_path):
 
 
 # ----- 5. prefill progress on stderr, stdout only the text -----------------------------------------
+@pytest.mark.slow
 def test_long_prompt_shows_prefill_progress_and_stdout_is_only_text(native, native_path):
     from tinygpt_mlx.generate import stream_generate
 

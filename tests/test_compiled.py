@@ -225,6 +225,7 @@ def test_forget_drops_the_traced_weights(tmp_path, tokenizer_json):
 
 @pytest.mark.parametrize("spec", ["int4+sink4/window64", "int8+sink4/window64", "int2+sink4/window64+r0",
                                   "k8v4+sink4/window64"])
+@pytest.mark.slow
 def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
     """400 steps of KIVI with a 64-token window (G = 32): blocks frozen and evicted every 32 steps,
     re-based every 150 tokens; the quiet steps between compiled (no freeze, eviction, residual
@@ -244,6 +245,7 @@ def test_compiled_kivi_window_step_equals_the_eager_step(native32, spec):
 
 
 @pytest.mark.parametrize("spec", ["int4+near32+sink4/window96", "int4+sink4/window320", "int4+near64b6+sink4/window160"])
+@pytest.mark.slow
 def test_compiled_kivi_window_step_reads_the_near_tier(native32, spec):
     """Under a window whose near tier holds tokens (a fixed tier of 32, int4's own 1/8 in a
     window of 320, a 6-bit tier) the compiled quiet step reads the tier as one more packed

@@ -1,6 +1,7 @@
 """Generation pieces: incremental detokenization, stop strings, sampler."""
 
 import mlx.core as mx
+import pytest
 
 from tinygpt_mlx.config import CacheConfig, SampleConfig
 from tinygpt_mlx.generate import stream_generate
@@ -75,6 +76,7 @@ def test_reply_is_the_text_front_end(native):
     assert reply.stats.finish_reason == "stop"
 
 
+@pytest.mark.slow
 def test_pipelined_greedy_tokens_equal_the_stepwise_ones(native32, llama):
     """`steps(pipeline=True)` (greedy_tokens on a GPU: each token fed before the host reads it) gives the
     same tokens, the same final logits and the same cache as one model call after the other, for

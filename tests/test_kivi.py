@@ -115,6 +115,7 @@ CONFIGS = [
 
 
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: CacheConfig(**kw).label())
+@pytest.mark.slow
 def test_packed_attention_equals_the_reference_on_the_same_stored_data(native32, kw):
     """Each layer's packed attention (after a prefill and decode steps, every segment kind held)
     against dense SDPA over its `fetch()` (blocks dequantised and turned back), for one query and
@@ -140,6 +141,7 @@ def assert_packed_attention_reads_what_is_stored(model, config, head_dim):
 
 @pytest.mark.parametrize("kw", [kw for kw in CONFIGS if "rotate" not in kw and "kivi_sink" not in kw],
                          ids=lambda kw: CacheConfig(**kw).label())
+@pytest.mark.slow
 def test_packed_attention_equals_dequantised_reference(native32, kw):
     """Installed attention scores packed data; the reference path dequantises every block and
     runs dense SDPA (mx.fast) over it. Same stored data, so the logits agree to rounding.
@@ -226,6 +228,7 @@ def test_bytes_per_token_against_bf16_at_4k(spec, bound):
 
 
 @pytest.mark.parametrize("mode", ["shifted", "absolute"])
+@pytest.mark.slow
 def test_int4_default_tier_under_retrieval(native32, mode):
     """A retrieval hot window of int4 big enough for its own near tier to hold a group: blocks go
     cold from the body's front (the tier's newest tokens stay hot), nothing is lost (stored + cold
@@ -402,6 +405,7 @@ def test_yoco_shared_layers_read_the_owners_packed_segments(tmp_path, tokenizer_
     dict(key_bits=4, value_bits=4, sink=4, window=64, rope_mode="absolute"),   # eviction
     dict(key_bits=4, value_bits=4, rotate=True, kivi_sink=4),   # refined against unrotated queries
 ], ids=lambda kw: CacheConfig(exact_topk=1, **kw).label())
+@pytest.mark.slow
 def test_exact_topk_covering_every_token_equals_the_exact_cache(native32, kw):
     """With K >= stored tokens every packed token is re-scored and re-valued exactly, so the
     refined KIVI cache must give the logits of the fp32 cache with the same eviction."""
@@ -610,6 +614,7 @@ def test_frame_positions_quantise_keys_as_rotated_within_the_pre_rope_error(nati
     assert errs[0] < 0.5 and errs[0] < 2 * errs[1]
 
 
+@pytest.mark.slow
 def test_frame_rebase_turns_the_body_back(native32):
     """Re-basing every 23 tokens over 300 (12 re-bases): with exact keys the turn is exact (the
     logits of the un-rebased frame path); with int4 keys the frozen blocks are quantised again
@@ -860,6 +865,7 @@ def test_int4_default_tier_changes_nothing_until_it_holds_a_group(native32):
     assert err["int4"] < err["int4+near/0"], err
 
 
+@pytest.mark.slow
 def test_int8_residual_grows_to_64_from_1024_tokens(native32):
     """int8's default residual is R 32 until the cache holds 1,024 tokens (16 x 64), then 64: its
     logits are `int8+lr0`'s bit for bit before that and differ after; once the next block would
@@ -886,6 +892,7 @@ def test_int8_residual_grows_to_64_from_1024_tokens(native32):
 
 
 @pytest.mark.parametrize("spec", ["int8+sink4/window1020", "int8+sink4/hot1020"])
+@pytest.mark.slow
 def test_grown_residual_under_eviction_compiled_and_checkpointed(native32, spec):
     """A window or hot window holding 1,024 tokens (the sink counted) grows int8's residual too:
     the compiled decode step gives the eager step's logits bit for bit across the growth and
@@ -950,6 +957,7 @@ def test_long_residual_bad_values_are_one_line(native32_path, flags, words):
     assert r.returncode != 0 and words in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+@pytest.mark.slow
 def test_near_tier_survives_eviction_truncation_and_rebase(native32):
     """Under a window the tier is evicted from (its front, once the body is gone) and re-based
     with the body: exact keys and 8-bit values in the tier, re-based every 23 tokens, give the
@@ -1038,6 +1046,7 @@ VALUE_GROUP_CONFIGS = [
 
 
 @pytest.mark.parametrize("kw", VALUE_GROUP_CONFIGS, ids=lambda kw: CacheConfig(**kw).label())
+@pytest.mark.slow
 def test_value_groups_of_their_own_read_through_the_packed_kernels(native64, kw):
     """Values in groups of 64 channels (keys in blocks of 32 tokens): each layer's packed
     attention against dense SDPA over its dequantised `fetch()`, and the whole model's logits on

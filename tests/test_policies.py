@@ -224,6 +224,7 @@ def assert_close(a: mx.array, b: mx.array, tol: float) -> float:
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.slow
 def test_protocol(runs, model_name, policy):
     cfg = POLICIES[policy]
     _, states, _ = runs(model_name, policy)

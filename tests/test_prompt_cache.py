@@ -131,6 +131,7 @@ def _sha(path: Path) -> str:
 
 @pytest.mark.parametrize("model_name", ("native", "llama"))
 @pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.slow
 def test_save_load_continue_equals_in_process(loaded_models, tmp_path, model_name, policy):
     loaded, cfg = loaded_models[model_name], POLICIES[policy]
     ref_cache, logits = _prefilled(loaded, cfg)

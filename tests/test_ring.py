@@ -40,6 +40,7 @@ def run(model, config, pattern, ring=True, rebase_every=None, tokens=TOKENS):
 
 @pytest.mark.parametrize("pattern", list(PATTERNS))
 @pytest.mark.parametrize("mode", ["shifted", "absolute"])
+@pytest.mark.slow
 def test_ring_equals_the_simple_path(native, mode, pattern):
     config = CacheConfig(sink=SINK, window=WINDOW, rope_mode=mode)
     ring, cache = run(native.model, config, PATTERNS[pattern])

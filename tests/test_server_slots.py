@@ -60,6 +60,7 @@ def _chat(url, name, messages):
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.slow
 def test_regenerate_edit_and_follow_up_never_prefill_the_document_again(native32, policy):
     cfg, name = POLICIES[policy], native32.name
     first = [{"role": "user", "content": DOC}]
