@@ -127,6 +127,12 @@ class DeviceColdStore:
         self.index.add(k)   # summaries of the pages this completes (exact keys, before rounding)
         self.n += n
 
+    def settle(self) -> None:
+        """Evaluate what appends have queued (a bulk of them off the per-token path, such as a
+        benchmark growing the store, would otherwise wait in one ever longer graph)."""
+        if self.G is not None:
+            mx.eval([a.array for name, a in self._row_arrays().items() if name != "positions"])
+
     def _gather(self, rows: Any, idx: mx.array) -> mx.array:
         return rows.gather(idx).astype(mx.float32)
 

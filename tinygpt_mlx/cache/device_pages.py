@@ -118,6 +118,7 @@ class DevicePageIndex:
                 self.rows[_BLOCKS[name]] = DeviceRows(G, (D,), mx.float32, initial=16)
         self.tail: Optional[mx.array] = None   # exact fp32 keys [G, t, D] of the unfinished page
         self.tail_n = 0
+        self.block_tail: dict = {}   # page summaries [G, < index_block, D] of the unfinished block, by name
 
     @property
     def n_pages(self) -> int:
@@ -144,28 +145,37 @@ class DevicePageIndex:
             pages = keys[:, :full].reshape(self.G, full // ps, ps, self.D)
             for name in ("smin", "smax", "smean"):
                 if name in self.rows:
-                    self.rows[name].append(_REDUCE[name](pages, axis=2))
-            self._add_blocks()
+                    summaries = _REDUCE[name](pages, axis=2)
+                    self.rows[name].append(summaries)
+                    self._add_blocks(name, summaries)
         self.tail_n = total - full
         self.tail = keys[:, full:] if self.tail_n else None
 
-    def _add_blocks(self) -> None:
+    def _add_blocks(self, name: str, summaries: mx.array) -> None:
+        """The block summaries of the blocks that new page summaries [G, p, D] complete, from
+        those and the unfinished block's pages (`block_tail`), never from the page array itself:
+        a read of it would keep its old version alive, and its next append would copy it whole."""
         Bp = self.config.index_block
         if not Bp:
             return
-        done, NB = len(self.rows[_BLOCKS[next(iter(_WANTED[self.summary]))]]), self.n_blocks
-        if NB <= done:
-            return
-        for name in ("smin", "smax", "smean"):
-            if name in self.rows:
-                pages = self.rows[name].array[:, done * Bp: NB * Bp].reshape(self.G, NB - done, Bp, self.D)
-                self.rows[_BLOCKS[name]].append(_REDUCE[name](pages, axis=2))
+        held = self.block_tail.get(name)
+        seq = summaries if held is None else mx.concatenate([held, summaries], axis=1)
+        full = seq.shape[1] // Bp * Bp
+        if full:
+            self.rows[_BLOCKS[name]].append(_REDUCE[name](seq[:, :full].reshape(self.G, full // Bp, Bp, self.D), axis=2))
+        self.block_tail[name] = seq[:, full:] if seq.shape[1] > full else None
 
     def truncate(self, n_tokens: int, tail: Optional[mx.array]) -> None:
-        """Back to what `n_tokens` evicted tokens make, with the unfinished page's exact `tail`."""
+        """Back to what `n_tokens` evicted tokens make, with the unfinished page's exact `tail`
+        (and the unfinished block's page summaries, read back from the pages)."""
         P = n_tokens // self.page_size
+        Bp = self.config.index_block
         for name, rows in self.rows.items():
-            rows.truncate(P if name.startswith("s") else (P // self.config.index_block))
+            rows.truncate(P if name.startswith("s") else (P // Bp))
+        if Bp:
+            done = P // Bp * Bp
+            self.block_tail = {name: self.rows[name].array[:, done:P] if P > done else None
+                               for name in ("smin", "smax", "smean") if name in self.rows}
         self.tail, self.tail_n = tail, 0 if tail is None else tail.shape[1]
 
     def uses_index(self) -> bool:

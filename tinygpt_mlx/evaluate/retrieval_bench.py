@@ -48,6 +48,7 @@ def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
             k = src_k[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
             v = src_v[j:j + n].reshape(n, B, H, -1).transpose(1, 2, 0, 3)
             lc.extend_cold(k, v)
+            getattr(store, "settle", lambda: None)()   # the device store: evaluate each block's appends
             i += n
 
 
