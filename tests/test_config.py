@@ -284,6 +284,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":0,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256+spans+page+colddisk': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"page","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
+    'sink4/hot1024+colddisk': ('fp32 + retrieval hot 1024 + top 32 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"disk","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot256+coldram': ('fp32 + retrieval hot 256 + top 8 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":256,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'fp16+k4v4': ('int4, fp16 exact',
