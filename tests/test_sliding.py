@@ -295,3 +295,28 @@ def test_cli_cache_prompt_then_sample(gemma_dir, tmp_path):
     assert r.exit_code == 0, r.output
     assert "cached tokens" in r.output
     assert f"2 global" in r.output and f"4 sliding-window (4 at {W})" in r.output
+
+
+def test_server_slot_extends_a_warm_gemma3_conversation(gemma):
+    """A server slot over sliding layers past their window (untrimmable: not a plain full cache)
+    extends a warm conversation with the tokens of a cold prefill of the whole prompt."""
+    from tinygpt_mlx.server.slots import SlotPool
+    from tinygpt_mlx.server.worker import Job, Worker
+    from test_engine import _run_jobs
+
+    first = PROMPT[:40]
+
+    def serve(prompts: list[list[int]]) -> list:
+        w = Worker(gemma, SlotPool(gemma.model, CacheConfig(), max_slots=2), 12)
+        try:
+            return [e[-1][1] for e in _run_jobs(w, [Job(list(p), 8, temperature=0) for p in prompts])]
+        finally:
+            w.stop()
+
+    (r1,) = serve([first])
+    second = first + r1.tokens + PROMPT[40:50]
+    warm = serve([first, second])[1]
+    (cold,) = serve([second])
+    assert cold.slot_action == "new" and cold.tokens
+    assert (warm.slot_action, warm.reused_tokens) == ("extend", len(first) + len(r1.tokens) - 1)
+    assert warm.tokens == cold.tokens

@@ -40,17 +40,19 @@ class CacheBytes:
 
 def fill_and_measure(model: Any, config: CacheConfig, lengths: Iterable[int], vocab_size: int,
                      chunk: int = 512, seed: int = 0, label: Optional[str] = None,
-                     progress: Optional[Callable[[str, int], None]] = None) -> list[CacheBytes]:
+                     progress: Optional[Callable[[str, int], None]] = None, windowed: bool = True
+                     ) -> list[CacheBytes]:
     """Prefill random tokens into a fresh cache and record its bytes at each length.
 
     The last token before each measurement goes in alone, as a decode step does, so the cache
     is in its decode-time state (KIVI: residual back to between R and R + G - 1 tokens).
+    `windowed` False: sliding-window layers under the policy too (`make_cache`'s reference).
     """
     lengths = sorted(set(int(n) for n in lengths))
     if not lengths or lengths[0] < 1:
         raise ValueError(f"lengths must be positive, got {lengths}")
     tokens = mx.random.randint(0, vocab_size, (1, lengths[-1]), key=mx.random.key(seed))
-    cache = make_cache(model, config)
+    cache = make_cache(model, config, windowed=windowed)
     out, done = [], 0
     for n in lengths:
         while done < n - 1:
