@@ -320,3 +320,25 @@ def test_server_slot_extends_a_warm_gemma3_conversation(gemma):
     assert cold.slot_action == "new" and cold.tokens
     assert (warm.slot_action, warm.reused_tokens) == ("extend", len(first) + len(r1.tokens) - 1)
     assert warm.tokens == cold.tokens
+
+
+def test_compiled_decode_over_sliding_rings_equals_eager(gemma, monkeypatch):
+    """A StreamingLLM window of W without a sink makes every layer a full ring of W with one
+    pointer: the decode step runs compiled (the model's sliding mask of W masks nothing for one
+    query over such a ring), with the eager step's logits."""
+    from tinygpt_mlx import generate as engine
+    from tinygpt_mlx.cache import compiled
+
+    m, cfg = gemma.model, CacheConfig(window=W)
+    want, want_tokens = run(m, make_cache(m, cfg))      # the model called directly: eager
+    keys, real = [], compiled._step_fn
+    monkeypatch.setattr(compiled, "_step_fn", lambda model, steps, key: keys.append(key) or real(model, steps, key))
+    cache = make_cache(m, cfg)
+    logits, tokens = [], []
+    for i in range(0, len(PROMPT), CHUNK):
+        logits.append(engine.forward(m, mx.array([PROMPT[i:i + CHUNK]]), cache)[0, -1].astype(mx.float32))
+    for _ in range(DECODE):
+        tokens.append(int(mx.argmax(logits[-1]).item()))
+        logits.append(engine.forward(m, mx.array([[tokens[-1]]]), cache)[0, -1].astype(mx.float32))
+    assert len(keys) >= DECODE - 1 and all(k[3] == W for k in keys)    # compiled steps ran
+    assert tokens == want_tokens and mx.abs(mx.stack(logits) - want).max().item() < 1e-4
