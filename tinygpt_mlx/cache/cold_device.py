@@ -32,7 +32,7 @@ from ..config import CacheConfig
 from ..quant import GROUP_SIZES
 from .arrays import GrowingArray
 from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, union
-from .device_select import Static, select
+from .device_select import Static, fine_pick, select
 from .segments import PickedSegment, PoolSegment, Reading, RetrievedSegment
 from .telemetry import Selection, StageTimes, pages_holding
 
@@ -210,7 +210,8 @@ class DeviceColdStore:
                 scored = valid.sum(axis=1).max()
                 keys = self._gather(self.keys, idx)                                      # [G, U, D]
                 if L == 1:    # decode: the fine pass first, then only the picked rows move on
-                    idx, keys, valid = self._pick(rows[:, :, 0], idx, keys, valid, units, unit, pos)
+                    idx, keys, valid = fine_pick(rows[:, :, 0], idx, keys, valid, units, unit, self.config.span_score,
+                                                 ps, pos.rope if pos.shifted and not pos.fixed else None)
                 v = self._gather(self.values, idx)
             if L == 1:
                 units, unit = idx.shape[1], 1
@@ -261,37 +262,6 @@ class DeviceColdStore:
         counts = mx.array([self.n, P, NB], dtype=mx.int32)
         return select(static, self.codec, pos.rope if page_rule else None, q, counts, summaries,
                       parts(self.keys), parts(self.values), recent)
-
-    def _pick(self, q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
-              pos: Any) -> tuple[mx.array, mx.array, mx.array]:
-        """A decode step's fine pass (`PoolSegment`'s rule, as the host store's `_pick`): query rows
-        [G, rep, D] (turned to the retrieved slot) against the pool's keys [G, U, D], scored where
-        they will sit; the `units` best tokens, or pages of `unit` tokens (by their best token, or
-        their tokens' mean with `span_score` "mean"). Returns the picked cold indices, their
-        keys (as stored) and whether each was a real token."""
-        G, rep = q.shape[:2]
-        ranked = keys
-        if pos.shifted and not pos.fixed:   # `page`: token j of a page sits j slots on
-            at = (idx % self.page_size).reshape(-1).astype(mx.int32)
-            ranked = pos.rope(keys.reshape(-1, 1, keys.shape[-1]), offset=at).reshape(keys.shape)
-        scores = q @ ranked.swapaxes(-1, -2)                                             # [G, rep, U]
-        if unit > 1 and self.config.span_score == "mean":
-            w = valid.reshape(G, 1, -1, unit).astype(mx.float32)
-            exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=1)
-            exact = mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
-        else:
-            exact = mx.where(valid, scores.max(axis=1), -mx.inf)
-            if unit > 1:
-                exact = exact.reshape(G, -1, unit).max(axis=-1)
-        k = min(units, exact.shape[1])
-        pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
-                else mx.broadcast_to(mx.arange(k), (G, k))).astype(mx.int32)
-        ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
-        if unit > 1:
-            pick = (pick[..., None] * unit + mx.arange(unit)).reshape(G, -1)
-            ok = mx.repeat(ok, unit, axis=1)
-        keys = mx.take_along_axis(keys, pick[..., None], axis=1)
-        return (mx.take_along_axis(idx, pick, axis=-1), keys, ok & mx.take_along_axis(valid, pick, axis=-1))
 
     def _place(self, k: mx.array, idx: mx.array, slot: int, pos: Any) -> mx.array:
         """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from .device_pages import NONE, union
 
-__all__ = ["Static", "select"]
+__all__ = ["Static", "select", "fine_pick"]
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     idx = mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), ps, axis=1))
     scored = valid.sum(axis=1).max()
     k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
-    idx, k, valid = _pick(st, rope, q, idx, k, valid)
+    idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, ps, rope if st.page_rule else None)
     stride = st.unit                                                      # a picked page's first token
     recent = mx.where(valid[:, ::stride], idx[:, ::stride] // ps, -1)     # the next pass's sticky pages
     return idx, k, _gather(codec, st.packed, values, idx), valid, last, scored, recent
@@ -162,17 +162,21 @@ def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) ->
     return codec.dequantise_v(*got, *packed)
 
 
-def _pick(st: Static, rope: Optional[Callable], q: mx.array, idx: mx.array, keys: mx.array,
-          valid: mx.array) -> tuple:
-    """The fine pass (`DeviceColdStore._pick`'s rule): the `units` best tokens or pages."""
+def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
+              span_score: str, page_size: int, rope: Optional[Callable] = None) -> tuple:
+    """A decode step's fine pass (`PoolSegment`'s rule, as the host store's `_pick`): query rows
+    [G, rep, D] (turned to the retrieved slot) against a pool's keys [G, U, D] (cold indices
+    `idx`, real tokens `valid` [G, U]), scored where they will sit (`rope`: the `page` rule, token j
+    of a page j slots on); the `units` best tokens, or pages of `unit` tokens by their best token
+    (or their tokens' mean with `span_score` "mean"). Returns the picked cold indices, their keys
+    (as stored) and whether each is a real token."""
     G, rep = q.shape[:2]
     ranked = keys
-    if st.page_rule:
-        at = (idx % st.page_size).reshape(-1).astype(mx.int32)
+    if rope is not None:
+        at = (idx % page_size).reshape(-1).astype(mx.int32)
         ranked = rope(keys.reshape(-1, 1, keys.shape[-1]), offset=at).reshape(keys.shape)
     scores = q @ ranked.swapaxes(-1, -2)                                             # [G, rep, U]
-    unit = st.unit
-    if unit > 1 and st.span_score == "mean":
+    if unit > 1 and span_score == "mean":
         w = valid.reshape(G, 1, -1, unit).astype(mx.float32)
         exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=1)
         exact = mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
@@ -180,7 +184,7 @@ def _pick(st: Static, rope: Optional[Callable], q: mx.array, idx: mx.array, keys
         exact = mx.where(valid, scores.max(axis=1), -mx.inf)
         if unit > 1:
             exact = exact.reshape(G, -1, unit).max(axis=-1)
-    k = min(st.units, exact.shape[1])
+    k = min(units, exact.shape[1])
     pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
             else mx.broadcast_to(mx.arange(k), (G, k))).astype(mx.int32)
     ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
