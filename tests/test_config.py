@@ -226,6 +226,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":1020,"rope_mode":"shifted"}}'),
     'window1024': ('fp32 + StreamingLLM sink 0 + window 1024 (shifted RoPE)',
         '{"storage":"fp32","streaming_llm":{"sink":0,"window":1024,"rope_mode":"shifted"}}'),
+    'sink4/window1024': ('fp32 + StreamingLLM sink 4 + window 1024 (shifted RoPE)',
+        '{"storage":"fp32","streaming_llm":{"sink":4,"window":1024,"rope_mode":"shifted"}}'),
     'sink4/window252': ('fp32 + StreamingLLM sink 4 + window 252 (shifted RoPE)',
         '{"storage":"fp32","streaming_llm":{"sink":4,"window":252,"rope_mode":"shifted"}}'),
     'sink4/window252:absolute': ('fp32 + StreamingLLM sink 4 + window 252 (absolute RoPE)',
