@@ -31,7 +31,7 @@ import numpy as np
 from ..config import CacheConfig
 from ..quant import GROUP_SIZES
 from .arrays import GrowingArray
-from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, union
+from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, pool_tokens, union
 from .device_select import Static, fine_pick, select
 from .segments import PickedSegment, PoolSegment, Reading, RetrievedSegment
 from .telemetry import Selection, StageTimes, pages_holding
@@ -167,16 +167,6 @@ class DeviceColdStore:
         plain = len(parts) == 1 and (lists.shape[1] == 1 or self.n_pages <= self.top_pages)
         return (parts[0] if plain else union(parts)), last
 
-    def pool_tokens(self, pool: mx.array) -> tuple[mx.array, mx.array]:
-        """The cold-token rows [G, K * page_size] a pool of pages [G, K] (-1: none) gathers and
-        which are real tokens; padding gathers its page's first token (a real one wherever any of
-        the page is), so a span's max needs no token-level mask (PoolSegment)."""
-        ps = self.page_size
-        first = mx.maximum(pool, 0) * ps
-        idx = (first[..., None] + mx.arange(ps)).reshape(pool.shape[0], -1)
-        valid = mx.repeat(pool >= 0, ps, axis=1) & (idx < self.n)
-        return mx.where(valid, idx, mx.repeat(first, ps, axis=1)), valid
-
     def retrieve(self, reading: Reading) -> tuple[list, Selection]:
         """Attention segments of the cold tokens retrieved for `reading.queries` [B, Hq, L, D]
         and their `Selection`: one pool per forward pass, gathered once; every query picks its
@@ -206,7 +196,7 @@ class DeviceColdStore:
             self.stages.sync(last)
         with self.stages.timed("gather"):
             if pool is not None:
-                idx, valid = self.pool_tokens(pool)
+                idx, valid = pool_tokens(pool, self.n, ps)
                 scored = valid.sum(axis=1).max()
                 keys = self._gather(self.keys, idx)                                      # [G, U, D]
                 if L == 1:    # decode: the fine pass first, then only the picked rows move on

@@ -14,7 +14,7 @@ by doubling and written by slice updates (`DeviceRows`).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 
@@ -261,3 +261,15 @@ def union(parts: list) -> mx.array:
     repeat = mx.concatenate([mx.zeros(s.shape[:-1] + (1,), dtype=mx.bool_), s[..., 1:] == s[..., :-1]], axis=-1)
     s = mx.sort(mx.where(repeat, NONE, s), axis=-1)
     return mx.where(s == NONE, -1, s)
+
+
+def pool_tokens(pool: mx.array, n: Any, page_size: int) -> tuple[mx.array, mx.array]:
+    """The cold-token rows [G, K * page_size] a pool of pages [G, K] (-1: none) gathers from a
+    store of `n` tokens (an int, or an MLX scalar inside a compiled selection), and which are real
+    tokens. Padding reads its page's first token (a real one wherever any of the page is, so a
+    span's max needs no token-level mask: PoolSegment); a page holding none (the unfinished page
+    offered while empty: its first row is n, maybe past the arrays) reads row n - 1."""
+    first = mx.maximum(pool, 0) * page_size
+    idx = (first[..., None] + mx.arange(page_size)).reshape(pool.shape[0], -1)
+    valid = mx.repeat(pool >= 0, page_size, axis=1) & (idx < n)
+    return mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), page_size, axis=1)), valid

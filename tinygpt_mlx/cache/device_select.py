@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from .device_pages import NONE, union
+from .device_pages import NONE, pool_tokens, union
 
 __all__ = ["Static", "select", "fine_pick"]
 
@@ -90,12 +90,7 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
         parts.append(recent)
     pool = union(parts)
     ps = st.page_size
-    first = mx.maximum(pool, 0) * ps
-    idx = (first[..., None] + mx.arange(ps)).reshape(G, -1)
-    valid = mx.repeat(pool >= 0, ps, axis=1) & (idx < n)
-    # padding reads its page's first token: a real one wherever any of the page is; the always
-    # offered unfinished page may hold none (its first row is n, maybe past the capacity): row n - 1
-    idx = mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), ps, axis=1))
+    idx, valid = pool_tokens(pool, n, ps)
     scored = valid.sum(axis=1).max()
     k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
     idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, ps, rope if st.page_rule else None)
