@@ -133,3 +133,16 @@ def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == (tmp_path / "b.json").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "a.json").read_text() == "{}" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_serve_reads_ollama_host_and_a_bad_one_is_one_line(native_path, monkeypatch):
+    """`serve` listens where OLLAMA_HOST says, as `ollama serve` does (where it does listen is
+    checked by test_readme's serve run); a value it cannot read is one line naming it, before
+    anything is loaded. --host/--port win over it."""
+    monkeypatch.setenv("OLLAMA_HOST", "127.0.0.1:port")
+    r = run("serve", native_path)
+    assert r.exit_code == 2 and r.stderr.strip() == "error: OLLAMA_HOST='127.0.0.1:port': port 'port' is not a " \
+        "number in 1-65535", r.output
+    r = run("serve", native_path, "--host", "127.0.0.1", "--port", "0")   # both flags: OLLAMA_HOST is not read
+
+    assert r.exit_code != 0 and "'--port'" in r.output

@@ -14,7 +14,7 @@ import pytest
 
 from tinygpt_mlx.config import DEFAULT_ROPE_MODE, GROUP_SIZES, CacheConfig, ConfigError
 from tinygpt_mlx.evaluate import bench, modes, needle
-from tinygpt_mlx.server.config import ServerConfig
+from tinygpt_mlx.server.config import ServerConfig, listen_address
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -394,3 +394,20 @@ def test_server_config_errors_carry_the_field(fields, field):
     with pytest.raises(ConfigError) as e:
         ServerConfig(**fields)
     assert e.value.field == field and str(e.value).startswith(f"{field} must")
+
+
+@pytest.mark.parametrize("value, address", [
+    ("127.0.0.1:11500", ("127.0.0.1", 11500)), (":8080", ("0.0.0.0", 8080)), ("0.0.0.0", ("0.0.0.0", 11434)),
+    ("", ("127.0.0.1", 11434)), (" localhost:9 ", ("localhost", 9)), ("http://example.org", ("example.org", 80)),
+    ("https://example.org/api", ("example.org", 443)), ("http://h:7/", ("h", 7)), ("[::1]:9000", ("::1", 9000)),
+    ("[::1]", ("::1", 11434)), ("::1", ("::1", 11434)),
+], ids=repr)
+def test_ollama_host_is_read_as_ollama_reads_it(value, address):
+    assert listen_address(value) == address
+
+
+@pytest.mark.parametrize("value, says", [("h:abc", "port 'abc'"), ("h:0", "port '0'"), ("h:70000", "port '70000'"),
+                                         ("ftp://h", "scheme 'ftp'")], ids=repr)
+def test_a_bad_ollama_host_names_the_value(value, says):
+    with pytest.raises(ValueError, match=f"OLLAMA_HOST={re.escape(repr(value))}: .*{re.escape(says)}"):
+        listen_address(value)

@@ -3,11 +3,16 @@ interpreter; every `posttrainllm` command parses against the CLI; the real-model
 with SmolLM2 (where it can be had); questions are asked at temperature 0. README's first
 command is checked in test_readme_first_command.py, its two set-up lines by CI (.ci/run)."""
 
+import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -148,15 +153,21 @@ def _run_the_model_block() -> list[str]:
 
 
 @pytest.mark.slow
-def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf):
+def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf, tokenizer_json):
     """README's "Run the model you already have" lines, each run by bash as written, with SmolLM2
     where each looks for it: an ollama store under $OLLAMA_MODELS, the GGUF at ~/models (HOME is a
     temporary folder), and a Hugging Face cache (offline) holding it under the repo id README
     names (the real repo holds safetensors; a directory of those is tested in test_resolve.py).
-    Questions are answered right; `serve` (a server, it does not return) is only parsed above."""
+    Questions are answered right. `serve` runs as written too, on a free port named by OLLAMA_HOST
+    (as `ollama serve` reads it), until both its models answer a request; `llama3.2:1b` (1.2 GB)
+    is stood in for by a tiny random Llama GGUF under that name in the same store."""
+    from tests.conftest import build_llama_dir
+    from tests.gguf_writer import write_gguf
     from tests.test_resolve import make_hf_cache, make_ollama_store
 
     make_ollama_store(tmp_path / "ollama", smollm2_gguf, "smollm2", "135m", link=True)
+    stand_in = write_gguf(build_llama_dir(tmp_path / "llama-src", tokenizer_json), tmp_path / "tiny.gguf", "llama")
+    make_ollama_store(tmp_path / "ollama", stand_in, "llama3.2", "1b")
     (tmp_path / "home" / "models").mkdir(parents=True)
     (tmp_path / "home" / "models" / smollm2_gguf.name).symlink_to(smollm2_gguf)
     make_hf_cache(tmp_path / "hub", "mlx-community/SmolLM2-135M-Instruct", {smollm2_gguf.name: smollm2_gguf})
@@ -169,6 +180,8 @@ def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf):
     for line in _run_the_model_block():
         args = shlex.split(line, comments=True)
         if args[1] == "serve":
+            _serve_as_written(line, env, [args[2], args[3]])
+            ran += 1
             continue
         r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "Traceback" not in r.stderr, f"{line}\n{r.stderr[-2000:]}"
@@ -178,4 +191,54 @@ def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf):
         else:
             assert "llama" in r.stdout, r.stdout
         ran += 1
-    assert ran == 4
+    assert ran == 5
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_as_written(line: str, env: dict, models: list[str]) -> None:
+    """Run README's `serve` line by bash as written, on the port OLLAMA_HOST names; wait until
+    /api/tags lists both models; ask the first README's question greedily (it answers Paris),
+    ask the second for three tokens (it is loaded on demand, in place of the first: /api/ps
+    then lists it alone); stop the server with Ctrl-C as a user would."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    p = subprocess.Popen(["bash", "-c", f"exec {line}"], cwd=ROOT, env=dict(env, OLLAMA_HOST=f"127.0.0.1:{port}"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def call(path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        with urllib.request.urlopen(urllib.request.Request(base + path, data=data), timeout=300) as r:
+            return json.loads(r.read())
+
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert p.poll() is None, f"{line} exited {p.returncode}: {p.communicate()[1][-2000:]}"
+            try:
+                tags = call("/api/tags")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"{line}: no answer on {base} in 300 s"
+                time.sleep(0.5)
+        listed = {m["name"] for m in tags["models"]}
+        assert set(models) <= listed, listed
+        first = call("/api/generate", {"model": models[0], "prompt": "What is the capital of France?",
+                                       "stream": False, "options": {"temperature": 0, "num_predict": 24}})
+        assert "Paris" in first["response"], first
+        second = call("/api/generate", {"model": models[1], "prompt": "hello", "stream": False,
+                                        "options": {"temperature": 0, "num_predict": 3}})
+        assert second["done"] and second["eval_count"] == 3, second
+        assert [m["name"] for m in call("/api/ps")["models"]] == [models[1]]
+    finally:
+        p.send_signal(signal.SIGINT)
+        try:
+            _, stderr = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, stderr = p.communicate()
+    assert f"127.0.0.1:{port}" in stderr and "Traceback" not in stderr, stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,7 +12,7 @@ from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.lazy import lazy
-from tinygpt_mlx.server.config import ServerConfig
+from tinygpt_mlx.server.config import ServerConfig, listen_address
 
 from . import common as c
 from .common import err
@@ -33,10 +34,12 @@ def serve(
         "on demand, like ollama. Default: the shipped model.", show_default=False)] = None,
     weights: c.Weights = "auto",
     host: Annotated[Optional[str], typer.Option(
-        help=f"Address to listen on. Default {field_default(_V, 'host')} (keep loopback unless you mean to share).",
+        help=f"Address to listen on. Default: OLLAMA_HOST's host as `ollama serve` reads it (e.g. 127.0.0.1:11500, "
+        f":11434 = every interface), else {field_default(_V, 'host')} (keep loopback unless you mean to share).",
         show_default=False)] = None,
     port: Annotated[Optional[int], typer.Option(
-        help=f"TCP port. Default {field_default(_V, 'port')} (ollama's, which clients expect).",
+        help=f"TCP port. Default: OLLAMA_HOST's port, else {field_default(_V, 'port')} (ollama's, which clients "
+        "expect; the ollama clients read OLLAMA_HOST too).",
         show_default=False)] = None,
     max_slots: Annotated[Optional[int], typer.Option(
         "--max-slots", help=f"Warm KV-cache slots kept between requests. Default {field_default(_V, 'max_slots')}.",
@@ -80,6 +83,14 @@ def serve(
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
     c.check_writable_dir(slot_dir, "--slot-dir")
+    if os.environ.get("OLLAMA_HOST", "").strip() and (host is None or port is None):
+        try:                           # where `ollama serve` would listen; --host and --port win
+            env_host, env_port = listen_address(os.environ["OLLAMA_HOST"])
+        except ValueError as e:
+            c.fail(str(e))
+            raise typer.Exit(2) from None
+        host = env_host if host is None else host
+        port = env_port if port is None else port
     try:
         cfg = ServerConfig(**{k: v for k, v in dict(
             host=host, port=port, max_slots=max_slots, small_request=small_request,

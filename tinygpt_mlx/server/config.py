@@ -46,3 +46,32 @@ class ServerConfig:
     @property
     def loopback(self) -> bool:
         return self.host in ("127.0.0.1", "localhost", "::1")
+
+
+def listen_address(value: str) -> tuple[str, int]:
+    """Where `ollama serve` listens for an `OLLAMA_HOST` value, read the way ollama reads it:
+    `host`, `host:port`, `:port` (every interface, as ollama binds it), `[::1]:port`, with or
+    without `http://` (whose default port is 80; `https://` 443; none 11434) and a trailing
+    path. A port that is not a number in 1-65535 is an error naming the value (ollama falls
+    back to its default port with a warning; a server answering on another port than the one
+    asked for is the harder surprise)."""
+    text = value.strip()
+    scheme, sep, rest = text.partition("://")
+    default = {"http": 80, "https": 443}.get(scheme, None) if sep else 11434
+    if default is None:
+        raise ValueError(f"OLLAMA_HOST={value!r}: unknown scheme {scheme!r} (use host:port, http:// or https://)")
+    hostport = (rest if sep else text).split("/", 1)[0]
+    if hostport.startswith("["):                      # [v6] or [v6]:port
+        inside, _, tail = hostport[1:].partition("]")
+        host, port = inside, (tail[1:] if tail.startswith(":") else "")
+    elif hostport.count(":") == 1:
+        host, port = hostport.split(":")
+        host = host or "0.0.0.0"
+    else:                                             # a bare name, a bare v6 address or nothing
+        host, port = hostport or "127.0.0.1", ""
+    if not port:
+        return host, default
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"OLLAMA_HOST={value!r}: port {port!r} is not a number in 1-65535")
+    return host, int(port)
+
