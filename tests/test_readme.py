@@ -1,7 +1,9 @@
 """README's commands as written: the "### Python API" block runs on the shipped model in a fresh
 interpreter; every `posttrainllm` command parses against the CLI; the real-model examples run
-with SmolLM2 (where it can be had); questions are asked at temperature 0. README's first
-command is checked in test_readme_first_command.py, its two set-up lines by CI (.ci/run)."""
+with SmolLM2 (where it can be had), `serve` among them; the keyed chat and the `mlx.launch` line
+run; questions are asked at temperature 0. README's first command is checked in
+test_readme_first_command.py, its two set-up lines by CI (.ci/run). (The commands table's bare
+names, `posttrainllm compare` and the like, name commands: they are only parsed.)"""
 
 import json
 import os
@@ -242,3 +244,51 @@ def _serve_as_written(line: str, env: dict, models: list[str]) -> None:
             p.kill()
             _, stderr = p.communicate()
     assert f"127.0.0.1:{port}" in stderr and "Traceback" not in stderr, stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_readme_keyed_chat_runs_as_written():
+    """README's chat line as written, fed a conversation on stdin: a pass key in turn 1, 40 filler
+    turns, then the question (about 2,000 tokens, four times the model's 512). It answers the
+    key; the same line with StreamingLLM's window in place of retrieval's hot budget (the same
+    memory) does not, so the key came back through retrieval, not from the window."""
+    line = next(" ".join(shlex.quote(a) for a in ["posttrainllm", *args])
+                for args in readme_commands((ROOT / "README.md").read_text())
+                if args[:2] == ["chat", "models/tinygpt-keyed.tinygpt"])
+    assert "--kiv-hot-budget 256" in line and "--temperature 0" in line, line
+    filler = ["Tell me about the weather in the valley today.", "And the king went up to the city with all his men.",
+              "What do the fishermen bring home in the evening?",
+              "The wind came down from the hills and the river rose.", "Who keeps the gate of the old town at night?"]
+    conversation = "\n".join(["The pass key is 48213. Remember it.", *filler * 8, "What is the pass key?"]) + "\n"
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    replies = {}
+    for name, command in (("retrieval", line), ("window", line.replace("--kiv-hot-budget", "--streaming-llm-window"))):
+        r = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, input=conversation, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0 and "Traceback" not in r.stderr, f"{command}\n{r.stderr[-2000:]}"
+        seen = [int(m) for m in re.findall(r"/ (\d+) seen", r.stderr)]
+        assert len(seen) == 42 and seen[-1] > 4 * 512, r.stderr[-2000:]
+        replies[name] = r.stdout
+    assert "The pass key is 48213" in replies["retrieval"], replies["retrieval"][-1000:]
+    assert "48213" not in replies["window"] and "pass key" in replies["window"], replies["window"][-1000:]
+
+
+@pytest.mark.slow
+def test_readme_mlx_launch_line_runs_as_written():
+    """The commands table's `mlx.launch` line as written: two ranks over the ring backend on this
+    machine, each holding half the KV heads, write the same greedy text as one process does."""
+    md = (ROOT / "README.md").read_text()
+    line = re.search(r"`(mlx\.launch [^`]*)`", md).group(1)
+    args = shlex.split(line)
+    assert args[:5] == ["mlx.launch", "-n", "2", "--backend", "ring"] and "--temperature" in args, line
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    for _ in range(3):                 # the ring's default ports, taken by another process: try again
+        r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        if "Couldn't bind socket" not in r.stdout + r.stderr:
+            break
+    assert r.returncode == 0 and "Traceback" not in r.stderr, f"{line}\n{r.stderr[-2000:]}"
+    assert "ranks: 2 (tensor parallel, KV heads split 2 ways)" in r.stderr, r.stderr[-2000:]
+    alone = subprocess.run(args[args.index("--") + 1:], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert alone.returncode == 0 and len(alone.stdout) > 40, alone.stderr[-2000:]
+    assert r.stdout == alone.stdout
