@@ -1,6 +1,7 @@
 """The ASGI app: ollama and OpenAI routes over one generation worker and a warm slot pool.
 
-`create_app(loaded, cache_config, max_slots, prefill_chunk)` returns a FastAPI app. Every
+`create_app(loaded, cache_config, max_slots, prefill_chunk)` returns a FastAPI app; the worker
+answers up to `parallel` requests at once (worker.py: continuous batching). Every
 request is validated (JSON, model name, options) before anything is queued or streamed, so
 errors are plain JSON with a 4xx status; generation errors after streaming began arrive as a
 final `{"error": ...}` line (ollama) or SSE event (OpenAI). A client that disconnects cancels
@@ -37,7 +38,8 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
                prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
                others: Sequence[Any] = (), weights: str = "auto", default_max_tokens: Optional[int] = None,
                default_num_ctx: Optional[int] = None, names: Sequence[str] = (),
-               stop_loops: Optional[int] = None, slot_checkpoints: Optional[int] = None) -> FastAPI:
+               stop_loops: Optional[int] = None, slot_checkpoints: Optional[int] = None,
+               parallel: Optional[int] = None) -> FastAPI:
     """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
     `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
     a prompt that starts with its document is answered without prefilling the document); a file
@@ -46,18 +48,19 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     this run's are saved there at shutdown (`Server.save_slots`).
     `others`: more models to offer (`resolve.Resolved`), listed from their files and loaded on
     demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held.
-    `default_max_tokens`, `default_num_ctx`, `stop_loops`, `slot_checkpoints`: see `ServerConfig`.
+    `default_max_tokens`, `default_num_ctx`, `stop_loops`, `slot_checkpoints`, `parallel` (requests
+    answered at once): see `ServerConfig`.
     `names`: what to call the models, in order (the rest keep their own names)."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens, default_max_tokens=default_max_tokens,
                                                  default_num_ctx=default_num_ctx,
                                                  stop_loops=stop_loops, slot_checkpoints=slot_checkpoints,
-                                                 ).items() if v is not None})
+                                                 parallel=parallel).items() if v is not None})
     renamed = rename(loaded, others, names)
     if renamed:
         loaded, others = renamed
     limits = dict(default_max_tokens=cfg.default_max_tokens, default_num_ctx=cfg.default_num_ctx,
-                  stop_loops=cfg.stop_loops, slot_checkpoints=cfg.slot_checkpoints)
+                  stop_loops=cfg.stop_loops, slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel)
     srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches,
                  slot_dir, **limits)
     first = srv.names

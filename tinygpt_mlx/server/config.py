@@ -33,10 +33,15 @@ class ServerConfig:
     # restores one instead of prefilling the conversation again. Each costs at most the window (or
     # hot budget) plus KIVI's residual and the cold store's open page; 0 = off.
     slot_checkpoints: int = 4
+    # Requests answered at once (ollama's OLLAMA_NUM_PARALLEL): each has a cache of its own (its
+    # warm slot's, or a scratch one beyond --max-slots), so memory grows with parallel x the
+    # requests' contexts (a full cache: every token's K/V; StreamingLLM: its window); a request
+    # past the limit, or past what memory holds, waits in the queue.
+    parallel: int = 4
 
     def __post_init__(self) -> None:
         for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1),
-                          ("default_max_tokens", 0), ("stop_loops", 0), ("slot_checkpoints", 0)):
+                          ("default_max_tokens", 0), ("stop_loops", 0), ("slot_checkpoints", 0), ("parallel", 1)):
             _positive(name, getattr(self, name), low)
         if self.default_num_ctx is not None:
             _positive("default_num_ctx", self.default_num_ctx, 2)

@@ -42,6 +42,11 @@ from.
 
 Otherwise at least one prompt token is prefilled (the logits for the first new token come from
 it), so a prompt equal to a slot's tokens rolls back one token (or rebuilds).
+**Busy slots.** The server runs several requests at once (worker.py); each holds its slot
+(`acquire(hold=True)`) until `release`, and no other request picks a busy slot for any rule
+above: with every slot busy a request runs in a scratch cache. A request that continues a busy
+slot's running prompt waits for it instead (`waits_for`).
+
 All methods run on the single generation worker; `describe` may be read from other threads.
 """
 
@@ -72,6 +77,13 @@ class Slot:
     # (KVCache.checkpoint(), logits after its last token), oldest first, at most the pool's
     # `checkpoints`; each at a length where `tokens` has not changed since it was taken
     checkpoints: list = field(default_factory=list)
+    #: the prompt of the request running on this slot now (`acquire(hold=True)`), None when idle:
+    #: a busy slot is no one else's to extend, roll back or evict until `release`
+    running: Optional[list[int]] = None
+
+    @property
+    def busy(self) -> bool:
+        return self.running is not None
 
     @property
     def checkpoint_bytes(self) -> int:
@@ -126,6 +138,7 @@ class SlotPool:
         self.slots = [Slot(i) for i in range(max_slots)]
         self.loader = loader             # path -> (cache, tokens): reloads a pre-warmed slot
         self.checkpoints = checkpoints   # kept per slot (module doc); 0: none
+        self.scratch: list[Slot] = []    # scratch slots of running requests (their bytes count in `memory`)
         self._lock = threading.Lock()
 
     def prewarm(self, path: str, cache: Any, tokens: list[int]) -> Slot:
@@ -158,7 +171,7 @@ class SlotPool:
 
     def _free_slot(self) -> Optional[Slot]:
         """The first slot holding nothing and reserved for no prompt-cache file."""
-        return next((s for s in self.slots if s.free and s.source is None), None)
+        return next((s for s in self.slots if s.free and s.source is None and not s.busy), None)
 
     def _fresh(self, slot: Slot) -> None:
         """Give `slot` a new cache (an evicted slot's cache is closed: disk stores removed)."""
@@ -175,17 +188,41 @@ class SlotPool:
         slot.last_used = time.monotonic()
         slot.uses += 1
 
-    def acquire(self, prompt: list[int]) -> Lease:
+    def acquire(self, prompt: list[int], hold: bool = False) -> Lease:
+        """The slot for `prompt` (module doc). With `hold` (the server's scheduler, which runs
+        several requests at once) the slot is the request's until `release`: no other request
+        extends, rolls back, restores or evicts it meanwhile."""
         with self._lock:
             lease = self._choose(prompt)
             self._touch(lease.slot)
+            if hold:
+                lease.slot.running = list(prompt)
+                if lease.slot.index < 0:
+                    self.scratch.append(lease.slot)
             return lease
+
+    def waits_for(self, prompt: list[int], text: Optional[str] = None, tokenizer: Any = None) -> Optional[int]:
+        """The busy slot whose running prompt `prompt` begins with (the conversation's next turn,
+        or the same request again), or whose text `text` begins with (see `splice`; with the
+        `tokenizer`), or None: such a request is better served by that slot's cache once it is
+        released (extended, or restored from its checkpoint) than by a cold prefill elsewhere now."""
+        with self._lock:
+            for s in self.slots:
+                if not s.busy or len(s.running) < MIN_REUSE:
+                    continue
+                if prompt[:len(s.running)] == s.running:
+                    return s.index
+                if text is not None and tokenizer is not None:
+                    done = tokenizer.decode(s.running)
+                    if "\ufffd" not in done and text.startswith(done):
+                        return s.index
+            return None
 
     def _choose(self, prompt: list[int]) -> Lease:
         limit = len(prompt) - 1           # keep at least one token to prefill
         best, best_n = None, 0
         for s in self.slots:
-            if s.free:
+            if s.free or s.busy:
                 continue
             n = common_prefix(s.tokens, prompt)
             if n > best_n:
@@ -195,7 +232,7 @@ class SlotPool:
             return Lease(best, keep, "extend")
         # a prompt that starts with a pre-warmed document whose slot has moved on: roll a slot back
         # if that reuses more than the file holds, else reload the document's slot from its file
-        src = max((s for s in self.slots if s.source is not None and self.loader is not None
+        src = max((s for s in self.slots if s.source is not None and self.loader is not None and not s.busy
                    and len(s.source.tokens) <= limit and tuple(prompt[:len(s.source.tokens)]) == s.source.tokens),
                   key=lambda s: len(s.source.tokens), default=None)
         if best is not None and keep >= MIN_REUSE and (src is None or keep > len(src.source.tokens)):
@@ -218,7 +255,7 @@ class SlotPool:
             if lease is not None:
                 return lease
         open_ = [s for s in self.slots if s.source is None]       # pre-warmed slots are reserved
-        victims = sorted(open_, key=lambda s: s.last_used)
+        victims = sorted((s for s in open_ if not s.busy), key=lambda s: s.last_used)
         if len(open_) > 1:
             longest = max(open_, key=lambda s: len(s.tokens))
             victims = [s for s in victims if s is not longest]
@@ -280,8 +317,8 @@ class SlotPool:
         """
         with self._lock:
             best: Optional[tuple[int, list[int]]] = None
-            held = [s.tokens for s in self.slots if not s.free and s.tokens]
-            held += [list(s.source.tokens) for s in self.slots if s.source is not None]
+            held = [s.tokens for s in self.slots if not s.free and s.tokens and not s.busy]
+            held += [list(s.source.tokens) for s in self.slots if s.source is not None and not s.busy]
             for tokens in held:
                 done = tokenizer.decode(tokens)
                 if "\ufffd" in done or not text.startswith(done):
@@ -298,10 +335,13 @@ class SlotPool:
             self._drop(slot)
 
     def release(self, slot: Slot) -> None:
-        """The job on `slot` is over: a scratch slot's cache is closed, a pool slot stays warm."""
-        if slot.index < 0:
-            with self._lock:
+        """The job on `slot` is over: a scratch slot's cache is closed, a pool slot stays warm
+        (and is free for other requests again)."""
+        with self._lock:
+            slot.running = None
+            if slot.index < 0:
                 self._drop(slot)
+                self.scratch = [s for s in self.scratch if s is not slot]
 
     def close(self) -> None:
         """Close every slot's cache (server shutdown: disk stores removed)."""
@@ -313,7 +353,7 @@ class SlotPool:
         with self._lock:
             out = []
             for s in self.slots:
-                d = {"slot": s.index, "tokens": len(s.tokens), "uses": s.uses}
+                d = {"slot": s.index, "tokens": len(s.tokens), "uses": s.uses, "busy": s.busy}
                 if s.source is not None:
                     d["prompt_cache"] = s.source.path
                 if s.cache is not None:
@@ -328,12 +368,15 @@ class SlotPool:
         return sum(d.get("cache_bytes", 0) for d in self.describe())
 
     def memory(self) -> dict:
-        """Bytes the slots' caches hold, all slots together: total, memory-mapped on disk, in RAM,
+        """Bytes the slots' caches hold, all slots together (and the scratch caches of requests
+        running now): total, memory-mapped on disk, in RAM,
         and per part (sink, body, residual, cold, cold_summary...; "_disk" parts are mapped); and
         what the slots' checkpoints hold besides (in RAM)."""
         parts: dict[str, int] = {}
         total = disk = checkpoints = 0
-        for d in self.describe():
+        with self._lock:
+            scratch = [held_bytes(s.cache) for s in self.scratch if s.cache is not None]
+        for d in self.describe() + scratch:
             total += d.get("cache_bytes", 0)
             disk += d.get("cache_disk_bytes", 0)
             checkpoints += d.get("checkpoint_bytes", 0)

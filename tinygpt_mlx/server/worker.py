@@ -1,9 +1,27 @@
-"""The generation worker: one thread, a FIFO queue of jobs, warm slots, cancellation.
+"""The generation worker: one thread that owns the model and schedules the requests on it.
 
-Every job runs to completion (or cancellation) before the next starts; jobs are never
-dropped. A job reports to its HTTP handler through an asyncio queue on the server's loop:
-("text", str) pieces as they are detokenized (stop strings held back, never sent),
-then ("done", Result) or ("error", message).
+Continuous batching: jobs arrive in a FIFO queue and are admitted into the running set between
+model calls, up to `parallel` at once (`serve --parallel`) and while the memory the OS reports
+available holds what their caches may grow to (`Admission`); a job past either limit waits in
+the queue (logged once, never dropped). Each running request (`Stream`) holds its own slot and
+cache of the server's policy (a warm slot, or a scratch cache), its own sampler, seed, stop
+strings, limits and log-probabilities. Each scheduler step:
+
+1. retires the cancelled requests (a client that went away frees its place at once);
+2. feeds one prefill chunk (at most `prefill_chunk` tokens: the step's prompt budget) of the
+   oldest request still prefilling, so a long prompt never stalls the streams in flight, and a
+   short request sent during a long answer gets its first token after one chunk and one step;
+3. runs one decode step for every request with a token to feed: one batched model call
+   (batch.py: the projections and the MLP over all rows, attention per sequence over its own
+   cache) where the caches allow it, else one call each; and samples each request's next token.
+
+A job whose prompt continues a running request's prompt (its next turn, or the same request
+again) waits for that request's slot instead (`SlotPool.waits_for`): extended or restored from
+its checkpoint there, it prefills nothing it need not.
+
+A job reports to its HTTP handler through an asyncio queue on the server's loop: ("text", str)
+pieces as they are detokenized (stop strings held back, never sent), then ("done", Result) or
+("error", message).
 """
 
 from __future__ import annotations
@@ -20,12 +38,18 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from ..generate import GenerationStats, Reply
+from .. import generate as engine
+from ..config import CacheConfig
+from ..sampling import make_sampler
+from ..textstream import TextStream
+from . import batch
 from . import logprobs as lp
 from .config import ServerConfig
 from .slots import SlotPool, held_bytes
 
 log = logging.getLogger("posttrainllm.server")
+
+_EMPTY = object()     # the queue had nothing
 
 
 @dataclass
@@ -67,6 +91,7 @@ class Job:
     events: Optional[asyncio.Queue] = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     created: float = field(default_factory=time.perf_counter)
+    waiting: str = ""                   # why it waits in the queue (logged once per reason)
 
     def emit(self, kind: str, payload: Any) -> None:
         if self.loop is None or self.events is None:
@@ -109,16 +134,127 @@ def looping(tokens: list[int], span: int, max_period: int = 64) -> bool:
     return any(tail[p:] == tail[:-p] for p in range(1, min(max_period, span // 2) + 1))
 
 
+def available_memory() -> Optional[int]:
+    """The memory the OS could give this process now (MemAvailable, bytes), None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def kv_bytes_per_token(loaded: Any) -> int:
+    """Bytes one token's K/V take in every layer of the model at its compute precision (a full
+    cache; measured on a one-token cache)."""
+    with engine.make_cache(loaded.model, CacheConfig()) as cache:
+        engine.prefill(loaded.model, [0], cache, 1)
+        total = 0
+        for c in cache.distinct():
+            k, v = c.fetch() if hasattr(c, "fetch") else c.state
+            total += (k.nbytes + v.nbytes) // max(1, k.shape[-2])
+        return total
+
+
+class Admission:
+    """Whether one more request may start now, by memory: its cache's worst case (the tokens
+    its policy holds at its longest, `held`, at the model's compute precision: an upper bound
+    for KIVI) and what the running requests' caches may still grow by must fit in the memory
+    the OS reports available, less `RESERVE`. A request that does not fit waits in the queue
+    until running ones finish; with nothing running it always starts (as one request at a time
+    always did)."""
+
+    RESERVE = 512 * 2**20
+
+    def __init__(self, loaded: Any, cache_config: Any):
+        self.config = cache_config
+        self.per_token = kv_bytes_per_token(loaded)
+        self.available = available_memory       # tests put a smaller machine here
+
+    def held(self, tokens: int) -> int:
+        """Tokens a cache of the policy holds after `tokens` (retrieval's cold store counted)."""
+        c = self.config
+        return min(tokens, c.sink + c.window) if c.streaming else tokens
+
+    def worst(self, job: Job) -> int:
+        """Bytes a job's cache may reach: its prompt and its reply, within its context."""
+        tokens = len(job.ids) + job.max_tokens
+        if job.max_context is not None:
+            tokens = min(tokens, job.max_context)
+        return self.held(tokens) * self.per_token
+
+    def growth(self, s: "Stream") -> int:
+        """Bytes a running request's cache may still grow by."""
+        return max(0, self.worst(s.job) - self.held(len(s.slot.tokens)) * self.per_token)
+
+    def fits(self, job: Job, running: list["Stream"]) -> tuple[bool, str]:
+        if not running:
+            return True, ""
+        free = self.available()
+        if free is None:
+            return True, ""
+        need, grow = self.worst(job), sum(self.growth(s) for s in running)
+        if need + grow <= free - self.RESERVE:
+            return True, ""
+        return False, (f"its cache may need {need / 2**20:.1f} MiB, the {len(running)} running request(s)' may "
+                       f"grow by {grow / 2**20:.1f} MiB, and {free / 2**20:.0f} MiB are available "
+                       f"(less a {self.RESERVE // 2**20} MiB reserve)")
+
+
+class Stream:
+    """One running request: its job, its slot, the prompt tokens still to prefill, its sampler,
+    text (stop strings), result and timings."""
+
+    def __init__(self, job: Job, ids: list[int], lease: Any, chunk: int, tokenizer: Any, t_start: float):
+        self.job, self.ids, self.slot = job, ids, lease.slot
+        self.tail = ids[lease.reused:]
+        self.pos = 0                      # tail tokens fed so far
+        self.chunk = chunk
+        self.progress = PrefillLog(self.slot.index) if len(self.tail) > chunk else None
+        self.sampler = make_sampler(job.temperature, job.top_p, job.top_k, job.seed)
+        self.text = TextStream(tokenizer, tuple(job.stop))
+        self.eos = frozenset(tokenizer.eos_ids)
+        self.r = Result(prompt_tokens=len(ids), prompt_ids=ids, queue_ns=int((t_start - job.created) * 1e9),
+                        slot=self.slot.index, slot_action=lease.action, reused_tokens=lease.reused,
+                        restored_tokens=lease.restored, prefilled_tokens=len(ids) - lease.reused)
+        self.out: list[str] = []
+        self.logits: Optional[mx.array] = None if self.tail else lease.logits   # to sample from
+        self.token: Optional[int] = None        # sampled, to feed in the next decode step
+        self.generated = 0
+        self.t_start = t_start
+        self.t_decode: Optional[float] = None if self.tail else t_start   # the prompt is in the cache
+        self.finish_reason = "length"
+
+    @property
+    def prefilling(self) -> bool:
+        return self.pos < len(self.tail)
+
+    def say(self, piece: str) -> None:
+        if piece:
+            self.out.append(piece)
+            self.job.emit("text", piece)
+
+
 class Worker:
     def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk,
-                 stop_loops: int = 0):
+                 stop_loops: int = 0, parallel: int = ServerConfig().parallel):
+        if parallel < 1:
+            raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
         self.stop_loops = stop_loops      # 0: off; else stop a reply whose last N tokens loop
-        self.queue: "queue.Queue[Optional[Job]]" = queue.Queue()
-        self.busy = False
-        self.current: Optional[Job] = None
+        self.parallel = parallel
+        self.queue: "queue.Queue[Any]" = queue.Queue()
+        self.waiting: "collections.deque[Job]" = collections.deque()   # taken off the queue, not admitted
+        self.running: list[Stream] = []
         self.completed = 0
         self.recent: "collections.deque[dict]" = collections.deque(maxlen=32)   # for /api/slots
+        self.steps = 0                    # scheduler steps run
+        self.batched_steps = 0            # of them, decode steps that ran several requests in one call
+        self.batches = batch.batches(loaded.model)
+        self.admission = Admission(loaded, pool.cache_config)
+        self._held: Any = _EMPTY          # an item taken off the queue to wait on, handled next
         self._thread = threading.Thread(target=self._run, name="posttrainllm-generate", daemon=True)
         self._thread.start()
 
@@ -126,20 +262,27 @@ class Worker:
         self.queue.put(job)
 
     def call(self, fn: Any) -> Any:
-        """Run `fn()` on the worker thread (its MLX stream) and return its result or raise its
-        error: what the worker's jobs will use (pre-warmed slot caches) is made there."""
+        """Run `fn()` on the worker thread (its MLX stream) between scheduler steps and return its
+        result or raise its error: what the worker's jobs will use (pre-warmed slot caches) is made there."""
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.queue.put((fn, done))
         return done.result()
 
     @property
     def pending(self) -> int:
-        return self.queue.qsize()
+        """Jobs not running yet."""
+        return self.queue.qsize() + len(self.waiting)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
 
     def stop(self) -> None:
         """Cancel the running and queued jobs, then end the thread (server shutdown)."""
-        if self.current is not None:
-            self.current.cancel()
+        for s in list(self.running):
+            s.job.cancel()
+        for job in list(self.waiting):
+            job.cancel()
         with self.queue.mutex:
             for job in self.queue.queue:
                 if isinstance(job, Job):
@@ -155,65 +298,101 @@ class Worker:
 
     def _loop(self) -> None:
         while True:
-            job = self.queue.get()
-            if job is None:
-                return
-            if isinstance(job, tuple):            # call(): a function for this thread
-                fn, done = job
-                try:
-                    done.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 — handed to the caller
-                    done.set_exception(e)
-                continue
-            self.busy, self.current = True, job
-            try:
-                if job.cancelled.is_set():
-                    result = Result(prompt_tokens=len(job.ids), prompt_ids=job.ids, done_reason="cancel",
-                                    slot_action="skipped")
+            # block for work only when nothing runs or waits; else take what arrived and step on
+            item = self._next()
+            if item is _EMPTY and not self.running and not self.waiting:
+                item = self.queue.get()
+            while item is not _EMPTY:
+                if item is None:
+                    self._shutdown()
+                    return
+                if isinstance(item, tuple):            # call(): a function for this thread
+                    fn, done = item
+                    try:
+                        done.set_result(fn())
+                    except BaseException as e:  # noqa: BLE001 — handed to the caller
+                        done.set_exception(e)
                 else:
-                    result = self._generate(job)
-                self.recent.append({"slot": result.slot, "action": result.slot_action,
-                                    "prompt_tokens": result.prompt_tokens, "prefilled": result.prefilled_tokens,
-                                    "generated": len(result.tokens), "done_reason": result.done_reason})
-                job.emit("done", result)
+                    self.waiting.append(item)
+                item = self._next()
+            self._admit()
+            if self.running:
+                self._step()
+            elif self.waiting:          # nothing could start (not expected): wait for the next arrival
+                self._held = self.queue.get()
+
+    def _next(self) -> Any:
+        if self._held is not _EMPTY:
+            item, self._held = self._held, _EMPTY
+            return item
+        try:
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return _EMPTY
+
+    def _shutdown(self) -> None:
+        for s in list(self.running):
+            self._retire(s, "cancel")
+        for job in self.waiting:
+            self._skip(job)
+        self.waiting.clear()
+
+    # ----- admission ----------------------------------------------------------------------------
+    def _skip(self, job: Job) -> None:
+        """A job cancelled before it ran: answered as cancelled, nothing computed."""
+        r = Result(prompt_tokens=len(job.ids), prompt_ids=job.ids, done_reason="cancel", slot_action="skipped")
+        self._record(r)
+        job.emit("done", r)
+        self.completed += 1
+
+    def _wait(self, job: Job, why: str) -> None:
+        if job.waiting != why:
+            job.waiting = why
+            log.info("request of %d prompt tokens waits in the queue: %s", len(job.ids), why)
+
+    def _admit(self) -> None:
+        """Start waiting jobs, in order, while the limits allow (module doc); a job that must
+        wait for a running request's slot lets the jobs behind it pass."""
+        for job in list(self.waiting):
+            if job.cancelled.is_set():
+                self.waiting.remove(job)
+                self._skip(job)
+                continue
+            if len(self.running) >= self.parallel:
+                self._wait(job, f"{len(self.running)} requests are running (--parallel {self.parallel})")
+                return
+            tok = self.loaded.tokenizer
+            held = self.pool.waits_for(job.ids, job.text, tok if tok.splices_exactly else None)
+            if held is not None:
+                self._wait(job, f"it continues the prompt running on slot {held}, whose cache it will reuse")
+                continue
+            ok, why = self.admission.fits(job, self.running)
+            if not ok:
+                self._wait(job, why)
+                return
+            self.waiting.remove(job)
+            try:
+                self._start(job)
             except Exception as e:  # noqa: BLE001 — nothing may kill the worker
                 log.exception("generation failed")
                 job.emit("error", f"generation failed: {e}")
-            finally:
-                self.busy, self.current = False, None
                 self.completed += 1
 
-    def _generate(self, job: Job) -> Result:
+    def _start(self, job: Job) -> None:
         t_start = time.perf_counter()
         ids = self._prompt_ids(job)
-        r = Result(prompt_tokens=len(ids), prompt_ids=ids, queue_ns=int((t_start - job.created) * 1e9))
-        lease = self.pool.acquire(ids)
+        lease = self.pool.acquire(ids, hold=True)
         slot = lease.slot
-        r.slot, r.slot_action, r.reused_tokens = slot.index, lease.action, lease.reused
-        r.restored_tokens = lease.restored
-        r.prefilled_tokens = len(ids) - lease.reused
-        r.load_ns = int((time.perf_counter() - t_start) * 1e9)
         try:
-            stats = self._decode(job, slot, ids[lease.reused:], r, lease.logits)
-            held = held_bytes(slot.cache)
+            chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
+                                                   slot.cache.current_length + len(ids) - lease.reused)
+            s = Stream(job, ids, lease, chunk, self.loaded.tokenizer, t_start)
         except BaseException:
             self.pool.invalidate(slot)
-            raise
-        finally:
             self.pool.release(slot)
-        r.done_reason = stats.finish_reason
-        r.prompt_eval_ns, r.eval_ns = int(stats.prefill_seconds * 1e9), int(stats.decode_seconds * 1e9)
-        r.total_ns = int((time.perf_counter() - job.created) * 1e9)
-        total, disk = held["cache_bytes"], held["cache_disk_bytes"]
-        cold = sum(v for k, v in held["cache_bytes_breakdown"].items() if k.startswith("cold"))
-        restored = " restored from a checkpoint" if r.restored_tokens else ""
-        kept = slot.checkpoint_bytes
-        log.info("slot %d %s: prompt %d tokens (reused %d%s, prefilled %d), generated %d (%s); cache %.1f MiB%s%s",
-                 r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, restored, r.prefilled_tokens,
-                 len(r.tokens), r.done_reason, total / 2**20,
-                 f" (cold store {cold / 2**20:.1f} MiB, {disk / 2**20:.1f} MiB memory-mapped on disk)" if cold else "",
-                 f"; {len(slot.checkpoints)} checkpoint(s) {kept / 2**20:.1f} MiB" if slot.checkpoints else "")
-        return r
+            raise
+        s.r.load_ns = int((time.perf_counter() - t_start) * 1e9)
+        self.running.append(s)
 
     def _prompt_ids(self, job: Job) -> list[int]:
         if job.text is None or not self.loaded.tokenizer.splices_exactly:
@@ -227,44 +406,130 @@ class Worker:
             return job.ids
         return spliced
 
-    def _decode(self, job: Job, slot: Any, tail: list[int], r: Result,
-                logits: Optional[mx.array] = None) -> GenerationStats:
-        """Prefill `tail` into the slot and generate; the slot's tokens follow what is fed. With
-        an empty `tail`, `logits` (a restored checkpoint's) give the first token. Once the whole
-        prompt is in the cache the pool may checkpoint it (SlotPool.checkpoint)."""
-        out: list[str] = []
-        chunk = slot.cache.config.fitted_chunk(self.prefill_chunk, self.loaded.context_length,
-                                               slot.cache.current_length + len(tail))
-        progress = PrefillLog(slot.index) if len(tail) > chunk else None
-        prompt_len, checkpointed = len(slot.tokens) + len(tail), not tail
-        reply = Reply(self.loaded.model, self.loaded.tokenizer, tail, slot.cache, job.max_tokens, chunk,
-                      job.temperature, job.top_p, job.top_k, job.seed, job.stop, progress=progress,
-                      should_stop=job.cancelled.is_set, first_logits=None if tail else logits)
-        for step, piece in reply:
-            slot.tokens.extend(step.fed)
-            if not checkpointed and len(slot.tokens) == prompt_len:    # the prompt, and nothing yet
-                self.pool.checkpoint(slot, step.logits)
-                checkpointed = True
-            if step.token is None:
-                continue
-            r.tokens.append(step.token)
-            if job.logprobs is not None:
-                r.logprobs.append(lp.of(step.logits, step.token, job.logprobs))
-            if piece:
-                out.append(piece)
-                job.emit("text", piece)
-            if reply.stopped:
-                break
-            if self.stop_loops and len(r.tokens) % 8 == 0 and looping(r.tokens, self.stop_loops):
-                reply.stop()
-                log.info("slot %d: reply stopped after %d tokens: its last %d tokens repeat one n-gram "
-                         "(--stop-loops)", slot.index, len(r.tokens), self.stop_loops)
-                break
-            if job.max_context is not None and len(slot.tokens) + 1 >= job.max_context:
-                break           # prompt + reply fill the context (the last token is never fed)
-        piece = reply.finish()
-        if piece:
-            out.append(piece)
-            job.emit("text", piece)
-        r.text = "".join(out)
-        return reply.stats
+    # ----- one scheduler step -------------------------------------------------------------------
+    def _step(self) -> None:
+        self.steps += 1
+        for s in list(self.running):
+            if s.job.cancelled.is_set():
+                self._retire(s, "cancel")
+        pre = next((s for s in self.running if s.prefilling), None)
+        if pre is not None:
+            self._guarded([pre], lambda: self._prefill(pre))
+        ready = [s for s in self.running if not s.prefilling and s.token is None and s.logits is not None]
+        for s in ready:                                # a prompt just prefilled, or restored
+            self._guarded([s], lambda s=s: self._sample(s))
+        feeding = [s for s in self.running if s.token is not None]
+        if feeding:
+            self._guarded(feeding, lambda: self._decode(feeding))
+
+    def _guarded(self, streams: list[Stream], fn: Any) -> None:
+        """Run `fn`; an error fails only `streams` (their slots forgotten: their caches' state is
+        unknown), and the worker keeps serving the rest."""
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 — nothing may kill the worker
+            log.exception("generation failed")
+            for s in streams:
+                if s in self.running:
+                    self.pool.invalidate(s.slot)
+                    self._drop(s)
+                    s.job.emit("error", f"generation failed: {e}")
+                    self.completed += 1
+
+    def _prefill(self, s: Stream) -> None:
+        """One chunk of `s`'s prompt into its cache; after the last, a checkpoint of the slot
+        (SlotPool.checkpoint) and the first token."""
+        fed = s.tail[s.pos:s.pos + s.chunk]
+        logits = engine._call(self.loaded.model, fed, s.slot.cache)
+        s.pos += len(fed)
+        s.slot.tokens.extend(fed)
+        if s.progress is not None:
+            s.progress(s.pos, len(s.tail))
+        if not s.prefilling:
+            self.pool.checkpoint(s.slot, logits)
+            s.logits, s.t_decode = logits, time.perf_counter()
+
+    def _decode(self, feeding: list[Stream]) -> None:
+        """Feed each stream its sampled token (one batched call where the caches allow it), then
+        sample each one's next token."""
+        model = self.loaded.model
+        caches = [s.slot.cache for s in feeding]
+        if len(feeding) > 1 and self.batches and all(batch.batchable(c) for c in caches):
+            logits = batch.decode_step(model, [s.token for s in feeding], caches)
+            rows = [logits[i] for i in range(len(feeding))]
+            self.batched_steps += 1
+        else:
+            rows = [engine._call(model, [s.token], s.slot.cache) for s in feeding]
+        for s, row in zip(feeding, rows):
+            s.slot.tokens.append(s.token)
+            s.token, s.logits = None, row
+        for s in feeding:
+            self._guarded([s], lambda s=s: self._sample(s))
+
+    def _sample(self, s: Stream) -> None:
+        """`s`'s next token from its logits: sent as text, or the request retired (EOS, a stop
+        string, a loop, its length or context)."""
+        job, r = s.job, s.r
+        if s.generated >= job.max_tokens:
+            self._retire(s, "length")
+            return
+        token = int(s.sampler(s.logits[None])[0].item())
+        s.generated += 1
+        if token in s.eos:
+            self._retire(s, "stop")
+            return
+        r.tokens.append(token)
+        if job.logprobs is not None:
+            r.logprobs.append(lp.of(s.logits, token, job.logprobs))
+        s.say(s.text.add(token))
+        if s.text.stopped:
+            self._retire(s, "stop")
+            return
+        if self.stop_loops and len(r.tokens) % 8 == 0 and looping(r.tokens, self.stop_loops):
+            log.info("slot %d: reply stopped after %d tokens: its last %d tokens repeat one n-gram "
+                     "(--stop-loops)", s.slot.index, len(r.tokens), self.stop_loops)
+            self._retire(s, "stop")
+            return
+        if job.max_context is not None and len(s.slot.tokens) + 1 >= job.max_context:
+            self._retire(s, "length")      # prompt + reply fill the context (the last token is never fed)
+            return
+        if s.generated >= job.max_tokens:
+            self._retire(s, "length")
+            return
+        s.token = token
+
+    # ----- retiring -----------------------------------------------------------------------------
+    def _drop(self, s: Stream) -> None:
+        self.running.remove(s)
+        self.pool.release(s.slot)
+
+    def _record(self, r: Result) -> None:
+        self.recent.append({"slot": r.slot, "action": r.slot_action, "prompt_tokens": r.prompt_tokens,
+                            "prefilled": r.prefilled_tokens, "generated": len(r.tokens),
+                            "done_reason": r.done_reason})
+
+    def _retire(self, s: Stream, reason: str) -> None:
+        """`s` is over (`reason`: "stop", "length" or "cancel"): its text's held-back end sent, its
+        slot released (warm for the next request), its result reported and logged."""
+        now = time.perf_counter()
+        r, slot = s.r, s.slot
+        s.say(s.text.finish())
+        r.text, r.done_reason = "".join(s.out), reason
+        t_decode = s.t_decode if s.t_decode is not None else now
+        r.prompt_eval_ns, r.eval_ns = int((t_decode - s.t_start) * 1e9), int((now - t_decode) * 1e9)
+        r.total_ns = int((now - s.job.created) * 1e9)
+        held = held_bytes(slot.cache)
+        kept, checkpoints = slot.checkpoint_bytes, len(slot.checkpoints)
+        self._drop(s)
+        self._record(r)
+        s.job.emit("done", r)
+        self.completed += 1
+        total, disk = held["cache_bytes"], held["cache_disk_bytes"]
+        cold = sum(v for k, v in held["cache_bytes_breakdown"].items() if k.startswith("cold"))
+        restored = " restored from a checkpoint" if r.restored_tokens else ""
+        log.info("slot %d %s: prompt %d tokens (reused %d%s, prefilled %d), generated %d (%s); cache %.1f MiB%s%s",
+                 r.slot, r.slot_action, r.prompt_tokens, r.reused_tokens, restored, r.prefilled_tokens,
+                 len(r.tokens), r.done_reason, total / 2**20,
+                 f" (cold store {cold / 2**20:.1f} MiB, {disk / 2**20:.1f} MiB memory-mapped on disk)" if cold else "",
+                 f"; {checkpoints} checkpoint(s) {kept / 2**20:.1f} MiB" if checkpoints else "")
+
