@@ -456,6 +456,11 @@ def test_cli_cache_prompt_then_sample(native_path, tmp_path, flags):
     assert again.stdout == first.stdout and _sha(out) == digest
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["prompt_cache"]["cached_tokens"] == saved["tokens"]
+    if "--kiv-cold-store" in flags:    # made on disk, continued in RAM (the default) or where the flag says
+        assert report["policy"]["retrieval"]["cold_store"] == "ram"
+        on_disk = cli(*args[:-2], "--kiv-cold-store", "disk", "--report-json", tmp_path / "d.json")
+        assert on_disk.exit_code == 0 and on_disk.stdout == first.stdout, on_disk.output
+        assert json.loads((tmp_path / "d.json").read_text())["policy"]["retrieval"]["cold_store"] == "disk"
     # the same as continuing in process: the document prefilled, then the question, then decoding
     loaded = load(native_path)
     info_cfg = load_prompt_cache(out, loaded)[1].config

@@ -227,7 +227,7 @@ def sample(
                              "cache; they are not supported under several ranks yet")
         if saved is not None:
             run_from_prompt_cache(loaded, saved, turn, text, no_chat_template, sample_config, report_json,
-                                  save_prompt_cache)
+                                  save_prompt_cache, cache_config)
             return
         if world.group is not None:
             world.shard(loaded)
@@ -369,14 +369,17 @@ def continuation(loaded, saved, turn: Optional[PromptTurn], text: Optional[str],
 
 
 def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optional[str], raw: bool,
-                          sample_config: SampleConfig, report_json: Optional[Path], save_to: Optional[Path]) -> None:
+                          sample_config: SampleConfig, report_json: Optional[Path], save_to: Optional[Path],
+                          flags: CacheConfig) -> None:
     """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
-    checked first), feed what follows the cached tokens (`continuation`), generate, report."""
+    checked first), feed what follows the cached tokens (`continuation`), generate, report. The
+    file's policy is used; where its stores live is the flags' (`--kiv-cold-store`, default ram,
+    and `--kiv-cold-path`), whichever store wrote the file (placement is not policy)."""
     cached = saved.tokens
-    cache_config = saved.config
+    cache_config = dataclasses.replace(saved.config, cold_store=flags.cold_store, cold_path=flags.cold_path)
     context = loaded.context_length
     t0 = time.perf_counter()
-    cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=None)
+    cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=flags.cold_path, cold_store=flags.cold_store)
     load_seconds = time.perf_counter() - t0
     with cache:
         ids, notes = continuation(loaded, saved, turn, text, raw)
