@@ -192,7 +192,7 @@ class DevicePageIndex:
 
         def score(x: mx.array, name: str) -> mx.array:
             return x @ self.rows[prefix + name].array[:, :count].swapaxes(1, 2)
-        out = _bound(x, summary, score)
+        out = bound(x, summary, score)
         return out.reshape(G, rep, R, count).max(axis=1)
 
     def _candidate_scores(self, q: mx.array, summary: str, cand: mx.array) -> mx.array:
@@ -201,7 +201,7 @@ class DevicePageIndex:
 
         def score(x: mx.array, name: str) -> mx.array:
             return x @ self.rows["s" + name].gather(cand).swapaxes(-1, -2)    # [G, R, D, C]
-        return _bound(x, summary, score).max(axis=2)
+        return bound(x, summary, score).max(axis=2)
 
     def ranked_pages(self, q: mx.array, summary: str, ordered: bool = False) -> mx.array:
         """The `top_pages` best pages [G, R, k] of each query row, by one summary (best first
@@ -232,21 +232,26 @@ class DevicePageIndex:
         """The `top_pages` pages [G, R, k] of each query row. "hybrid" interleaves the min/max
         ranking and the mean ranking and keeps the first k distinct pages (as a set, in id
         order)."""
-        k = self.top_pages
         if self.summary != "hybrid":
             return self.ranked_pages(q, self.summary)
-        lists = [self.ranked_pages(q, s, ordered=True) for s in ("minmax", "mean")]
-        both = mx.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], -1)    # mm0, mean0, mm1, ...
-        n = both.shape[-1]
-        earlier = mx.tril(mx.ones((n, n), dtype=mx.bool_), k=-1)
-        repeat = ((both[..., :, None] == both[..., None, :]) & earlier).any(axis=-1)
-        rank = mx.cumsum((~repeat).astype(mx.int32), axis=-1)
-        kept = mx.where(~repeat & (rank <= k), both, NONE)
-        return mx.sort(kept, axis=-1)[..., :k]
+        return hybrid_pages([self.ranked_pages(q, s, ordered=True) for s in ("minmax", "mean")], self.top_pages)
 
 
-def _bound(x: mx.array, summary: str, score) -> mx.array:
-    """Quest's bound sum_i max(x_i min_i, x_i max_i) (minmax) or x . mean (mean)."""
+def hybrid_pages(lists: list, k: int) -> mx.array:
+    """The "hybrid" summary's pages [*, k] from the min/max and the mean rankings [*, k'] (best
+    first): interleaved (mm0, mean0, mm1, ...), each page kept at its first place, the first k
+    distinct kept, as a set in id order. The compiled decode selection and the chunk path share it."""
+    both = mx.stack(lists, axis=-1).reshape(*lists[0].shape[:-1], -1)
+    n = both.shape[-1]
+    earlier = mx.tril(mx.ones((n, n), dtype=mx.bool_), k=-1)
+    repeat = ((both[..., :, None] == both[..., None, :]) & earlier).any(axis=-1)
+    rank = mx.cumsum((~repeat).astype(mx.int32), axis=-1)
+    return mx.sort(mx.where(~repeat & (rank <= k), both, NONE), axis=-1)[..., :k]
+
+
+def bound(x: mx.array, summary: str, score) -> mx.array:
+    """Quest's bound sum_i max(x_i min_i, x_i max_i) (minmax) or x . mean (mean), through
+    `score(x, name)`: x times the summaries `name` (max, min or mean) of the level scored."""
     if summary == "mean":
         return score(x, "mean")
     return score(mx.maximum(x, 0), "max") + score(mx.minimum(x, 0), "min")

@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from .device_pages import NONE, pool_tokens, union
+from .device_pages import bound, hybrid_pages, pool_tokens, union
 
 __all__ = ["Static", "select", "fine_pick"]
 
@@ -76,13 +76,8 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
         pages = mx.arange(cap)
         last = mx.broadcast_to(mx.where(pages < P, pages, -1), (G, cap))
     elif st.summary == "hybrid":
-        lists = [_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")]
-        both = mx.stack(lists, axis=-1).reshape(G, -1)                     # mm0, mean0, mm1, ...
-        m = both.shape[-1]
-        earlier = mx.tril(mx.ones((m, m), dtype=mx.bool_), k=-1)
-        repeat = ((both[..., :, None] == both[..., None, :]) & earlier).any(axis=-1)
-        rank = mx.cumsum((~repeat).astype(mx.int32), axis=-1)
-        last = mx.sort(mx.where(~repeat & (rank <= st.top_pages), both, NONE), axis=-1)[..., :st.top_pages]
+        last = hybrid_pages([_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")],
+                            st.top_pages)
     else:
         last = _ranked(st, q, st.summary, summaries, P, NB)
     parts = [last, mx.broadcast_to(P.astype(mx.int32), (G, 1))]          # the unfinished page (maybe empty)
@@ -130,23 +125,14 @@ def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array,
 def _bound(q: mx.array, summary: str, summaries: dict, level: str) -> mx.array:
     """Scores [G, cap] of query rows [G, rep, D] against every allocated summary of a level
     ("s" pages, "b" blocks): Quest's bound (minmax) or the mean key's product, max over rep."""
-    if summary == "mean":
-        s = q @ summaries[level + "mean"].swapaxes(1, 2)
-    else:
-        s = (mx.maximum(q, 0) @ summaries[level + "max"].swapaxes(1, 2)
-             + mx.minimum(q, 0) @ summaries[level + "min"].swapaxes(1, 2))
-    return s.max(axis=1)
+    return bound(q, summary, lambda x, name: x @ summaries[level + name].swapaxes(1, 2)).max(axis=1)
 
 
 def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx.array:
     """Scores [G, C] of query rows [G, rep, D] against the page summaries at `pages` [G, C]."""
-    def at(name: str) -> mx.array:
-        return mx.take_along_axis(summaries[name], pages[..., None], axis=1).swapaxes(1, 2)   # [G, D, C]
-    if summary == "mean":
-        s = q @ at("smean")
-    else:
-        s = mx.maximum(q, 0) @ at("smax") + mx.minimum(q, 0) @ at("smin")
-    return s.max(axis=1)
+    def score(x: mx.array, name: str) -> mx.array:
+        return x @ mx.take_along_axis(summaries["s" + name], pages[..., None], axis=1).swapaxes(1, 2)   # [G, D, C]
+    return bound(q, summary, score).max(axis=1)
 
 
 def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) -> mx.array:
