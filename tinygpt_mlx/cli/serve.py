@@ -79,6 +79,13 @@ def serve(
         "reply restores one instead of prefilling the whole conversation again. Each costs at most the window "
         "(or hot budget) plus KIVI's residual, per layer (shown in /api/ps); 0 = off. "
         f"Default {field_default(_V, 'slot_checkpoints')}.", show_default=False)] = None,
+    parallel: Annotated[Optional[int], typer.Option(
+        "--parallel", help="Requests answered at once (ollama's OLLAMA_NUM_PARALLEL), decoded together in one "
+        "batched step; more wait in the queue. Each running request holds a cache of its own (its warm slot's, "
+        "or a scratch one past --max-slots), so the K/V memory grows up to N x a request's: its context's tokens "
+        "(a window under StreamingLLM), at the rate per token the start-up line prints; a request that would not "
+        f"fit in the available memory waits too. Default {field_default(_V, 'parallel')}.",
+        show_default=False)] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
@@ -96,7 +103,7 @@ def serve(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
             prefill_chunk=prefill_chunk, default_max_tokens=default_max_tokens,
             default_num_ctx=default_num_ctx, stop_loops=stop_loops,
-            slot_checkpoints=slot_checkpoints).items() if v is not None})
+            slot_checkpoints=slot_checkpoints, parallel=parallel).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
@@ -109,11 +116,14 @@ def serve(
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
                          default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops,
-                         slot_checkpoints=cfg.slot_checkpoints)
+                         slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel)
         names = app.state.server.names
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
                   f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+        per_token = app.state.server.worker.admission.per_token
+        err.print(f"up to {cfg.parallel} request(s) at once (--parallel), each with its own cache: "
+                  f"{per_token * 1000 / 2**20:.1f} MiB of K/V per 1,000 tokens held at full precision")
         limit = app.state.server.context_limit(None)
         err.print(f"requests without a length get at most "
                   f"{cfg.default_max_tokens or 'the context'} tokens (--default-max-tokens); without num_ctx "

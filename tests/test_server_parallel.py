@@ -1,0 +1,351 @@
+"""`serve` answers several requests at once (issue #56): continuous batching with every policy.
+
+The scheduler (server/worker.py) against the same worker with `parallel=1` (one request at a
+time: what each request gets alone on an idle server), and the batched decode step
+(server/batch.py) against each sequence's solo steps: greedy texts equal token for token for
+full, KIVI int4, StreamingLLM and retrieval caches; the queue past --parallel and past the memory
+budget; cancellation freeing the place; the real `ollama` and `openai` clients firing at once; a
+load run with random cancels.
+
+Mutations checked to fail here (one at a time, then reverted): `BatchLayer.offset` giving every
+row the first sequence's position (both equality tests fail for every policy); `BatchLayer.attend`
+handing every row the first sequence's mask (int4+sink+window fails: the other policies' decode
+steps need no mask); the scheduler admitting one past `parallel` (the queue test sees 3
+running); the scheduler never retiring a cancelled request (the cancel test times out).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import random
+import threading
+import time
+
+import mlx.core as mx
+import pytest
+
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.server import batch
+from tinygpt_mlx.server.slots import SlotPool
+from tinygpt_mlx.server.worker import Job, Worker
+
+PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
+           "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
+SINK, WINDOW, HOT = 4, 24, 24
+
+POLICIES = {
+    "full": CacheConfig(),
+    "int4": CacheConfig(key_bits=4, value_bits=4),
+    "sink+window": CacheConfig(sink=SINK, window=WINDOW),
+    "int4+sink+window": CacheConfig(key_bits=4, value_bits=4, sink=SINK, window=WINDOW),
+    "retrieval": CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2),
+}
+
+
+def _run_jobs(worker: Worker, jobs: list[Job], timeout: float = 120) -> list[list[tuple]]:
+    """Submit `jobs` at once and wait for all; each job's events (kind, payload) in order."""
+    events: list[list[tuple]] = []
+    for job in jobs:
+        got: list[tuple] = []
+        job.emit = lambda kind, payload, got=got: got.append((kind, payload))
+        events.append(got)
+    for job in jobs:
+        worker.submit(job)
+    deadline = time.time() + timeout
+    while not all(e and e[-1][0] in ("done", "error") for e in events):
+        assert time.time() < deadline, "the worker stopped answering"
+        time.sleep(0.01)
+    return events
+
+
+def _serve_jobs(loaded, cfg, prompts, parallel, max_tokens=24, max_slots=2, **job_kw):
+    w = Worker(loaded, SlotPool(loaded.model, cfg, max_slots=max_slots), 16, parallel=parallel)
+    try:
+        events = _run_jobs(w, [Job(loaded.tokenizer.encode(p), max_tokens, temperature=0, **job_kw)
+                               for p in prompts])
+        return [e[-1][1] for e in events], w.batched_steps
+    finally:
+        w.stop()
+
+
+# ----- the batched step on its own --------------------------------------------------------------
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
+    """Four sequences of different lengths, one batched call per step: each row's logits equal
+    that sequence's own solo step (the compiled one where its policy has one) to the last bit."""
+    m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
+    prompts = [tok.encode(p * 3) for p in PROMPTS]            # past the windows and hot budgets
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    for _ in range(12):
+        rows = batch.decode_step(m, tokens, together)
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            assert mx.array_equal(row, w), policy
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+    assert len({c.current_length for c in together}) > 2      # the rows sit at their own positions
+
+
+# ----- the scheduler ----------------------------------------------------------------------------
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_concurrent_requests_get_their_solo_text(native32, policy):
+    """Four requests at once (batched decode steps, interleaved prefill chunks) get the tokens
+    and text each gets alone (parallel=1), greedy, for every policy."""
+    cfg = POLICIES[policy]
+    prompts = [p * 3 for p in PROMPTS]
+    alone, batched_alone = _serve_jobs(native32, cfg, prompts, parallel=1)
+    together, batched = _serve_jobs(native32, cfg, prompts, parallel=4)
+    assert batched_alone == 0 and batched > 10
+    for a, b in zip(alone, together):
+        assert b.tokens == a.tokens and b.text == a.text and b.done_reason == a.done_reason
+    assert sorted(r.slot_action for r in together) == ["new", "new", "scratch", "scratch"]
+
+
+def test_mlx_lm_model_batches_too(llama):
+    prompts = [p * 2 for p in PROMPTS]
+    alone, _ = _serve_jobs(llama, CacheConfig(), prompts, parallel=1)
+    together, batched = _serve_jobs(llama, CacheConfig(), prompts, parallel=4)
+    assert batched > 10 and [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_requests_past_parallel_wait_in_the_queue(native, caplog):
+    """With --parallel 2, five requests run at most two at a time, the rest wait (logged), and
+    each gets its solo text."""
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=2)
+    seen = []
+    real = w._step
+
+    def step():
+        seen.append(len(w.running))
+        real()
+
+    w._step = step
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS + PROMPTS[:1])]
+    try:
+        with caplog.at_level(logging.INFO, logger="posttrainllm.server"):
+            together = [e[-1][1] for e in _run_jobs(w, [Job(native.tokenizer.encode(p), 12, temperature=0)
+                                                       for p in prompts])]
+    finally:
+        w.stop()
+    assert max(seen) == 2
+    assert "waits in the queue: 2 requests are running (--parallel 2)" in caplog.text
+    alone, _ = _serve_jobs(native, CacheConfig(), prompts, parallel=1, max_tokens=12)
+    assert [r.tokens for r in together] == [r.tokens for r in alone]
+
+
+def test_a_request_past_the_memory_budget_waits(native, caplog):
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=4)
+    w.admission.available = lambda: w.admission.RESERVE + 10 * w.admission.per_token   # room for 10 tokens
+    seen = []
+    real = w._step
+    w._step = lambda: (seen.append(len(w.running)), real())
+    try:
+        with caplog.at_level(logging.INFO, logger="posttrainllm.server"):
+            done = _run_jobs(w, [Job(native.tokenizer.encode(p), 8, temperature=0) for p in PROMPTS[:3]])
+    finally:
+        w.stop()
+    assert all(e[-1][0] == "done" and e[-1][1].done_reason in ("stop", "length") for e in done)
+    assert max(seen) == 1 and "MiB are available" in caplog.text
+
+
+def test_cancel_frees_the_place_at_once(native):
+    """With --parallel 1, cancelling the running request starts the queued one at the next step."""
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=1)
+    long = Job(native.tokenizer.encode(PROMPTS[0]), 10_000, temperature=0)
+    short = Job(native.tokenizer.encode(PROMPTS[1]), 4, temperature=0)
+    events: dict[str, list] = {"long": [], "short": []}
+    long.emit = lambda k, p: events["long"].append((k, p))
+    short.emit = lambda k, p: events["short"].append((k, p))
+    try:
+        w.submit(long)
+        w.submit(short)
+        deadline = time.time() + 30
+        while len([e for e in events["long"] if e[0] == "text"]) < 5:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        assert not events["short"] and w.pending == 1
+        steps = w.steps
+        long.cancel()
+        while not (events["short"] and events["short"][-1][0] == "done"):
+            assert time.time() < deadline
+            time.sleep(0.005)
+    finally:
+        w.stop()
+    assert events["long"][-1][1].done_reason == "cancel"
+    r = events["short"][-1][1]
+    assert r.done_reason in ("stop", "length") and r.slot_action == "new"
+    assert w.steps - steps <= len(r.tokens) + 3          # it started at once, not after the long reply
+
+
+def test_a_continuation_waits_for_its_running_slot(native):
+    """A prompt that continues a running request's prompt waits for that slot and reuses it (here
+    restored from the checkpoint taken at the end of that prompt: it does not hold the reply)."""
+    tok = native.tokenizer
+    first = tok.encode(PROMPTS[0] * 2)
+    w = Worker(native, SlotPool(native.model, CacheConfig(sink=4, window=24), max_slots=2), 16, parallel=4)
+    try:
+        one, two = _run_jobs(w, [Job(first, 6, temperature=0), Job(first + tok.encode(" and more"), 6,
+                                                                       temperature=0)])
+    finally:
+        w.stop()
+    one, two = one[-1][1], two[-1][1]
+    assert one.slot_action == "new" and (two.slot_action, two.slot, two.reused_tokens) == ("restore", one.slot, len(first))
+
+
+def test_busy_slots_are_no_one_elses(native):
+    """The pool never hands out, extends or evicts a slot held by a running request; past every
+    slot a request runs in a scratch cache, whose bytes /api/ps counts while it runs."""
+    tok = native.tokenizer
+    a, b = tok.encode(PROMPTS[0] * 4), tok.encode(PROMPTS[1] * 4)
+    pool = SlotPool(native.model, CacheConfig(), max_slots=1, small_tokens=0)
+    lease = pool.acquire(a, hold=True)
+    prefill(native.model, a, lease.slot.cache, 64)
+    lease.slot.tokens = list(a)
+    assert pool.waits_for(a + b) == 0 and pool.waits_for(b) is None
+    other = pool.acquire(a + b, hold=True)            # would extend slot 0, were it idle
+    assert other.action == "scratch"
+    prefill(native.model, a + b, other.slot.cache, 64)
+    running = pool.memory()["cache_bytes"]
+    pool.release(other.slot)
+    assert pool.memory()["cache_bytes"] < running
+    pool.release(lease.slot)
+    assert pool.acquire(a + b).action == "extend" and pool.waits_for(a + b) is None
+
+
+# ----- through HTTP, with the real clients ------------------------------------------------------
+@pytest.fixture(scope="module")
+def server(native):
+    pytest.importorskip("fastapi")
+    from tinygpt_mlx.server.app import create_app, serve_in_thread
+
+    srv, thread, url = serve_in_thread(create_app(native, CacheConfig(sink=4, window=64), prefill_chunk=16,
+                                                  max_slots=2, small_tokens=0, parallel=4))
+    yield url
+    srv.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_ollama_and_openai_clients_at_once(server, native):
+    """Eight requests at once from the real clients (four ollama chats streamed and not, four
+    OpenAI completions) get what each gets alone, and the server batched their decode steps."""
+    ollama = pytest.importorskip("ollama")
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    name = native.name
+
+    def one(i):
+        prompt = f"{PROMPTS[i % 4]} {i}"
+        if i < 4:
+            c = ollama.Client(host=server)
+            opts = {"temperature": 0, "num_predict": 16}
+            msgs = [{"role": "user", "content": prompt}]
+            if i % 2:
+                return "".join(p.message.content for p in c.chat(name, msgs, stream=True, options=opts))
+            return c.chat(name, msgs, options=opts).message.content
+        c = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+        if i % 2:
+            chunks = c.completions.create(model=name, prompt=prompt, temperature=0, max_tokens=16, stream=True)
+            return "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        return c.completions.create(model=name, prompt=prompt, temperature=0, max_tokens=16).choices[0].text
+
+    alone = [one(i) for i in range(8)]
+    before = httpx.get(server + "/api/slots").json()["batched_steps"]
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(one, range(8)))
+    assert together == alone and len(set(alone)) > 1
+    assert httpx.get(server + "/api/slots").json()["batched_steps"] > before
+
+
+def test_a_short_request_is_answered_while_a_long_one_streams(server, native):
+    """A short request sent while a long answer streams finishes while the long one still runs
+    (before, it waited for the whole answer)."""
+    httpx = pytest.importorskip("httpx")
+    name = native.name
+    body = {"model": name, "prompt": PROMPTS[0], "options": {"temperature": 0, "num_predict": 400}}
+    with httpx.stream("POST", server + "/api/generate", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        assert json.loads(next(lines))["done"] is False
+        short = httpx.post(server + "/api/generate", json={
+            "model": name, "prompt": PROMPTS[1], "stream": False, "options": {"temperature": 0, "num_predict": 4}},
+            timeout=60).json()
+        assert short["done"] and short["eval_count"] >= 1
+        state = httpx.get(server + "/api/slots").json()
+        assert state["running"] == 1 and state["busy"]          # the long answer is still streaming
+    deadline = time.time() + 10
+    while httpx.get(server + "/api/slots").json()["busy"]:       # leaving the stream cancelled it
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_load_with_random_cancels(server, native):
+    """64 requests from 8 client threads, about a quarter of them abandoned mid-stream: no error,
+    every other reply complete and equal to its prompt's answer on the idle server."""
+    httpx = pytest.importorskip("httpx")
+    name = native.name
+    prompts = [f"{p} {i}" for i in range(2) for p in PROMPTS]
+
+    def ask(prompt, cancel_after=None):
+        body = {"model": name, "prompt": prompt, "options": {"temperature": 0, "num_predict": 24}}
+        text = ""
+        with httpx.stream("POST", server + "/api/generate", json=body, timeout=120) as r:
+            assert r.status_code == 200
+            for i, line in enumerate(r.iter_lines()):
+                d = json.loads(line)
+                assert "error" not in d, d
+                if cancel_after is not None and i >= cancel_after:
+                    return None
+                text += d.get("response", "")
+                if d["done"]:
+                    assert d["done_reason"] in ("stop", "length")
+                    return text
+        raise AssertionError("the stream ended without a final line")
+
+    want = {p: ask(p) for p in prompts}
+    rng = random.Random(0)
+    plan = [(rng.choice(prompts), rng.randrange(1, 8) if rng.random() < 0.25 else None) for _ in range(64)]
+    lock, got = threading.Lock(), []
+
+    def client(k):
+        for prompt, cancel in plan[k::8]:
+            text = ask(prompt, cancel)
+            with lock:
+                got.append((prompt, cancel, text))
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        list(ex.map(client, range(8)))
+    assert len(got) == 64
+    for prompt, cancel, text in got:
+        if cancel is None:
+            assert text == want[prompt]
+    deadline = time.time() + 10
+    while httpx.get(server + "/api/slots").json()["busy"]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+
+
+def test_serve_parallel_option(native_path, monkeypatch):
+    uvicorn = pytest.importorskip("uvicorn")
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append(app))
+    r = CliRunner().invoke(app, ["serve", str(native_path), "--parallel", "3"])
+    assert r.exit_code == 0, r.output
+    srv = calls[0].state.server
+    try:
+        assert srv.worker.parallel == 3 and "up to 3 request(s) at once" in r.output
+    finally:
+        srv.worker.stop()
+        srv.pool.close()
+    bad = CliRunner().invoke(app, ["serve", str(native_path), "--parallel", "0"])
+    assert bad.exit_code != 0 and "parallel must be an integer >= 1, got 0" in bad.output
