@@ -149,7 +149,7 @@ def test_sliding_window_layers_get_our_ring_of_their_window():
     with attention.install(m):
         cache = make_cache(m, CacheConfig())
         kinds = [type(c).__name__ for c in cache]
-        assert kinds == ["RingLayer", "LayerCache"] and cache.kinds() == ["sliding 8", "global"]
+        assert kinds == ["RingLayer", "FullLayer"] and cache.kinds() == ["sliding 8", "global"]
         ours = _gemma_logits(m, cache)
     assert cache.current_length == 30
     assert mx.abs(ours - theirs).max().item() < 1e-5    # measured 2.4e-6 (the ring's key order)

@@ -237,20 +237,21 @@ def _steps_of(model: Any) -> dict:
 def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
     (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
-    if (not isinstance(cache, KVCache) or not cache.compile_decode or tokens.ndim != 2
+    kind = getattr(cache, "compiled_step", None)   # decided when the cache was made (kv_cache.py)
+    if (kind is None or not cache.compile_decode or tokens.ndim != 2
             or tokens.shape[1] != 1 or attention.reading_reference()):
         return None
     steps = _steps_of(model)
     if not _traceable(model, steps):
         return None
     layers = cache.owned
-    if not layers or len(layers) != len(cache.distinct()):
-        return None
     index = {id(c): i for i, c in enumerate(layers)}
     owners = tuple(index[id(c)] for c in cache)
     plans = [c.plan() for c in layers]      # the step's plans: the trace's inputs, then its commits
-    if all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
-        return _kivi_decode(model, tokens, layers, plans, owners, steps)
+    if kind == "kivi":
+        if all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
+            return _kivi_decode(model, tokens, layers, plans, owners, steps)
+        return None
     if not all(_ready(c, p) for c, p in zip(layers, plans)):
         return None
     first = layers[0]

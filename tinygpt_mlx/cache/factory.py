@@ -14,7 +14,7 @@ from .cold import ColdStore
 from .cold_device import DeviceColdStore
 from .kivi import KiviStore
 from .kv_cache import KVCache
-from .layer import LayerCache
+from .layer import FullLayer, LayerCache
 from .ring import RingLayer
 from .positions import Positions
 from .ring import RingStore
@@ -49,13 +49,15 @@ def layer_cache(config: CacheConfig, rope: Optional[Callable], layer_index: int 
 
 def segmented_layer(config: CacheConfig, positions: Positions, layer_index: int = 0) -> LayerCache:
     """A layer cache of separate stores, the sink, the body (exact or KIVI) and for retrieval
-    the cold store, under the position rules `positions`."""
+    the cold store, under the position rules `positions`; a full exact one is a `FullLayer`
+    (its plan fixed: layer.py)."""
     storage = DTYPES[config.storage]
     sink = DenseStore(storage, label="sink")
     body = (KiviStore(config, storage, positions, KVCache, config.exact_prefix) if config.quantised
             else DenseStore(storage, frame=positions if positions.frame else None))
     cold = cold_store(config, layer_index) if config.retrieval else Forgets()
-    return LayerCache(config, positions, sink, body, cold)
+    full = not (config.streaming or config.retrieval or config.quantised)
+    return (FullLayer if full else LayerCache)(config, positions, sink, body, cold)
 
 
 def cold_store(config: CacheConfig, layer_index: int = 0) -> Any:

@@ -64,6 +64,12 @@ class KVCache(list):
         #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py);
         #: the one switch, its default from the environment
         self.compile_decode = compile_by_default()
+        kinds = {c.compiles for c in self._owned}
+        #: the compiled decode step every layer can run ("ring" or "kivi", cache/compiled.py), or
+        #: None (every step eager: a policy it does not cover, layers of two kinds, a model-owned
+        #: layer), decided once here, so an eager policy's step never asks
+        self.compiled_step: Optional[str] = (kinds.pop() if len(kinds) == 1 and self._owned
+                                             and len(self._owned) == len(self.distinct()) else None)
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod

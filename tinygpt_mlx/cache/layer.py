@@ -49,6 +49,11 @@ class LayerCache(LayerReads):
         #: a sliding-window layer's own window (factory.sliding_layer: Gemma 2/3's local layers,
         #: an exact ring whatever the policy), None for a global layer (the policy's cache)
         self.sliding: Optional[int] = None
+        #: the compiled decode step that can run this layer (cache/compiled.py), decided here once:
+        #: "kivi" for KIVI under StreamingLLM on frame positions (its quiet steps), "ring" for a
+        #: ring (ring.py), None for every other policy (its steps run eager)
+        self.compiles: Optional[str] = ("kivi" if config.quantised and config.streaming and positions.frame
+                                        and not config.exact_topk and not config.retrieval else None)
 
     # ----- policy ---------------------------------------------------------------------------
     @property
@@ -225,3 +230,36 @@ class LayerCache(LayerReads):
     def stores(self) -> dict:
         """The stores by name (as prompt-cache files and checkpoints call them)."""
         return {"sink": self.sink_store, "body": self.body, **({"cold": self.cold} if self.config.retrieval else {})}
+
+
+class FullLayer(LayerCache):
+    """A full exact layer (no window, no hot window, no KIVI): its body only grows, and nothing is
+    ever evicted, re-based, placed or held in a sink, so its plan is fixed (the next token at
+    position `seen`, `plan`) and decided here once rather than worked out per call. Its
+    `update_and_fetch` returns every stored token, as mlx-lm's `KVCache` does, and attention
+    runs mlx-lm's (the fused kernel) over them (`reads_own_segments` False: attention.py); `attend`
+    (a batched step calls it per sequence) reads the same tokens."""
+
+    reads_own_segments = False
+
+    def plan(self) -> Plan:
+        return Plan(0, 0, self.start, len(self.body), self.seen)
+
+    @property
+    def offset(self) -> int:
+        return self.seen
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """`commit` of the fixed plan (an append), then every stored token in the compute dtype."""
+        if self.dtype is None:
+            self.dtype = keys.dtype
+        self.body.append(keys, values)
+        self.seen += keys.shape[2]
+        return self.body.fetch(self.dtype)
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        """Every query sees every earlier stored key: None for one query, else "causal" (an
+        array where asked, or under a model's sliding window: `Masks.make`)."""
+        if window_size is None and (N == 1 or not return_array):
+            return None if N == 1 else "causal"
+        return super().make_mask(N, return_array, window_size)

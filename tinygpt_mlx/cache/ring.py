@@ -256,6 +256,7 @@ class RingLayer(LayerCache):
 
     def __init__(self, config: CacheConfig, positions: Positions, ring: Any):
         super().__init__(config, positions, None, ring, Forgets())
+        self.compiles = "ring"
 
     @property
     def n_sink(self) -> int:
