@@ -386,13 +386,17 @@ def test_needle_cli_writes_json(native_path, tmp_path):
 
 
 def test_needle_prefill_report_lines(capsys):
-    """Long prefills report tokens, rate, ETA, memory and disk bytes; a new cell starts a new rate."""
+    """Long prefills report tokens, rate, ETA, memory and the cache's bytes (the part on disk
+    where some are); a new cell starts a new rate."""
     import time
 
     from tinygpt_mlx.cli.needle import PrefillReport
 
     class Cache:
-        disk_nbytes = 3 * 2**20
+        nbytes, disk_nbytes = 5 * 2**20, 3 * 2**20
+
+    class InRam:
+        nbytes, disk_nbytes = 5 * 2**20, 0
     report = PrefillReport(every=0.0)
     for done in (128, 256, 384):                  # the first chunk only starts the clock
         time.sleep(0.01)
@@ -402,7 +406,9 @@ def test_needle_prefill_report_lines(capsys):
     lines = [ln for ln in capsys.readouterr().err.splitlines() if "prefill" in ln]
     assert len(lines) == 2
     assert "256/1,024 tokens" in lines[0] and "384/1,024 tokens" in lines[1]
-    assert "cold on disk 3.00 MiB" in lines[1] and "ETA" in lines[1] and "RSS" in lines[1]
+    assert "cache 5.00 MiB (3.00 MiB of it on disk)" in lines[1] and "ETA" in lines[1] and "RSS" in lines[1]
+    report(256, 512, InRam())
+    assert "cache 5.00 MiB in RAM" in capsys.readouterr().err
 
 
 def test_two_level_index_bounds_its_pages_and_finds_a_planted_key():

@@ -34,7 +34,7 @@ def _list(text: str, name: str, kind=int) -> list:
 
 class PrefillReport:
     """A line on stderr every `every` seconds of a long prefill: tokens done, tokens/s, ETA,
-    resident memory (the process's own and mapped files') and the cold store's bytes on disk."""
+    resident memory (the process's own and mapped files') and the cache's bytes (`stored`)."""
 
     def __init__(self, every: float = 30.0):
         self.every = every
@@ -53,7 +53,14 @@ class PrefillReport:
         rss = generate.rss_bytes()
         err.print(f"    prefill {done:,}/{total:,} tokens · {rate:,.0f} tok/s · ETA {(total - done) / rate / 60:.1f} min · "
                   f"RSS {c.fmt_bytes(rss['anon'])} (+{c.fmt_bytes(rss['file'])} mapped) · "
-                  f"cold on disk {c.fmt_bytes(getattr(cache, 'disk_nbytes', 0))}")
+                  f"{stored(cache)}")
+
+
+def stored(cache) -> str:
+    """The cache's bytes for a progress line: all of them, and the part on disk where some are
+    (the host cold store's memory-mapped files; the device store, the default, holds all in RAM)."""
+    total, disk = getattr(cache, "nbytes", 0), getattr(cache, "disk_nbytes", 0)
+    return f"cache {c.fmt_bytes(total)}" + (f" ({c.fmt_bytes(disk)} of it on disk)" if disk else " in RAM")
 
 
 def print_table(result: dict) -> None:
