@@ -335,13 +335,17 @@ def quantised_matmul(
     bits: int,
     group: int,
     transpose: bool = False,
+    path: Optional[str] = None,
 ) -> mx.array:
     """``x @ W`` (``transpose=False``) or ``x @ W^T`` with W held as ``(packed, scale, zero)``.
 
     Thin guard around ``mx.quantized_matmul``: MLX silently accepts integer
     ``x`` (e.g. token ids passed by mistake) and returns float32, so non-float
     inputs raise ``TypeError`` here.  Batch dims of ``packed`` broadcast
-    against ``x`` (insert a singleton axis for GQA).
+    against ``x`` (insert a singleton axis for GQA).  ``path``: how it runs,
+    "packed" or "dequantise", as a caller decided it once (a KIVI run decides
+    it when it is made, so a decode step never asks); None asks
+    :func:`matmul_path` now.
     """
     if not mx.issubdtype(x.dtype, mx.floating):
         raise TypeError(
@@ -349,7 +353,7 @@ def quantised_matmul(
         )
     _check_bits(bits)
     _check_group(group)
-    if matmul_path(transpose) == "dequantise":
+    if (path or matmul_path(transpose)) == "dequantise":
         w = dequantise(packed, scale, zero, bits, group)
         return x.astype(mx.float32) @ (mx.swapaxes(w, -1, -2) if transpose else w)
     return mx.quantized_matmul(

@@ -46,6 +46,9 @@ class LayerCache(LayerReads):
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
         self.masks = Masks(config)   # make_mask's, with the decode steps' masks kept by shape
+        #: the next call's plan once worked out (`plan`): the model asks for it up to three times
+        #: per call (offset, make_mask, update_and_fetch); every change of the layer forgets it
+        self._planned: Optional[Plan] = None
         #: a sliding-window layer's own window (factory.sliding_layer: Gemma 2/3's local layers,
         #: an exact ring whatever the policy), None for a global layer (the policy's cache)
         self.sliding: Optional[int] = None
@@ -77,7 +80,13 @@ class LayerCache(LayerReads):
         return self.body.droppable(held - limit) if held > limit else 0
 
     def plan(self) -> Plan:
-        """What the next model call (of any length) does to this layer (plan.py)."""
+        """What the next model call (of any length) does to this layer (plan.py), worked out once
+        between changes of the layer (`_planned`)."""
+        if self._planned is None:
+            self._planned = self._make_plan()
+        return self._planned
+
+    def _make_plan(self) -> Plan:
         rebase = self.positions.rebase_due(self.seen)
         drop = self._drop_to(pending=True)
         stored = self.stored_count - drop
@@ -97,6 +106,7 @@ class LayerCache(LayerReads):
         instead of keys and values: a compiled decode step's one token (compiled.py), already
         written by the trace into the body's buffers, which go to the body's `took` (with what
         else it needs to know of them) in place of the append."""
+        self._planned = None
         if plan.rebase:
             self.body.rebase(plan.rebase)
             self.positions.base += plan.rebase
@@ -131,6 +141,7 @@ class LayerCache(LayerReads):
         cold store."""
         if not n:
             return
+        self._planned = None
         k, v = self.body.drop_front(n)
         if self.config.retrieval and self.positions.frame:   # the cold store keeps keys before RoPE
             k = self.positions.unrotate(k.astype(mx.float32), self.start - self.positions.base)
@@ -152,6 +163,7 @@ class LayerCache(LayerReads):
         (a benchmark's way to reach long contexts fast). On frame positions the base moves on
         with it, so the window's keys keep their frame positions and are never turned."""
         n = keys.shape[2]
+        self._planned = None
         positions = self.cold.positions.view()
         self.cold.append(keys, values, int(positions[-1]) + 1 if len(positions) else self.start)
         if self.positions.frame:
@@ -205,6 +217,7 @@ class LayerCache(LayerReads):
         n = min(n, self.trimmable())
         if n <= 0:
             return 0
+        self._planned = None
         self.body.truncate(len(self.body) - n)
         self.seen -= n
         return n
@@ -218,12 +231,14 @@ class LayerCache(LayerReads):
         """Counters back to `counters()`'s (the stores refilled beside): what was read off the old
         state (the kept decode masks, the retrieval telemetry) is forgotten."""
         self.seen, self.start, self.positions.base, self.dtype = seen, start, base, dtype
+        self._planned = None
         self.masks.clear()
         if self.telemetry is not None:
             self.telemetry.reset()
 
     def close(self) -> None:
         """Release every store (a disk store's files are removed)."""
+        self._planned = None
         for store in self.stores().values():
             store.close()
 

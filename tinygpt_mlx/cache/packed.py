@@ -57,6 +57,8 @@ class PackedRun:
         self.key_bits, self.value_bits, self.group = key_bits, value_bits, group
         self.value_group = value_group
         self.storage, self.codec, self.rotate = storage, codec, rotate
+        #: how its packed matmuls run on this backend, decided once here (`quant.matmul_path`)
+        self.path = quant.matmul_path(False)
         self.keys: Optional[Side] = None
         self.values: Optional[Side] = None
         self.n = 0
@@ -219,7 +221,7 @@ class PackedSegment:
         if s.key_bits:
             if s.rotate:     # the keys are stored as k R: (q R)(k R)^T = q k^T
                 rows = rows @ rotation(D)
-            scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group)
+            scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group, path=s.path)
         else:
             scores = rows @ s.keys[0].astype(mx.float32).swapaxes(-1, -2)
         scores = scores.reshape(B, H, rep, L, -1)
@@ -248,7 +250,7 @@ class PackedSegment:
         B, H, rep, L, T = p.shape
         rows = p.reshape(B, H, rep * L, T)
         if s.value_bits:
-            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.value_group)
+            out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.value_group, path=s.path)
             if s.rotate:     # the values are stored as v R: turned back by R^T
                 out = out @ rotation(out.shape[-1]).T
         else:
