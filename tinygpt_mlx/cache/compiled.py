@@ -48,9 +48,6 @@ import mlx.core as mx
 from .. import attention
 from ..model import Model
 from .packed import PackedRun, PackedSegment
-from .kv_cache import KVCache
-from .layer import LayerCache
-from .ring import RingLayer
 from .segments import DenseSegment, attend
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
@@ -157,32 +154,20 @@ def _traceable(model: Any, steps: dict) -> bool:
 
 
 def _ready(layer: Any, plan: Any) -> bool:
-    """Whether this layer's next decode step, planned as `plan`, is the ring's steady hot path:
-    a full ring (the step evicts its oldest window token and writes over it), no re-base."""
-    if not isinstance(layer, RingLayer) or layer.dtype is None:
-        return False
-    body = layer.body
-    return (body.ring and body.n == layer.config.window
-            and body.n_sink == layer.config.sink and plan.rebase == 0)
+    """Whether this ring layer's next decode step, planned as `plan`, is the ring's steady hot
+    path: a full ring (the step evicts its oldest window token and writes over it), no re-base."""
+    return layer.dtype is not None and plan.rebase == 0 and layer.body.steady()
 
 
 def _kivi_ready(layer: Any, plan: Any) -> bool:
-    """Whether this layer's next decode step, planned as `plan`, is a quiet step of KIVI under
-    StreamingLLM on frame positions: the window full (blocks evicted before), the sink full,
-    and neither a block to evict before the token (`plan.drop`) nor one to freeze after it, nor
-    a residual buffer to grow, nor a re-base."""
-    if not isinstance(layer, LayerCache) or isinstance(layer, RingLayer) or layer.dtype is None:
-        return False
-    body, cfg = layer.body, layer.config
-    if not (cfg.quantised and layer.positions.frame and cfg.streaming and not cfg.exact_topk
-            and not cfg.retrieval):
-        return False
-    res = body.residual
+    """Whether this layer's next decode step (KIVI under StreamingLLM on frame positions, the
+    layer's `compiles`), planned as `plan`, is a quiet step: the window full (blocks evicted
+    before), the sink full, and neither a block to evict before the token (`plan.drop`) nor one
+    to freeze after it, nor a residual buffer to grow (`KiviStore.quiet`), nor a re-base."""
     # only once the window is full and blocks are evicted: then the step's shapes come back every
     # G steps and each trace is reused; while the body grows every step would be a new trace
-    return (layer.start > cfg.sink and len(layer.sink_store) == cfg.sink and body.n_packed > 0 and res.keys is not None
-            and len(res) + 1 < max(body.keep, 1) + body.group and res.head + res.n + 1 <= res.keys.shape[2]
-            and plan.drop == 0 and plan.rebase == 0)
+    return (plan.drop == 0 and plan.rebase == 0 and layer.dtype is not None and layer.start > layer.config.sink
+            and len(layer.sink_store) == layer.config.sink and layer.body.quiet())
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
@@ -237,7 +222,7 @@ def _steps_of(model: Any) -> dict:
 def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
     (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
-    kind = getattr(cache, "compiled_step", None)   # decided when the cache was made (kv_cache.py)
+    kind = getattr(cache, "compiled_step", None)   # decided when a KVCache is made (kv_cache.py)
     if (kind is None or not cache.compile_decode or tokens.ndim != 2
             or tokens.shape[1] != 1 or attention.reading_reference()):
         return None
@@ -255,21 +240,21 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     if not all(_ready(c, p) for c, p in zip(layers, plans)):
         return None
     first = layers[0]
-    if any(c.seen != first.seen or c.body.ptr != first.body.ptr or c.positions.base != first.positions.base
+    slot = first.body.write_slot
+    if any(c.seen != first.seen or c.body.write_slot != slot or c.positions.base != first.positions.base
            for c in layers):
         return None     # one position and one pointer serve every layer in the trace
-    shifted = first.positions.frame and first.body.n_sink > 0
+    shifted = first.positions.frame and first.config.sink > 0   # (a steady ring holds its whole sink)
     # every ring has one window and sink here (one pointer and one position serve them all)
     key = (owners, shifted, first.dtype, first.config.window if first.config.sink == 0 else None)
     if steps.get(key) is _FAILED:
         return None
-    S = first.config.sink
     first_slot = first.sink_slot_during(plans[0])   # the same in every layer (one seen, base and ring)
-    buffers = [(c.body.keys, c.body.values) for c in layers]
+    buffers = [c.body.buffers() for c in layers]
     rows = [c.body.placed_sink(first_slot) for c in layers] if shifted else []   # may advance a block
     step = _step_fn(model, steps, key)
     try:
-        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), mx.array([S + first.body.ptr], mx.int32),
+        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), mx.array([slot], mx.int32),
                            buffers, rows)
     except Exception as e:
         # the model's code cannot be traced (module doc): this layout runs eager from now on,
@@ -285,34 +270,34 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
 def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                  ) -> Optional[mx.array]:
     """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
-    eager step would read them, the new tokens come out and join each residual, eagerly."""
+    eager step would read them (`KiviStore.step_inputs`, `LayerReads.placed_sink`), the new
+    tokens come out and join each residual, eagerly."""
     first = layers[0]
-    res0 = first.body.residual
-    if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.n_packed != first.body.n_packed
-           or c.body.tiers.n != first.body.tiers.n
-           or (c.body.residual.head, c.body.residual.n) != (res0.head, res0.n) for c in layers):
+    layout = first.body.layout()     # (packed tokens, frozen held, residual head, residual tokens)
+    if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.layout() != layout
+           for c in layers):
         return None
     mask = first.make_mask(1, return_array=False, window_size=None)   # as the model asks, before the step
     if isinstance(mask, str):
         return None
-    cfg = first.config
-    near_held = first.body.tiers.n > first.body.n_packed
-    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, cfg, near_held)
-    if steps.get(key) is _FAILED:
+    n_packed, held, head, n_res = layout
+    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, first.config, held > n_packed)
+    step = steps.get(key)
+    if step is _FAILED:
         return None
+    if step is None:
+        step = _kivi_step_fn(model, steps, key)
     sinks, packed, nears, residuals = [], [], [], []
     for c in layers:
-        sink_reading, _ = c.readings()
-        k, v = c.sink_store.fetch(c.dtype)
-        sinks.append((c.sink_store.placed(k, sink_reading).astype(mx.float32), v.astype(mx.float32)))
-        packed.append((c.body.tiers.packed.keys, c.body.tiers.packed.values))
-        nears.append((c.body.tiers.near.keys, c.body.tiers.near.values) if near_held else ())
-        res = c.body.residual
-        residuals.append((res.keys, res.values, *res.fetch()))
-    step = _kivi_step_fn(model, steps, key)
+        sinks.append(c.placed_sink())
+        p, n, r = c.body.step_inputs()
+        packed.append(p)
+        nears.append(n)
+        residuals.append(r)
     try:
         logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, residuals,
-                           mx.array([res0.head], mx.int32), mx.array([res0.head + res0.n], mx.int32), mask if mask is not None else mx.zeros((0,), mx.bool_))
+                           mx.array([head], mx.int32), mx.array([head + n_res], mx.int32),
+                           mask if mask is not None else mx.zeros((0,), mx.bool_))
     except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
         _failed(steps, key, e)
         return None

@@ -121,6 +121,26 @@ class KiviStore:
         """`append` of one token that freezes nothing, already in the residual's buffers (compiled.py)."""
         self.residual.took(keys, values)
 
+    # ----- what a compiled quiet step reads (compiled.py) -------------------------------------
+    def quiet(self) -> bool:
+        """Whether the next token's append is quiet: packed blocks held, the token fits the
+        residual's buffer and freezes no block (G - 1 of every G decode steps)."""
+        res = self.residual
+        return (self.tiers.packed.n > 0 and res.keys is not None
+                and len(res) + 1 < max(self.keep, 1) + self.group and res.head + res.n + 1 <= res.keys.shape[2])
+
+    def layout(self) -> tuple[int, int, int, int]:
+        """(tokens in the packed run, frozen tokens held in all, the residual's first buffer slot,
+        its tokens): what fixes a quiet step's shapes and where its token is written."""
+        return self.tiers.packed.n, self.tiers.n, self.residual.head, self.residual.n
+
+    def step_inputs(self) -> tuple[tuple, tuple, tuple]:
+        """A quiet step's arrays, as the eager step reads them: the packed run's sides, the near
+        tier's (empty while it holds none) and the residual (its buffers, then its live tokens)."""
+        tiers, res = self.tiers, self.residual
+        near = (tiers.near.keys, tiers.near.values) if tiers.n > tiers.packed.n else ()
+        return (tiers.packed.keys, tiers.packed.values), near, (res.keys, res.values, *res.fetch())
+
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
         if self.positions.pre_rope:

@@ -58,6 +58,12 @@ class LayerReads:
         sink's slot 0 in the query's frame (read only in shifted mode)."""
         return self.positions.frame_slot0(self.seen, self.stored_count, len(self.cold))
 
+    def placed_sink(self) -> tuple[mx.array, mx.array]:
+        """The sink's keys placed at their slots in the query's frame and its values, in fp32, as
+        a decode step's attention reads them (a compiled quiet step's input, compiled.py)."""
+        k, v = self.sink_store.fetch(self.dtype)
+        return self.sink_store.placed(k, self.readings()[0]).astype(mx.float32), v.astype(mx.float32)
+
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
         the reference path (packed blocks dequantised; attention tests compare against it)."""

@@ -99,6 +99,21 @@ class RingStore:
         if sink_at is not None:
             self._sink_in_buffer = sink_at
 
+    # ----- what a compiled decode step reads (compiled.py) ---------------------------------------
+    def steady(self) -> bool:
+        """Whether the ring holds its whole sink and window laid out as a ring: a decode step then
+        writes over its oldest window slot, and its shapes never change."""
+        return self.ring and self.n == self.window and self.n_sink == self.sink
+
+    @property
+    def write_slot(self) -> int:
+        """The buffer slot the next decode step's token is written to (the ring's pointer)."""
+        return self.sink + self.ptr
+
+    def buffers(self) -> tuple[mx.array, mx.array]:
+        """The key and value buffers [B, H, S + W, D] as they lie (the sink's slots first)."""
+        return self.keys, self.values
+
     def _to_ring(self, like: mx.array) -> None:
         """Lay the tokens out as a ring (sink slots, then the window from slot 0) if they are not."""
         if self.n >= self.window:
