@@ -342,3 +342,30 @@ def test_compiled_decode_over_sliding_rings_equals_eager(gemma, monkeypatch):
         logits.append(engine.forward(m, mx.array([[tokens[-1]]]), cache)[0, -1].astype(mx.float32))
     assert len(keys) >= DECODE - 1 and all(k[3] == W for k in keys)    # compiled steps ran
     assert tokens == want_tokens and mx.abs(mx.stack(logits) - want).max().item() < 1e-4
+
+
+def test_retrieval_scaling_bench_grows_only_the_global_layers(gemma):
+    """The scaling bench's `grow_cold` and `summary_recall` on a model with sliding layers: only
+    the global layers have cold stores (a sliding ring forgets what leaves its window), so only
+    they grow; the sliding rings keep their window and decoding goes on (before: the sliding
+    layers' `Forgets` was taken for a cold store, an AttributeError on Gemma 3)."""
+    from tinygpt_mlx.evaluate.retrieval_bench import decode_scaling, grow_cold, summary_recall
+
+    cfg = CacheConfig(sink=4, hot_budget=24, retrieve_tokens=8, page_size=4, top_pages=2)
+    cache = make_cache(gemma.model, cfg)
+    run(gemma.model, cache, decode=0)
+    grow_cold(cache, 300, block=16)
+    for c in cache.global_layers:
+        assert c.current_length == 300 and len(c.cold) + c.stored_count == 300
+    for c in cache.owned:
+        if c.sliding:
+            assert c.current_length == len(PROMPT) and c.stored_count == W
+    out = gemma.model(mx.array([[5]]), cache=cache)[0, -1]
+    assert bool(mx.isfinite(out).all())
+    rows = decode_scaling(gemma.model, cfg, PROMPT, [len(PROMPT), 200], decode_steps=2, chunk=CHUNK)
+    assert [r["context"] for r in rows] == [len(PROMPT) + 3, 200 + 3]
+    recall = summary_recall(gemma.model, cfg, PROMPT * 2, decode_steps=2, k=2, chunk=CHUNK)
+    # the prompt and the two decode steps fed, less the sink and the hot window
+    assert recall["cold_tokens"] == 2 * len(PROMPT) + 2 - 4 - 24
+    assert set(recall["recall"]) == {"minmax", "mean", "hybrid"}
+    assert all(0 <= r <= 1 for r in recall["recall"].values())

@@ -30,8 +30,9 @@ from ..sampling import make_sampler
 
 def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
     """Append copies of each cold store's own pages until `target_tokens` tokens are cold in
-    total (hot tokens included). Positions continue from the last cold position."""
-    for lc in cache.owned:
+    total (hot tokens included). Positions continue from the last cold position. Only the global
+    layers have cold stores (a sliding-window layer's ring keeps its own window: factory.sliding_layer)."""
+    for lc in cache.global_layers:
         store = lc.cold
         base = store.n
         if base == 0:
@@ -136,7 +137,7 @@ def summary_recall(model: Any, config: CacheConfig, tokens: list[int], decode_st
     cache = make_cache(model, dataclasses.replace(config, cold_store="disk"))
     run = steps(model, tokens, cache, make_sampler(0.0), decode_steps + 1, chunk)
     _prefill(run)
-    stores = [c.cold for c in cache.owned]
+    stores = [c.cold for c in cache.global_layers]   # (sliding-window rings have none)
     queries: dict[int, list] = {id(s): [] for s in stores}
     for s in stores:  # record the (positioned) query rows each store's coarse pass is asked
         orig = s.coarse
