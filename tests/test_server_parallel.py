@@ -263,6 +263,25 @@ def test_ollama_and_openai_clients_at_once(server, native):
     assert httpx.get(server + "/api/slots").json()["batched_steps"] > before
 
 
+def test_logprobs_and_usage_per_request_at_once(server, native):
+    """Each concurrent request gets its own log-probabilities, prompt and reply counts, equal to
+    what it gets alone."""
+    httpx = pytest.importorskip("httpx")
+
+    def one(i):
+        r = httpx.post(server + "/api/generate", json={
+            "model": native.name, "prompt": f"{PROMPTS[i]} {i}", "stream": False, "logprobs": True,
+            "top_logprobs": 3, "options": {"temperature": 0, "num_predict": 10}}, timeout=60)
+        assert r.status_code == 200, r.text
+        d = r.json()
+        return d["response"], d["logprobs"], d["prompt_eval_count"] + d["prompt_cached_tokens"], d["eval_count"]
+
+    alone = [one(i) for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(4) as ex:
+        together = list(ex.map(one, range(4)))
+    assert together == alone and all(len(lp) == n for _, lp, _, n in alone)
+
+
 def test_a_short_request_is_answered_while_a_long_one_streams(server, native):
     """A short request sent while a long answer streams finishes while the long one still runs
     (before, it waited for the whole answer)."""

@@ -1,0 +1,300 @@
+"""Continuous batching in `serve` (issue #56): aggregate decode tokens/s of concurrent streams
+against one stream, and the time to first token of a short request sent while a long answer
+streams against an idle server.
+
+Starts the server in a process of its own per policy (uvicorn on a free 127.0.0.1 port,
+`--parallel` --streams, as `posttrainllm serve` runs it: the clients' threads do not share its
+interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, greedy:
+
+  one stream:   each prompt alone, --tokens tokens; tokens/s = its tokens / wall time (median)
+  N streams:    --streams requests at once (different prompts), the same length; aggregate
+                tokens/s = all their tokens / wall time from the first sent to the last done;
+                each concurrent text is compared with that prompt's text on the idle server
+  TTFT idle:    a short request (--short-tokens) on the idle server (median of --repeats)
+  TTFT busy:    the same request sent while a --long-tokens answer streams (median of --repeats,
+                each sent after the previous finished, all while the long answer runs)
+  engine only:  in this process, without HTTP: the N prompts' decode steps run one model call
+                each (as N lone requests would) against one batched call (server/batch.py),
+                --engine-steps steps a round, 2 x --rounds rounds alternating (medians): what
+                batching saves in the model call, apart from the server's per-token work
+
+Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
+non-empty text). The ratios are what count: each pair is measured in the same run, minutes
+apart at most. Beside the wall-clock ratio, the ratio of tokens per CPU-second of the server
+process (all its threads): the work a token costs, which the load of other processes on a
+shared machine disturbs far less than the wall time. Run it with `nice` on a shared machine.
+
+  python -m benchmarks.bench_server_parallel models/tinygpt-base.tinygpt
+  python -m benchmarks.bench_server_parallel ~/.cache/posttrainllm/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --json docs/results/server_parallel_smollm2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.loading import load
+
+PROMPTS = ["The history of the city begins", "In the morning the old fisherman", "A recipe for bread needs",
+           "The theory of numbers studies", "Once upon a time in a small village", "The river flows from"]
+
+
+def policies(window: int) -> dict[str, CacheConfig]:
+    return {"full": CacheConfig(), "int4": CacheConfig(key_bits=4, value_bits=4),
+            f"sink4/window{window}": CacheConfig(sink=4, window=window),
+            f"retrieval sink4/hot{window}": CacheConfig(sink=4, hot_budget=window)}
+
+
+def generate(url: str, model: str, prompt: str, tokens: int, on_first=None, stop: threading.Event = None) -> dict:
+    """One streamed greedy /api/generate: its text, token count, TTFT and wall time (client side)."""
+    body = {"model": model, "prompt": prompt, "raw": True, "options": {"temperature": 0, "num_predict": tokens}}
+    t0 = time.perf_counter()
+    ttft, text, final = None, [], None
+    with httpx.stream("POST", url + "/api/generate", json=body, timeout=3600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            obj = json.loads(line)
+            if "error" in obj:
+                raise RuntimeError(obj["error"])
+            if obj.get("response") and ttft is None:
+                ttft = time.perf_counter() - t0
+                if on_first is not None:
+                    on_first()
+            text.append(obj.get("response", ""))
+            if obj["done"]:
+                final = obj
+            if stop is not None and stop.is_set():
+                break
+    return {"text": "".join(text), "tokens": final["eval_count"] if final else None, "ttft_s": ttft,
+            "wall_s": time.perf_counter() - t0, "t0": t0, "t1": time.perf_counter()}
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads) the process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid: int) -> dict:
+    """Each prompt alone, then `rounds` runs of all `streams` at once, each round after the first
+    preceded by one more solo run (the machine's load drifts: both rates are medians). Beside
+    the wall-clock rates, tokens per CPU-second of the server process: the work per token, which
+    other processes' load on a shared machine changes far less than the wall time."""
+    prompts = PROMPTS[:streams]
+
+    def solo_run(p):
+        c0 = cpu_seconds(pid)
+        r = generate(url, model, p, tokens)
+        r["cpu_s"] = cpu_seconds(pid) - c0
+        return r
+
+    alone = [solo_run(p) for p in prompts]
+    solo = [r["tokens"] / r["wall_s"] for r in alone]
+    solo_cpu = [r["tokens"] / r["cpu_s"] for r in alone]
+    together_rates, together_cpu, same = [], [], [True] * streams
+    for i in range(rounds):
+        if i:
+            r = solo_run(prompts[i % streams])
+            solo.append(r["tokens"] / r["wall_s"])
+            solo_cpu.append(r["tokens"] / r["cpu_s"])
+        c0 = cpu_seconds(pid)
+        with concurrent.futures.ThreadPoolExecutor(streams) as ex:
+            together = list(ex.map(lambda p: generate(url, model, p, tokens), prompts))
+        cpu = cpu_seconds(pid) - c0
+        wall = max(r["t1"] for r in together) - min(r["t0"] for r in together)
+        together_rates.append(sum(r["tokens"] for r in together) / wall)
+        together_cpu.append(sum(r["tokens"] for r in together) / cpu)
+        same = [s and a["text"] == b["text"] for s, a, b in zip(same, alone, together)]
+    one, n = statistics.median(solo), statistics.median(together_rates)
+    one_cpu, n_cpu = statistics.median(solo_cpu), statistics.median(together_cpu)
+    return {"one_stream_tok_s": round(one, 2), "one_stream_samples": [round(x, 1) for x in solo],
+            "tokens_per_stream": [r["tokens"] for r in alone],
+            "n_streams_tok_s": round(n, 2), "n_streams_samples": [round(x, 1) for x in together_rates],
+            "ratio": round(n / one, 2), "same_text": same,
+            "one_stream_tok_per_cpu_s": round(one_cpu, 2), "n_streams_tok_per_cpu_s": round(n_cpu, 2),
+            "cpu_ratio": round(n_cpu / one_cpu, 2)}
+
+
+def engine(model_path: str, config: CacheConfig, streams: int, steps: int, rounds: int) -> dict:
+    """The decode step itself, without the server: `streams` sequences (the prompts, prefilled)
+    stepped one model call each (`generate._call`, as a lone request runs) against one batched call
+    for all (`batch.decode_step`), `steps` steps a round, alternating; tokens/s of each (medians)."""
+    import mlx.core as mx
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.generate import _call, prefill
+    from tinygpt_mlx.server import batch
+
+    loaded = _loaded(model_path)
+    m, tok = loaded.model, loaded.tokenizer
+    prompts = [tok.encode(p) for p in PROMPTS[:streams]]
+    sets = {}
+    for kind in ("solo", "batched"):
+        caches = [make_cache(m, config) for _ in prompts]
+        sets[kind] = (caches, [int(mx.argmax(prefill(m, ids, c, 512)).item()) for ids, c in zip(prompts, caches)])
+    rates = {"solo": [], "batched": []}
+    for r in range(rounds):
+        for kind in (("solo", "batched") if r % 2 == 0 else ("batched", "solo")):
+            caches, tokens = sets[kind]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                if kind == "solo":
+                    tokens = [int(mx.argmax(_call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
+                else:
+                    tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches), axis=-1).tolist()]
+            rates[kind].append(steps * streams / (time.perf_counter() - t0))
+            sets[kind] = (caches, tokens)
+    for caches, _ in sets.values():
+        for c in caches:
+            c.close()
+    one, n = statistics.median(rates["solo"]), statistics.median(rates["batched"])
+    return {"engine_one_at_a_time_tok_s": round(one, 1), "engine_batched_tok_s": round(n, 1),
+            "engine_ratio": round(n / one, 2)}
+
+
+_LOADED: dict = {}
+
+
+def _loaded(path: str):
+    if path not in _LOADED:
+        _LOADED[path] = load(path)
+    return _LOADED[path]
+
+
+def ttft(url: str, model: str, long_tokens: int, short_tokens: int, repeats: int) -> dict:
+    short = PROMPTS[-1]
+    idle = [generate(url, model, short, short_tokens)["ttft_s"] for _ in range(repeats)]
+    started, stop, out = threading.Event(), threading.Event(), {}
+
+    def long_answer():
+        out["long"] = generate(url, model, PROMPTS[-2], long_tokens, on_first=started.set, stop=stop)
+
+    th = threading.Thread(target=long_answer)
+    th.start()
+    started.wait(600)
+    busy = []
+    for _ in range(repeats):
+        r = generate(url, model, short, short_tokens)
+        if not th.is_alive():
+            break                      # the long answer ended: this one was not measured under load
+        busy.append(r["ttft_s"])
+    stop.set()
+    th.join()
+    i, b = statistics.median(idle), statistics.median(busy) if busy else float("nan")
+    return {"idle_ttft_ms": round(1000 * i, 1), "busy_ttft_ms": round(1000 * b, 1), "ratio": round(b / i, 2),
+            "busy_samples": len(busy), "idle_samples_ms": [round(1000 * x, 1) for x in idle],
+            "busy_samples_ms": [round(1000 * x, 1) for x in busy]}
+
+
+def serve(model: str, label: str, window: int, streams: int, port: int) -> None:
+    """The server process: `label`'s policy, --parallel `streams`, on 127.0.0.1:`port`."""
+    import uvicorn
+    from tinygpt_mlx.server.app import create_app
+    app = create_app(load(model), policies(window)[label], max_slots=streams, parallel=streams)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+def start_server(model: str, label: str, window: int, streams: int) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_server_parallel", model, "--serve", label,
+                             "--window", str(window), "--streams", str(streams), "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 300
+    while True:
+        try:
+            httpx.get(url + "/api/version", timeout=2)
+            return proc, url
+        except httpx.TransportError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                raise RuntimeError(f"the server for {label} did not start") from None
+            time.sleep(0.2)
+
+
+def server_rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="a .tinygpt, GGUF or model directory")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=256, help="tokens per stream")
+    ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--short-tokens", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=5, help="TTFT samples, idle and busy")
+    ap.add_argument("--rounds", type=int, default=3, help="concurrent runs (and solo runs) per policy")
+    ap.add_argument("--window", type=int, default=128, help="StreamingLLM window and retrieval hot budget")
+    ap.add_argument("--policies", default=None, help="comma-separated labels to run (default: all four)")
+    ap.add_argument("--engine-steps", type=int, default=32, help="decode steps per round of the engine-only part")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--serve", metavar="POLICY", help=argparse.SUPPRESS)   # the server process
+    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        serve(args.model, args.serve, args.window, args.streams, args.port)
+        return
+    for name, value, least in (("--streams", args.streams, 2), ("--tokens", args.tokens, 2),
+                               ("--long-tokens", args.long_tokens, 16), ("--short-tokens", args.short_tokens, 1),
+                               ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1), ("--window", args.window, 8)):
+        if value < least:
+            ap.error(f"{name} must be at least {least}, got {value}")
+    if args.streams > len(PROMPTS) - 2:
+        ap.error(f"--streams must be at most {len(PROMPTS) - 2}, got {args.streams}")
+    if not Path(args.model).expanduser().exists():
+        ap.error(f"model {args.model}: no such file or directory")
+    table = policies(args.window)
+    chosen = list(table) if args.policies is None else [p.strip() for p in args.policies.split(",")]
+    unknown = [p for p in chosen if p not in table]
+    if unknown:
+        ap.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(table)}")
+    name = Path(args.model).stem
+    results = {"model": name, "streams": args.streams, "tokens": args.tokens, "command": " ".join(sys.argv),
+               "load_average_at_start": list(os.getloadavg()), "rows": []}
+    print(f"model {name}: {args.streams} streams x {args.tokens} tokens vs one; TTFT of a {args.short_tokens}-"
+          f"token request during a {args.long_tokens}-token answer vs idle")
+    for label in chosen:
+        eng = engine(args.model, table[label], args.streams, args.engine_steps, 2 * args.rounds)
+        proc, url = start_server(args.model, label, args.window, args.streams)
+        try:
+            model = httpx.get(url + "/api/tags").json()["models"][0]["model"]
+            row = {"policy": label, **throughput(url, model, args.streams, args.tokens, args.rounds, proc.pid),
+                   "ttft": ttft(url, model, args.long_tokens, args.short_tokens, args.repeats),
+                   "server_rss_mib": server_rss_mib(proc.pid)}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        row.update(eng, load_average_after=list(os.getloadavg()))
+        results["rows"].append(row)
+        t = row["ttft"]
+        print(f"{label:<24} one {row['one_stream_tok_s']:7.1f} tok/s  {args.streams} streams "
+              f"{row['n_streams_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} (per CPU-s x{row['cpu_ratio']:.2f})  "
+              f"same text {all(row['same_text'])}"
+              f"  | TTFT idle {t['idle_ttft_ms']:.0f} ms, during a long answer {t['busy_ttft_ms']:.0f} ms "
+              f"(x{t['ratio']:.2f}, {t['busy_samples']} samples)  | server RSS {row['server_rss_mib']} MiB  "
+              f"| engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
+              f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}", flush=True)
+    if args.json:
+        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
+        tmp.write_text(json.dumps(results, indent=1) + "\n")
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
