@@ -368,3 +368,39 @@ def test_serve_parallel_option(native_path, monkeypatch):
         srv.pool.close()
     bad = CliRunner().invoke(app, ["serve", str(native_path), "--parallel", "0"])
     assert bad.exit_code != 0 and "parallel must be an integer >= 1, got 0" in bad.output
+
+
+@pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(key_bits=4, sink=4, window=64)],
+                         ids=["full", "int4keys+streaming"])
+def test_questions_about_a_prewarmed_document_at_once(native, tmp_path, cfg):
+    """Three questions about a pre-warmed document at once: the first runs on the document's
+    slot, the others on the file loaded again into scratch caches; none prefills the document,
+    and each answer is a cold server's."""
+    httpx = pytest.importorskip("httpx")
+    from test_server import DOC, _ptc
+    from tinygpt_mlx.server.app import create_app, serve_in_thread
+
+    doc_ids = _ptc(native, cfg, tmp_path / "doc.ptc")
+    questions = [" Who keeps the lighthouse?", " What does she wind?", " Where is the cape?"]
+
+    def ask(url, q):
+        r = httpx.post(url + "/api/generate", json={"model": native.name, "prompt": DOC + q, "stream": False,
+                                                   "options": {"temperature": 0, "num_predict": 12}}, timeout=60)
+        return r.json()
+
+    def run(**kw):
+        srv, thread, url = serve_in_thread(create_app(native, cfg, prefill_chunk=64, max_slots=2, parallel=4, **kw))
+        try:
+            with concurrent.futures.ThreadPoolExecutor(3) as ex:
+                out = list(ex.map(lambda q: ask(url, q), questions))
+            return out, httpx.get(url + "/api/slots").json()["recent"]
+        finally:
+            srv.should_exit = True
+            thread.join(timeout=10)
+
+    warm, recent = run(prompt_caches=[tmp_path / "doc.ptc"])
+    cold, _ = run()
+    assert sorted(r["action"] for r in recent) == ["extend", "reload", "reload"]
+    for w, c, q in zip(warm, cold, questions):
+        assert w["prompt_eval_count"] == len(native.tokenizer.encode(DOC + q)) - len(doc_ids)
+        assert w["response"] == c["response"] and w["eval_count"] == c["eval_count"] > 0

@@ -45,7 +45,8 @@ it), so a prompt equal to a slot's tokens rolls back one token (or rebuilds).
 **Busy slots.** The server runs several requests at once (worker.py); each holds its slot
 (`acquire(hold=True)`) until `release`, and no other request picks a busy slot for any rule
 above: with every slot busy a request runs in a scratch cache. A request that continues a busy
-slot's running prompt waits for it instead (`waits_for`).
+slot's running prompt waits for it instead (`waits_for`); one that starts with a busy pre-warmed
+slot's document gets the file loaded again into a scratch cache (`reload`, slot -1).
 
 All methods run on the single generation worker; `describe` may be read from other threads.
 """
@@ -244,6 +245,16 @@ class SlotPool:
             src.cache, tokens = self.loader(src.source.path)
             src.tokens = list(tokens)
             return Lease(src, len(src.tokens), "reload")
+        # the document's slot is busy with another request: load the file again into a scratch cache
+        # (one file load, no prefill of the document) rather than prefilling it cold
+        busy_src = max((s for s in self.slots if s.source is not None and self.loader is not None and s.busy
+                        and len(s.source.tokens) <= limit and tuple(prompt[:len(s.source.tokens)]) == s.source.tokens),
+                       key=lambda s: len(s.source.tokens), default=None)
+        if busy_src is not None and len(busy_src.source.tokens) >= MIN_REUSE:
+            scratch = Slot(-1)
+            scratch.cache, tokens = self.loader(busy_src.source.path)
+            scratch.tokens = list(tokens)
+            return Lease(scratch, len(scratch.tokens), "reload")
         free = self._free_slot()
         if free is not None:
             self._fresh(free)
