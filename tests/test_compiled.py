@@ -6,7 +6,7 @@ every case it must leave to the eager path."""
 import mlx.core as mx
 import pytest
 
-from tinygpt_mlx import attention
+from dense_reference import reference_path
 from tinygpt_mlx.cache import compiled, make_cache
 from tinygpt_mlx.cache import sink_block
 from tinygpt_mlx.cache.persist import layer_state
@@ -181,7 +181,7 @@ def test_it_declines_what_it_does_not_cover(native, monkeypatch):
     for c in due.owned:
         c.positions.rebase_every = c.seen - c.positions.base
     assert compiled.decode(m, one, due) is None
-    with attention.reference_path():
+    with reference_path():
         assert compiled.decode(m, one, _full_ring(m)) is None
     for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW),
                  CacheConfig(sink=SINK, window=WINDOW, key_bits=4)):

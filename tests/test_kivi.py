@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tinygpt_mlx import attention
+from dense_reference import reference_path
 from prerope import make_cache
 from tinygpt_mlx.cache import KVCache, LayerCache, layer_cache
 from tinygpt_mlx.cache.kivi import KiviStore
@@ -31,7 +32,7 @@ def kivi_store(cfg):
 
 def routed(installed):
     """The packed fast path (our attention reads the segments), or the dense reference path."""
-    return contextlib.nullcontext() if installed else attention.reference_path()
+    return contextlib.nullcontext() if installed else reference_path()
 
 
 def tokens(n, vocab=300, seed=0):

@@ -9,17 +9,19 @@ model's modules (KIV does the same to Hugging Face models) and returns a `Routin
 `close()` restores exactly what it replaced. `loading.load` does this and the loaded model owns
 the handle; building a cache never installs anything.
 
-The function dispatches on the cache: one of ours attends over its own segments
-(`cache.attend`: dense attention over its exact K/V, or scores straight from packed and
-retrieved data), so its `update_and_fetch` never has to assemble anything; any other cache
-gets mlx-lm's attention over the keys and values that `update_and_fetch` returned.
+The function dispatches on the cache: one of ours that `reads_own_segments` attends over its
+own segments (`cache.attend`: packed and retrieved data scored straight from where they lie, a
+ring read as it lies), so its `update_and_fetch` never has to assemble anything; any other
+cache, a full exact layer of ours included (`FullLayer`, which returns its K/V as mlx-lm's
+`KVCache` does), gets mlx-lm's attention over the keys and values `update_and_fetch` returned.
+The dense reference the fast paths are tested against lives in the tests
+(tests/dense_reference.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models import base as _mlx_base
@@ -27,41 +29,18 @@ from mlx_lm.models import base as _mlx_base
 _original_sdpa = _mlx_base.scaled_dot_product_attention
 #: module name -> [the function it had before, how many live Routings patched it]
 _patched: dict[str, list] = {}
-_reference = False   # set by `reference_path()`
-
-
-@contextlib.contextmanager
-def reference_path() -> Iterator[None]:
-    """Within the block, attention over our caches runs mlx-lm's dense attention over
-    `cache.fetch()` (every stored token dense, packed blocks dequantised) instead of the
-    caches' own segments: the reference that tests compare the fast path against. Retrieval
-    has no reference here (the dense K/V hold only the sink and the hot window)."""
-    global _reference
-    before, _reference = _reference, True
-    try:
-        yield
-    finally:
-        _reference = before
-
-
-def reading_reference() -> bool:
-    """Whether attention runs the reference path now (inside `reference_path()`)."""
-    return _reference
 
 
 def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.array, cache: Any,
                                  scale: float, mask: Optional[Any], sinks: Optional[mx.array] = None
                                  ) -> mx.array:
-    """Attention for one layer call. A posttrainllm layer cache attends over its own segments
-    (its `update_and_fetch` returned only the new tokens); any other cache, or none, gets
-    mlx-lm's attention over the `keys`/`values` it was handed."""
+    """Attention for one layer call. A posttrainllm layer cache that `reads_own_segments`
+    attends over its own segments (its `update_and_fetch` returned only the new tokens); any
+    other cache, or none, gets mlx-lm's attention over the `keys`/`values` it was handed."""
     if not getattr(cache, "reads_own_segments", False):
         return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     if sinks is not None:
         raise ValueError("posttrainllm caches do not support learned attention sinks yet")
-    if _reference:
-        keys, values = cache.fetch()
-        return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
     return cache.attend(queries, scale, mask)
 
 

@@ -28,9 +28,10 @@ eager, so the two agree to the last bit here (tests/test_compiled.py). The layer
 (cache/plan.py) decide whether the step can run (no eviction of a KIVI block, no re-base due) and
 give the position it takes; afterwards each layer runs the same `commit` of its plan as the eager
 step, with the token the trace wrote into its buffers (the store's `took`). Anything else runs
-eager: a ring that is not full
-yet, a re-base due, a chunk of several tokens, other policies, the reference path, a model
-sharded over ranks. An mlx-lm model is traced the same way (its code sees the position as an
+eager: a ring that is not full yet, a re-base due, a chunk of several tokens, other policies (a
+cache's `compiled_step`, decided when it is made), a model sharded over ranks. The trace reads
+only what the stores expose for it (`RingStore.steady`/`write_slot`/`buffers`,
+`KiviStore.quiet`/`layout`/`step_inputs`). An mlx-lm model is traced the same way (its code sees the position as an
 array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
 something else of its cache, fails in the trace, before anything is changed, and runs eager from
 then on. One switch turns it off: `cache.compile_decode = False`, whose default
@@ -223,8 +224,7 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
     (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
     kind = getattr(cache, "compiled_step", None)   # decided when a KVCache is made (kv_cache.py)
-    if (kind is None or not cache.compile_decode or tokens.ndim != 2
-            or tokens.shape[1] != 1 or attention.reading_reference()):
+    if kind is None or not cache.compile_decode or tokens.ndim != 2 or tokens.shape[1] != 1:
         return None
     steps = _steps_of(model)
     if not _traceable(model, steps):
