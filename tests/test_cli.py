@@ -74,6 +74,9 @@ def test_mlx_lm_directory(llama_dir):
     (["--top-p", "0"], "'--top-p'"),
     (["--tokens", "-5"], "'--tokens'"),
     (["--prefill-chunk", "0"], "'--prefill-chunk'"),
+    (["--kiv-cold-ram", "512"], "'--kiv-cold-ram': bounds the RAM of retrieval's ram cold store: it needs --kiv-hot-budget"),
+    (["--kiv-hot-budget", "64", "--kiv-cold-ram", "0"], "'--kiv-cold-ram': must be an integer >= 1, got 0"),
+    (["--kiv-hot-budget", "64", "--kiv-cold-ram", "8", "--kiv-cold-store", "disk"], "and --kiv-cold-store ram"),
 ])
 def test_bad_flags_exit_nonzero_with_one_clear_line(native_path, args, message):
     r = run("sample", native_path, "-p", "hi", *args)

@@ -33,6 +33,7 @@ EXAMPLES = {
     "top_pages": ("hot256", "pages80", ["--kiv-top-pages", "80"]),
     "summary": ("hot256", "mean", ["--kiv-summary", "mean"]),
     "cold_store": ("hot256", "colddisk", ["--kiv-cold-store", "disk"]),
+    "cold_ram": ("hot256", "spill512", ["--kiv-cold-ram", "512"]),
     "retrieved_position": ("hot256", "page", ["--kiv-positions", "page"]),
     "retrieve_unit": ("hot256", "tokens", ["--kiv-unit", "tokens"]),
     "span_score": ("hot256", "spanmean", ["--kiv-span-score", "mean"]),

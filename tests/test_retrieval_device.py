@@ -286,3 +286,128 @@ def test_telemetry_keeps_the_newest_records_only(monkeypatch):
     for _ in range(20):
         t.record(sel)
     assert 4 <= len(t.records) <= 8 and t.records[-1]["step"] == 19 and t.steps == 20
+
+
+# ----- the RAM budget: the oldest rows spilled to disk (config.cold_ram) ----------------------
+
+SPILL_CASES = {"fp32": {}, "bf16": dict(storage="bf16"), "mean-page": dict(summary="mean", retrieved_position="page"),
+               "slots": dict(retrieved_position="slots"), "tokens": dict(retrieve_unit="tokens")}
+
+
+def _spilling(model, cfg, share: int = 10 ** 6):
+    """A cache whose ram stores spill past the least budget they take (one block of pages per
+    layer): `cold_ram`'s 1 MiB shared by `share` layers, where a test model has 2."""
+    cache = make_cache(model, cfg)
+    for layer in cache.distinct():
+        layer.cold.ram_layers = share
+    return cache
+
+
+def _run(model, cache, tokens, steps=24, chunk=64):
+    """Every prefill chunk's logits, then greedy decode steps' (each evaluated: a spill reads back)."""
+    out = []
+    for i in range(0, len(tokens), chunk):
+        out.append(prefill(model, tokens[i:i + chunk], cache, chunk))
+        mx.eval(out[-1])
+    for _ in range(steps):
+        out.append(forward(model, mx.array([[int(mx.argmax(out[-1]).item())]]), cache)[0, -1])
+        mx.eval(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("case", list(SPILL_CASES))
+def test_a_spilled_store_attends_to_what_it_would_in_ram(native, case):
+    """Past its RAM budget the ram store moves its oldest rows to disk, a quarter of the budget
+    at a time, and keeps at most the budget in RAM; every prefill chunk and decode step gives
+    the logits it gives with everything in RAM (the search is the same: summaries stay in RAM;
+    a picked spilled row is read back from its file; a decode step takes the selection op by
+    op, not the compiled one, whose sums may differ in the last bit). The bytes in all are the
+    same; `disk_nbytes` says how many are on disk."""
+    cfg = CacheConfig(hot_budget=32, page_size=8, top_pages=4, retrieve_tokens=16, index_block=4, index_expand=2,
+                      **SPILL_CASES[case])
+    tokens = [int(x) for x in np.random.RandomState(3).randint(1, 300, size=900)]
+    want = _run(native.model, make_cache(native.model, cfg), tokens)
+    cache = _spilling(native.model, dataclasses.replace(cfg, cold_ram=1))
+    got = _run(native.model, cache, tokens)
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), atol=1e-5)
+    store = cache[0].cold
+    budget = store.budget_tokens()
+    assert budget == 32 and store.spilled >= store.n - budget and store.n - store.spilled <= budget
+    assert cache.disk_nbytes > 0 and cache.nbytes == make_cache_bytes(native.model, cfg, tokens)
+
+
+def make_cache_bytes(model, cfg, tokens):
+    cache = make_cache(model, cfg)
+    _run(model, cache, tokens)
+    return cache.nbytes
+
+
+def test_a_spilled_store_reads_only_picked_rows_and_packed_rows_too(native32):
+    """Packed cold rows (8 bits: codes, scale and zero, each spilled) attend as in RAM; a spill
+    cuts back into the file on a rewind (a checkpoint older than the spill) and continues as the
+    store in RAM does after the same rewind."""
+    cfg = CacheConfig(hot_budget=64, page_size=8, top_pages=4, retrieve_tokens=16, index_block=4, cold_bits=8)
+    tokens = [int(x) for x in np.random.RandomState(4).randint(1, 300, size=700)]
+    ram, spilled = make_cache(native32.model, cfg), _spilling(native32.model, dataclasses.replace(cfg, cold_ram=1))
+    marks = []
+    for cache in (ram, spilled):
+        _run(native32.model, cache, tokens[:200], steps=0)
+        marks.append(cache.checkpoint())
+        _run(native32.model, cache, tokens[200:], steps=0)
+    assert spilled[0].cold.spilled > 200 - 64
+    for cache, mark in zip((ram, spilled), marks):
+        cache.restore(mark)
+    assert spilled[0].cold.spilled <= 200
+    a, b = (_run(native32.model, cache, tokens[300:], steps=8) for cache in (ram, spilled))
+    for x, y in zip(a, b):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+
+
+def test_a_spilled_cache_saves_the_file_a_ram_one_does(native, tmp_path):
+    """A prompt-cache file of a spilled cache holds every row (the spilled ones read from their
+    file): it loads into a cache without a budget, and one with it, and both continue as the
+    cache that saved it would. The budget is placement, not policy: the files differ only in it."""
+    from tinygpt_mlx.cache.persist import load_prompt_cache, save_prompt_cache
+
+    cfg = CacheConfig(hot_budget=32, page_size=8, top_pages=4, retrieve_tokens=16, index_block=4)
+    tokens = [int(x) for x in np.random.RandomState(5).randint(1, 300, size=600)]
+    cache = _spilling(native.model, dataclasses.replace(cfg, cold_ram=1))
+    logits = _run(native.model, cache, tokens, steps=0)[-1]
+    assert cache[0].cold.spilled
+    save_prompt_cache(tmp_path / "s.ptc", cache, native, tokens, logits)
+    plain = make_cache(native.model, cfg)
+    _run(native.model, plain, tokens, steps=0)
+    save_prompt_cache(tmp_path / "r.ptc", plain, native, tokens, logits)
+    want = _run(native.model, plain, [7, 8, 9], steps=6)
+    for budget in (None, 1):
+        restored, _ = load_prompt_cache(tmp_path / "s.ptc", native, config=dataclasses.replace(cfg, cold_ram=budget))
+        for layer in restored.distinct():
+            layer.cold.ram_layers = 10 ** 6
+        got = _run(native.model, restored, [7, 8, 9], steps=6)
+        assert bool(restored[0].cold.spilled) == (budget is not None)
+        for x, y in zip(want, got):
+            np.testing.assert_allclose(np.asarray(y), np.asarray(x), atol=1e-5)
+    from tinygpt_mlx.cache.persist import read_prompt_cache_info
+    a, b = read_prompt_cache_info(tmp_path / "s.ptc"), read_prompt_cache_info(tmp_path / "r.ptc")
+    assert a.config.cold_ram == 1 and b.config.cold_ram is None and a.tokens == b.tokens
+
+
+def test_a_store_loaded_past_its_budget_spills_at_once():
+    """A store loaded (a prompt-cache file, a checkpoint) past its budget spills as it loads, and
+    its passes attend to what the store it was saved from attends to, chunk and decode."""
+    from tinygpt_mlx.cache.checkpoint import Held
+
+    cfg, (_, dev), rng = _stores(6, 2101)
+    arrays, meta = dev.state()
+    spilled = DeviceColdStore(dataclasses.replace(cfg, cold_ram=1), KVCache)
+    spilled.ram_layers = 10 ** 6
+    spilled.load_state(Held.of(arrays), meta)
+    assert spilled.n == 2101 and spilled.spilled >= 2101 - spilled.budget_tokens() > 0
+    for L in (6, 1):
+        q = mx.array(rng.randn(1, 4, L, 16).astype(np.float32))
+        reading = Reading(mx.float32, Positions(cfg, None), 0, q, 0.25)
+        (want, out), (got, out_spilled) = _attended(dev, reading), _attended(spilled, reading)
+        assert got == want
+        np.testing.assert_allclose(out_spilled, out, atol=2e-5)
+    assert spilled.nbytes_breakdown()["cold_disk"] > 0

@@ -152,6 +152,8 @@ class CacheConfig:
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
     retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
                  the cold store (cache/cold.py, docs/retrieval.md); None: `fetch_budget`'s
+    cold_ram     the ram store: MiB its cold rows hold in RAM over all layers, the oldest spilled
+                 to disk past it (cold_device.py; placement, like cold_store: None = no limit)
     retrieved_position  shifted retrieval: where retrieved tokens sit, "fixed" (all at one
                  slot just before the hot window, InfLLM), "page" (token j of every page at
                  the j-th of `page_size` slots before the hot window: a span keeps its inner
@@ -192,6 +194,7 @@ class CacheConfig:
     summary: str = "minmax"
     cold_store: str = "ram"
     cold_bits: Optional[int] = None
+    cold_ram: Optional[int] = None
     cold_path: Optional[str] = None
     retrieved_position: str = "fixed"
     index_block: int = 8
@@ -251,6 +254,10 @@ class CacheConfig:
         if self.window is None and self.sink and self.hot_budget is None:
             raise ConfigError("sink", "needs {window} (a StreamingLLM window) or {hot_budget} (retrieval)",
                               ("window", "hot_budget"))
+        if self.cold_ram is not None and (self.hot_budget is None or self.cold_store != "ram"):
+            raise ConfigError("cold_ram", "bounds the RAM of retrieval's ram cold store: it needs {hot_budget} "
+                              "and {cold_store} ram (the disk store keeps its rows on disk already)",
+                              ("hot_budget", "cold_store"))
         if self.hot_budget is not None and self.window is not None:
             raise ConfigError("hot_budget", "cannot be combined with {window}: retrieval and StreamingLLM "
                               "eviction are alternatives", ("window",))

@@ -185,6 +185,13 @@ KNOBS: tuple[Knob, ...] = (
        "summaries and positions), so RAM stays bounded by the hot window, but its search runs on the host, "
        "reading the query back layer by layer (slow on a GPU). Default {default}.", r"cold(disk|ram)",
        "colddisk|coldram (retrieval's cold store on disk, or in RAM on the device, the default)", choices=COLD_STORES),
+    Knob("cold_ram", "--kiv-cold-ram", int, "retrieval",
+       "Retrieval, the ram store: MiB of RAM its cold rows may hold, over all layers; past it the oldest "
+       "are spilled to memory-mapped files (under --kiv-cold-path), in bulk, a quarter of the budget at a "
+       "time. A step that picks a spilled page reads it back from disk (one wait per layer, as the disk "
+       "store's search does); the pages' summaries stay in RAM (1/8 of the rows' bytes with min/max), so "
+       "every page is still searched. The same tokens are attended with or without it. Default: no limit.",
+       r"spill(\d+)", "spillN (the ram store's rows past N MiB spilled to disk)", minimum=1),
     Knob("cold_path", "--kiv-cold-path", str, "retrieval",
        "Directory for disk stores: retrieval's cold store, KIVI's exact shadow (default: a temp dir)."),
     Knob("cold_bits", "--kiv-cold-bits", int, "retrieval",

@@ -76,6 +76,8 @@ def describe(config: Any) -> dict:
                             "sticky": config.sticky, "index_expand": config.index_expand})
         if config.span_score != "max":
             d["retrieval"]["span_score"] = config.span_score
+        if config.cold_ram is not None:
+            d["retrieval"]["cold_ram_mib"] = config.cold_ram
     return d
 
 

@@ -91,6 +91,10 @@ class DeviceColdStore:
         self._recent: Optional[mx.array] = None   # sticky: pages [G, S] the last pass's last query picked (-1: none)
         self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
         self._rope_ready = False
+        # the RAM budget (config.cold_ram, MiB over all layers): `ram_layers` stores share it
+        # (make_cache counts them); past it the oldest rows spill into `spill_dir`
+        self.ram_layers = 1
+        self.spill_dir: Optional[str] = None
 
     # ----- storage --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -126,6 +130,49 @@ class DeviceColdStore:
         self.positions.append(np.arange(start_position, start_position + n, dtype=np.int64))
         self.index.add(k)   # summaries of the pages this completes (exact keys, before rounding)
         self.n += n
+        if self.config.cold_ram is not None:
+            self._spill_past_budget()
+
+    # ----- the RAM budget: the oldest rows spilled to disk --------------------------------------
+    def _rows(self) -> list:
+        """The `DeviceRows` of the cold rows (a packed side's codes, scale and zero)."""
+        out = []
+        for rows in (self.keys, self.values):
+            out += list(rows.parts().values()) if isinstance(rows, _PackedRows) else [rows]
+        return out
+
+    @property
+    def spilled(self) -> int:
+        """The oldest tokens whose rows are on disk (their summaries and positions stay here)."""
+        if self.keys is None:
+            return 0
+        return self.keys.codes.spilled if isinstance(self.keys, _PackedRows) else self.keys.spilled
+
+    def budget_tokens(self) -> int:
+        """Tokens whose rows this layer's share of `cold_ram` holds (at least one spill unit)."""
+        per_token = sum(r._row_bytes() for r in self._rows())
+        unit = self._spill_unit()
+        return max(unit, int(self.config.cold_ram * 2 ** 20 / self.ram_layers / per_token) // unit * unit)
+
+    def _spill_unit(self) -> int:
+        return self.page_size * max(self.config.index_block, 1)     # whole blocks of pages
+
+    def _spill_past_budget(self) -> None:
+        """Past the budget, spill the oldest rows down to 3/4 of it, whole blocks at a time: a
+        quarter of the budget moves at once (one read back and one copy per quarter)."""
+        budget = self.budget_tokens()
+        resident = self.n - self.spilled
+        if resident <= budget:
+            return
+        unit = self._spill_unit()
+        m = max(unit, (resident - budget * 3 // 4) // unit * unit)
+        if self.spill_dir is None:
+            from .arrays import private_dir, remove_with
+            self.spill_dir = private_dir(f"cold-spill-l{self.layer_index}", self.config.cold_path)
+            remove_with(self, self.spill_dir)
+        import os
+        for i, rows in enumerate(self._rows()):
+            rows.spill(m, os.path.join(self.spill_dir, f"rows{i}.bin"))
 
     def settle(self) -> None:
         """Evaluate what appends have queued (a bulk of them off the per-token path, such as a
@@ -188,7 +235,7 @@ class DeviceColdStore:
                 q = pos.rotate_to(q, -slot)
             rows = q[:, :, -1:] if L == 1 else mx.concatenate([q[:, :, -1:], q.mean(axis=2, keepdims=True)], axis=2)
             rows = rows.reshape(self.G, rep, -1, D)
-            if L == 1 and self.pinned is None:    # decode: the whole selection, compiled
+            if L == 1 and self.pinned is None and not self.spilled:    # decode: the whole selection, compiled
                 idx, keys, v, valid, last, scored, recent = self._compiled_pick(rows[:, :, 0], units, unit, pos)
                 pool = None
             else:
@@ -323,6 +370,8 @@ class DeviceColdStore:
         for name, array in self._row_arrays().items():
             part = "cold_positions" if name == "positions" else "cold_summary" if name in SUMMARIES else "cold"
             out[part] = out.get(part, 0) + array.nbytes
+            if getattr(array, "disk_nbytes", 0):      # spilled rows (the RAM budget)
+                out["cold_disk"] = out.get("cold_disk", 0) + array.disk_nbytes
         return out
 
     # ----- prompt-cache files (cache/persist.py): the host store's names and layout ------------
@@ -355,6 +404,8 @@ class DeviceColdStore:
         tail = arrays["tail_keys"].np()
         self.index.truncate(int(meta["n"]), mx.array(tail).swapaxes(0, 1) if len(tail) else None)
         self.n = int(meta["n"])
+        if self.config.cold_ram is not None:
+            self._spill_past_budget()
         if "recent" in meta:
             rows = meta["recent"]
             width = max([len(r) for r in rows] + [1])
@@ -382,6 +433,9 @@ class DeviceColdStore:
     def close(self) -> None:
         self.keys = self.values = None
         self.n = 0
+        if self.spill_dir is not None:
+            from .arrays import remove_dir
+            remove_dir(self.spill_dir)
 
 
 def _bucket(n: int, capacity: int) -> int:

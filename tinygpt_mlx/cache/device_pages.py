@@ -29,62 +29,128 @@ NONE = 2 ** 30
 class DeviceRows:
     """Rows [G, capacity, *shape] in one MLX array that doubles its capacity when full
     (amortised O(1) per row: a growth copies the live rows once); appends are slice updates,
-    which MLX does in place when nothing else holds the old array."""
+    which MLX does in place when nothing else holds the old array.
+
+    Spilled (`spill`, the ram cold store's RAM budget): the oldest `spilled` rows live in a
+    memory-mapped file instead (token-major [spilled, G, *shape], bf16 as its bits), and `array`
+    holds rows `spilled`..`n` from its start. `gather` then reads the picked indices back and
+    takes the spilled ones from the file (the only host wait; none while nothing is spilled)."""
 
     def __init__(self, G: int, shape: tuple, dtype: mx.Dtype, initial: int = 256):
         self.G, self.shape, self.dtype = G, tuple(shape), dtype
         self.n = 0
         self.growths = 0
         self.array = mx.zeros((G, initial) + self.shape, dtype=dtype)
+        self.spilled = 0
+        self.disk: Any = None     # arrays.GrowingArray on disk, once something is spilled
 
     @property
     def capacity(self) -> int:
         return self.array.shape[1]
+
+    @property
+    def resident(self) -> int:
+        """Rows held in `array` (the newest `n - spilled`)."""
+        return self.n - self.spilled
 
     def __len__(self) -> int:
         return self.n
 
     def append(self, rows: mx.array) -> None:
         """Rows [G, n, *shape] after the live ones."""
-        n = rows.shape[1]
-        if self.n + n > self.capacity:
+        n, r = rows.shape[1], self.resident
+        if r + n > self.capacity:
             cap = self.capacity
-            while cap < self.n + n:
+            while cap < r + n:
                 cap *= 2
             grown = mx.zeros((self.G, cap) + self.shape, dtype=self.dtype)
-            grown[:, : self.n] = self.array[:, : self.n]
+            grown[:, :r] = self.array[:, :r]
             self.array = grown
             self.growths += 1
-        self.array[:, self.n: self.n + n] = rows.astype(self.dtype)
+        self.array[:, r: r + n] = rows.astype(self.dtype)
         self.n += n
 
     def view(self) -> mx.array:
-        return self.array[:, : self.n]
+        """The rows held in `array` (all of them unless some are spilled)."""
+        return self.array[:, : self.resident]
 
     def truncate(self, n: int) -> None:
-        """Keep the oldest `n` rows (what follows is overwritten by later appends)."""
+        """Keep the oldest `n` rows (what follows is overwritten by later appends; cut back into
+        the spilled ones, nothing stays resident and the file is cut back alike)."""
+        if n < self.spilled:
+            self.disk.truncate(n)
+            self.spilled = n
         self.n = min(self.n, n)
+
+    def spill(self, m: int, path: str) -> None:
+        """Move the oldest `m` resident rows to the memory-mapped file at `path` (made on first
+        use): one read back of them and one copy of the rest to the front of a fresh array (of
+        the same capacity: what is freed is the old one)."""
+        import numpy as np   # (off the per-token path: a spill moves a quarter of the budget at once)
+
+        from .arrays import GrowingArray
+        m = min(m, self.resident)
+        if m <= 0:
+            return
+        if self.disk is None:
+            self.disk = GrowingArray((self.G,) + self.shape, _np_dtype(self.dtype), path=path)
+        out = self.array[:, :m]
+        self.disk.append(np.asarray(out.view(mx.uint16) if self.dtype == mx.bfloat16 else out).swapaxes(0, 1))
+        live = self.resident - m
+        kept = mx.zeros(self.array.shape, dtype=self.dtype)
+        kept[:, :live] = self.array[:, m: m + live]
+        self.array = kept
+        self.spilled += m
 
     def gather(self, idx: mx.array) -> mx.array:
         """Rows at `idx` [G, *I] (each row of G its own indices) -> [G, *I, *shape]."""
         flat = idx.reshape(self.G, -1)
         tail = (1,) * len(self.shape)
-        out = mx.take_along_axis(self.array, flat.reshape(flat.shape + tail), axis=1)
+        if not self.spilled:
+            out = mx.take_along_axis(self.array, flat.reshape(flat.shape + tail), axis=1)
+            return out.reshape(idx.shape + self.shape)
+        import numpy as np   # (spilled: the picked indices are read back, then the file)
+        at = np.asarray(flat.astype(mx.int32))
+        local = np.maximum(at - self.spilled, 0)
+        out = mx.take_along_axis(self.array, mx.array(local).reshape(flat.shape + tail), axis=1)
+        old = at < self.spilled
+        if old.any():
+            g, j = np.nonzero(old)
+            rows = np.zeros(flat.shape + self.shape, self.disk.dtype)
+            rows[g, j] = self.disk.view()[at[g, j], g]     # only these rows are read from the file
+            mask = mx.array(old).reshape(flat.shape + tail)
+            out = mx.where(mask, self._from_disk(rows), out)
         return out.reshape(idx.shape + self.shape)
+
+    def _from_disk(self, rows: Any) -> mx.array:
+        """Rows read from the file as this array's dtype (bf16 is kept there as its bits)."""
+        return mx.array(rows).view(mx.bfloat16) if self.dtype == mx.bfloat16 else mx.array(rows)
 
     @property
     def nbytes(self) -> int:
+        """The bytes in RAM (`disk_nbytes`: the spilled rows' in their file)."""
+        return self.resident * self._row_bytes()
+
+    @property
+    def disk_nbytes(self) -> int:
+        return self.disk.nbytes if self.disk is not None else 0
+
+    def _row_bytes(self) -> int:
         size = 1
         for s in self.shape:
             size *= s
-        return self.n * self.G * size * self.dtype.size
+        return self.G * size * self.dtype.size
 
     # ----- files (the host store's layout: token-major [n, G, *shape]) ------------------------
     def state(self) -> tuple:
         import numpy as np   # (a file is written off the per-token path)
         rows = self.view().swapaxes(0, 1)    # bf16 as fp32, as the host store keeps it (numpy has no bf16)
-        return (np.asarray(rows.astype(mx.float32) if self.dtype == mx.bfloat16 else rows),
-                {"n": self.n, "capacity": max(self.capacity, 1), "growths": self.growths})
+        rows = np.asarray(rows.astype(mx.float32) if self.dtype == mx.bfloat16 else rows)
+        if self.spilled:     # the spilled rows first, read from their file (a file holds them all)
+            spilled = np.asarray(self._from_disk(np.asarray(self.disk.view())).astype(mx.float32)
+                                 if self.dtype == mx.bfloat16 else self.disk.view())
+            rows = np.concatenate([spilled, rows], axis=0)
+        return rows, {"n": self.n, "capacity": max(self.capacity, 1), "growths": self.growths}
 
     def load_state(self, rows, meta: dict) -> None:
         n = int(meta["n"])
@@ -95,6 +161,14 @@ class DeviceRows:
         if n:
             self.array[:, :n] = mx.array(rows).swapaxes(0, 1).astype(self.dtype)
         self.n, self.growths = n, int(meta.get("growths", 0))
+        self.spilled = 0
+        if self.disk is not None:
+            self.disk.truncate(0)
+
+
+def _np_dtype(dtype: mx.Dtype) -> Any:
+    import numpy as np
+    return {mx.float16: np.float16, mx.bfloat16: np.uint16, mx.uint32: np.uint32}.get(dtype, np.float32)
 
 
 #: the summary arrays each `summary` keeps, and their block-level counterparts

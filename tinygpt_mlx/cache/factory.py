@@ -128,4 +128,7 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable
                 made[id(c)] = layer(config, find_rope(model_layer), i)
                 made[id(c)].sliding = window
             out.append(made[id(c)])
+    stores = [c.cold for c in made.values() if isinstance(getattr(c, "cold", None), DeviceColdStore)]
+    for store in stores:      # the ram store's budget (config.cold_ram) is shared by every layer's
+        store.ram_layers = len(stores)
     return KVCache(out, config)

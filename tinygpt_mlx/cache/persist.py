@@ -368,7 +368,7 @@ def _verify(path: Path, header: dict, meta: dict, data_start: int, size: int) ->
 
 
 #: fields that say where stores live, not what they keep: a file loads under either value
-PLACEMENT = ("cold_path", "cold_store")
+PLACEMENT = ("cold_path", "cold_store", "cold_ram")
 
 
 def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
@@ -385,14 +385,15 @@ def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
 
 
 def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[str] = None,
-                      config: Optional[CacheConfig] = None, cold_store: Optional[str] = None
-                      ) -> tuple[KVCache, PromptCacheInfo]:
+                      config: Optional[CacheConfig] = None, cold_store: Optional[str] = None,
+                      cold_ram: Any = "file") -> tuple[KVCache, PromptCacheInfo]:
     """Rebuild the cache saved at `path` for `model` (a LoadedModel, or the module with our
     attention routed). Checked before anything is built: format and version, the model's
     fingerprint, the checksum, and (if `config` is given) that every field it sets matches the
     file's policy. `cold_path`: where the new cache's disk stores go (default: a temp dir);
     `cold_store`: where its cold store lives (default: the file's, or `config`'s where it sets one;
-    both stores write and read the same rows).
+    both stores write and read the same rows); `cold_ram`: the ram store's RAM budget in MiB
+    (None: no limit; default `config`'s where it is given, else the file's).
     Returns (cache, info); `info.logits` holds the saved logits (or None)."""
 
     path = Path(path)
@@ -416,7 +417,11 @@ def load_prompt_cache(path: Union[str, Path], model: Any, cold_path: Optional[st
         entries[name] = Entry(path, h["dtype"], tuple(h["shape"]), data_start + lo, data_start + hi)
     if cold_store is None and config is not None and config.cold_store != CacheConfig().cold_store:
         cold_store = config.cold_store
-    cfg = dataclasses.replace(info.config, cold_path=cold_path, cold_store=cold_store or info.config.cold_store)
+    if cold_ram == "file":
+        cold_ram = config.cold_ram if config is not None else info.config.cold_ram
+    store = cold_store or info.config.cold_store
+    cfg = dataclasses.replace(info.config, cold_path=cold_path, cold_store=store,
+                              cold_ram=cold_ram if store == "ram" else None)
     cache = make_cache(getattr(model, "model", model), cfg)
     try:
         layout, owned = _layout(cache)

@@ -374,12 +374,14 @@ def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optio
     """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
     checked first), feed what follows the cached tokens (`continuation`), generate, report. The
     file's policy is used; where its stores live is the flags' (`--kiv-cold-store`, default ram,
-    and `--kiv-cold-path`), whichever store wrote the file (placement is not policy)."""
+    `--kiv-cold-ram`, `--kiv-cold-path`), whichever store wrote the file (placement is not policy)."""
     cached = saved.tokens
-    cache_config = dataclasses.replace(saved.config, cold_store=flags.cold_store, cold_path=flags.cold_path)
+    cache_config = dataclasses.replace(saved.config, cold_store=flags.cold_store, cold_path=flags.cold_path,
+                                       cold_ram=flags.cold_ram)
     context = loaded.context_length
     t0 = time.perf_counter()
-    cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=flags.cold_path, cold_store=flags.cold_store)
+    cache, info = persist.load_prompt_cache(saved.path, loaded, cold_path=flags.cold_path, cold_store=flags.cold_store,
+                                            cold_ram=flags.cold_ram)
     load_seconds = time.perf_counter() - t0
     with cache:
         ids, notes = continuation(loaded, saved, turn, text, raw)

@@ -113,7 +113,8 @@ def load_for_server(path: Any, loaded: Any, cache_config: Any) -> tuple[Any, lis
                                f"({field}={info.config.in_effect(field)!r}), but the server runs "
                                f"{cache_config.label()} ({field}={cache_config.in_effect(field)!r}); serve with "
                                "the file's policy flags or re-create the file")
-    cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path, cold_store=cache_config.cold_store)
+    cache, info = load_prompt_cache(path, loaded, cold_path=cache_config.cold_path, cold_store=cache_config.cold_store,
+                                    cold_ram=cache_config.cold_ram)
     return cache, info.tokens
 
 
