@@ -10,9 +10,10 @@ Run a module from the repository root, with the package installed (`pip install 
     python -m benchmarks.decode_costs --parts retrieval --steps 300
     bash benchmarks/smollm2_tables.sh bench
 
-The modules import the library as `tinygpt_mlx` and each other as `benchmarks.NAME`; a few
-reuse reference code from tests/ (`tests.prerope`, `tests.conftest`, `tests.test_distributed`),
-which the repository root on the path makes importable. They are not part of the wheel and are
+The modules import the library as `tinygpt_mlx` and each other as `benchmarks.NAME`, and carry
+what else they need (decode_costs its pre-RoPE reference caches, bench_server_ttft its random
+models); one still runs code of tests/: distributed_table, the two-rank worker of
+`tests.test_distributed`, which the repository root on the path makes importable. They are not part of the wheel and are
 not tests: tests/test_scripts.py only checks that some refuse bad arguments. Repository tools
 (fetching the corpus and SmolLM2, building prompt sets, the results index, the structure
 metrics) stay in scripts/.

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 import httpx
+import mlx.core as mx
 
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.loading import load
@@ -36,9 +37,44 @@ from tinygpt_mlx.server.app import create_app, serve_in_thread
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: the text the tests' tokenizer is trained on (tests/conftest.py's TEXT): the same tokenizer,
+#: so `--fixture` is the tests' tiny model
+TOKENIZER_TEXT = (
+    "The quick brown fox jumps over the lazy dog. In the beginning was the word, and the word "
+    "was with the keeper of numbers 0123456789. Café, naïve, 東京 and emoji 🙂 round-trip. "
+) * 20
+
+
+def train_tokenizer(vocab_size: int = 320):
+    """The tests' byte-level BPE tokenizer (tests/conftest.py's `train_tokenizer`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: PLC0415
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([TOKENIZER_TEXT], trainer)
+    return tok
+
+
+def build_native(path: Path, tokenizer_json: str, seed: int = 0, **overrides) -> Path:
+    """A random-weight native model written to `path` (tests/conftest.py's `build_native`: the
+    tiny fixture's shape unless `overrides` say otherwise)."""
+    from tinygpt_mlx import format as fmt  # noqa: PLC0415
+    from tinygpt_mlx.config import ModelConfig  # noqa: PLC0415
+    from tinygpt_mlx.model import Model  # noqa: PLC0415
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    cfg = dict(vocab_size=len(vocab) + 1, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=128,
+               context_length=256)
+    cfg.update(overrides)
+    mx.random.seed(seed)
+    model = Model(ModelConfig(**cfg))
+    mx.eval(model.parameters())
+    return fmt.save(path, model, tokenizer_json)
+
+
 def build_model(kind: str, context: int) -> Path:
     """A random-weight native model: the tests' tiny fixture, or the training default shape."""
-    from tests.conftest import build_native, train_tokenizer  # noqa: PLC0415 (only for these two models)
     tok = train_tokenizer().to_str()
     path = Path(tempfile.mkdtemp()) / f"{kind}.tinygpt"
     if kind == "fixture":

@@ -21,8 +21,9 @@
    slows with tokens seen;
 5. retrieval's decode step (sink 4 + hot window 252, the default search) after a
    `--retrieval-context`-token prefill, interleaved: the shifted hot window on frame positions
-   (kept as the model rotated it), the pre-RoPE window it replaced (tests/prerope.py, `ring=False`:
-   placed after the retrieval slots on every read) and absolute positions (nothing rotated), and
+   (kept as the model rotated it), the pre-RoPE window it replaced (`make_cache(..., ring=False)`
+   here, as tests/prerope.py builds it for the tests: placed after the retrieval slots on every
+   read) and absolute positions (nothing rotated), and
    the same with a KIVI int4 hot window (shifted on frame positions, and absolute).
 
     python -m benchmarks.decode_costs [--context 8192] [--steps 300] [--model models/tinygpt-base.tinygpt]
@@ -40,6 +41,8 @@ import mlx.core as mx
 
 from benchmarks._timing import ms_per_call
 from tinygpt_mlx import quant
+from tinygpt_mlx.cache import factory
+from tinygpt_mlx.cache.positions import Positions
 from tinygpt_mlx.evaluate.bench import step_parts
 
 
@@ -100,8 +103,16 @@ def python_side(model_path: str, steps: int) -> dict[str, tuple[float, float]]:
     return _step_times(m.model, caches, steps, warmup=50)
 
 
+def make_cache(model, config, ring: bool = True):
+    """The product's cache (`ring=True`), or the pre-RoPE path that frame positions replaced
+    (`ring=False`: every key kept before RoPE and placed at its slot on every read; the tests
+    build the same in tests/prerope.py and hold the frame paths to it)."""
+    def prerope_layer(cfg, rope, layer_index=0):
+        return factory.segmented_layer(cfg, Positions(cfg, rope, frame=False), layer_index)
+    return factory.make_cache(model, config, **({} if ring else {"layer": prerope_layer}))
+
+
 def kernels(model_path: str) -> dict[str, float]:
-    from tests.prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.evaluate.bench import step_ops
     from tinygpt_mlx.loading import load
@@ -143,7 +154,6 @@ def far_out(model_path: str, steps: int) -> dict[str, float]:
 
 
 def retrieval_window(model_path: str, steps: int, context: int) -> dict[str, float]:
-    from tests.prerope import make_cache   # the product's caches, or the tests' pre-RoPE paths (ring=False)
     from tinygpt_mlx.config import CacheConfig
     from tinygpt_mlx.generate import prefill
     from tinygpt_mlx.loading import load
