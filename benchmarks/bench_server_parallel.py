@@ -10,8 +10,9 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
   N streams:    --streams requests at once (different prompts), the same length; aggregate
                 tokens/s = all their tokens / wall time from the first sent to the last done;
                 each concurrent text is compared with that prompt's text on the idle server
-  TTFT idle:    a short request (--short-tokens) on the idle server (median of --repeats)
-  TTFT busy:    the same request sent while a --long-tokens answer streams (median of --repeats,
+  TTFT idle:    a short request (--short-tokens) on the idle server (median of --repeats, each
+                a prompt of its own, so that none is served from another's warm slot)
+  TTFT busy:    such requests sent while a --long-tokens answer streams (median of --repeats,
                 each sent after the previous finished, all while the long answer runs)
   engine only:  in this process, without HTTP: the N prompts' decode steps run one model call
                 each (as N lone requests would) against one batched call (server/batch.py),
@@ -175,8 +176,9 @@ def _loaded(path: str):
 
 
 def ttft(url: str, model: str, long_tokens: int, short_tokens: int, repeats: int) -> dict:
-    short = PROMPTS[-1]
-    idle = [generate(url, model, short, short_tokens)["ttft_s"] for _ in range(repeats)]
+    # each sample its own prompt, differing from its first token on: none reuses another's slot
+    short = [f"{i} {PROMPTS[-1]}" for i in range(2 * repeats)]
+    idle = [generate(url, model, short[i], short_tokens)["ttft_s"] for i in range(repeats)]
     started, stop, out = threading.Event(), threading.Event(), {}
 
     def long_answer():
@@ -186,8 +188,8 @@ def ttft(url: str, model: str, long_tokens: int, short_tokens: int, repeats: int
     th.start()
     started.wait(600)
     busy = []
-    for _ in range(repeats):
-        r = generate(url, model, short, short_tokens)
+    for i in range(repeats):
+        r = generate(url, model, short[repeats + i], short_tokens)
         if not th.is_alive():
             break                      # the long answer ended: this one was not measured under load
         busy.append(r["ttft_s"])
@@ -243,6 +245,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="StreamingLLM window and retrieval hot budget")
     ap.add_argument("--policies", default=None, help="comma-separated labels to run (default: all four)")
     ap.add_argument("--engine-steps", type=int, default=32, help="decode steps per round of the engine-only part")
+    ap.add_argument("--only", choices=("throughput", "ttft"), help="run one of the two parts (default both)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", metavar="POLICY", help=argparse.SUPPRESS)   # the server process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -270,26 +273,33 @@ def main() -> None:
     print(f"model {name}: {args.streams} streams x {args.tokens} tokens vs one; TTFT of a {args.short_tokens}-"
           f"token request during a {args.long_tokens}-token answer vs idle")
     for label in chosen:
-        eng = engine(args.model, table[label], args.streams, args.engine_steps, 2 * args.rounds)
+        eng = {} if args.only == "ttft" else engine(args.model, table[label], args.streams, args.engine_steps,
+                                                    2 * args.rounds)
         proc, url = start_server(args.model, label, args.window, args.streams)
         try:
             model = httpx.get(url + "/api/tags").json()["models"][0]["model"]
-            row = {"policy": label, **throughput(url, model, args.streams, args.tokens, args.rounds, proc.pid),
-                   "ttft": ttft(url, model, args.long_tokens, args.short_tokens, args.repeats),
-                   "server_rss_mib": server_rss_mib(proc.pid)}
+            row = {"policy": label}
+            if args.only != "ttft":
+                row.update(throughput(url, model, args.streams, args.tokens, args.rounds, proc.pid))
+            if args.only != "throughput":
+                row["ttft"] = ttft(url, model, args.long_tokens, args.short_tokens, args.repeats)
+            row["server_rss_mib"] = server_rss_mib(proc.pid)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
         row.update(eng, load_average_after=list(os.getloadavg()))
         results["rows"].append(row)
-        t = row["ttft"]
-        print(f"{label:<24} one {row['one_stream_tok_s']:7.1f} tok/s  {args.streams} streams "
-              f"{row['n_streams_tok_s']:7.1f} tok/s  x{row['ratio']:.2f} (per CPU-s x{row['cpu_ratio']:.2f})  "
-              f"same text {all(row['same_text'])}"
-              f"  | TTFT idle {t['idle_ttft_ms']:.0f} ms, during a long answer {t['busy_ttft_ms']:.0f} ms "
-              f"(x{t['ratio']:.2f}, {t['busy_samples']} samples)  | server RSS {row['server_rss_mib']} MiB  "
-              f"| engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
-              f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}", flush=True)
+        line = f"{label:<24}"
+        if "ratio" in row:
+            line += (f" one {row['one_stream_tok_s']:7.1f} tok/s  {args.streams} streams {row['n_streams_tok_s']:7.1f} "
+                     f"tok/s  x{row['ratio']:.2f} (per CPU-s x{row['cpu_ratio']:.2f})  same text {all(row['same_text'])}"
+                     f"  | engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
+                     f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}")
+        if "ttft" in row:
+            t = row["ttft"]
+            line += (f"  | TTFT idle {t['idle_ttft_ms']:.0f} ms, during a long answer {t['busy_ttft_ms']:.0f} ms "
+                     f"(x{t['ratio']:.2f}, {t['busy_samples']} samples)")
+        print(line + f"  | server RSS {row['server_rss_mib']} MiB", flush=True)
     if args.json:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(results, indent=1) + "\n")
