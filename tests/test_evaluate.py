@@ -429,3 +429,13 @@ def test_read_prompts_jsonl_keeps_newlines_and_names_a_bad_line(tmp_path):
         good.write_text(body)
         with pytest.raises(ValueError, match=what):
             read_prompts(good)
+
+
+def test_bench_rows_say_what_is_on_disk(wide):
+    """A row's `cache_disk_bytes`: the host cold store's files (all its cold rows), none for the
+    ram store; the bytes in all are the same (placement is not policy)."""
+    r = bench.bench(wide.model, ["sink2/hot16", "sink2/hot16+colddisk"], [96], decode_steps=1, prefill_chunk=16)
+    row = {x["policy"]: x for x in r["rows"]}
+    assert row["fp32"]["cache_disk_bytes"] == row["sink2/hot16"]["cache_disk_bytes"] == 0
+    assert 0 < row["sink2/hot16+colddisk"]["cache_disk_bytes"] < row["sink2/hot16+colddisk"]["cache_bytes"]
+    assert row["sink2/hot16+colddisk"]["cache_bytes"] == row["sink2/hot16"]["cache_bytes"]

@@ -54,7 +54,8 @@ def print_table(result: dict) -> None:
                       f"{r['prefill_tokens_per_s']:.0f}{_ratio(r[f'prefill_tokens_per_s_vs_{ref}'])}",
                       f"{r['decode_tokens_per_s']:.1f}{_ratio(r[f'decode_tokens_per_s_vs_{ref}'])}",
                       f"{r['decode_kernels']:.1f}",
-                      f"{c.fmt_bytes(r['cache_bytes'])}{_ratio(r[f'cache_bytes_vs_{ref}'])}")
+                      f"{c.fmt_bytes(r['cache_bytes'])}{_ratio(r[f'cache_bytes_vs_{ref}'])}"
+                      + (f" ({c.fmt_bytes(r['cache_disk_bytes'])} on disk)" if r.get("cache_disk_bytes") else ""))
     Console(highlight=False, width=112).print(table)
     staged = [r for r in result["rows"] if "prefill_stage_ms_per_token" in r]
     if staged:

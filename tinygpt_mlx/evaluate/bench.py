@@ -206,6 +206,7 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 step_s[i].append(timed(i))
         decode_stages = each(lambda i: stage_split(caches[i], sum(step_s[i]), len(step_s[i])))
         bytes_ = each(lambda i: int(caches[i].nbytes))
+        on_disk = each(lambda i: int(getattr(caches[i], "disk_nbytes", 0)))
         ops = each(lambda i: step_ops(model, caches[i]))
         split: list = [None] * len(caches)
         if parts:
@@ -220,7 +221,7 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 {"policy": p.name, "label": p.label, "context": len(tokens),
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
-                 "cache_bytes": bytes_[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
+                 "cache_bytes": bytes_[i], "cache_disk_bytes": on_disk[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
                  "decode_ops_by_primitive": ops[i]["by_primitive"],
                  **({"decode_step_us": split[i]} if split[i] else {}),
                  **({"prefill_stage_ms_per_token": prefill_stages[i], "decode_stage_ms_per_token": decode_stages[i]}
