@@ -181,7 +181,8 @@ KNOBS: tuple[Knob, ...] = (
        "Retrieval: where the cold store lives. ram (the default): MLX arrays (unified memory on a Mac), its "
        "search inside the step's graph, nothing read back per token. On SmolLM2-135M (30 layers, 3 KV heads "
        "of 64) it holds 51.6 KiB per cold token at fp32 storage: 1.6 GiB at 32K tokens, 12.9 GiB at 256K, "
-       "51.6 GiB at 1M; 0.56x that at bf16/fp16, 0.37x with --kiv-cold-bits 8, 0.26x with 4. disk: memory-mapped files (evicted tokens, page "
+       "51.6 GiB at 1M (docs/retrieval.md); 0.56x that at bf16/fp16, 0.37x with --kiv-cold-bits 8, 0.26x with 4; "
+       "--kiv-cold-ram bounds its RAM. disk: memory-mapped files (evicted tokens, page "
        "summaries and positions), so RAM stays bounded by the hot window, but its search runs on the host, "
        "reading the query back layer by layer (slow on a GPU). Default {default}.", r"cold(disk|ram)",
        "colddisk|coldram (retrieval's cold store on disk, or in RAM on the device, the default)", choices=COLD_STORES),

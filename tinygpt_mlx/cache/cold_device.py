@@ -12,10 +12,13 @@ shapes the graph (tokens, pages, blocks) is counted on the host as tokens are ev
 step's graph is built while the previous one runs (`mx.async_eval`), layer after layer, without
 waiting for any of them.
 
-On Apple Silicon memory is unified: a cold page is already where the GPU reads it. A store that
-must stay out of RAM is the host store on disk (`--kiv-cold-store disk`, cold.py), whose search
-runs on the host; the host store is also the reference this one is tested against
-(tests/test_retrieval_device.py: the same tokens for every query, prefill and decode).
+On Apple Silicon memory is unified: a cold page is already where the GPU reads it. A store
+that must not grow in RAM spills its oldest rows to memory-mapped files past a budget
+(`--kiv-cold-ram`, `DeviceRows.spill`): its summaries stay here and are searched as before, and
+a picked spilled row is read back from its file (a wait per layer, only while rows are
+spilled). The host store on disk (`--kiv-cold-store disk`, cold.py) searches on the host; it is
+also the reference this one is tested against (tests/test_retrieval_device.py: the same tokens
+for every query, prefill and decode).
 
 Positions (absolute, one per token, not per head) are host data known when a token is evicted:
 they stay in a host array for telemetry, the needle oracle and files.
