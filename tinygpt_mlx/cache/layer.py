@@ -268,9 +268,8 @@ class FullLayer(LayerCache):
         """`commit` of the fixed plan (an append), then every stored token in the compute dtype."""
         if self.dtype is None:
             self.dtype = keys.dtype
-        self.body.append(keys, values)
         self.seen += keys.shape[2]
-        return self.body.fetch(self.dtype)
+        return self.body.append_fetch(keys, values, self.dtype)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         """Every query sees every earlier stored key: None for one query, else "causal" (an

@@ -110,10 +110,30 @@ class DenseStore:
                 new_k[..., : self.n, :], new_v[..., : self.n, :] = self.fetch()
             self.keys, self.values, self.head = new_k, new_v, 0
         end = self.head + self.n
-        self.keys[..., end : end + L, :] = keys.astype(self.dtype)
-        self.values[..., end : end + L, :] = values.astype(self.dtype)
+        dtype = self.dtype
+        self.keys[..., end : end + L, :] = keys if keys.dtype == dtype else keys.astype(dtype)
+        self.values[..., end : end + L, :] = values if values.dtype == dtype else values.astype(dtype)
         self.n += L
         self.version += 1
+
+    def append_fetch(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """`append` then `fetch(dtype)` in one call (a full layer's update, layer.FullLayer): a
+        token that fits the buffer and needs no cast is written straight in."""
+        L = keys.shape[2]
+        end = self.head + self.n
+        if (self.keys is None or end + L > self.keys.shape[2] or L == 0
+                or keys.dtype != self.dtype or values.dtype != self.dtype):
+            self.append(keys, values)
+            return self.fetch(dtype)
+        self.keys[..., end : end + L, :] = keys
+        self.values[..., end : end + L, :] = values
+        self.n += L
+        self.version += 1
+        end += L
+        k, v = self.keys[..., self.head:end, :], self.values[..., self.head:end, :]
+        if dtype != self.dtype:
+            k, v = k.astype(dtype), v.astype(dtype)
+        return k, v
 
     def took(self, keys: mx.array, values: mx.array) -> None:
         """`append`'s bookkeeping for one token already written at `head + n` of buffers `keys`,
@@ -162,7 +182,8 @@ class DenseStore:
         self.rotate(lambda k: self.frame.rebased(k, by))
 
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
-        h, e = self.head, self.head + self.n
+        h = self.head
+        e = h + self.n
         k, v = self.keys[..., h:e, :], self.values[..., h:e, :]
         if dtype is not None and dtype != self.dtype:
             k, v = k.astype(dtype), v.astype(dtype)
