@@ -306,6 +306,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"cold_ram_mib":32}}'),
     'sink4/hot1024+spill1': ('fp32 + retrieval hot 1024 + top 32 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"cold_ram_mib":1}}'),
+    'bf16+sink4/hot1024': ('bf16 + retrieval hot 1024 + top 32 pages',
+        '{"storage":"bf16","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
 }
 
 
