@@ -11,7 +11,9 @@ Mutations checked to fail here (one at a time, then reverted): `BatchLayer.offse
 row the first sequence's position (both equality tests fail for every policy); `BatchLayer.attend`
 handing every row the first sequence's mask (int4+sink+window fails: the other policies' decode
 steps need no mask); the scheduler admitting one past `parallel` (the queue test sees 3
-running); the scheduler never retiring a cancelled request (the cancel test times out).
+running); the scheduler never retiring a cancelled request (the cancel test times out); the
+prefill taking the oldest prompt first (the long prefill is answered first); no reload of a busy
+pre-warmed document (the other questions prefill it).
 """
 
 from __future__ import annotations
@@ -404,3 +406,38 @@ def test_questions_about_a_prewarmed_document_at_once(native, tmp_path, cfg):
     for w, c, q in zip(warm, cold, questions):
         assert w["prompt_eval_count"] == len(native.tokenizer.encode(DOC + q)) - len(doc_ids)
         assert w["response"] == c["response"] and w["eval_count"] == c["eval_count"] > 0
+
+
+def test_a_short_prompt_passes_a_long_prefill(native):
+    """A short request that arrives while a long prompt is being prefilled chunk by chunk is
+    prefilled first and answered before the long prompt's first token."""
+    tok = native.tokenizer
+    long_ids = tok.encode(PROMPTS[0] * 12)[:200]             # 13 chunks of 16
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=4)
+    long, short = Job(long_ids, 4, temperature=0), Job(tok.encode(PROMPTS[1]), 3, temperature=0)
+    order: list[str] = []
+    long.emit = lambda k, p: order.append(f"long {k}")
+    short.emit = lambda k, p: order.append(f"short {k}")
+    real = w._prefill
+    gate = threading.Event()
+
+    def prefill_step(s):                  # hold the long prefill after its first chunk until the short one is in
+        real(s)
+        if s.job is long and s.pos == 16:
+            gate.wait(10)
+
+    w._prefill = prefill_step
+    try:
+        w.submit(long)
+        deadline = time.time() + 30
+        while not w.running or w.running[0].pos < 16:
+            assert time.time() < deadline
+            time.sleep(0.005)
+        w.submit(short)
+        gate.set()
+        while "long done" not in order:
+            assert time.time() < deadline
+            time.sleep(0.005)
+    finally:
+        w.stop()
+    assert order.index("short done") < min(i for i, e in enumerate(order) if e.startswith("long"))

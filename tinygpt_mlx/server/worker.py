@@ -9,8 +9,9 @@ strings, limits and log-probabilities. Each scheduler step:
 
 1. retires the cancelled requests (a client that went away frees its place at once);
 2. feeds one prefill chunk (at most `prefill_chunk` tokens: the step's prompt budget) of the
-   oldest request still prefilling, so a long prompt never stalls the streams in flight, and a
-   short request sent during a long answer gets its first token after one chunk and one step;
+   request with the fewest prompt tokens left to prefill (the oldest of those), so a long prompt
+   never stalls the streams in flight, and a short request sent during a long answer, or during
+   a long document's prefill, gets its first token after one chunk and one step;
 3. runs one decode step for every request with a token to feed: one batched model call
    (batch.py: the projections and the MLP over all rows, attention per sequence over its own
    cache) where the caches allow it, else one call each; and samples each request's next token.
@@ -412,7 +413,8 @@ class Worker:
         for s in list(self.running):
             if s.job.cancelled.is_set():
                 self._retire(s, "cancel")
-        pre = next((s for s in self.running if s.prefilling), None)
+        # the prompt with the fewest tokens left goes first (a title request passes a long document)
+        pre = min((s for s in self.running if s.prefilling), key=lambda s: len(s.tail) - s.pos, default=None)
         if pre is not None:
             self._guarded([pre], lambda: self._prefill(pre))
         ready = [s for s in self.running if not s.prefilling and s.token is None and s.logits is not None]
