@@ -12,6 +12,14 @@ Two checks on the real GGUF (`python scripts/fetch_gemma3.py`), fp32 on the CPU 
   sliding layers, against every layer under that policy (windowed=False), and mlx-lm's own
   caches (which preallocate in steps of 256 tokens) for the full policy.
 
+`--direct` fills the caches without running the model (the long contexts: 32K and 128K tokens
+take minutes instead of hours on 2 cores): each layer's cache takes random keys and values of the
+model's geometry (its KV heads and head dimension) through its own update path in the chunks the
+model would call it with, so every store, ring, KIVI block, cold page and summary is made by the
+code a forward pass runs; only attention is not computed. Bytes depend on how many tokens each
+layer keeps, not on their values; `--check-direct N` measures both ways at N tokens in the same
+run and fails unless they are equal.
+
 Usage (a few minutes at 4K on 2 cores):
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -63,20 +71,70 @@ def mlx_lm_bytes(model, length: int, vocab: int, chunk: int = 512) -> int:
     return sum(c.nbytes for c in cache)
 
 
-def bytes_rows(loaded, lengths: list[int], specs: str) -> list[dict]:
+def fill_direct(model, config, lengths: list[int], chunk: int = 512, windowed: bool = True) -> list:
+    """`fill_and_measure`'s rows (cache.report.CacheBytes) without running the model: each layer's
+    cache is called as a forward pass calls it (`update_and_fetch` with keys and values
+    [1, KV heads, L, head dim] in chunks of `chunk`, the last token alone), with random values;
+    attention is not computed."""
+    import mlx.core as mx
+
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.cache.report import CacheBytes
+
+    args = model.args
+    shape = (1, args.num_key_value_heads, args.head_dim)
+    cache = make_cache(model, config, windowed=windowed)
+    out, done, key, calls = [], 0, mx.random.key(0), 0
+
+    def call(n: int, settle: bool = False) -> None:
+        nonlocal key, calls
+        key, k1, k2 = mx.random.split(key, 3)
+        k = mx.random.normal((shape[0], shape[1], n, shape[2]), key=k1)
+        v = mx.random.normal((shape[0], shape[1], n, shape[2]), key=k2)
+        for c in cache.distinct():
+            c.update_and_fetch(k, v)
+        calls += 1
+        if not settle and calls % 16:
+            return
+        for c in cache.owned:   # evaluate what the calls stored (a cold store: its appends, if lazy)
+            for name, store in c.stores().items():
+                if name == "cold":
+                    getattr(store, "settle", lambda: None)()
+                elif hasattr(store, "state"):
+                    mx.eval([a for a in store.state()[0].values() if isinstance(a, mx.array)])
+
+    for n in sorted(lengths):
+        while done < n - 1:
+            step = min(chunk, n - 1 - done)
+            call(step)
+            done += step
+        call(1, settle=True)
+        done += 1
+        out.append(CacheBytes(config.label(), n, cache.stored_count, cache.nbytes, cache.nbytes_breakdown(),
+                              cache.nbytes_split()))
+    cache.close()
+    return out
+
+
+def bytes_rows(loaded, lengths: list[int], specs: str, direct: bool = False) -> list[dict]:
     from tinygpt_mlx.cache.report import fill_and_measure
     from tinygpt_mlx.evaluate.modes import parse_policies
 
     vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
     rows = []
     for spec, cfg in parse_policies(specs).items():
-        ours = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec)
-        every = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec, windowed=False)
+        if direct:
+            ours = fill_direct(loaded.model, cfg, lengths)
+            every = fill_direct(loaded.model, cfg, lengths, windowed=False)
+        else:
+            ours = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec)
+            every = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec, windowed=False)
         for a, b in zip(ours, every):
             row = {"policy": spec, "tokens": a.tokens, "bytes": a.nbytes, "global_bytes": a.split["global"],
                    "sliding_bytes": a.split["sliding"], "every_layer_bytes": b.nbytes,
-                   "ratio_to_every_layer": round(a.nbytes / b.nbytes, 4)}
-            if not cfg.quantised and not cfg.streaming and not cfg.retrieval and cfg.storage == "fp32":
+                   "ratio_to_every_layer": round(a.nbytes / b.nbytes, 4), "filled": "direct" if direct else "model"}
+            if (not direct and not cfg.quantised and not cfg.streaming and not cfg.retrieval
+                    and cfg.storage == "fp32"):
                 row["mlx_lm_caches_bytes"] = mlx_lm_bytes(loaded.model, a.tokens, vocab)
             rows.append(row)
             print(f"  {spec:12} {a.tokens:6d} tokens: {a.nbytes / 2**20:8.2f} MiB (global {a.split['global'] / 2**20:.2f}"
@@ -91,6 +149,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=20, help="greedy tokens per prompt (0: skip the greedy check)")
     ap.add_argument("--length", type=int, action="append", help="stored length for the bytes (repeatable; default 4096)")
     ap.add_argument("--policies", default="fp32,int4", help="policy specs for the bytes (comma list)")
+    ap.add_argument("--direct", action="store_true",
+                    help="fill the caches for the bytes without running the model (see the module's docstring)")
+    ap.add_argument("--check-direct", type=int, default=0, metavar="N",
+                    help="first measure every policy both ways at N tokens; exit 1 unless equal (0: skip)")
     ap.add_argument("--json", default=None, help="also write the results here (atomically)")
     args = ap.parse_args()
     from tinygpt_mlx.cli.common import write_atomic
@@ -101,8 +163,9 @@ def main() -> None:
     from .gemma3_hf_reference import prompts
 
     lengths = args.length or [4096]
-    if args.tokens < 0 or any(n < 1 for n in lengths):
-        ap.error(f"--tokens must be >= 0 and --length >= 1, got {args.tokens} and {lengths}")
+    if args.tokens < 0 or args.check_direct < 0 or any(n < 1 for n in lengths):
+        ap.error(f"--tokens and --check-direct must be >= 0 and --length >= 1, got {args.tokens}, "
+                 f"{args.check_direct} and {lengths}")
     try:
         from tinygpt_mlx.evaluate.modes import parse_policies
         parse_policies(args.policies)
@@ -114,10 +177,21 @@ def main() -> None:
     t0 = time.perf_counter()
     with load(path) as loaded:
         greedy = greedy_rows(loaded, prompts(), args.tokens) if args.tokens else []
+        t_greedy = time.perf_counter()
+        check = []
+        if args.check_direct:
+            model_rows = bytes_rows(loaded, [args.check_direct], args.policies)
+            direct_rows = bytes_rows(loaded, [args.check_direct], args.policies, direct=True)
+            keys = ("bytes", "global_bytes", "sliding_bytes", "every_layer_bytes")
+            check = [{"policy": a["policy"], "tokens": a["tokens"], **{k: [a[k], b[k]] for k in keys},
+                      "equal": all(a[k] == b[k] for k in keys)} for a, b in zip(model_rows, direct_rows)]
+            if not all(r["equal"] for r in check):
+                print(f"direct fill differs from the model's: {[r for r in check if not r['equal']]}", file=sys.stderr)
+                sys.exit(1)
         t1 = time.perf_counter()
-        sizes = bytes_rows(loaded, lengths, args.policies)
-    result = {"gguf": path.name, "tokens": args.tokens, "greedy": greedy, "bytes": sizes,
-              "seconds": {"greedy": round(t1 - t0, 1), "bytes": round(time.perf_counter() - t1, 1)}}
+        sizes = bytes_rows(loaded, lengths, args.policies, direct=args.direct)
+    result = {"gguf": path.name, "tokens": args.tokens, "greedy": greedy, "direct_check": check, "bytes": sizes,
+              "seconds": {"greedy": round(t_greedy - t0, 1), "direct_check": round(t1 - t_greedy, 1), "bytes": round(time.perf_counter() - t1, 1)}}
     text = json.dumps(result, indent=1) + "\n"
     if args.json:
         write_atomic(Path(args.json), text)

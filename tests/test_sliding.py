@@ -369,3 +369,21 @@ def test_retrieval_scaling_bench_grows_only_the_global_layers(gemma):
     assert recall["cold_tokens"] == 2 * len(PROMPT) + 2 - 4 - 24
     assert set(recall["recall"]) == {"minmax", "mean", "hybrid"}
     assert all(0 <= r <= 1 for r in recall["recall"].values())
+
+
+@pytest.mark.parametrize("policy", ["full", "int4", "streaming", "retrieval"])
+def test_direct_fill_measures_the_bytes_a_forward_pass_leaves(gemma, policy):
+    """`benchmarks.gemma3_sliding --direct` (docs/gguf.md's bytes at 32K and 128K) fills each
+    layer's cache without running the model: its bytes, split and breakdown equal those of
+    `cache.report.fill_and_measure` (the model run) at each length, ours and every layer under
+    the policy, past its evaluation period of 16 calls."""
+    from benchmarks.gemma3_sliding import fill_direct
+    from tinygpt_mlx.cache.report import fill_and_measure
+
+    cfg = POLICIES[policy]
+    for windowed in (True, False):
+        model = fill_and_measure(gemma.model, cfg, [40, 700], 300, chunk=CHUNK, windowed=windowed)
+        direct = fill_direct(gemma.model, cfg, [40, 700], chunk=CHUNK, windowed=windowed)
+        for a, b in zip(model, direct):
+            assert (a.tokens, a.stored, a.nbytes, a.split, a.breakdown) == \
+                (b.tokens, b.stored, b.nbytes, b.split, b.breakdown)
