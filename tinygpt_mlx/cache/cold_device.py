@@ -153,7 +153,7 @@ class DeviceColdStore:
 
     def budget_tokens(self) -> int:
         """Tokens whose rows this layer's share of `cold_ram` holds (at least one spill unit)."""
-        per_token = sum(r._row_bytes() for r in self._rows())
+        per_token = sum(r.row_bytes() for r in self._rows())
         unit = self._spill_unit()
         return max(unit, int(self.config.cold_ram * 2 ** 20 / self.ram_layers / per_token) // unit * unit)
 

@@ -129,13 +129,13 @@ class DeviceRows:
     @property
     def nbytes(self) -> int:
         """The bytes in RAM (`disk_nbytes`: the spilled rows' in their file)."""
-        return self.resident * self._row_bytes()
+        return self.resident * self.row_bytes()
 
     @property
     def disk_nbytes(self) -> int:
         return self.disk.nbytes if self.disk is not None else 0
 
-    def _row_bytes(self) -> int:
+    def row_bytes(self) -> int:
         size = 1
         for s in self.shape:
             size *= s
