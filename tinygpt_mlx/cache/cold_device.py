@@ -26,6 +26,7 @@ they stay in a host array for telemetry, the needle oracle and files.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..config import CacheConfig
 from ..quant import GROUP_SIZES
-from .arrays import GrowingArray
+from .arrays import GrowingArray, private_dir, remove_dir, remove_with
 from .device_pages import NAMES as SUMMARIES, DevicePageIndex, DeviceRows, pool_tokens, union
 from .device_select import Static, fine_pick, select
 from .segments import PickedSegment, PoolSegment, Reading, RetrievedSegment
@@ -170,10 +171,8 @@ class DeviceColdStore:
         unit = self._spill_unit()
         m = max(unit, (resident - budget * 3 // 4) // unit * unit)
         if self.spill_dir is None:
-            from .arrays import private_dir, remove_with
             self.spill_dir = private_dir(f"cold-spill-l{self.layer_index}", self.config.cold_path)
             remove_with(self, self.spill_dir)
-        import os
         for i, rows in enumerate(self._rows()):
             rows.spill(m, os.path.join(self.spill_dir, f"rows{i}.bin"))
 
@@ -437,7 +436,6 @@ class DeviceColdStore:
         self.keys = self.values = None
         self.n = 0
         if self.spill_dir is not None:
-            from .arrays import remove_dir
             remove_dir(self.spill_dir)
 
 

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import mlx.core as mx
 
 from ..config import CacheConfig
+from .arrays import GrowingArray
 
 __all__ = ["DeviceRows", "DevicePageIndex", "NONE"]
 
@@ -88,7 +89,6 @@ class DeviceRows:
         the same capacity: what is freed is the old one)."""
         import numpy as np   # (off the per-token path: a spill moves a quarter of the budget at once)
 
-        from .arrays import GrowingArray
         m = min(m, self.resident)
         if m <= 0:
             return
