@@ -138,3 +138,42 @@ def test_chat_template_from_metadata(gemma3_gguf, gemma3):
     start, end = encode_fragment(tok, "<start_of_turn>"), encode_fragment(tok, "<end_of_turn>")
     assert len(start) == len(end) == 1
     assert ids[0] == 2 and ids.count(2) == 1 and ids.count(start[0]) == 2 and ids.count(end[0]) == 1
+
+
+@pytest.mark.parametrize("spec", ["fp32", "int4", "sink4/hot256", "int4+sink4/hot256"])
+def test_needle_cell_past_the_window_and_the_hot_budget(gemma3, spec):
+    """One pass-key document of ~800 tokens (`needle`'s own cell, depth 0.3 seed 0: the needle
+    past the sliding layers' 512 and the hot window's 256): the full cache, int4, retrieval
+    and int4 + retrieval answer it, retrieval having brought the needle's tokens back from the
+    global layers' cold stores (the sliding rings hold 512 and have none)."""
+    from tinygpt_mlx.cache import make_cache
+    from tinygpt_mlx.evaluate.modes import parse_policy
+    from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, cell_document, needle_positions, run_cell
+
+    tok = gemma3.tokenizer
+    prompt, answer = cell_document(tok, DEFAULT_FILLER.read_text(encoding="utf-8"), 800, 0.3, 0)
+    ids, truth = list(tok.encode(prompt)), needle_positions(tok.encode, prompt, answer)
+    assert len(ids) > 700 and len(ids) - truth[-1] > 512      # the needle is past every sliding window
+    cfg = parse_policy(spec)
+    cell = run_cell(gemma3.model, tok, cfg, ids, answer, truth, 512)
+    assert cell["passed"], cell["output"]
+    if cfg.retrieval:
+        assert cell["telemetry"]["token_recall"] > 0.5, cell["telemetry"]
+        assert cell["cache_bytes"]["sliding"] == 15 * 512 * 2 * 256 * 4      # 15 rings of 512, fp32 K and V
+
+
+def test_retrieval_scaling_bench_grows_the_global_layers(gemma3):
+    """The scaling bench (`benchmarks.retrieval_bench`) on Gemma 3: its cold stores are the three
+    global layers', grown to 4K tokens from a 600-token prefill; the sliding rings stay at 512."""
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.evaluate.inputs import HELDOUT_KJV
+    from tinygpt_mlx.evaluate.retrieval_bench import decode_scaling
+
+    ids = gemma3.tokenizer.encode(HELDOUT_KJV.read_text(encoding="utf-8")[:3000])[:600]
+    cfg = CacheConfig(sink=4, hot_budget=256)
+    rows = decode_scaling(gemma3.model, cfg, ids, [4096], decode_steps=2, chunk=512)
+    (row,) = rows
+    assert row["context"] == 4096 + 3
+    # three global layers' cold stores: 4096 - 260 hot tokens each, fp32 K and V of one head of 256
+    assert row["cold_bytes"] == 3 * (4096 - 260 + 3) * 2 * 256 * 4, row["bytes"]
+    assert row["bytes"]["sliding"] == 15 * 512 * 2 * 256 * 4
