@@ -116,30 +116,28 @@ def fill_direct(model, config, lengths: list[int], chunk: int = 512, windowed: b
     return out
 
 
-def bytes_rows(loaded, lengths: list[int], specs: str, direct: bool = False) -> list[dict]:
+def bytes_rows(loaded, lengths: list[int], specs: str, direct: bool = False, every: bool = True) -> list[dict]:
     from tinygpt_mlx.cache.report import fill_and_measure
     from tinygpt_mlx.evaluate.modes import parse_policies
 
     vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
     rows = []
     for spec, cfg in parse_policies(specs).items():
-        if direct:
-            ours = fill_direct(loaded.model, cfg, lengths)
-            every = fill_direct(loaded.model, cfg, lengths, windowed=False)
-        else:
-            ours = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec)
-            every = fill_and_measure(loaded.model, cfg, lengths, vocab, label=spec, windowed=False)
-        for a, b in zip(ours, every):
+        fill = fill_direct if direct else (lambda m, c, n, **kw: fill_and_measure(m, c, n, vocab, label=spec, **kw))
+        ours = fill(loaded.model, cfg, lengths)
+        reference = fill(loaded.model, cfg, lengths, windowed=False) if every else [None] * len(ours)
+        for a, b in zip(ours, reference):
             row = {"policy": spec, "tokens": a.tokens, "bytes": a.nbytes, "global_bytes": a.split["global"],
-                   "sliding_bytes": a.split["sliding"], "every_layer_bytes": b.nbytes,
-                   "ratio_to_every_layer": round(a.nbytes / b.nbytes, 4), "filled": "direct" if direct else "model"}
+                   "sliding_bytes": a.split["sliding"], "every_layer_bytes": b and b.nbytes,
+                   "ratio_to_every_layer": b and round(a.nbytes / b.nbytes, 4),
+                   "filled": "direct" if direct else "model"}
             if (not direct and not cfg.quantised and not cfg.streaming and not cfg.retrieval
                     and cfg.storage == "fp32"):
                 row["mlx_lm_caches_bytes"] = mlx_lm_bytes(loaded.model, a.tokens, vocab)
             rows.append(row)
+            vs = f" vs every layer {b.nbytes / 2**20:8.2f} MiB: {row['ratio_to_every_layer']:.3f}x" if b else ""
             print(f"  {spec:12} {a.tokens:6d} tokens: {a.nbytes / 2**20:8.2f} MiB (global {a.split['global'] / 2**20:.2f}"
-                  f" + sliding {a.split['sliding'] / 2**20:.2f}) vs every layer {b.nbytes / 2**20:8.2f} MiB: "
-                  f"{row['ratio_to_every_layer']:.3f}x", file=sys.stderr)
+                  f" + sliding {a.split['sliding'] / 2**20:.2f}){vs}", file=sys.stderr)
     return rows
 
 
@@ -153,6 +151,8 @@ def main() -> None:
                     help="fill the caches for the bytes without running the model (see the module's docstring)")
     ap.add_argument("--check-direct", type=int, default=0, metavar="N",
                     help="first measure every policy both ways at N tokens; exit 1 unless equal (0: skip)")
+    ap.add_argument("--no-every-layer", action="store_true",
+                    help="skip the reference of every layer under the policy (at 128K it is most of the run)")
     ap.add_argument("--json", default=None, help="also write the results here (atomically)")
     args = ap.parse_args()
     from tinygpt_mlx.cli.common import write_atomic
@@ -189,7 +189,7 @@ def main() -> None:
                 print(f"direct fill differs from the model's: {[r for r in check if not r['equal']]}", file=sys.stderr)
                 sys.exit(1)
         t1 = time.perf_counter()
-        sizes = bytes_rows(loaded, lengths, args.policies, direct=args.direct)
+        sizes = bytes_rows(loaded, lengths, args.policies, direct=args.direct, every=not args.no_every_layer)
     result = {"gguf": path.name, "tokens": args.tokens, "greedy": greedy, "direct_check": check, "bytes": sizes,
               "seconds": {"greedy": round(t_greedy - t0, 1), "direct_check": round(t1 - t_greedy, 1), "bytes": round(time.perf_counter() - t1, 1)}}
     text = json.dumps(result, indent=1) + "\n"

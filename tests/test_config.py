@@ -302,6 +302,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"mean","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"span_score":"mean"}}'),
     'sink4/hot1024+spanmean': ('fp32 + retrieval hot 1024 + top 32 pages (pages by mean score)',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"span_score":"mean"}}'),
+    'int4+sink4/hot1024': ('int4 + retrieval hot 1024 + top 32 pages',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"near_share":8,"near_bits":8},"retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot1024+spill32': ('fp32 + retrieval hot 1024 + top 32 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"cold_ram_mib":32}}'),
     'sink4/hot1024+spill1': ('fp32 + retrieval hot 1024 + top 32 pages',
