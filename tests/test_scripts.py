@@ -57,3 +57,17 @@ def test_every_named_module_and_script_exists():
         named |= set(re.findall(r"\b(?:benchmarks|scripts)/[a-z0-9_]+\.(?:py|sh)\b", text))
     assert "benchmarks/decode_costs.py" in named and "scripts/fetch_corpus.sh" in named   # the grep works
     assert not [n for n in named if not (ROOT / n).is_file()]
+
+
+def test_bench_server_ttft_builds_the_tests_tiny_model(tmp_path):
+    """benchmarks/bench_server_ttft.py keeps its own copy of conftest's tokenizer and model
+    builder (benchmarks import no tests.*): the same tokenizer and the same weights, byte for byte."""
+    from benchmarks import bench_server_ttft as b
+    from tests import conftest
+
+    assert b.TOKENIZER_TEXT == conftest.TEXT
+    tok = conftest.train_tokenizer().to_str()
+    assert b.train_tokenizer().to_str() == tok
+    ours = b.build_native(tmp_path / "b.tinygpt", tok, seed=3)
+    theirs = conftest.build_native(tmp_path / "t.tinygpt", tok, seed=3)
+    assert Path(ours).read_bytes() == Path(theirs).read_bytes()
