@@ -18,6 +18,7 @@ pre-warmed document (the other questions prefill it).
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import json
 import logging
@@ -28,11 +29,13 @@ import time
 import mlx.core as mx
 import pytest
 
+from tinygpt_mlx import blas
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import _call, prefill
 from tinygpt_mlx.server import batch
 from tinygpt_mlx.server.slots import SlotPool
+from tinygpt_mlx.server.streams import render
 from tinygpt_mlx.server.worker import Job, Worker
 
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
@@ -93,6 +96,47 @@ def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
             assert mx.array_equal(row, w), policy
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
     assert len({c.current_length for c in together}) > 2      # the rows sit at their own positions
+
+
+def _prefilled(m, tok, cfg, texts):
+    caches = [make_cache(m, cfg) for _ in texts]
+    first = [int(mx.argmax(prefill(m, tok.encode(t), c, 64)).item()) for t, c in zip(texts, caches)]
+    return caches, first
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_attention_across_sequences_equals_the_per_sequence_path(native32, policy):
+    """The batched attention (batch.py: the compiled step over full caches and steady rings, one
+    fused attention call over the sequences' K/V stacked and padded otherwise) against the
+    per-sequence attention it replaces (`compiled=False, dense=False`), in lockstep (the same
+    tokens fed): four sequences of very different lengths, one of them past its full buffer's
+    first 256 slots (the others padded to it with zeros, the compiled step's layouts of two
+    buffer sizes), one whose buffer fills during the steps (it grows: an eager step), the
+    windows filling and wrapping. Every step's logits agree within 1e-5
+    (the padded sums run longer: the last bits may differ) and give the same greedy token, and
+    each path is taken where its policy has it."""
+    m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
+    texts = [PROMPTS[0] * 20, PROMPTS[1], PROMPTS[0] * 17, PROMPTS[3]]
+    lengths = [len(tok.encode(t)) for t in texts]
+    assert lengths[0] > 256 > lengths[2] > 250 > 20 > lengths[1]
+    ref, tokens = _prefilled(m, tok, cfg, texts)
+    paths = {"stacked": dict(compiled=False), "compiled": {}}
+    runs = {name: _prefilled(m, tok, cfg, texts)[0] for name in paths}
+    counts = {}
+    for _ in range(40):
+        want = batch.decode_step(m, tokens, ref, compiled=False, dense=False)
+        for name, kw in paths.items():
+            before = batch.taken.copy()
+            got = batch.decode_step(m, tokens, runs[name], **kw)
+            counts[name] = counts.get(name, batch.taken - batch.taken) + (batch.taken - before)
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), (policy, name)
+            assert mx.argmax(got, axis=-1).tolist() == mx.argmax(want, axis=-1).tolist(), (policy, name)
+        tokens = [int(t) for t in mx.argmax(want, axis=-1).tolist()]
+    dense = policy in ("full", "sink+window")
+    assert (counts["stacked"]["stacked"] > 0) == dense, counts       # one fused call per layer
+    assert (counts["compiled"]["compiled"] > 0) == dense, counts     # the compiled batched step
+    if not dense:      # packed or retrieved data: each sequence attends on its own, as before
+        assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
 
 
 # ----- the scheduler ----------------------------------------------------------------------------
@@ -184,6 +228,72 @@ def test_cancel_frees_the_place_at_once(native):
     r = events["short"][-1][1]
     assert r.done_reason in ("stop", "length") and r.slot_action == "new"
     assert w.steps - steps <= len(r.tokens) + 3          # it started at once, not after the long reply
+
+
+class _FakeOpenBLAS:
+    def __init__(self, threads: int):
+        self.threads, self.calls = threads, []
+
+    def openblas_get_num_threads(self) -> int:
+        return self.threads
+
+    def openblas_set_num_threads(self, n: int) -> None:
+        self.calls.append(n)
+        self.threads = n
+
+
+def test_decode_steps_run_openblas_on_one_thread_and_prefill_on_its_own_count(native):
+    """The worker switches OpenBLAS to one thread for decode steps and back to its own count for
+    a prefill chunk, only when the count changes (blas.Threads); without OpenBLAS nothing."""
+    lib = _FakeOpenBLAS(2)
+    threads = blas.Threads(library=lib)
+    assert threads.available and threads.default == 2 and threads.decode == 1
+    threads.for_decode()
+    threads.for_decode()
+    threads.for_prefill()
+    assert lib.calls == [1, 2]
+    none = blas.Threads(library=object())
+    none.for_decode()
+    assert not none.available
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=4)
+    lib = _FakeOpenBLAS(2)
+    w.blas = blas.Threads(library=lib)
+    try:
+        texts = [p * 2 for p in PROMPTS[:2]]         # longer than one chunk: several prefill chunks each
+        got = [e[-1][1] for e in _run_jobs(w, [Job(native.tokenizer.encode(t), 6, temperature=0) for t in texts])]
+    finally:
+        w.stop()
+    assert all(r.done_reason in ("stop", "length") for r in got)
+    assert lib.calls and set(lib.calls) == {1, 2} and lib.calls[-1] == 1
+    assert all(a != b for a, b in zip(lib.calls, lib.calls[1:]))    # set only when it changes
+
+
+def test_text_pieces_that_arrived_together_go_out_as_one_chunk():
+    """`render` joins the text pieces waiting in a job's queue into one chunk (the same text) and
+    still ends with the final object; a piece arriving alone is its own chunk."""
+    async def run():
+        job = Job([1], 4)
+        job.events = asyncio.Queue()
+        for piece in ("a", "b", "c"):
+            job.events.put_nowait(("text", piece))
+        job.events.put_nowait(("done", "result"))
+        out = [o async for o in render(job, lambda t: {"t": t}, lambda r: [{"done": r}], lambda e: {"e": e})]
+        job2 = Job([1], 4)
+        job2.events = asyncio.Queue()
+
+        async def feed():
+            for piece in ("x", "y"):
+                await asyncio.sleep(0.01)
+                job2.events.put_nowait(("text", piece))
+            await asyncio.sleep(0.01)
+            job2.events.put_nowait(("done", "r2"))
+        task = asyncio.ensure_future(feed())
+        out2 = [o async for o in render(job2, lambda t: {"t": t}, lambda r: [{"done": r}], lambda e: {"e": e})]
+        await task
+        return out, out2
+    out, out2 = asyncio.run(run())
+    assert out == [{"t": "abc"}, {"done": "result"}]
+    assert out2 == [{"t": "x"}, {"t": "y"}, {"done": "r2"}]
 
 
 def test_a_continuation_waits_for_its_running_slot(native):

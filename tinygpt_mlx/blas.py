@@ -22,13 +22,14 @@ Everything here is the standard library: it runs before MLX, numpy or typer load
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform as _platform
 import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 OFF_VAR = "POSTTRAINLLM_NO_BLAS_PRELOAD"
 MARK_VAR = "POSTTRAINLLM_BLAS_PRELOADED"
@@ -163,3 +164,36 @@ def hint(environ: Mapping[str, str] = os.environ, platform: str = sys.platform,
         return None
     return (f"note: MLX runs its reference BLAS here; with OpenBLAS prefill is {PREFILL_SPEEDUP} faster "
             f"(posttrainllm preloads it once installed): {install_command(exists('/etc/debian_version'))}")
+
+
+class Threads:
+    """OpenBLAS's thread count, switched between a decode step's and a prefill's (`serve`'s worker,
+    issue 56). A decode step's products are [B, d] by [d, n] with B at most a few rows: OpenBLAS
+    splits them across its threads, whose hand-off costs more than the product, and on a busy
+    machine a thread waiting for a core stalls the step (docs/server.md, "Several requests at
+    once": a batched step of 4 sequences ran 2.5x faster on tinygpt-base with one thread). A
+    prefill chunk's products are large and gain from every thread, so they keep OpenBLAS's own
+    count. Nothing happens where OpenBLAS is not in the process (`available` False) or its
+    functions are not found."""
+
+    def __init__(self, decode: int = 1, library: Optional[Any] = None):
+        lib = library if library is not None else ctypes.CDLL(None)
+        self._set = getattr(lib, "openblas_set_num_threads", None)
+        get = getattr(lib, "openblas_get_num_threads", None)
+        self.available = self._set is not None and get is not None
+        self.default = int(get()) if self.available else 0
+        self.decode = max(1, min(decode, self.default)) if self.available else 0
+        self.now = self.default
+
+    def _to(self, n: int) -> None:
+        if self.available and n != self.now:
+            self._set(n)
+            self.now = n
+
+    def for_decode(self) -> None:
+        """The decode steps' count (one thread by default) from now on."""
+        self._to(self.decode)
+
+    def for_prefill(self) -> None:
+        """OpenBLAS's own count from now on (a prefill chunk, anything else)."""
+        self._to(self.default)

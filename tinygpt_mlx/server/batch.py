@@ -21,16 +21,53 @@ So each row's attention is exactly the computation the sequence runs alone (the 
 which agrees with the compiled decode step to the last bit: tests/test_compiled.py); only the
 projections see B rows where they saw one. Only caches of ours batch (`batchable`): a layer
 with a model-owned cache keeps the solo path.
+
+Attention across sequences (`dense=True`, the default): the sequences whose layer holds its
+tokens dense and needs no mask for its one query (a full exact layer, `FullLayer`, and a
+StreamingLLM ring, `RingLayer`) attend in **one** fused call over their K/V stacked to
+[B', H, Lmax, D]: each sequence's buffer as it lies, read up to the longest one's length (a
+view where its buffer has the room: a full layer's buffer grows in 256-token steps, a ring's is
+sink + window; zeros appended where it has not), with a boolean mask [B', 1, 1, Lmax] hiding
+each shorter row's padding (none when every row is as long). The padded keys score -inf and
+add exact zeros, so the row is its solo attention over the same keys; the sums run over a
+longer row, so the last bits may differ from the per-sequence call (the tests hold the two to
+1e-5 and the greedy tokens equal). Only caches up to `STACK_TOKENS` stack (the stacking copies
+every row). The other layers (KIVI's packed blocks, retrieval, a step that needs a mask) keep
+the per-sequence call. `dense=False` is the per-sequence path for every layer (the tests'
+reference).
+
+The compiled batched step (`compiled_decode`, tried first): where every sequence's cache is a
+full exact one with room for the token in its buffers, or a StreamingLLM ring in its steady
+state (the compiled solo step's condition, cache/compiled.py), the whole step, embedding,
+projections, RoPE, the B cache writes (at array positions), attention and MLP, is traced by
+`mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row attends over its
+whole buffer with the unwritten slots masked, a ring row over its buffer as it lies. MLX fuses
+the element-wise work and Python builds no graph per step. A layout's trace is reused until a
+row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept.
+
+Where the time of a small model's batched step goes on this CPU (docs/server.md, "Several
+requests at once"): the B rows' matrix products cost about B times one row's (OpenBLAS's small
+products gain nothing from more rows), so what batching saves is the per-operation overhead the
+rows share; the two paths above shave some more of it.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
+import numpy as np
 
 from ..cache import KVCache
-from ..cache.layer import LayerCache
+from ..cache.layer import FullLayer, LayerCache
+from ..cache.ring import RingLayer
+
+
+#: how the batched steps ran, for the tests and /api/slots: "compiled" steps (`compiled_decode`),
+#: layer calls whose rows attended "stacked" (one fused call) and rows attending "per_sequence"
+taken: Counter = Counter()
 
 
 class PerSequence:
@@ -40,13 +77,22 @@ class PerSequence:
         self.masks = masks
 
 
+#: the longest cache whose K/V a batched step stacks with the others (a copy of every row per
+#: layer and step, which pays for short caches, where a step is mostly per-operation overhead,
+#: and would double the K/V read of long ones); past it each sequence attends on its own
+STACK_TOKENS = 1024
+
+
 class BatchLayer:
     """One model layer's caches of B sequences behind the per-layer protocol (module doc)."""
 
     reads_own_segments = True     # attention.scaled_dot_product_attention calls `attend`
 
-    def __init__(self, caches: Sequence[LayerCache]):
+    def __init__(self, caches: Sequence[LayerCache], dense: bool = True, masks: Optional[dict] = None):
         self.caches = list(caches)
+        self.dense = dense
+        #: the padding masks of this step by (Lmax, lengths), shared by the step's layers
+        self.padding = {} if masks is None else masks
 
     @property
     def offset(self) -> mx.array:
@@ -63,8 +109,82 @@ class BatchLayer:
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         masks = mask.masks if isinstance(mask, PerSequence) else [mask] * len(self.caches)
-        outs = [c.attend(queries[i:i + 1], scale, m) for i, (c, m) in enumerate(zip(self.caches, masks))]
+        stacked = [dense_kv(c, m) if self.dense and queries.shape[2] == 1 else None
+                   for c, m in zip(self.caches, masks)]
+        rows = [i for i, kv in enumerate(stacked) if kv is not None]
+        if rows and max(stacked[i][2] for i in rows) > STACK_TOKENS:
+            rows = []                      # long caches: the copy would cost more than it saves
+        if len(rows) < 2:                  # nothing to share: each sequence's own attention
+            taken["per_sequence"] += len(self.caches)
+            outs = [c.attend(queries[i:i + 1], scale, m) for i, (c, m) in enumerate(zip(self.caches, masks))]
+            return mx.concatenate(outs, axis=0)
+        taken["stacked"] += 1
+        taken["per_sequence"] += len(self.caches) - len(rows)
+        shared = self._attend_stacked(queries, scale, rows, [stacked[i] for i in rows])
+        if len(rows) == len(self.caches):
+            return shared
+        outs, j = [], 0
+        for i, (c, m) in enumerate(zip(self.caches, masks)):
+            if stacked[i] is not None:
+                outs.append(shared[j:j + 1])
+                j += 1
+            else:
+                outs.append(c.attend(queries[i:i + 1], scale, m))
         return mx.concatenate(outs, axis=0)
+
+    def _attend_stacked(self, queries: mx.array, scale: float, rows: list[int], kvs: list[tuple]) -> mx.array:
+        """One fused attention call for the sequences `rows`, their K/V (`dense_kv`) padded to
+        the longest and stacked, a boolean mask hiding the padding (module doc)."""
+        lengths = tuple(n for _, _, n, _ in kvs)
+        L = max(lengths)
+        ks, vs = [], []
+        for k, v, n, _ in kvs:
+            if k.shape[2] >= L:
+                k, v = k[..., :L, :], v[..., :L, :]
+            else:
+                pad = L - k.shape[2]
+                k = mx.concatenate([k, mx.zeros((*k.shape[:2], pad, k.shape[3]), k.dtype)], axis=2)
+                v = mx.concatenate([v, mx.zeros((*v.shape[:2], pad, v.shape[3]), v.dtype)], axis=2)
+            ks.append(k)
+            vs.append(v)
+        keys, values = mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0)
+        dtype = kvs[0][3]
+        if keys.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(dtype)
+        mask = None
+        if min(lengths) < L:
+            key = (L, lengths)
+            mask = self.padding.get(key)
+            if mask is None:
+                valid = np.arange(L)[None, :] < np.array(lengths)[:, None]
+                mask = self.padding[key] = mx.array(valid[:, None, None, :])
+        q = queries if len(rows) == queries.shape[0] else mx.concatenate([queries[i:i + 1] for i in rows], axis=0)
+        return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+
+
+def dense_kv(cache: Any, mask: Any) -> Optional[tuple[mx.array, mx.array, int, mx.Dtype]]:
+    """(keys, values, n, compute dtype) of a layer whose one query attends to its first `n`
+    stored tokens with no mask, as one fused attention call reads them: a buffer whose first `n`
+    tokens are the live ones (in any order: one query's attention does not depend on it) and
+    whose rest, if any, holds finite values (zeros or older tokens); after `update_and_fetch`.
+    None for any other layer (it attends on its own: module doc)."""
+    if mask is not None:
+        return None
+    if type(cache) is FullLayer:
+        body = cache.body
+        if body.keys is None:
+            return None
+        return body.keys[..., body.head:, :], body.values[..., body.head:, :], body.n, cache.dtype
+    if type(cache) is RingLayer and cache.sees_all(None):
+        ring = cache.body
+        if not len(ring):
+            return None
+        k, v = ring.attention_kv(cache._sink_slot0(), False, None)    # as it lies (sink placed)
+        n = k.shape[2]
+        if ring.ring and ring.ptr == ring.n < ring.window:   # not wrapped yet: the buffer's first n slots
+            k, v = ring.keys, ring.values
+        return k, v, n, cache.dtype
+    return None
 
 
 #: model types whose code is known to batch this way (their layers read only `offset`, the mask
@@ -83,25 +203,219 @@ def batchable(cache: Any) -> bool:
     return isinstance(cache, KVCache) and len(cache.owned) == len(cache.distinct()) and len(cache) > 0
 
 
-def batch_layers(caches: Sequence[KVCache]) -> list[BatchLayer]:
+def batch_layers(caches: Sequence[KVCache], dense: bool = True) -> list[BatchLayer]:
     """The per-layer view of B sequences' caches: layer i's `BatchLayer` holds every sequence's
     layer-i cache; layers that share one cache (YOCO) share one `BatchLayer`, as they share
-    the cache in each sequence."""
+    the cache in each sequence. `dense`: attention batched across the sequences where their
+    layers allow it (module doc), else per sequence."""
     first = caches[0]
     made: dict[int, BatchLayer] = {}
+    masks: dict = {}
     out = []
     for i, layer in enumerate(first):
         key = id(layer)
         if key not in made:
-            made[key] = BatchLayer([c[i] for c in caches])
+            made[key] = BatchLayer([c[i] for c in caches], dense, masks)
         out.append(made[key])
     return out
 
 
-def decode_step(model: Any, tokens: Sequence[int], caches: Sequence[KVCache]) -> mx.array:
+# ----- the compiled batched step -------------------------------------------------------------
+class _TracedFull:
+    """One sequence's full exact layer during the trace of a batched step: its buffers (capacity
+    C), the new token written at `slot` (an array), one query over the buffer's first `slot + 1`
+    tokens (a mask over the rest, which hold zeros or older tokens: finite)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype):
+        self.keys, self.values, self.slot, self.compute_dtype = keys, values, slot, compute_dtype
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> None:
+        self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.slot, axes=(2,))
+        self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.slot, axes=(2,))
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        k, v = self.keys, self.values
+        if k.dtype != self.compute_dtype:
+            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
+        valid = (mx.arange(k.shape[2]) <= self.slot)[None, None, None, :]
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=valid)
+
+
+class _TracedRing(_TracedFull):
+    """One sequence's full StreamingLLM ring (every slot live) during the trace: the new token
+    written over the oldest at `slot`, in shifted mode the sink placed for this step's query
+    (`sink_rows`), one query over the buffer as it lies (ring.py, cache/compiled.py)."""
+
+    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype,
+                 sink_rows: Optional[mx.array]):
+        super().__init__(keys, values, slot, compute_dtype)
+        self.sink_rows = sink_rows
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> None:
+        super().update_and_fetch(keys, values)
+        if self.sink_rows is not None:
+            self.keys[..., :self.sink_rows.shape[2], :] = self.sink_rows
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        k, v = self.keys, self.values
+        if k.dtype != self.compute_dtype:
+            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+
+
+class _TracedRows:
+    """One model layer's B sequences during the trace (the per-layer protocol, as `BatchLayer`)."""
+
+    reads_own_segments = True
+
+    def __init__(self, rows: list, offset: mx.array):
+        self.rows, self.offset = rows, offset
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
+        if window_size is not None:
+            raise ValueError("a windowed mask is not traced")
+        return None     # each row masks itself (`_TracedFull.attend`)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, r in enumerate(self.rows):
+            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        return mx.concatenate([r.attend(queries[i:i + 1], scale) for i, r in enumerate(self.rows)], axis=0)
+
+
+#: layouts whose trace failed (the model's code reads its cache some other way), with the error
+_failed: dict = {}
+log = logging.getLogger("posttrainllm.server")
+
+#: the compiled batched steps of a model, by layout (`_compiled_step`), the newest last
+_ATTR = "_posttrainllm_batched_steps"
+#: layouts kept per model (a full layer's buffer grows in 256-token steps: each sequence's
+#: growth is a new layout, traced once)
+KEEP_TRACES = 32
+
+
+def _row(cache: KVCache) -> Optional[tuple]:
+    """What the compiled batched step needs of one sequence's cache for its next token: (layout
+    key, slot, RoPE position, buffers per layer, sink rows per layer or None, the layers' plans,
+    the sink's slot), or None where this step cannot run compiled for it: a full exact cache
+    whose buffers have room for the token, or a StreamingLLM ring in its steady state (the
+    compiled solo step's condition, cache/compiled.py); every layer of it at one position."""
+    layers = cache.owned
+    first = layers[0]
+    if first.dtype is None or any(c.sliding is not None for c in layers):
+        return None
+    if all(type(c) is FullLayer for c in layers):
+        body = first.body
+        if body.keys is None:
+            return None
+        slot, size = body.head + body.n, body.keys.shape[2]
+        if slot + 1 > size or any(c.seen != first.seen or c.body.keys is None or c.body.head + c.body.n != slot
+                                  or c.body.keys.shape[2] != size or c.dtype != first.dtype for c in layers):
+            return None
+        key = ("full", size, body.keys.dtype, first.dtype)
+        plans = [c.plan() for c in layers]
+        return key, slot, first.seen, [(c.body.keys, c.body.values) for c in layers], None, plans, None
+    if cache.compiled_step != "ring" or not all(type(c) is RingLayer for c in layers):
+        return None
+    plans = [c.plan() for c in layers]
+    if not all(p.rebase == 0 and c.body.steady() for c, p in zip(layers, plans)):
+        return None
+    slot = first.body.write_slot
+    if any(c.seen != first.seen or c.body.write_slot != slot or c.positions.base != first.positions.base
+           or c.dtype != first.dtype for c in layers):
+        return None
+    shifted = first.positions.frame and first.config.sink > 0
+    first_slot = first.sink_slot_during(plans[0])
+    buffers = [c.body.buffers() for c in layers]
+    sinks = [c.body.placed_sink(first_slot) for c in layers] if shifted else None
+    key = ("ring", buffers[0][0].shape[2], shifted, buffers[0][0].dtype, first.dtype)
+    return key, slot, plans[0].offset, buffers, sinks, plans, first_slot if shifted else None
+
+
+def _compiled_step(model: Any, key: tuple):
+    """The compiled batched step for `key` = (owners, the rows' layout keys), made once per model
+    and layout (the newest KEEP_TRACES kept)."""
+    steps = getattr(model, _ATTR, None)
+    if steps is None:
+        steps = {}
+        object.__setattr__(model, _ATTR, steps)    # not a parameter (nn.Module's setattr would keep it)
+    if key in steps:
+        steps[key] = steps.pop(key)                # the newest last
+        return steps[key]
+    owners, rows = key
+
+    def step(tokens, offsets, slots, buffers, sinks):
+        layers = []
+        for j in range(len(buffers[0])):
+            made = []
+            for i, row in enumerate(rows):
+                k, v = buffers[i][j]
+                if row[0] == "full":
+                    made.append(_TracedFull(k, v, slots[i:i + 1], row[-1]))
+                else:
+                    made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None))
+            layers.append(_TracedRows(made, offsets))
+        logits = model(tokens, cache=[layers[i] for i in owners])
+        return logits, [[(r.keys, r.values) for r in layer.rows] for layer in layers]
+    # the weights are closed over, as in cache/compiled.py (constants of the trace)
+    steps[key] = mx.compile(step)
+    while len(steps) > KEEP_TRACES:
+        steps.pop(next(iter(steps)))
+    return steps[key]
+
+
+def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
+    """One decode step of B sequences as one compiled function (the embedding, projections, RoPE,
+    cache writes, attention and MLP traced once per layout and replayed), where every sequence
+    allows it (`_row`: a full exact cache with room in its buffers, or a steady StreamingLLM
+    ring); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
+    None where it cannot run (nothing changed: the caller runs the eager batched call)."""
+    if not batches(model) or any(not getattr(c, "compile_decode", False) for c in caches):
+        return None
+    first = caches[0].owned
+    index = {id(c): i for i, c in enumerate(first)}
+    owners = tuple(index.get(id(c), -1) for c in caches[0])
+    rows = []
+    for cache in caches:
+        layers = cache.owned
+        if len(layers) != len(first) or tuple({id(c): i for i, c in enumerate(layers)}.get(id(c), -1)
+                                              for c in cache) != owners:
+            return None
+        row = _row(cache)
+        if row is None:
+            return None
+        rows.append(row)
+    key = (owners, tuple(r[0] for r in rows))
+    if key in _failed:
+        return None
+    step = _compiled_step(model, key)
+    try:
+        logits, new = step(ids, mx.array([r[2] for r in rows], dtype=mx.int32),
+                           mx.array([r[1] for r in rows], dtype=mx.int32),
+                           [r[3] for r in rows], [r[4] if r[4] is not None else [] for r in rows])
+    except Exception as e:      # the model's code cannot be traced: eager from now on, nothing moved
+        _failed[key] = repr(e)
+        log.warning("compiled batched step: tracing layout %r failed (%r); it runs eager from now on", key, e)
+        return None
+    taken["compiled"] += 1
+    for i, (cache, row) in enumerate(zip(caches, rows)):
+        for j, (c, p) in enumerate(zip(cache.owned, row[5])):
+            k, v = new[j][i]
+            c.commit(p, None, None, written=(k, v) if row[0][0] == "full" else (k, v, row[6]))
+    return logits
+
+
+def decode_step(model: Any, tokens: Sequence[int], caches: Sequence[KVCache], dense: bool = True,
+                compiled: bool = True) -> mx.array:
     """One decode step of B sequences: `tokens[i]` fed to `caches[i]` (each advanced by one
-    token); the fp32 logits after each, shape [B, V], evaluated."""
+    token); the fp32 logits after each, shape [B, V], evaluated. `dense` False: attention per
+    sequence for every layer (the reference the batched attention is tested against)."""
     ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
-    logits = model(ids, cache=batch_layers(caches))[:, -1].astype(mx.float32)
+    logits = compiled_decode(model, ids, caches) if compiled else None
+    if logits is None:
+        logits = model(ids, cache=batch_layers(caches, dense))
+    logits = logits[:, -1].astype(mx.float32)
     mx.eval(logits)
     return logits

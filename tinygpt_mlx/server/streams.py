@@ -30,16 +30,32 @@ async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result],
     """The job's events as response objects; closing this generator cancels the job. While the
     job is silent for `KEEPALIVE_S` (a multi-minute prefill of a long document), an empty text
     chunk (`text("")`) is sent each time: valid for ollama's NDJSON and OpenAI's SSE alike,
-    and visible progress to a client that would otherwise time out."""
+    and visible progress to a client that would otherwise time out. Text pieces that arrived
+    together (the server's loop or the client fell behind the decode steps) go out as one
+    chunk: one write instead of one per token, the same text."""
+    events = job.events
+    held = None          # an event taken while joining text pieces, handled next
     try:
         while True:
-            try:
-                kind, payload = await asyncio.wait_for(job.events.get(), timeout=KEEPALIVE_S)
-            except asyncio.TimeoutError:
-                yield text("")
-                continue
+            if held is not None:
+                (kind, payload), held = held, None
+            elif not events.empty():
+                kind, payload = events.get_nowait()
+            else:
+                try:
+                    kind, payload = await asyncio.wait_for(events.get(), timeout=KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield text("")
+                    continue
             if kind == "text":
-                yield text(payload)
+                pieces = [payload]
+                while held is None and not events.empty():
+                    event = events.get_nowait()
+                    if event[0] == "text":
+                        pieces.append(event[1])
+                    else:
+                        held = event
+                yield text(pieces[0] if len(pieces) == 1 else "".join(pieces))
                 continue
             for obj in (done(payload) if kind == "done" else [error(payload)]):
                 yield obj

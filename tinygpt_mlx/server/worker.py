@@ -13,8 +13,13 @@ strings, limits and log-probabilities. Each scheduler step:
    never stalls the streams in flight, and a short request sent during a long answer, or during
    a long document's prefill, gets its first token after one chunk and one step;
 3. runs one decode step for every request with a token to feed: one batched model call
-   (batch.py: the projections and the MLP over all rows, attention per sequence over its own
-   cache) where the caches allow it, else one call each; and samples each request's next token.
+   (batch.py: the projections and the MLP over all rows, attention batched across the
+   sequences where their caches allow it, else per sequence over its own cache; compiled for
+   full caches and steady StreamingLLM rings) where the caches allow it, else one call each;
+   and samples each request's next token (the greedy ones' in one evaluation).
+
+Decode steps run OpenBLAS on one thread, prefill chunks on its own count (`blas.Threads`): a
+decode step's products are a few rows, which OpenBLAS's threads slow down.
 
 A job whose prompt continues a running request's prompt (its next turn, or the same request
 again) waits for that request's slot instead (`SlotPool.waits_for`): extended or restored from
@@ -39,6 +44,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from .. import blas
 from .. import generate as engine
 from ..config import CacheConfig
 from ..sampling import make_sampler
@@ -254,6 +260,8 @@ class Worker:
         self.steps = 0                    # scheduler steps run
         self.batched_steps = 0            # of them, decode steps that ran several requests in one call
         self.batches = batch.batches(loaded.model)
+        #: OpenBLAS on one thread for the decode steps, on its own count for prefill (blas.Threads)
+        self.blas = blas.Threads()
         self.admission = Admission(loaded, pool.cache_config)
         self._held: Any = _EMPTY          # an item taken off the queue to wait on, handled next
         self._thread = threading.Thread(target=self._run, name="posttrainllm-generate", daemon=True)
@@ -309,6 +317,7 @@ class Worker:
                     return
                 if isinstance(item, tuple):            # call(): a function for this thread
                     fn, done = item
+                    self.blas.for_prefill()
                     try:
                         done.set_result(fn())
                     except BaseException as e:  # noqa: BLE001 — handed to the caller
@@ -442,6 +451,7 @@ class Worker:
         """One chunk of `s`'s prompt into its cache; after the last, a checkpoint of the slot
         (SlotPool.checkpoint) and the first token."""
         fed = s.tail[s.pos:s.pos + s.chunk]
+        self.blas.for_prefill()
         logits = engine._call(self.loaded.model, fed, s.slot.cache)
         s.pos += len(fed)
         s.slot.tokens.extend(fed)
@@ -456,26 +466,31 @@ class Worker:
         sample each one's next token."""
         model = self.loaded.model
         caches = [s.slot.cache for s in feeding]
+        self.blas.for_decode()
+        greedy: list = [None] * len(feeding)
         if len(feeding) > 1 and self.batches and all(batch.batchable(c) for c in caches):
             logits = batch.decode_step(model, [s.token for s in feeding], caches)
             rows = [logits[i] for i in range(len(feeding))]
             self.batched_steps += 1
+            if any(s.job.temperature == 0 for s in feeding):   # every greedy row's token in one evaluation
+                greedy = mx.argmax(logits, axis=-1).tolist()
         else:
             rows = [engine._call(model, [s.token], s.slot.cache) for s in feeding]
         for s, row in zip(feeding, rows):
             s.slot.tokens.append(s.token)
             s.token, s.logits = None, row
-        for s in feeding:
-            self._guarded([s], lambda s=s: self._sample(s))
+        for s, g in zip(feeding, greedy):
+            self._guarded([s], lambda s=s, g=g: self._sample(s, g if s.job.temperature == 0 else None))
 
-    def _sample(self, s: Stream) -> None:
-        """`s`'s next token from its logits: sent as text, or the request retired (EOS, a stop
-        string, a loop, its length or context)."""
+    def _sample(self, s: Stream, greedy: Optional[int] = None) -> None:
+        """`s`'s next token from its logits (`greedy`: its argmax, already taken for a greedy
+        request in a batched step): sent as text, or the request retired (EOS, a stop string, a
+        loop, its length or context)."""
         job, r = s.job, s.r
         if s.generated >= job.max_tokens:
             self._retire(s, "length")
             return
-        token = int(s.sampler(s.logits[None])[0].item())
+        token = greedy if greedy is not None else int(s.sampler(s.logits[None])[0].item())
         s.generated += 1
         if token in s.eos:
             self._retire(s, "stop")
