@@ -17,7 +17,8 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
   engine only:  in this process, without HTTP: the N prompts' decode steps run one model call
                 each (as N lone requests would) against one batched call (server/batch.py),
                 --engine-steps steps a round, 2 x --rounds rounds alternating (medians): what
-                batching saves in the model call, apart from the server's per-token work
+                batching saves in the model call, apart from the server's per-token work; the
+                decode steps on one OpenBLAS thread, as the server runs them (blas.Threads)
 
 Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
 non-empty text). The ratios are what count: each pair is measured in the same run, minutes
@@ -46,6 +47,7 @@ from pathlib import Path
 
 import httpx
 
+from tinygpt_mlx import blas
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.loading import load
 
@@ -142,10 +144,13 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     loaded = _loaded(model_path)
     m, tok = loaded.model, loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:streams]]
+    threads = blas.Threads()
+    threads.for_prefill()
     sets = {}
     for kind in ("solo", "batched"):
         caches = [make_cache(m, config) for _ in prompts]
         sets[kind] = (caches, [int(mx.argmax(prefill(m, ids, c, 512)).item()) for ids, c in zip(prompts, caches)])
+    threads.for_decode()
     rates = {"solo": [], "batched": []}
     for r in range(rounds):
         for kind in (("solo", "batched") if r % 2 == 0 else ("batched", "solo")):
@@ -158,6 +163,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
                     tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches), axis=-1).tolist()]
             rates[kind].append(steps * streams / (time.perf_counter() - t0))
             sets[kind] = (caches, tokens)
+    threads.for_prefill()
     for caches, _ in sets.values():
         for c in caches:
             c.close()
@@ -268,11 +274,15 @@ def main() -> None:
     if unknown:
         ap.error(f"--policies: unknown {', '.join(unknown)}; known: {', '.join(table)}")
     name = Path(args.model).stem
+    threads = blas.Threads()
     results = {"model": name, "streams": args.streams, "tokens": args.tokens, "command": " ".join(sys.argv),
+               "openblas_threads": threads.default if threads.available else None,
+               "decode_openblas_threads": threads.decode if threads.available else None,
                "load_average_at_start": list(os.getloadavg()), "rows": []}
     print(f"model {name}: {args.streams} streams x {args.tokens} tokens vs one; TTFT of a {args.short_tokens}-"
           f"token request during a {args.long_tokens}-token answer vs idle")
     for label in chosen:
+        before = list(os.getloadavg())
         eng = {} if args.only == "ttft" else engine(args.model, table[label], args.streams, args.engine_steps,
                                                     2 * args.rounds)
         proc, url = start_server(args.model, label, args.window, args.streams)
@@ -287,7 +297,7 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-        row.update(eng, load_average_after=list(os.getloadavg()))
+        row.update(eng, load_average_before=before, load_average_after=list(os.getloadavg()))
         results["rows"].append(row)
         line = f"{label:<24}"
         if "ratio" in row:
@@ -299,7 +309,7 @@ def main() -> None:
             t = row["ttft"]
             line += (f"  | TTFT idle {t['idle_ttft_ms']:.0f} ms, during a long answer {t['busy_ttft_ms']:.0f} ms "
                      f"(x{t['ratio']:.2f}, {t['busy_samples']} samples)")
-        print(line + f"  | server RSS {row['server_rss_mib']} MiB", flush=True)
+        print(line + f"  | server RSS {row['server_rss_mib']} MiB  | load average {before[0]:.1f} -> {row['load_average_after'][0]:.1f}", flush=True)
     if args.json:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")
         tmp.write_text(json.dumps(results, indent=1) + "\n")
