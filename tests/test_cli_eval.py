@@ -223,3 +223,18 @@ def test_progress_stage_lines_go_to_stderr_not_stdout(native_path, tmp_path, com
     assert any(line.startswith(stage) for line in err), r.stderr
     assert any(": done, " in line for line in err), r.stderr
     assert r.stdout.strip() and ": done, " not in r.stdout and " ..." not in r.stdout
+
+
+def test_compare_table_prints_a_multi_line_prompt_on_one_row(capsys):
+    """compare's table shows each prompt as one row: a document of several lines (a .jsonl prompt)
+    or one with [brackets] is not spread over lines or read as rich markup."""
+    from tinygpt_mlx.cli.compare import print_table
+
+    prompts = [{"prompt": "First line\nsecond [bold]line\n\nthird", "prefix_match": 1.0},
+               {"prompt": "short", "prefix_match": 0.5}]
+    print_table({"baseline": "fp32", "tokens": 4,
+                 "modes": {"int4": {"prompts": prompts, "mean_prefix_match": 0.75}}})
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "1.00" in line or "0.50" in line]
+    assert len(rows) == 2, out
+    assert "First line second [bold]" in rows[0] and "short" in rows[1], out

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from tinygpt_mlx.evaluate import defaults
 from tinygpt_mlx.evaluate.modes import SPEC_HELP, parse_policies, parse_policy
@@ -31,7 +32,10 @@ def print_table(result: dict) -> None:
         table.add_column(name, justify="right", no_wrap=True, min_width=5)
     first = next(iter(modes.values()))
     for i, row in enumerate(first["prompts"]):
-        table.add_row(row["prompt"], *(f"{m['prompts'][i]['prefix_match']:.2f}" for m in modes.values()))
+        # a prompt's first words on one line, as typed (a multi-line prompt or one with [brackets]
+        # stays one row, not rich markup)
+        table.add_row(Text(" ".join(row["prompt"].split())),
+                      *(f"{m['prompts'][i]['prefix_match']:.2f}" for m in modes.values()))
     table.add_section()
     table.add_row("[bold]mean[/bold]", *(f"[bold]{m['mean_prefix_match']:.3f}[/bold]" for m in modes.values()))
     Console(highlight=False, width=48 + sum(max(len(n), 5) + 3 for n in modes)).print(table)
