@@ -169,8 +169,9 @@ def _full_ring(model, config=None):
 
 def test_it_declines_what_it_does_not_cover(native, monkeypatch):
     """None (the caller runs eager) for: a ring not yet full, a chunk, a re-base due, the
-    reference path, other policies (full, retrieval, KIVI + window), `compile_decode` off, the
-    environment."""
+    reference path, other policies (full, retrieval with its cold store on disk, KIVI + window),
+    `compile_decode` off, the environment. (Retrieval with the cold store in RAM, the default,
+    runs compiled: tests/test_retrieval_device.py.)"""
     m, one = native.model, mx.array([[5]])
     assert compiled.decode(m, one, _full_ring(m)) is not None
     young = make_cache(m, CacheConfig(sink=SINK, window=WINDOW))
@@ -183,9 +184,10 @@ def test_it_declines_what_it_does_not_cover(native, monkeypatch):
     assert compiled.decode(m, one, due) is None
     with reference_path():
         assert compiled.decode(m, one, _full_ring(m)) is None
-    for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW),
+    for spec in (CacheConfig(), CacheConfig(sink=SINK, hot_budget=WINDOW, cold_store="disk"),
                  CacheConfig(sink=SINK, window=WINDOW, key_bits=4)):
         assert compiled.decode(m, one, _full_ring(m, spec)) is None
+    assert compiled.decode(m, one, _full_ring(m, CacheConfig(sink=SINK, hot_budget=WINDOW))) is not None
     off = _full_ring(m)
     off.compile_decode = False
     assert compiled.decode(m, one, off) is None

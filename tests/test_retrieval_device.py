@@ -411,3 +411,97 @@ def test_a_store_loaded_past_its_budget_spills_at_once():
         assert got == want
         np.testing.assert_allclose(out_spilled, out, atol=2e-5)
     assert spilled.nbytes_breakdown()["cold_disk"] > 0
+
+
+# ----- a compiled decode step of the whole model (cache/compiled.py, "retrieval") ------------
+
+STEP_CASES = {"default": {}, "tokens": dict(retrieve_unit="tokens"), "mean": dict(summary="mean"),
+              "hybrid": dict(summary="hybrid"), "no-index": dict(index_block=0), "not-sticky": dict(sticky=False),
+              "page": dict(retrieved_position="page"), "no-sink": dict(sink=0), "bf16": dict(storage="bf16")}
+
+
+def _stepped(model, cache, prompt, steps):
+    """Prefill `prompt`, then decode `steps` given tokens (the same for every cache: the runs stay
+    in step); per step the logits, and per step and layer the sorted cold indices each KV head
+    fetched (the telemetry's `Selection`, recorded after attention)."""
+    from tinygpt_mlx.cache.telemetry import RetrievalTelemetry
+
+    picks = []
+    record = RetrievalTelemetry.record
+
+    def keep(self, s):
+        picks.append((s.layer, [sorted(np.asarray(r).tolist()) for r in s.fetched()]))
+        record(self, s)
+    mx.eval(prefill(model, prompt, cache, 256))
+    out = []
+    RetrievalTelemetry.record = keep
+    try:
+        for t in range(steps):
+            picks.append("step")
+            out.append(forward(model, mx.array([[3 + (7 * t) % 250]]), cache)[0, -1])
+            mx.eval(out[-1])
+    finally:
+        RetrievalTelemetry.record = record
+    return out, picks
+
+
+@pytest.mark.parametrize("case", list(STEP_CASES))
+def test_a_compiled_retrieval_step_attends_to_what_the_host_store_does(native, case):
+    """Decode steps through the compiled step of the whole model (a hot window of 32 over 320
+    tokens: the index engaged, sticky pages, a page completed every 8 steps, which evicts eagerly
+    first, `LayerCache.evict_ahead`): every KV head of every layer fetches the same cold tokens
+    as the device store's eager step and as the host store (cold.py, the reference), and the
+    logits agree; most steps ran compiled. The prompt's tokens are distinct: the first layer's
+    keys repeat with its tokens, and the host store breaks exact ties between pages otherwise
+    (docs/retrieval.md), after which the runs part."""
+    from tinygpt_mlx.cache import compiled
+
+    cfg = CacheConfig(**{**dict(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4,
+                                index_expand=2), **STEP_CASES[case]})
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 321))]
+    ran = {"compiled": 0}
+    real = compiled._retrieval_decode
+
+    def counted(*a):
+        out = real(*a)
+        ran["compiled"] += out is not None
+        return out
+    compiled._retrieval_decode = counted
+    try:
+        fast = make_cache(native.model, cfg)
+        assert fast.compiled_step == "retrieval"
+        got, got_picks = _stepped(native.model, fast, prompt, 24)
+    finally:
+        compiled._retrieval_decode = real
+    assert ran["compiled"] >= 20 and not compiled.trace_failures
+    eager = make_cache(native.model, cfg)
+    eager.compile_decode = False
+    want, want_picks = _stepped(native.model, eager, prompt, 24)
+    host, host_picks = _stepped(native.model, make_cache(native.model, dataclasses.replace(cfg, cold_store="disk")),
+                                prompt, 24)
+    assert got_picks == want_picks == host_picks
+    # (the host store holds bf16 rows as fp32: numpy has no bf16)
+    host_atol = 2e-3 if cfg.storage == "bf16" else 1e-4
+    for a, b, c in zip(got, want, host):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=host_atol)
+
+
+def test_a_compiled_retrieval_step_reads_nothing_back(native):
+    """The compiled step (the product's `forward`) builds its graph without a read back either."""
+    from tinygpt_mlx.cache import compiled
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4, index_expand=2)
+    cache = make_cache(native.model, cfg)
+    mx.eval(prefill(native.model, [int(x) for x in np.random.RandomState(0).randint(1, 300, size=1100)], cache, 256))
+    real, ran = compiled._retrieval_decode, []
+    compiled._retrieval_decode = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        for t in range(10):
+            with counting_syncs() as count:
+                logits = forward(native.model, mx.array([[5 + t]]), cache)
+            assert count["n"] == 0, count["where"]
+            mx.eval(logits)
+    finally:
+        compiled._retrieval_decode = real
+    assert sum(r is not None for r in ran) >= 8

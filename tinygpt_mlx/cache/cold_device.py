@@ -40,7 +40,7 @@ from .device_select import Static, fine_pick, select
 from .segments import PickedSegment, PoolSegment, Reading, RetrievedSegment
 from .telemetry import Selection, StageTimes, pages_holding
 
-__all__ = ["DeviceColdStore"]
+__all__ = ["DeviceColdStore", "place"]
 
 #: the cold rows' storage: the cache's storage precision (the host store keeps bf16 as fp32: numpy has none)
 _DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
@@ -95,6 +95,7 @@ class DeviceColdStore:
         self._recent: Optional[mx.array] = None   # sticky: pages [G, S] the last pass's last query picked (-1: none)
         self.pinned: Optional[np.ndarray] = None   # an oracle (`KVCache.pin`): positions every pool holds
         self._rope_ready = False
+        self._static_for: Optional[tuple] = None    # `select_static`'s last answer, by what it read
         # the RAM budget (config.cold_ram, MiB over all layers): `ram_layers` stores share it
         # (make_cache counts them); past it the oldest rows spill into `spill_dir`
         self.ram_layers = 1
@@ -229,8 +230,7 @@ class DeviceColdStore:
         ps = self.page_size
         slot = reading.first_slot if pos.shifted else 0
         spans = self.config.retrieve_unit == "spans"
-        units = max(1, self.retrieve_tokens // ps) if spans else self.retrieve_tokens
-        unit = ps if spans else 1
+        units, unit = self.pick_units()
         with self.stages.timed("coarse"):
             q = queries.astype(mx.float32)
             if slot:    # score as the keys will be seen: q . R(slot) k  ==  R(-slot) q . k
@@ -267,24 +267,59 @@ class DeviceColdStore:
             if self.config.sticky:
                 self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
-        P = self.n_pages
-        selection = Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=P,
-                              page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
-                              pages=last[:, :P] if P <= self.top_pages else last, positions=self.positions.view(),
-                              tokens_retrieved=min(units * unit, idx.shape[1], -(-self.n // ps) * ps if spans else self.n),
-                              fetched=_fetched(idx, valid, segment))
-        return [segment], selection
+        return [segment], self._selection(L, idx, valid, last, scored, units, unit, segment)
+
+    def pick_units(self) -> tuple[int, int]:
+        """(units, unit): a query picks `units` pages of `unit` = page_size tokens (spans) or
+        `units` tokens (unit 1)."""
+        if self.config.retrieve_unit == "spans":
+            return max(1, self.retrieve_tokens // self.page_size), self.page_size
+        return self.retrieve_tokens, 1
+
+    def _selection(self, L: int, idx: mx.array, valid: mx.array, last: mx.array, scored: Any, units: int,
+                   unit: int, segment: Any) -> Selection:
+        """The `Selection` of a pass of `L` queries that fetched cold rows `idx` [G, T] (`valid`
+        real), the last query's coarse pages `last`; `segment` the `PoolSegment` they attend
+        through, or None where the pick was made before attention (a decode step's)."""
+        P, ps = self.n_pages, self.page_size
+        spans = self.config.retrieve_unit == "spans"
+        return Selection(layer=self.layer_index, queries=L, cold_tokens=self.n, cold_pages=P,
+                         page_size=ps, tokens_scored=scored, indexed=self.index.uses_index(),
+                         pages=last[:, :P] if P <= self.top_pages else last, positions=self.positions.view(),
+                         tokens_retrieved=min(units * unit, idx.shape[1], -(-self.n // ps) * ps if spans else self.n),
+                         fetched=_fetched(idx, valid, segment))
 
     def _compiled_pick(self, q: mx.array, units: int, unit: int, pos: Any) -> tuple:
         """A decode step's selection for query rows [G, rep, D] through `device_select` (one
         compiled function per regime and capacity, shared by every layer): the picked cold
         indices, keys, values and validity, the coarse pass's pages and the tokens scored."""
+        static, rope, buckets, summaries, keys, values, recent = self.select_inputs(units, unit, pos)
+        summaries = {name: a[:, :buckets[name]] for name, a in summaries.items()}
+        counts = mx.array([self.n, self.n_pages, self.index.n_blocks], dtype=mx.int32)
+        return select(static, self.codec, rope, q, counts, summaries, keys, values, recent)
+
+    def select_inputs(self, units: int, unit: int, pos: Any) -> tuple:
+        """What a decode step's compiled selection takes from this store as it is now, but the
+        query rows and the counts: `select_static`'s (static, rope, widths) and `select_arrays`'."""
+        static, rope, buckets = self.select_static(units, unit, pos)
+        return (static, rope, buckets, *self.select_arrays(static))
+
+    def select_static(self, units: int, unit: int, pos: Any) -> tuple:
+        """(`Static`, the `page` rule's RoPE or None, the summaries' widths scanned by name) of a
+        decode step's selection now. The widths are a power of two past the count, not the
+        capacity: a store cut back by a checkpoint then scores exactly as a fresh one."""
         cfg, index = self.config, self.index
-        P, NB = self.n_pages, index.n_blocks
-        uses = index.uses_index()
+        P = self.n_pages
         page_rule = pos.shifted and not pos.fixed
+        # (the same until a page completes: kept for a decode step's sake, keyed by what it reads)
+        key = (P, self._recent is not None, units, unit, page_rule, index,
+               tuple(r.capacity for r in index.rows.values()))
+        if self._static_for is not None and self._static_for[0] == key:
+            return self._static_for[1]
+        NB = index.n_blocks
+        uses = index.uses_index()
         if page_rule and not self._rope_ready:   # (its first call measures the rope's scale: not in a trace)
-            pos.rope(mx.zeros((1, 1, q.shape[-1])), offset=0)
+            pos.rope(mx.zeros((1, 1, self.dims[0])), offset=0)
             self._rope_ready = True
         static = Static(summary=cfg.summary, top_pages=self.top_pages, few=P <= self.top_pages, index=uses,
                         index_block=cfg.index_block,
@@ -292,25 +327,59 @@ class DeviceColdStore:
                         page_size=self.page_size, units=units, unit=unit, span_score=cfg.span_score,
                         page_rule=page_rule, sticky=cfg.sticky and self._recent is not None,
                         packed=None if self.config.cold_bits is None else (self.keys.bits, self.keys.group))
-        # summaries up to a power of two past the count (the compiled scans' shapes), not the
-        # capacity: a store cut back by a checkpoint then scores exactly as a fresh one
-        summaries = {name: rows.array[:, :_bucket(len(rows), rows.capacity)] for name, rows in index.arrays().items()}
+        buckets = {name: _bucket(len(r), r.capacity) for name, r in index.arrays().items()}
+        self._static_for = (key, (static, pos.rope if page_rule else None, buckets))
+        return self._static_for[1]
+
+    def select_arrays(self, static: Static) -> tuple:
+        """The arrays a decode step's selection reads, as they are now: the summaries' capacity
+        arrays by name, the keys' and the values' capacity arrays (codes, scale and zero where
+        packed), the sticky pages (None unless `static.sticky`)."""
         parts = (lambda rows: tuple(a.array for a in rows.parts().values()) if isinstance(rows, _PackedRows)
                  else (rows.array,))
-        recent = _recent_array(self._recent) if static.sticky else None
-        counts = mx.array([self.n, P, NB], dtype=mx.int32)
-        return select(static, self.codec, pos.rope if page_rule else None, q, counts, summaries,
-                      parts(self.keys), parts(self.values), recent)
+        return ({name: r.array for name, r in self.index.rows.items()}, parts(self.keys), parts(self.values),
+                _recent_array(self._recent) if static.sticky else None)
+
+    def has_sticky(self) -> bool:
+        """Whether the next pass joins the last one's sticky pages (`Static.sticky`)."""
+        return self.config.sticky and self._recent is not None
+
+    # ----- a compiled decode step of the whole model (cache/compiled.py) ------------------------
+    def step_ready(self) -> bool:
+        """Whether the next decode step can evict into and search this store inside a compiled
+        step of the whole model: it holds tokens, in RAM (nothing spilled, no budget to spill
+        to), exact rows (not packed), no oracle's pages pinned, stages not timed, and room for one
+        more row (a growth runs eager). (The `slots` rule never asks: its layers do not compile.)"""
+        keys, values = self.keys, self.values
+        return (self.n > 0 and self.pinned is None and self.config.cold_ram is None
+                and self.config.cold_bits is None and not self.stages.enabled
+                and keys.n < keys.capacity and values.n < values.capacity)
+
+    def completes_page(self, n: int = 1) -> bool:
+        """Whether `n` more evicted tokens complete a page (whose summaries a compiled step does
+        not make: such a step evicts eagerly first, `LayerCache.evict_ahead`)."""
+        return (self.n % self.page_size) + n >= self.page_size
+
+    def took(self, keys: mx.array, values: mx.array, k: mx.array, start_position: int) -> None:
+        """`append`'s bookkeeping for one evicted token a compiled step wrote already (its fp32
+        pre-RoPE key `k` [G, 1, D] at row n of the capacity arrays `keys`, `values`, which replace
+        this store's), whose absolute position is `start_position`; it completes no page."""
+        self.keys.took(keys, 1)
+        self.values.took(values, 1)
+        self.positions.append(np.arange(start_position, start_position + 1, dtype=np.int64))
+        self.index.add(k)
+        self.n += 1
+
+    def picked(self, idx: mx.array, valid: mx.array, last: mx.array, scored: mx.array,
+               recent: mx.array) -> Selection:
+        """A compiled step's pick (`device_select`'s outputs): the next pass's sticky pages kept,
+        and its `Selection` (telemetry) returned."""
+        if self.config.sticky:
+            self._recent = recent
+        return self._selection(1, idx, valid, last, scored, idx.shape[1], 1, None)
 
     def _place(self, k: mx.array, idx: mx.array, slot: int, pos: Any) -> mx.array:
-        """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
-        every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute)."""
-        if not pos.shifted:
-            return k
-        if pos.fixed:     # (slot 0: the query was turned to their slot instead, layer.py)
-            return pos.rotate_to(k, slot) if slot else k
-        at = (slot + idx % self.page_size).reshape(-1).astype(mx.int32)
-        return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
+        return place(k, idx, slot, pos, self.page_size)
 
     def _retrieve_per_query(self, reading: Reading) -> tuple[list, Selection]:
         """The `slots` rule: every query a pool of its own (its coarse pages and the unfinished
@@ -439,6 +508,18 @@ class DeviceColdStore:
             remove_dir(self.spill_dir)
 
 
+def place(k: mx.array, idx: mx.array, slot: Any, pos: Any, page_size: int) -> mx.array:
+    """Retrieved pre-RoPE keys [B, Hkv, T, D] (cold indices `idx` [G, T]) at their slots:
+    every one at `slot` (fixed), token j of a page at slot + j (page); as stored (absolute).
+    (A compiled decode step of the whole model places its picks with it too, at slot 0.)"""
+    if not pos.shifted:
+        return k
+    if pos.fixed:     # (slot 0: the query was turned to their slot instead, layer.py)
+        return pos.rotate_to(k, slot) if slot else k
+    at = (slot + idx % page_size).reshape(-1).astype(mx.int32)
+    return pos.rope(k.reshape(-1, 1, k.shape[-1]), offset=at).reshape(k.shape)
+
+
 def _bucket(n: int, capacity: int) -> int:
     """The least power of two >= n (at least 16), at most `capacity`."""
     return min(capacity, max(16, 1 << max(n - 1, 0).bit_length()))
@@ -467,13 +548,13 @@ def _recent_array(recent: Any) -> mx.array:
     return recent.pages() if isinstance(recent, _PickedPages) else recent
 
 
-def _fetched(idx: mx.array, valid: mx.array, segment: PoolSegment):
+def _fetched(idx: mx.array, valid: mx.array, segment: Optional[PoolSegment]):
     """() -> the cold indices each row's last query fetched (telemetry, asked where a needle is
     known: it reads them back)."""
     def fetched() -> list:
         G = idx.shape[0]
         rows, ok = np.asarray(idx), np.asarray(valid)
-        if not isinstance(segment, PoolSegment):   # picked before attention: all of them
+        if not isinstance(segment, PoolSegment):   # picked before attention (or None: in a compiled step): all of them
             return [row[o] for row, o in zip(rows, ok)]
         picked = np.asarray(segment.last_picked()).reshape(G, -1)
         return [row[i[o[i]]] for row, o, i in zip(rows, ok, picked)]

@@ -71,6 +71,12 @@ class DeviceRows:
         self.array[:, r: r + n] = rows.astype(self.dtype)
         self.n += n
 
+    def took(self, array: mx.array, n: int) -> None:
+        """`append`'s bookkeeping for `n` rows a compiled step already wrote after the live ones
+        into `array` (this one's capacity, with nothing spilled), which replaces it."""
+        self.array = array
+        self.n += n
+
     def view(self) -> mx.array:
         """The rows held in `array` (all of them unless some are spilled)."""
         return self.array[:, : self.resident]
@@ -223,7 +229,7 @@ class DevicePageIndex:
                     self.rows[name].append(summaries)
                     self._add_blocks(name, summaries)
         self.tail_n = total - full
-        self.tail = keys[:, full:] if self.tail_n else None
+        self.tail = (keys[:, full:] if full else keys) if self.tail_n else None
 
     def _add_blocks(self, name: str, summaries: mx.array) -> None:
         """The block summaries of the blocks that new page summaries [G, p, D] complete, from

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from .device_pages import bound, hybrid_pages, pool_tokens, union
 
-__all__ = ["Static", "select", "fine_pick"]
+__all__ = ["Static", "select", "select_in_trace", "fine_pick"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ def select(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array,
             return _select(static, codec, rope, rows, counts, summaries, keys, values, recent)
         fn = _COMPILED[key] = mx.compile(run)
     return fn(rows, counts, summaries, keys, values, recent if recent is not None else mx.zeros((1,), mx.int32))
+
+
+def select_in_trace(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array, counts: mx.array,
+                    summaries: dict, keys: tuple, values: tuple, recent: Optional[mx.array]) -> tuple:
+    """`select`'s chain built op by op, for a caller that is itself being traced by `mx.compile`
+    (a compiled decode step of the whole model, cache/compiled.py): the same outputs."""
+    return _select(static, codec, rope, rows, counts, summaries, keys, values,
+                   recent if recent is not None else mx.zeros((1,), mx.int32))
 
 
 def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, counts: mx.array,

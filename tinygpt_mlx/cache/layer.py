@@ -9,6 +9,7 @@ cache on a ring is a `RingLayer` (ring.py). It implements mlx-lm's per-layer cac
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -49,14 +50,22 @@ class LayerCache(LayerReads):
         #: the next call's plan once worked out (`plan`): the model asks for it up to three times
         #: per call (offset, make_mask, update_and_fetch); every change of the layer forgets it
         self._planned: Optional[Plan] = None
+        #: a compiled retrieval step's placed sink, by what it was placed for (`retrieval_sink`)
+        self.sink_rows: Optional[tuple] = None
         #: a sliding-window layer's own window (factory.sliding_layer: Gemma 2/3's local layers,
         #: an exact ring whatever the policy), None for a global layer (the policy's cache)
         self.sliding: Optional[int] = None
         #: the compiled decode step that can run this layer (cache/compiled.py), decided here once:
         #: "kivi" for KIVI under StreamingLLM on frame positions (its quiet steps), "ring" for a
-        #: ring (ring.py), None for every other policy (its steps run eager)
+        #: ring (ring.py), "retrieval" for retrieval over an exact hot window on frame positions
+        #: with its cold store in RAM, exact rows and no RAM budget (its steady steps), None for
+        #: every other policy (its steps run eager)
         self.compiles: Optional[str] = ("kivi" if config.quantised and config.streaming and positions.frame
-                                        and not config.exact_topk and not config.retrieval else None)
+                                        and not config.exact_topk and not config.retrieval else
+                                        "retrieval" if (config.retrieval and positions.frame and not config.quantised
+                                                        and config.cold_store == "ram" and config.cold_bits is None
+                                                        and config.cold_ram is None
+                                                        and not config.retrieves_per_query) else None)
 
     # ----- policy ---------------------------------------------------------------------------
     @property
@@ -123,6 +132,26 @@ class LayerCache(LayerReads):
             self.start = self.seen + n_sink
         self._append(keys, values, n_sink)
         self.seen += L
+
+    def evict_ahead(self, plan: Plan) -> Plan:
+        """Apply `plan`'s eviction now, eagerly (a compiled retrieval step whose eviction
+        completes a page: the trace does not make page summaries, compiled.py); returns the plan
+        left to commit, with nothing to evict."""
+        self._evict(plan.drop)
+        return replace(plan, drop=0)
+
+    def took_step(self, plan: Plan, written: tuple, evicted: Optional[tuple]) -> None:
+        """A compiled retrieval step's `commit` of `plan` (compiled.py; no re-base, the layer has
+        seen tokens): the trace evicted the plan's one token into the cold store (`evicted`:
+        what the cold store's `took` takes but the position; None where `evict_ahead` did it)
+        and wrote the new token into the body's buffers (`written`)."""
+        self._planned = None
+        if evicted is not None:
+            self.body.forget_front(plan.drop)
+            self.cold.took(*evicted, self.start)
+            self.start += plan.drop
+        self.body.took(*written)
+        self.seen += 1
 
     def _append(self, keys: mx.array, values: mx.array, n_sink: int) -> None:
         """The new tokens into the stores, the first `n_sink` of them into the sink."""

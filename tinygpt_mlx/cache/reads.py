@@ -64,6 +64,16 @@ class LayerReads:
         k, v = self.sink_store.fetch(self.dtype)
         return self.sink_store.placed(k, self.readings()[0]).astype(mx.float32), v.astype(mx.float32)
 
+    def retrieval_sink(self, slot: int) -> tuple:
+        """The sink's keys placed where retrieval's turned query sees them (at `-slot`,
+        retrieved.py) and its values, in fp32, or () without a sink: a compiled retrieval step's
+        input (compiled.py), kept until the sink, the slot or the dtype changes."""
+        key = (slot, self.sink_store.version, self.dtype)
+        if self.sink_rows is None or self.sink_rows[0] != key:
+            segments = self.sink_store.segments(Reading(self.dtype, self.positions, -slot))
+            self.sink_rows = (key, (segments[0].keys, segments[0].values) if segments else ())
+        return self.sink_rows[1]
+
     def fetch(self) -> tuple[mx.array, mx.array]:
         """All stored K/V, dense, in the compute dtype, keys rotated to their RoPE position:
         the reference path (packed blocks dequantised; attention tests compare against it)."""

@@ -104,6 +104,8 @@ class DenseStore:
         if self.keys is None or self.head + self.n + L > self.keys.shape[2]:
             B, H, _, Dk = keys.shape
             size = ((self.n + L + self.step - 1) // self.step) * self.step
+            if self.head:   # a window that evicts from the front: a step of room, or every step would move it
+                size += self.step
             new_k = mx.zeros((B, H, size, Dk), self.dtype)
             new_v = mx.zeros((B, H, size, values.shape[3]), self.dtype)
             if self.n:
@@ -140,6 +142,22 @@ class DenseStore:
         `values` (a compiled step wrote it, compiled.py), which replace this store's."""
         self.keys, self.values = keys, values
         self.n += 1
+        self.version += 1
+
+    def fits(self, L: int) -> bool:
+        """Whether `L` more tokens fit after the live ones in the buffers as they are (a compiled
+        step writes them there in place, compiled.py)."""
+        return self.keys is not None and self.head + self.n + L <= self.keys.shape[2]
+
+    def buffers(self) -> tuple[mx.array, mx.array]:
+        """The key and value buffers [B, H, capacity, D] (live tokens at `head`..`head + n`)."""
+        return self.keys, self.values
+
+    def forget_front(self, n: int) -> None:
+        """`drop_front` of tokens something else has taken already (a compiled step's trace)."""
+        n = min(n, self.n)
+        self.head += n
+        self.n -= n
         self.version += 1
 
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]:
