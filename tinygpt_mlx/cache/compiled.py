@@ -208,7 +208,7 @@ class _TracedRetrieval:
         B, H = kb.shape[:2]
         Hq, D = queries.shape[1], queries.shape[3]
         turned = sp.positions.rotate_to(queries.astype(mx.float32), at[_TURN])     # (retrieved.py)
-        rows = turned.astype(mx.float32)[:, :, -1:].reshape(B * H, Hq // H, -1, D)[:, :, 0]
+        rows = turned.reshape(B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
         summaries = {name: a[:, :sp.buckets[name]] for name, a in self.summaries.items()}
         idx, k, v, valid, last, scored, recent = select_in_trace(
             sp.static, sp.codec, sp.rope, rows, at[_COUNTS:_COUNTS + 3], summaries, self.keys, self.values,
