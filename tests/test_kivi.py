@@ -99,6 +99,10 @@ CONFIGS = [
     dict(key_bits=8, value_bits=2, rotate=True, kivi_sink=4),
     dict(key_bits=4, value_bits=None, rotate=True),
     dict(key_bits=None, value_bits=4, rotate=True, kivi_sink=4),
+    # int4's default layout with its near tier holding tokens: the packed run and the 8-bit tier
+    # share one rotation (the queries turned once, their outputs summed and turned back once) and
+    # the exact sink is read with the residual as one segment (kivi.Residual.led)
+    dict(key_bits=4, value_bits=4, rotate=True, kivi_sink=4, near=64),
     dict(key_bits=4, value_bits=4, sink=4, window=64, rotate=True),
     dict(key_bits=2, value_bits=4, sink=4, window=64, rope_mode="absolute", rotate=True),
     # the near tier: the newest frozen tokens at 8 (4) bits, the rest at the body's
@@ -138,6 +142,31 @@ def assert_packed_attention_reads_what_is_stored(model, config, head_dim):
             want = mx.fast.scaled_dot_product_attention(q, k, v, scale=head_dim ** -0.5, mask=None)
             got = layer.attend(q, head_dim ** -0.5, None)
             assert mx.abs(got - want).max().item() < 1e-5
+
+
+def test_int4_decode_reads_three_segments_and_equals_the_reference(native32):
+    """int4's default layout past its near tier's first group (a full cache): a decode query reads
+    three segments, the packed run and the 8-bit tier (one rotation of the queries for both,
+    their outputs turned back once) and the exact sink with the residual (kivi.Residual.led), and
+    equals dense SDPA over `fetch()` (the stored tokens dequantised and turned back). Sinks
+    changed under it (a checkpoint's rewind, a file's reload) must be read again."""
+    model = native32.model
+    cache = make_cache(model, CacheConfig.from_flags("int4", near=64))
+    run(model, cache, tokens(220), prefill=120)
+    for i, layer in enumerate(cache.owned):
+        assert layer.body.tiers.near.n > 0 and layer.body.n_packed > 0 and len(layer.sink_store) == 4
+        segs = layer._led_segments()
+        assert segs is not None and len(segs) == 3
+        q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(i))
+        k, v = layer.fetch()
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=32 ** -0.5, mask=None)
+        assert mx.abs(layer.attend(q, 32 ** -0.5, None) - want).max().item() < 1e-5
+        # the sink's rows written again when the sink changes (here: replaced by other tokens)
+        layer.sink_store.truncate(0)
+        layer.sink_store.append(k[:, :, 10:14] * 2, v[:, :, 10:14] * 2)
+        k2, v2 = layer.fetch()
+        want = mx.fast.scaled_dot_product_attention(q, k2, v2, scale=32 ** -0.5, mask=None)
+        assert mx.abs(layer.attend(q, 32 ** -0.5, None) - want).max().item() < 1e-5
 
 
 @pytest.mark.parametrize("kw", [kw for kw in CONFIGS if "rotate" not in kw and "kivi_sink" not in kw],

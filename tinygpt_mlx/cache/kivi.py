@@ -74,7 +74,7 @@ class KiviStore:
         # a full KIVI cache's exact sink (`exact_before` tokens, in the layer's sink store) counts
         # toward the R exact tokens: blocks freeze where they would without it, at the same bytes
         self.exact_before = exact_before
-        self.residual = DenseStore(storage, label="residual", step=self.group)
+        self.residual = Residual(storage, self.group, exact_before)
         # the frozen blocks: the body's bits, and with a near tier its newest blocks at more bits
         self.tiers = FrozenTiers(config, storage, codec)
         self.frozen = 0     # tokens ever frozen (monotonic)
@@ -110,7 +110,7 @@ class KiviStore:
         L = keys.shape[2]
         if L == 0:
             return
-        if self.config.value_bits is not None:
+        if self.config.value_bits is not None and self.residual.keys is None:   # (D is fixed once held)
             _check_value_groups(values.shape[3], self.config.value_group_size, self.config.value_group is not None)
         self.residual.append(keys, values)
         n = (len(self.residual) - max(self.keep, L)) // self.group * self.group
@@ -178,7 +178,7 @@ class KiviStore:
         self.frozen -= self.held - n
         self.tiers.keep_first(n)
         self.shadow.truncate(n)
-        self.residual = DenseStore(self.storage, label="residual", step=self.group)
+        self.residual = Residual(self.storage, self.group, self.exact_before)
 
     # ----- reading --------------------------------------------------------------------------
     def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
@@ -221,6 +221,24 @@ class KiviStore:
             if self.positions.pre_rope:
                 k = self.positions.place(k, reading.first_slot + self.held)
             segs.append(DenseSegment(k, v))
+        return segs
+
+    def segments_led(self, reading: Reading, sink: DenseStore) -> Optional[list]:
+        """`segments`, with the layer's exact `sink` (a full KIVI cache's first tokens, held as
+        the model rotated them) read in one segment with the residual, the sink's tokens first
+        (`Residual.led`): the segments of a query that sees every stored token (no mask), in
+        no particular order. None where the residual cannot lead them (nothing held after the
+        sink, a buffer without room before its tokens, the pre-RoPE path)."""
+        if self.positions.pre_rope:
+            return None
+        led = self.residual.led(sink)
+        if led is None:
+            return None
+        k, v = led
+        if reading.dtype is not None and reading.dtype != self.storage:
+            k, v = k.astype(reading.dtype), v.astype(reading.dtype)
+        segs = self.tiers.segments(self.positions, self.evicted, self.shadow, self.config.exact_topk)
+        segs.append(DenseSegment(k, v))
         return segs
 
     def close(self) -> None:
@@ -278,6 +296,63 @@ class KiviStore:
         if self.tiers.near is not None and self.tiers.near.n:
             out["body_near"] = self.tiers.near.nbytes
         return {**out, **self.shadow.breakdown()}
+
+
+class Residual(DenseStore):
+    """KIVI's exact residual: a `DenseStore` whose buffers keep `room` free slots before its
+    live tokens whenever they are made, where `led` writes a copy of the layer's exact sink (a
+    full KIVI cache's first tokens, `exact_before`), so a decode step reads the sink and the
+    residual as one exact segment, one matmul each way, instead of two (kivi.py's `segments_led`).
+    The copy is written again only when the sink changes, the buffers are made anew or the
+    residual's front moves (a block freezes: once every G steps); the sink store keeps the
+    tokens (their bytes, files, checkpoints), the copy is not counted."""
+
+    def __init__(self, dtype: mx.Dtype, step: int, room: int):
+        super().__init__(dtype, label="residual", step=step)
+        self.room = room
+        self.made = 0       # buffers made so far: the copy is written again for new ones
+        self._led_for: Optional[tuple] = None
+
+    def append(self, keys: mx.array, values: mx.array) -> None:
+        L = keys.shape[2]
+        if self.room and L and (self.keys is None or self.head + self.n + L > self.keys.shape[2]):
+            self._remake(self.n + L, keys, values)
+        super().append(keys, values)
+
+    def _remake(self, tokens: int, keys: mx.array, values: mx.array) -> None:
+        """New buffers for `tokens` with `room` slots before them, the live tokens moved in."""
+        B, H, _, Dk = keys.shape
+        size = self.room + -(-tokens // self.step) * self.step
+        new_k = mx.zeros((B, H, size, Dk), self.dtype)
+        new_v = mx.zeros((B, H, size, values.shape[3]), self.dtype)
+        r = self.room
+        if self.n:
+            new_k[..., r: r + self.n, :], new_v[..., r: r + self.n, :] = self.fetch()
+        self.keys, self.values, self.head = new_k, new_v, r
+        self.made += 1
+        self.version += 1
+
+    def load_state(self, arrays, meta: dict) -> None:
+        super().load_state(arrays, meta)
+        if self.room and self.n and self.head < self.room:
+            self._remake(self.n, self.keys, self.values)
+
+    def led(self, lead: DenseStore) -> Optional[tuple[mx.array, mx.array]]:
+        """The `lead` store's tokens (the sink, at most `room` of them) then the live ones, as
+        one (keys, values) view of the buffers [B, H, s + n, D]; None where there is nothing live
+        or no room before it."""
+        s = len(lead)
+        if not (s and self.n and s <= self.head and s <= self.room) or lead.dtype != self.dtype:
+            return None
+        h = self.head
+        mark = (lead.version, id(lead), self.made, h)
+        if self._led_for != mark:
+            k, v = lead.fetch()
+            self.keys[..., h - s: h, :] = k
+            self.values[..., h - s: h, :] = v
+            self._led_for = mark
+        e = h + self.n
+        return self.keys[:, :, h - s: e], self.values[:, :, h - s: e]
 
 
 def _check_value_groups(D: int, group: int, own: bool) -> None:

@@ -23,17 +23,23 @@ from .store import join
 
 # Each side of a run: (packed, scale, zero) when quantised, (dense,) when exact.
 Side = tuple
-#: dtype of the frozen blocks' scales and zeros: float16 halves their bytes (int4 body 0.31x of
-#: bf16 instead of 0.38x) at no measured cost in fidelity (docs/kivi.md)
+#: dtype of the frozen blocks' scales and zeros where the cache grows with the context: float16
+#: halves their bytes (int4 body 0.31x of bf16 instead of 0.38x) at no measured cost in fidelity
+#: (docs/kivi.md); a StreamingLLM window keeps them in float32 (`params_dtype`)
 PARAMS = mx.float16
 
 
+def params_dtype(config: Any) -> mx.Dtype:
+    """The dtype a KIVI body's runs keep their scales and zeros in: `PARAMS` (float16) where the
+    cache grows with the context; float32 under StreamingLLM, whose window bounds the bytes (an
+    int4 window of 252 tokens holds ~400 KiB on the shipped model): float32 is what the packed
+    matmuls take with float32 queries, so a decode step casts no parameters (2 kernels per
+    `quantized_matmul` with float16 ones, and twice its graph-build time; docs/results.md)."""
+    return mx.float32 if config.streaming else PARAMS
+
+
 @functools.lru_cache(maxsize=None)
-def rotation(dim: int) -> mx.array:
-    """The orthogonal [dim, dim] float32 matrix R a rotated side is stored in (x R; back: y R^T):
-    a Sylvester Hadamard matrix scaled by 1/sqrt(dim) with its rows' signs flipped by a fixed
-    random draw (seed 0, so every cache and every saved file agree), for a power-of-two head
-    dimension; otherwise the Q of a seeded Gaussian's QR (a random orthogonal matrix)."""
+def _rotation(dim: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     if dim & (dim - 1) == 0:
         h = np.ones((1, 1))
@@ -42,7 +48,22 @@ def rotation(dim: int) -> mx.array:
         m = rng.choice([-1.0, 1.0], size=dim)[:, None] * h / np.sqrt(dim)
     else:
         m, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
-    return mx.array(m.astype(np.float32))
+    return m.astype(np.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def rotation(dim: int) -> mx.array:
+    """The orthogonal [dim, dim] float32 matrix R a rotated side is stored in (x R; back: y R^T):
+    a Sylvester Hadamard matrix scaled by 1/sqrt(dim) with its rows' signs flipped by a fixed
+    random draw (seed 0, so every cache and every saved file agree), for a power-of-two head
+    dimension; otherwise the Q of a seeded Gaussian's QR (a random orthogonal matrix)."""
+    return mx.array(_rotation(dim))
+
+
+@functools.lru_cache(maxsize=None)
+def rotation_back(dim: int) -> mx.array:
+    """R^T of `rotation(dim)`, contiguous: what turns an output in the rotated basis back."""
+    return mx.array(np.ascontiguousarray(_rotation(dim).T))
 
 
 class PackedRun:
@@ -53,9 +74,10 @@ class PackedRun:
     groups, oldest first."""
 
     def __init__(self, key_bits: Optional[int], value_bits: Optional[int], group: int, storage: mx.Dtype,
-                 codec: Any, rotate: bool, value_group: int):
+                 codec: Any, rotate: bool, value_group: int, params: mx.Dtype = PARAMS):
         self.key_bits, self.value_bits, self.group = key_bits, value_bits, group
         self.value_group = value_group
+        self.params = params    # the scales' and zeros' dtype (`params_dtype`)
         self.storage, self.codec, self.rotate = storage, codec, rotate
         #: how its packed matmuls run on this backend, decided once here (`quant.matmul_path`)
         self.path = quant.matmul_path(False)
@@ -76,7 +98,7 @@ class PackedRun:
         """Tokens k, v (in the stored basis: `turn` first) quantised and appended: keys per
         channel (groups of G tokens along K^T's last axis), values per token."""
         kpart = self._pack_keys(k) if self.key_bits else (k.astype(self.storage),)
-        vpart = (self.codec.quantise_affine(v, self.value_bits, self.value_group, PARAMS) if self.value_bits
+        vpart = (self.codec.quantise_affine(v, self.value_bits, self.value_group, self.params) if self.value_bits
                  else (v.astype(self.storage),))
         self.keys = _concat(self.keys, kpart, _axes(self.key_bits, keys=True))
         self.values = _concat(self.values, vpart, _axes(self.value_bits, keys=False))
@@ -137,7 +159,7 @@ class PackedRun:
 
     def _pack_keys(self, k: mx.array) -> Side:
         """Keys [B, H, T, D] quantised per channel: groups of G tokens along K^T's last axis."""
-        return self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, PARAMS)
+        return self.codec.quantise_affine(mx.swapaxes(k, -1, -2), self.key_bits, self.group, self.params)
 
     # ----- bytes and files -------------------------------------------------------------------
     @property
@@ -176,7 +198,7 @@ class NearTier(PackedRun):
 
     def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
         super().__init__(*run_bits(config, near=True), config.group_size, storage, codec, config.rotate,
-                         config.value_group_size)
+                         config.value_group_size, params_dtype(config))
         self.size, self.share = config.near, config.tier_share
 
     def cap(self, held: int) -> int:
@@ -203,7 +225,13 @@ class PackedSegment:
     """A packed run as an attention segment: scores and outputs straight from packed data with
     `mx.quantized_matmul`; a singleton axis broadcasts each KV head over its query group. On the
     pre-RoPE path the queries turn by the `evicted` tokens (kivi.py's module doc); with an exact
-    top-k `shadow`, the top `topk` packed scores of every query are re-scored exactly."""
+    top-k `shadow`, the top `topk` packed scores of every query are re-scored exactly.
+
+    A rotated side names its basis (`key_basis` R, `value_basis` R^T): `segments.attend` hands
+    `scores` the queries already turned (q R) and turns `output`'s answer back (by R^T), once for
+    every segment of that basis (the packed run and the near tier share it). Where the queries
+    must first turn by the evicted tokens (the pre-RoPE path), or top-k refinement needs them
+    as they are, the segment turns them itself (`key_basis` None)."""
 
     def __init__(self, run: PackedRun, positions: Any, evicted: int = 0,
                  shadow: Optional[ShadowStore] = None, topk: int = 0):
@@ -211,15 +239,21 @@ class PackedSegment:
         self.shadow, self.topk = shadow, topk
         self.n_heads = run.keys[0].shape[1]
         self.chosen: Optional[mx.array] = None   # indices of the refined tokens [B, Hkv, rep, L, k]
+        turned = positions.pre_rope and evicted
+        self.key_basis = (rotation(run.keys[0].shape[-2]) if run.rotate and run.key_bits and not turned
+                          and not topk else None)
+        self.value_basis = (rotation_back(run.values[1].shape[-1] * run.value_group)
+                            if run.rotate and run.value_bits and not topk else None)
 
     def scores(self, q: mx.array) -> mx.array:
+        """Scores of queries [B, Hkv, rep, L, D] (in `key_basis` where it is set) -> [B, Hkv, rep, L, T]."""
         s = self.run
         if self.positions.pre_rope and self.evicted:
             q = self.positions.rotate_rows(q, self.evicted, 0)
         B, H, rep, L, D = q.shape
         rows = q.reshape(B, H, rep * L, D)      # a KV head's query group as rows: no broadcast copy
         if s.key_bits:
-            if s.rotate:     # the keys are stored as k R: (q R)(k R)^T = q k^T
+            if s.rotate and self.key_basis is None:     # keys stored as k R: (q R)(k R)^T = q k^T
                 rows = rows @ rotation(D)
             scores = quant.quantised_matmul(rows, *s.keys, bits=s.key_bits, group=s.group, path=s.path)
         else:
@@ -251,7 +285,7 @@ class PackedSegment:
         rows = p.reshape(B, H, rep * L, T)
         if s.value_bits:
             out = quant.quantised_matmul(rows, *s.values, bits=s.value_bits, group=s.value_group, path=s.path)
-            if s.rotate:     # the values are stored as v R: turned back by R^T
+            if s.rotate and self.value_basis is None:   # values stored as v R: turned back by R^T
                 out = out @ rotation(out.shape[-1]).T
         else:
             out = rows @ s.values[0].astype(mx.float32)
@@ -294,7 +328,7 @@ class FrozenTiers:
 
     def __init__(self, config: Any, storage: mx.Dtype, codec: Any):
         self.packed = PackedRun(*run_bits(config), config.group_size, storage, codec, config.rotate,
-                                config.value_group_size)
+                                config.value_group_size, params_dtype(config))
         self.near: Optional[NearTier] = NearTier(config, storage, codec) if config.near_tier else None
 
     @property

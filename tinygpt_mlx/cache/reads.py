@@ -61,8 +61,15 @@ class LayerReads:
     def placed_sink(self) -> tuple[mx.array, mx.array]:
         """The sink's keys placed at their slots in the query's frame and its values, in fp32, as
         a decode step's attention reads them (a compiled quiet step's input, compiled.py)."""
-        k, v = self.sink_store.fetch(self.dtype)
-        return self.sink_store.placed(k, self.readings()[0]).astype(mx.float32), v.astype(mx.float32)
+        slot0, sink = self.slot0(), self.sink_store
+        key = (id(sink), sink.version, slot0, self.dtype)
+        held = getattr(self, "_placed_sink", None)    # kept until the sink or its slot changes
+        if held is None or held[0] != key:
+            k, v = sink.fetch(self.dtype)
+            reading = Reading(self.dtype, self.positions, slot0)
+            held = (key, (sink.placed(k, reading).astype(mx.float32), v.astype(mx.float32)))
+            self._placed_sink = held
+        return held[1]
 
     def retrieval_sink(self, slot: int) -> tuple:
         """The sink's keys placed where retrieval's turned query sees them (at `-slot`,
@@ -109,8 +116,16 @@ class LayerReads:
             keys, values = self.fetch()
             return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
         if not len(self.cold):
-            return attend(self.segments(), 0, queries, scale, mask)
+            return attend((mask is None and self._led_segments()) or self.segments(), 0, queries, scale, mask)
         return attend_retrieving(self, queries, scale, mask)
+
+    def _led_segments(self) -> Optional[list]:
+        """A full KIVI cache's segments with its exact first tokens read with the residual, in
+        one segment (kivi.KiviStore.segments_led), for queries that see every stored token; None
+        where that does not apply."""
+        if not (self.config.exact_prefix and len(self.sink_store)) or self.positions.shifted:
+            return None
+        return self.body.segments_led(self.readings()[1], self.sink_store)
 
     def key_positions(self, pending: int = 0) -> mx.array:
         """Absolute positions of the stored tokens (after the next call's `pending` tokens)."""

@@ -152,24 +152,57 @@ def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, ma
     same queries [B, Hq, L, D] turned by RoPE, so that keys placed relative to it need no
     rotation per step: a retrieval window on frame positions, layer.py), the rest with
     `queries`. Computed in fp32 whatever the storage precision.
+
+    A segment whose keys are stored in a rotated basis names it (`key_basis`, a [D, D] matrix R:
+    its scores take the queries as q R) and so does one whose values are (`value_basis`: the
+    matrix R^T that turns its output back): the queries are turned once per basis, and the
+    outputs of one basis summed before they are turned back once (a KIVI body's packed run and
+    near tier share one rotation, packed.py), so a step turns two matrices per layer however
+    many segments share the basis.
     """
     B, Hq, L, D = queries.shape
     hkv = segments[-1].n_heads
-    q = (queries.astype(mx.float32) * scale).reshape(B, hkv, Hq // hkv, L, D)
+    q = ((queries if queries.dtype == mx.float32 else queries.astype(mx.float32)) * scale).reshape(
+        B, hkv, Hq // hkv, L, D)
     qt = (turned.astype(mx.float32) * scale).reshape(q.shape) if n_turned else q
-    scores = [sg.scores(qt if i < n_turned else q) for i, sg in enumerate(segments)]
+    in_basis: dict = {}     # (id of the queries, id of R) -> the queries in that basis
+
+    def query(i: int, sg: Any) -> mx.array:
+        base = qt if i < n_turned else q
+        basis = getattr(sg, "key_basis", None)
+        if basis is None:
+            return base
+        key = (id(base), id(basis))
+        if key not in in_basis:
+            in_basis[key] = base @ basis
+        return in_basis[key]
+
+    scores = [sg.scores(query(i, sg)) for i, sg in enumerate(segments)]
     sizes = [sc.shape[-1] for sc in scores]
     scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
     mask = mask_array(mask, L, sum(sizes), sum(sizes[:n_retrieved]))
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
     probs = mx.softmax(scores, axis=-1, precise=True)
-    out, start = None, 0
-    for sg, n in zip(segments, sizes):
-        part = sg.output(probs[..., start:start + n])
-        out = part if out is None else out + part
+    pieces, start = [], 0
+    for n in sizes:     # (indexed on every axis: half the build time of probs[..., a:b])
+        pieces.append(probs[:, :, :, :, start:start + n] if len(sizes) > 1 else probs)
         start += n
-    return out.reshape(B, Hq, L, -1).astype(queries.dtype)
+    out = None
+    rotated: dict = {}      # id of R^T -> (R^T, the sum of the outputs in its basis)
+    for sg, p in zip(segments, pieces):
+        part = sg.output(p)
+        back = getattr(sg, "value_basis", None)
+        if back is not None:
+            held = rotated.get(id(back))
+            rotated[id(back)] = (back, part if held is None else held[1] + part)
+            continue
+        out = part if out is None else out + part
+    for back, part in rotated.values():
+        part = part @ back
+        out = part if out is None else out + part
+    out = out.reshape(B, Hq, L, -1)
+    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def mask_array(mask: Any, L: int, total: int, n_retrieved: int) -> Optional[mx.array]:
