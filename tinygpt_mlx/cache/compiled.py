@@ -148,7 +148,10 @@ class _TracedKivi:
 
 
 #: the step's numbers a retrieval trace reads, one int32 array shared by every layer (they are
-#: the same in each: one position, one body layout, one cold count), by index
+#: the same in each: one position, one body layout, one cold count), by index: the query's RoPE
+#: offset, the leaving token's slot in the body's buffers, the new token's, the first live one's
+#: after the step, the cold row the leaving token takes, the cold counts after the step (tokens,
+#: pages, blocks), the angle that turns the leaving key back, the one that turns the query
 _OFFSET, _SRC, _WRITE, _LIVE, _ROW, _COUNTS, _FIRST, _TURN = 0, 1, 2, 3, 4, 5, 8, 9
 
 
@@ -170,6 +173,7 @@ class _TracedRetrieval:
         self.body, self.sink = inputs["body"], inputs["sink"]
         self.keys, self.values = inputs["keys"], inputs["values"]
         self.summaries, self.recent = inputs["summaries"], inputs["recent"]
+        self.leaving: Optional[tuple] = None     # the body's oldest keys and values, evicted by this step
         self.evicted: Optional[tuple] = None
         self.picked: Optional[tuple] = None
 
@@ -186,16 +190,8 @@ class _TracedRetrieval:
         sp, at = self.spec, self.at
         kb, vb = self.body
         B, H = kb.shape[:2]
-        if sp.evicts:     # LayerCache._evict: the oldest body token, before RoPE, into the cold store
-            k = mx.slice(kb, at[_SRC:_SRC + 1], (2,), (B, H, 1, kb.shape[3]))
-            v = mx.slice(vb, at[_SRC:_SRC + 1], (2,), (B, H, 1, vb.shape[3]))
-            k = sp.positions.unrotate(k.astype(mx.float32), at[_FIRST])
-            k = k.astype(mx.float32).reshape(B * H, 1, -1)        # (DeviceColdStore.append)
-            v = v.astype(mx.float32).reshape(B * H, 1, -1)
-            (ck,), (cv,) = self.keys, self.values
-            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
-            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
-            self.evicted = (self.keys[0], self.values[0], k)
+        if sp.evicts:     # LayerCache._evict: the oldest body token leaves (turned back and stored in `attend`)
+            self.leaving = tuple(mx.slice(b, at[_SRC:_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in (kb, vb))
         dt = kb.dtype       # DenseStore.append: the new token after the live ones
         self.body = (mx.slice_update(kb, keys if keys.dtype == dt else keys.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)),
                      mx.slice_update(vb, values if values.dtype == dt else values.astype(dt), at[_WRITE:_WRITE + 1],
@@ -207,7 +203,23 @@ class _TracedRetrieval:
         kb, vb = self.body
         B, H = kb.shape[:2]
         Hq, D = queries.shape[1], queries.shape[3]
-        turned = sp.positions.rotate_to(queries.astype(mx.float32), at[_TURN])     # (retrieved.py)
+        q = queries.astype(mx.float32).reshape(-1, 1, D)
+        if self.leaving is None:
+            turned = sp.positions.rope(q, offset=at[_TURN]).reshape(queries.shape)     # (retrieved.py)
+        else:
+            # the query turned to the retrieved slot and the leaving key turned back before RoPE
+            # (positions.unrotate) in one rotation, each row by its own angle
+            k, v = self.leaving
+            both = mx.concatenate([q, k.astype(mx.float32).reshape(-1, 1, D)])
+            angles = mx.concatenate([mx.broadcast_to(at[_TURN], (q.shape[0],)), mx.broadcast_to(at[_FIRST], (B * H,))])
+            both = sp.positions.rope(both, offset=angles)
+            turned = both[:q.shape[0]].reshape(queries.shape)
+            k = both[q.shape[0]:]                                    # [G, 1, D] (DeviceColdStore.append)
+            v = v.astype(mx.float32).reshape(B * H, 1, -1)
+            (ck,), (cv,) = self.keys, self.values
+            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
+            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
+            self.evicted = (self.keys[0], self.values[0], k)
         rows = turned.reshape(B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
         summaries = {name: a[:, :sp.buckets[name]] for name, a in self.summaries.items()}
         idx, k, v, valid, last, scored, recent = select_in_trace(
@@ -263,13 +275,13 @@ def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, o
     layer's commit and telemetry follow eagerly (`LayerCache.took_step`, `DeviceColdStore.picked`)."""
     first = layers[0]
     body, cold = first.body, first.cold
-    if not all(_retrieval_ready(c, p) for c, p in zip(layers, plans)):
-        return None
-    sticky = cold.has_sticky()
-    if any(c.seen != first.seen or c.positions.base != first.positions.base or c.start != first.start
-           or c.body.head != body.head or len(c.body) != len(body) or len(c.cold) != len(cold)
-           or c.cold.has_sticky() != sticky for c in layers):
-        return None     # one position, one body layout and one selection serve every layer in the trace
+    seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
+                                                       len(body), len(cold), cold.has_sticky())
+    for c, p in zip(layers, plans):     # one position, one body layout and one selection serve every layer
+        if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
+                and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
+                and c.cold.has_sticky() == sticky):
+            return None
     if first.make_mask(1, return_array=False, window_size=None) is not None:
         return None
     evicts = not cold.completes_page(plans[0].drop)
@@ -294,7 +306,7 @@ def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, o
     head = body.head
     at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
           n_after, n_after // cold.page_size, cold.index.n_blocks,
-          first.start - first.positions.base, -(first.sink_slot_during(plans[0]) + slot)]
+          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
     try:
         logits, outs = step(tokens, mx.array(at, mx.int32), inputs)
     except Exception as e:     # as in `decode`: eager from now on for this layout (an eviction ahead is the eager one)

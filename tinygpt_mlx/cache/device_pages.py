@@ -17,14 +17,34 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import CacheConfig
 from .arrays import GrowingArray
 
-__all__ = ["DeviceRows", "DevicePageIndex", "NONE"]
+__all__ = ["DeviceRows", "DevicePageIndex", "NONE", "iota"]
 
 #: a page id greater than any real one: what sorting pushes to the end (then read as "none")
 NONE = 2 ** 30
+
+#: constants by shape (`iota`, `no_repeat`), made once from numpy
+_CONSTANTS: dict = {}
+
+
+def iota(n: int) -> mx.array:
+    """`mx.arange(n)` (int32), made once from numpy and kept: inside a compiled trace a constant,
+    not an op replayed every call."""
+    a = _CONSTANTS.get(n)
+    if a is None:
+        a = _CONSTANTS[n] = mx.array(np.arange(n, dtype=np.int32))
+    return a
+
+
+def _falses(shape: tuple) -> mx.array:
+    a = _CONSTANTS.get(shape)
+    if a is None:
+        a = _CONSTANTS[shape] = mx.array(np.zeros(shape, dtype=bool))
+    return a
 
 
 class DeviceRows:
@@ -196,7 +216,7 @@ class DevicePageIndex:
             self.rows[name] = DeviceRows(G, (D,), mx.float32, initial=16)
             if config.index_block:
                 self.rows[_BLOCKS[name]] = DeviceRows(G, (D,), mx.float32, initial=16)
-        self.tail: Optional[mx.array] = None   # exact fp32 keys [G, t, D] of the unfinished page
+        self._tail: list = []   # exact fp32 keys [G, *, D] of the unfinished page, in pieces (`tail`)
         self.tail_n = 0
         self.block_tail: dict = {}   # page summaries [G, < index_block, D] of the unfinished block, by name
 
@@ -214,12 +234,25 @@ class DevicePageIndex:
         return dict(self.rows)
 
     # ----- growth ---------------------------------------------------------------------------
+    @property
+    def tail(self) -> Optional[mx.array]:
+        """The exact fp32 keys [G, t, D] of the unfinished page (None while it holds none), its
+        pieces joined once asked for."""
+        if len(self._tail) > 1:
+            self._tail = [mx.concatenate(self._tail, axis=1)]
+        return self._tail[0] if self._tail else None
+
     def add(self, k: mx.array) -> None:
         """Exact fp32 keys [G, n, D] that follow the ones added before: the pages they complete
-        are summarised (one reduction over all of them), the rest wait in `tail`."""
+        are summarised (one reduction over all of them), the rest wait in `tail` (as pieces until
+        a page completes or it is read: a decode step adds one key, and joins nothing)."""
         ps = self.page_size
-        keys = k if not self.tail_n else mx.concatenate([self.tail, k], axis=1)
         total = self.tail_n + k.shape[1]
+        if total < ps:
+            self._tail.append(k)
+            self.tail_n = total
+            return
+        keys = k if not self.tail_n else mx.concatenate(self._tail + [k], axis=1)
         full = total // ps * ps
         if full:
             pages = keys[:, :full].reshape(self.G, full // ps, ps, self.D)
@@ -229,7 +262,7 @@ class DevicePageIndex:
                     self.rows[name].append(summaries)
                     self._add_blocks(name, summaries)
         self.tail_n = total - full
-        self.tail = (keys[:, full:] if full else keys) if self.tail_n else None
+        self._tail = [keys[:, full:]] if self.tail_n else []
 
     def _add_blocks(self, name: str, summaries: mx.array) -> None:
         """The block summaries of the blocks that new page summaries [G, p, D] complete, from
@@ -256,7 +289,7 @@ class DevicePageIndex:
             done = P // Bp * Bp
             self.block_tail = {name: self.rows[name].array[:, done:P] if P > done else None
                                for name in ("smin", "smax", "smean") if name in self.rows}
-        self.tail, self.tail_n = tail, 0 if tail is None else tail.shape[1]
+        self._tail, self.tail_n = ([] if tail is None else [tail]), 0 if tail is None else tail.shape[1]
 
     def uses_index(self) -> bool:
         """The two-level index pays once the flat scan covers > 2x the pages it would score."""
@@ -343,7 +376,7 @@ def union(parts: list) -> mx.array:
     cat = (mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).astype(mx.int32)
     cat = mx.where(cat < 0, NONE, cat)
     s = mx.sort(cat, axis=-1)
-    repeat = mx.concatenate([mx.zeros(s.shape[:-1] + (1,), dtype=mx.bool_), s[..., 1:] == s[..., :-1]], axis=-1)
+    repeat = mx.concatenate([_falses(s.shape[:-1] + (1,)), s[..., 1:] == s[..., :-1]], axis=-1)
     s = mx.sort(mx.where(repeat, NONE, s), axis=-1)
     return mx.where(s == NONE, -1, s)
 
@@ -355,6 +388,6 @@ def pool_tokens(pool: mx.array, n: Any, page_size: int) -> tuple[mx.array, mx.ar
     span's max needs no token-level mask: PoolSegment); a page holding none (the unfinished page
     offered while empty: its first row is n, maybe past the arrays) reads row n - 1."""
     first = mx.maximum(pool, 0) * page_size
-    idx = (first[..., None] + mx.arange(page_size)).reshape(pool.shape[0], -1)
+    idx = (first[..., None] + iota(page_size)).reshape(pool.shape[0], -1)
     valid = mx.repeat(pool >= 0, page_size, axis=1) & (idx < n)
     return mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), page_size, axis=1)), valid

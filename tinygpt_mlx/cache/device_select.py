@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
-from .device_pages import bound, hybrid_pages, pool_tokens, union
+from .device_pages import bound, hybrid_pages, iota, pool_tokens, union
 
 __all__ = ["Static", "select", "select_in_trace", "fine_pick"]
 
@@ -81,7 +81,7 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     G = q.shape[0]
     cap = next(iter(summaries.values())).shape[1] if summaries else 0
     if st.few:
-        pages = mx.arange(cap)
+        pages = iota(cap)
         last = mx.broadcast_to(mx.where(pages < P, pages, -1), (G, cap))
     elif st.summary == "hybrid":
         last = hybrid_pages([_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")],
@@ -110,11 +110,11 @@ def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array,
     k = st.top_pages
     if st.index:
         bs = _bound(q, summary, summaries, "b")                               # [G, capB]
-        bs = mx.where(mx.arange(bs.shape[-1]) < NB, bs, -mx.inf)
+        bs = mx.where(iota(bs.shape[-1]) < NB, bs, -mx.inf)
         kb, Bp = st.blocks_kept, st.index_block
         blocks = mx.argpartition(-bs, kb - 1, axis=-1)[:, :kb].astype(mx.int32)
-        cand = (blocks[..., None] * Bp + mx.arange(Bp)).reshape(blocks.shape[0], -1)
-        rest = mx.broadcast_to(NB.astype(mx.int32) * Bp + mx.arange(Bp), (blocks.shape[0], Bp))
+        cand = (blocks[..., None] * Bp + iota(Bp)).reshape(blocks.shape[0], -1)
+        rest = mx.broadcast_to(NB.astype(mx.int32) * Bp + iota(Bp), (blocks.shape[0], Bp))
         cand = mx.concatenate([cand, rest], axis=-1)
         cap = summaries["s" + ("mean" if summary == "mean" else "min")].shape[1]
         sc = _bound_at(q, summary, summaries, mx.minimum(cand, cap - 1))
@@ -122,7 +122,7 @@ def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array,
     else:
         cand = None
         sc = _bound(q, summary, summaries, "s")
-        sc = mx.where(mx.arange(sc.shape[-1]) < P, sc, -mx.inf)
+        sc = mx.where(iota(sc.shape[-1]) < P, sc, -mx.inf)
     top = mx.argpartition(-sc, k - 1, axis=-1)[:, :k].astype(mx.int32)
     if ordered:
         top = mx.take_along_axis(top, mx.argsort(-mx.take_along_axis(sc, top, axis=-1), axis=-1).astype(mx.int32),
@@ -175,10 +175,10 @@ def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units
             exact = exact.reshape(G, -1, unit).max(axis=-1)
     k = min(units, exact.shape[1])
     pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
-            else mx.broadcast_to(mx.arange(k), (G, k))).astype(mx.int32)
+            else mx.broadcast_to(iota(k), (G, k))).astype(mx.int32)
     ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
     if unit > 1:
-        pick = (pick[..., None] * unit + mx.arange(unit)).reshape(G, -1)
+        pick = (pick[..., None] * unit + iota(unit)).reshape(G, -1)
         ok = mx.repeat(ok, unit, axis=1)
     return (mx.take_along_axis(idx, pick, axis=-1), mx.take_along_axis(keys, pick[..., None], axis=1),
             ok & mx.take_along_axis(valid, pick, axis=-1))
