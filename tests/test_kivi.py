@@ -169,6 +169,18 @@ def test_int4_decode_reads_three_segments_and_equals_the_reference(native32):
         assert mx.abs(layer.attend(q, 32 ** -0.5, None) - want).max().item() < 1e-5
 
 
+def test_a_window_keeps_float32_parameters_and_a_full_cache_float16(native32):
+    """A StreamingLLM window keeps KIVI's scales and zeros in float32 (packed.params_dtype: what
+    the packed matmuls take with float32 queries, so a decode step casts none), its bytes bounded
+    by the window; a full cache keeps them in float16 (half their bytes), near tier included."""
+    model = native32.model
+    for spec, dtype in (("int4+sink4/window64", mx.float32), ("int4+near64", mx.float16)):
+        cache = make_cache(model, CacheConfig.from_spec(spec))
+        run(model, cache, tokens(220), prefill=120)
+        for packed in (r for r in cache.owned[0].body.tiers.runs() if r.n):
+            assert [a.dtype for a in packed.keys[1:] + packed.values[1:]] == [dtype] * 4, spec
+
+
 @pytest.mark.parametrize("kw", [kw for kw in CONFIGS if "rotate" not in kw and "kivi_sink" not in kw],
                          ids=lambda kw: CacheConfig(**kw).label())
 @pytest.mark.slow
