@@ -360,12 +360,16 @@ def test_window_longer_than_text_equals_full(models, runs, model_name, mode):
 
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("mode", ["shifted", "absolute"])
-def test_int4_window_longer_than_text_equals_int4_full(models, runs, model_name, mode):
+def test_int4_window_longer_than_text_equals_int4_full(models, model_name, mode, monkeypatch):
     """Without a sink the KIVI blocks are those of the plain int4 cache without its exact sink
     (a sink is stored exact and moves every block by S tokens, so int4+sink differs from int4 by
-    design; the full int4 cache's own 4 exact tokens likewise)."""
+    design; the full int4 cache's own 4 exact tokens likewise). A window keeps its scales and
+    zeros in float32 (packed.params_dtype), so the full cache it is held to keeps them so too."""
+    from tinygpt_mlx.cache import packed
     got, cache, _ = run(models[model_name], parse_policy(f"int4+window{BIG}:{mode}"))
-    ref, _, _ = runs(model_name, "int4+esink0")
+    monkeypatch.setattr(packed, "PARAMS", mx.float32)
+    ref, full, _ = run(models[model_name], POLICIES["int4+esink0"])
+    assert full.owned[0].body.tiers.packed.keys[1].dtype == mx.float32
     assert cache.stored_count == N and cache.owned[0].body.n_packed > 0
     assert_close(got, ref, INT4_LONG_WINDOW_TOL[model_name, mode])
 
