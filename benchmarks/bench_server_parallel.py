@@ -132,7 +132,12 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
             "cpu_ratio": round(n_cpu / one_cpu, 2)}
 
 
-def engine(model_path: str, config: CacheConfig, streams: int, steps: int, rounds: int) -> dict:
+#: the batched step's attention paths (`--engine-path`): server/batch.py's `decode_step` arguments
+PATHS = {"compiled": {}, "stacked": {"compiled": False}, "per-sequence": {"compiled": False, "dense": False}}
+
+
+def engine(model_path: str, config: CacheConfig, streams: int, steps: int, rounds: int, decode_threads: int = 1,
+           path: str = "compiled") -> dict:
     """The decode step itself, without the server: `streams` sequences (the prompts, prefilled)
     stepped one model call each (`generate._call`, as a lone request runs) against one batched call
     for all (`batch.decode_step`), `steps` steps a round, alternating; tokens/s of each (medians)."""
@@ -144,7 +149,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     loaded = _loaded(model_path)
     m, tok = loaded.model, loaded.tokenizer
     prompts = [tok.encode(p) for p in PROMPTS[:streams]]
-    threads = blas.Threads()
+    threads = blas.Threads(decode=decode_threads or 1 << 16)     # 0: OpenBLAS's own count
     threads.for_prefill()
     sets = {}
     for kind in ("solo", "batched"):
@@ -160,7 +165,8 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
                 if kind == "solo":
                     tokens = [int(mx.argmax(_call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
                 else:
-                    tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches), axis=-1).tolist()]
+                    tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches, **PATHS[path]),
+                                                          axis=-1).tolist()]
             rates[kind].append(steps * streams / (time.perf_counter() - t0))
             sets[kind] = (caches, tokens)
     threads.for_prefill()
@@ -251,7 +257,16 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="StreamingLLM window and retrieval hot budget")
     ap.add_argument("--policies", default=None, help="comma-separated labels to run (default: all four)")
     ap.add_argument("--engine-steps", type=int, default=32, help="decode steps per round of the engine-only part")
-    ap.add_argument("--only", choices=("throughput", "ttft"), help="run one of the two parts (default both)")
+    ap.add_argument("--only", choices=("throughput", "ttft", "engine"),
+                    help="run one part (default: throughput and TTFT, each with the engine-only part); engine: "
+                         "only the engine-only part, no server")
+    ap.add_argument("--engine-path", choices=list(PATHS), default="compiled",
+                    help="the engine-only part's batched step: compiled where the caches allow it, then attention "
+                         "stacked across sequences (the server's, default); stacked: never compiled; per-sequence: "
+                         "each sequence's own attention (the path before attention was batched)")
+    ap.add_argument("--engine-blas-threads", type=int, default=1,
+                    help="OpenBLAS threads for the engine-only part's decode steps (default 1, as the server "
+                         "runs them; 0: OpenBLAS's own count)")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", metavar="POLICY", help=argparse.SUPPRESS)   # the server process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -261,7 +276,8 @@ def main() -> None:
         return
     for name, value, least in (("--streams", args.streams, 2), ("--tokens", args.tokens, 2),
                                ("--long-tokens", args.long_tokens, 16), ("--short-tokens", args.short_tokens, 1),
-                               ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1), ("--window", args.window, 8)):
+                               ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1), ("--window", args.window, 8),
+                               ("--engine-blas-threads", args.engine_blas_threads, 0)):
         if value < least:
             ap.error(f"{name} must be at least {least}, got {value}")
     if args.streams > len(PROMPTS) - 2:
@@ -277,18 +293,27 @@ def main() -> None:
     threads = blas.Threads()
     results = {"model": name, "streams": args.streams, "tokens": args.tokens, "command": " ".join(sys.argv),
                "openblas_threads": threads.default if threads.available else None,
-               "decode_openblas_threads": threads.decode if threads.available else None,
+               "engine_path": args.engine_path,
+               "engine_decode_openblas_threads": (args.engine_blas_threads or threads.default) if threads.available
+               else None,
                "load_average_at_start": list(os.getloadavg()), "rows": []}
     print(f"model {name}: {args.streams} streams x {args.tokens} tokens vs one; TTFT of a {args.short_tokens}-"
           f"token request during a {args.long_tokens}-token answer vs idle")
     for label in chosen:
         before = list(os.getloadavg())
         eng = {} if args.only == "ttft" else engine(args.model, table[label], args.streams, args.engine_steps,
-                                                    2 * args.rounds)
+                                                    2 * args.rounds, args.engine_blas_threads, args.engine_path)
+        row = {"policy": label}
+        if args.only == "engine":
+            row.update(eng, load_average_before=before, load_average_after=list(os.getloadavg()))
+            results["rows"].append(row)
+            print(f"{label:<24} engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
+                  f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}  | load average "
+                  f"{before[0]:.1f} -> {row['load_average_after'][0]:.1f}", flush=True)
+            continue
         proc, url = start_server(args.model, label, args.window, args.streams)
         try:
             model = httpx.get(url + "/api/tags").json()["models"][0]["model"]
-            row = {"policy": label}
             if args.only != "ttft":
                 row.update(throughput(url, model, args.streams, args.tokens, args.rounds, proc.pid))
             if args.only != "throughput":

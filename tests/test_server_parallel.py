@@ -154,11 +154,16 @@ def test_concurrent_requests_get_their_solo_text(native32, policy):
     assert sorted(r.slot_action for r in together) == ["new", "new", "scratch", "scratch"]
 
 
-def test_mlx_lm_model_batches_too(llama):
+@pytest.mark.parametrize("policy", ["full", "sink+window"])
+def test_mlx_lm_model_batches_too(llama, policy):
+    """mlx-lm's Llama batches as the native model does, its steps compiled where the policy
+    allows it (its code traced with the rows' stand-in caches: no trace fails)."""
     prompts = [p * 2 for p in PROMPTS]
-    alone, _ = _serve_jobs(llama, CacheConfig(), prompts, parallel=1)
-    together, batched = _serve_jobs(llama, CacheConfig(), prompts, parallel=4)
+    alone, _ = _serve_jobs(llama, POLICIES[policy], prompts, parallel=1)
+    before, failed = batch.taken["compiled"], dict(batch._failed)
+    together, batched = _serve_jobs(llama, POLICIES[policy], prompts, parallel=4)
     assert batched > 10 and [r.tokens for r in together] == [r.tokens for r in alone]
+    assert batch.taken["compiled"] > before and batch._failed == failed
 
 
 def test_requests_past_parallel_wait_in_the_queue(native, caplog):
