@@ -13,7 +13,11 @@ handing every row the first sequence's mask (int4+sink+window fails: the other p
 steps need no mask); the scheduler admitting one past `parallel` (the queue test sees 3
 running); the scheduler never retiring a cancelled request (the cancel test times out); the
 prefill taking the oldest prompt first (the long prefill is answered first); no reload of a busy
-pre-warmed document (the other questions prefill it).
+pre-warmed document (the other questions prefill it); the stacked attention without its padding
+mask, the compiled full row's mask one slot short, a ring's stacked length taken as its whole
+buffer (the lockstep test of the batched attention paths fails for the policies concerned);
+the worker never switching OpenBLAS to one thread for decode; `render` not joining waiting text
+pieces.
 """
 
 from __future__ import annotations
@@ -81,8 +85,13 @@ def _serve_jobs(loaded, cfg, prompts, parallel, max_tokens=24, max_slots=2, **jo
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
     """Four sequences of different lengths, one batched call per step: each row's logits equal
-    that sequence's own solo step (the compiled one where its policy has one) to the last bit."""
+    that sequence's own solo step (the compiled one where its policy has one) to the last bit
+    with MLX's reference BLAS, which multiplies B rows as B single rows; with OpenBLAS (the
+    suite preloads it where there is one) a product of four rows and one of a single row may
+    differ in the last bits, so there within 1e-5 (measured: 2.4e-6 at most) and the same
+    greedy token."""
     m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
+    exact = blas.loaded_openblas() is None
     prompts = [tok.encode(p * 3) for p in PROMPTS]            # past the windows and hot budgets
     solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
     tokens = []
@@ -93,7 +102,10 @@ def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
         rows = batch.decode_step(m, tokens, together)
         want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
         for row, w in zip(rows, want):
-            assert mx.array_equal(row, w), policy
+            if exact:
+                assert mx.array_equal(row, w), policy
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), policy
+            assert mx.argmax(row).item() == mx.argmax(w).item(), policy
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
     assert len({c.current_length for c in together}) > 2      # the rows sit at their own positions
 
@@ -393,10 +405,22 @@ def test_logprobs_and_usage_per_request_at_once(server, native):
         d = r.json()
         return d["response"], d["logprobs"], d["prompt_eval_count"] + d["prompt_cached_tokens"], d["eval_count"]
 
+    def close(a, b):
+        """Equal, floats within 1e-5: with OpenBLAS a batched step's logits may differ from a
+        lone one's in the last bits (test_batched_decode_step_equals_each_sequence_alone)."""
+        if isinstance(a, float) and isinstance(b, float):
+            return abs(a - b) <= 1e-5 * max(1.0, abs(b))
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+            return len(a) == len(b) and all(close(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+        return a == b
+
     alone = [one(i) for i in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as ex:
         together = list(ex.map(one, range(4)))
-    assert together == alone and all(len(lp) == n for _, lp, _, n in alone)
+    assert close(together, alone) and all(len(lp) == n for _, lp, _, n in alone)
+    assert [t[0] for t in together] == [a[0] for a in alone]      # the texts exactly
 
 
 def test_a_short_request_is_answered_while_a_long_one_streams(server, native):

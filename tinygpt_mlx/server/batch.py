@@ -285,8 +285,10 @@ class _TracedRows:
         return mx.concatenate([r.attend(queries[i:i + 1], scale) for i, r in enumerate(self.rows)], axis=0)
 
 
-#: layouts whose trace failed (the model's code reads its cache some other way), with the error
+#: every trace failure in this process, (layout, error), each also logged once; the model's entry
+#: for that layout says so (`_FAILED`) and it runs eager from then on
 _failed: dict = {}
+_FAILED = "failed"
 log = logging.getLogger("posttrainllm.server")
 
 #: the compiled batched steps of a model, by layout (`_compiled_step`), the newest last
@@ -388,14 +390,15 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
             return None
         rows.append(row)
     key = (owners, tuple(r[0] for r in rows))
-    if key in _failed:
-        return None
     step = _compiled_step(model, key)
+    if step is _FAILED:
+        return None
     try:
         logits, new = step(ids, mx.array([r[2] for r in rows], dtype=mx.int32),
                            mx.array([r[1] for r in rows], dtype=mx.int32),
                            [r[3] for r in rows], [r[4] if r[4] is not None else [] for r in rows])
     except Exception as e:      # the model's code cannot be traced: eager from now on, nothing moved
+        getattr(model, _ATTR)[key] = _FAILED
         _failed[key] = repr(e)
         log.warning("compiled batched step: tracing layout %r failed (%r); it runs eager from now on", key, e)
         return None
