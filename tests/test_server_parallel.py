@@ -281,8 +281,9 @@ def test_decode_steps_run_openblas_on_one_thread_and_prefill_on_its_own_count(na
     finally:
         w.stop()
     assert all(r.done_reason in ("stop", "length") for r in got)
-    assert lib.calls and set(lib.calls) == {1, 2} and lib.calls[-1] == 1
+    assert lib.calls and set(lib.calls) == {1, 2} and 1 in lib.calls[lib.calls.index(2):]   # back and forth
     assert all(a != b for a, b in zip(lib.calls, lib.calls[1:]))    # set only when it changes
+    assert lib.threads == 2              # the stopped worker left OpenBLAS at its own count
 
 
 def test_text_pieces_that_arrived_together_go_out_as_one_chunk():

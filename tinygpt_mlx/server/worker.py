@@ -19,7 +19,8 @@ strings, limits and log-probabilities. Each scheduler step:
    and samples each request's next token (the greedy ones' in one evaluation).
 
 Decode steps run OpenBLAS on one thread, prefill chunks on its own count (`blas.Threads`): a
-decode step's products are a few rows, which OpenBLAS's threads slow down.
+decode step's products are a few rows, which OpenBLAS's threads slow down. An idle or stopped
+worker leaves OpenBLAS at its own count.
 
 A job whose prompt continues a running request's prompt (its next turn, or the same request
 again) waits for that request's slot instead (`SlotPool.waits_for`): extended or restored from
@@ -310,6 +311,7 @@ class Worker:
             # block for work only when nothing runs or waits; else take what arrived and step on
             item = self._next()
             if item is _EMPTY and not self.running and not self.waiting:
+                self.blas.for_prefill()     # idle: OpenBLAS back to its own count for the process
                 item = self.queue.get()
             while item is not _EMPTY:
                 if item is None:
@@ -341,6 +343,7 @@ class Worker:
             return _EMPTY
 
     def _shutdown(self) -> None:
+        self.blas.for_prefill()
         for s in list(self.running):
             self._retire(s, "cancel")
         for job in self.waiting:
