@@ -197,3 +197,20 @@ def test_without_openblas_a_terminal_gets_one_note_and_captured_stderr_none():
     assert captured.returncode == 0 and "BLAS" not in captured.stderr, captured.stderr
     assert not [line for line in _stderr_on_a_terminal([sys.executable, "-c", NO_OPENBLAS, "info"], env)
                 if "BLAS" in line]
+
+
+
+def test_a_real_model_module_runs_under_openblas_in_a_process_of_its_own(tmp_path):
+    """tests/openblas.py: a module handed to `under_openblas` runs in a pytest process that has
+    OpenBLAS mapped (the module here checks it), and its failure fails the caller."""
+    from tests import openblas
+
+    if not openblas.elsewhere():
+        pytest.skip("this process has OpenBLAS already, or none is found")
+    module = tmp_path / "test_mapped.py"
+    module.write_text("from tinygpt_mlx import blas\n\n"
+                      "def test_mapped():\n    assert blas.loaded_openblas() is not None\n")
+    openblas.under_openblas(str(module), timeout=300)
+    module.write_text("def test_fails():\n    assert False, 'on purpose'\n")
+    with pytest.raises(AssertionError, match="on purpose"):
+        openblas.under_openblas(str(module), timeout=300)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import openblas
 from tinygpt_mlx.errors import PosttrainError
 
 pytestmark = pytest.mark.slow   # a real model: README's `-m "not slow"` skips these
@@ -33,9 +34,19 @@ GEMMA_TEMPLATE = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}")
 
 
+def test_this_module_under_openblas():
+    """The tests below run in a pytest process of their own with OpenBLAS preloaded, as the
+    command runs (tests/openblas.py): on the reference BLAS they took ~45 minutes of a loaded
+    machine, under OpenBLAS ~6."""
+    openblas.under_openblas("tests/test_gemma3.py")
+
+
 @pytest.fixture(scope="session")
 def gemma3_gguf():
     from tinygpt_mlx.realmodel import gemma3_path
+
+    if openblas.elsewhere():
+        pytest.skip("run under OpenBLAS by test_this_module_under_openblas")
 
     try:
         return gemma3_path(fetch=bool(os.environ.get("CI")))
