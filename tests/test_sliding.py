@@ -387,3 +387,23 @@ def test_direct_fill_measures_the_bytes_a_forward_pass_leaves(gemma, policy):
         for a, b in zip(model, direct):
             assert (a.tokens, a.stored, a.nbytes, a.split, a.breakdown) == \
                 (b.tokens, b.stored, b.nbytes, b.split, b.breakdown)
+
+
+def test_bench_mlx_row_is_mlx_lm_own_caches(gemma):
+    """bench's `mlx` baseline on a model with sliding layers is what mlx-lm gives it (its
+    `make_prompt_cache`: RotatingKVCache of the window on the sliding layers, KVCache on the
+    global ones), not a KVCache on every layer; it runs and holds the window there."""
+    from mlx_lm.models.cache import KVCache as MlxKVCache
+
+    from tinygpt_mlx.evaluate import bench
+
+    policy = bench.make_policy("mlx", gemma.model)
+    caches = policy.make()
+    kinds = [type(c) for c in caches]
+    sliding = [i % PATTERN != PATTERN - 1 for i in range(len(gemma.model.layers))]
+    assert kinds == [RotatingKVCache if s else MlxKVCache for s in sliding], kinds
+    assert all(c.max_size == W for c, s in zip(caches, sliding) if s)
+    assert policy.label == f"mlx-lm KVCache + RotatingKVCache({W}) on {sum(sliding)} layers", policy.label
+    r = bench.bench(gemma.model, ["mlx"], [48], decode_steps=2)
+    (row,) = [row for row in r["rows"] if row["policy"] == "mlx"]
+    assert row["decode_tokens_per_s"] > 0 and "error" not in row, row

@@ -7,7 +7,8 @@ that). The policies run interleaved, chunk by chunk and step by step, so a busy 
 them alike; decode tokens/s is 1 / the median step time. mlx-lm's own caches run through the
 same function on the same model, as baselines:
 
-    mlx             mlx_lm.models.cache.KVCache
+    mlx             mlx-lm's own caches for the model (`make_prompt_cache`: KVCache per layer;
+                    Gemma 3's sliding layers RotatingKVCache(window), as mlx-lm gives them)
     mlx-rotatingN   RotatingKVCache(max_size=N, keep=4)      (compare with sink4/window<N-4>)
     mlx-q8, mlx-q4  QuantizedKVCache(group_size=64, bits)     (group 32 if head_dim % 64)
 
@@ -126,7 +127,15 @@ def make_policy(spec: str, model: Any) -> Policy:
                 raise ValueError(f"mx.quantize needs head_dim {hd} to be a multiple of 32")
             return MlxLmCache(mc.QuantizedKVCache(group, bits) for _ in range(n))
         return Policy(spec, f"mlx-lm QuantizedKVCache(group_size={group}, bits={bits})", make)
-    return Policy(spec, "mlx-lm KVCache", lambda: MlxLmCache(mc.KVCache() for _ in range(n)))
+    return Policy(spec, _own_label(mc.make_prompt_cache(model)), lambda: MlxLmCache(mc.make_prompt_cache(model)))
+
+
+def _own_label(caches: list) -> str:
+    """The `mlx` row's name: mlx-lm's KVCache, and what it gives other layers (Gemma 3's sliding
+    layers get a RotatingKVCache of their window)."""
+    others = Counter(f"{type(c).__name__}({c.max_size})" if isinstance(c, mc.RotatingKVCache) else type(c).__name__
+                     for c in caches if type(c) is not mc.KVCache)
+    return "mlx-lm KVCache" + "".join(f" + {name} on {k} layers" for name, k in sorted(others.items()))
 
 
 def _cold_stores(cache: Any) -> list:
