@@ -407,3 +407,19 @@ def test_bench_mlx_row_is_mlx_lm_own_caches(gemma):
     r = bench.bench(gemma.model, ["mlx"], [48], decode_steps=2)
     (row,) = [row for row in r["rows"] if row["policy"] == "mlx"]
     assert row["decode_tokens_per_s"] > 0 and "error" not in row, row
+
+
+def test_serve_admission_counts_sliding_layers_at_their_window(gemma):
+    """serve's memory admission (server/worker.Admission): a sliding layer's cache is counted at
+    most its window, the global layers' at every token the policy holds (it counted every layer
+    for every token: 5 of 6 layers' worth too much on Gemma 3 at long contexts)."""
+    from tinygpt_mlx.server.worker import Admission, kv_bytes
+
+    n = len(gemma.model.layers)
+    per_layer = 2 * 2 * 32 * 4            # K and V, 2 KV heads x head dim 32, fp32
+    glob, sliding = kv_bytes(gemma)
+    n_sliding = sum(i % PATTERN != PATTERN - 1 for i in range(n))
+    assert glob == (n - n_sliding) * per_layer and sliding == [(W, per_layer)] * n_sliding
+    a = Admission(gemma, CacheConfig())
+    assert a.nbytes(10) == n * 10 * per_layer
+    assert a.nbytes(1000) == (n - n_sliding) * 1000 * per_layer + n_sliding * W * per_layer

@@ -121,9 +121,12 @@ def serve(
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
                   f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "
                   f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
-        per_token = app.state.server.worker.admission.per_token
+        admission = app.state.server.worker.admission
+        windows = sum(w * b for w, b in admission.sliding)
         err.print(f"up to {cfg.parallel} request(s) at once (--parallel), each with its own cache: "
-                  f"{per_token * 1000 / 2**20:.1f} MiB of K/V per 1,000 tokens held at full precision")
+                  f"{admission.per_token * 1000 / 2**20:.1f} MiB of K/V per 1,000 tokens held at full precision"
+                  + (f", plus {windows / 2**20:.1f} MiB at most in {len(admission.sliding)} sliding-window layers"
+                     if admission.sliding else ""))
         limit = app.state.server.context_limit(None)
         err.print(f"requests without a length get at most "
                   f"{cfg.default_max_tokens or 'the context'} tokens (--default-max-tokens); without num_ctx "

@@ -154,16 +154,21 @@ def available_memory() -> Optional[int]:
     return None
 
 
-def kv_bytes_per_token(loaded: Any) -> int:
-    """Bytes one token's K/V take in every layer of the model at its compute precision (a full
-    cache; measured on a one-token cache)."""
+def kv_bytes(loaded: Any) -> tuple[int, list[tuple[int, int]]]:
+    """(bytes per token over the layers that keep every token, [(window, bytes per token)] of each
+    sliding-window layer, which holds at most its window whatever the policy: Gemma 3's 15 of 18)."""
     with engine.make_cache(loaded.model, CacheConfig()) as cache:
         engine.prefill(loaded.model, [0], cache, 1)
-        total = 0
+        total, sliding = 0, []
         for c in cache.distinct():
             k, v = c.fetch() if hasattr(c, "fetch") else c.state
-            total += (k.nbytes + v.nbytes) // max(1, k.shape[-2])
-        return total
+            per = (k.nbytes + v.nbytes) // max(1, k.shape[-2])
+            window = getattr(c, "sliding", None)
+            if window:
+                sliding.append((window, per))
+            else:
+                total += per
+        return total, sliding
 
 
 class Admission:
@@ -178,8 +183,13 @@ class Admission:
 
     def __init__(self, loaded: Any, cache_config: Any):
         self.config = cache_config
-        self.per_token = kv_bytes_per_token(loaded)
+        self.per_token, self.sliding = kv_bytes(loaded)
         self.available = available_memory       # tests put a smaller machine here
+
+    def nbytes(self, tokens: int) -> int:
+        """Bytes a cache of the policy may hold after `tokens`: the global layers' `held` tokens and
+        each sliding layer's window at most."""
+        return self.held(tokens) * self.per_token + sum(min(tokens, w) * b for w, b in self.sliding)
 
     def held(self, tokens: int) -> int:
         """Tokens a cache of the policy holds after `tokens` (retrieval's cold store counted)."""
@@ -191,11 +201,11 @@ class Admission:
         tokens = len(job.ids) + job.max_tokens
         if job.max_context is not None:
             tokens = min(tokens, job.max_context)
-        return self.held(tokens) * self.per_token
+        return self.nbytes(tokens)
 
     def growth(self, s: "Stream") -> int:
         """Bytes a running request's cache may still grow by."""
-        return max(0, self.worst(s.job) - self.held(len(s.slot.tokens)) * self.per_token)
+        return max(0, self.worst(s.job) - self.nbytes(len(s.slot.tokens)))
 
     def fits(self, job: Job, running: list["Stream"]) -> tuple[bool, str]:
         if not running:
