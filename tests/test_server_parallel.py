@@ -542,7 +542,12 @@ def test_questions_about_a_prewarmed_document_at_once(native, tmp_path, cfg):
 
     warm, recent = run(prompt_caches=[tmp_path / "doc.ptc"])
     cold, _ = run()
-    assert sorted(r["action"] for r in recent) == ["extend", "reload", "reload"]
+    # one extends the document's slot; each other loads the file again, or, when it arrives after
+    # the first has finished, rolls that slot back to the document (timing decides which): none
+    # prefills the document (prompt_eval_count below)
+    actions = sorted(r["action"] for r in recent)
+    assert len(actions) == 3 and actions.count("extend") == 1, actions
+    assert set(actions) - {"extend"} <= {"reload", "rollback"}, actions
     for w, c, q in zip(warm, cold, questions):
         assert w["prompt_eval_count"] == len(native.tokenizer.encode(DOC + q)) - len(doc_ids)
         assert w["response"] == c["response"] and w["eval_count"] == c["eval_count"] > 0
