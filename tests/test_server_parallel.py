@@ -549,7 +549,8 @@ def test_questions_about_a_prewarmed_document_at_once(native, tmp_path, cfg):
     assert len(actions) == 3 and actions.count("extend") == 1, actions
     assert set(actions) - {"extend"} <= {"reload", "rollback"}, actions
     for w, c, q in zip(warm, cold, questions):
-        assert w["prompt_eval_count"] == len(native.tokenizer.encode(DOC + q)) - len(doc_ids)
+        # at most the question's tokens (a rolled-back slot may share a question's first tokens too)
+        assert 0 < w["prompt_eval_count"] <= len(native.tokenizer.encode(DOC + q)) - len(doc_ids)
         assert w["response"] == c["response"] and w["eval_count"] == c["eval_count"] > 0
 
 
