@@ -5,7 +5,7 @@ stores `[sink, body, cold?]` -> the attention segments they contribute. Modules,
 arrays (growing/disk arrays), positions (RoPE rules), segments (attention over segments),
 store (the interface, exact storage), kivi (packed body), cold (retrieval's cold store),
 telemetry, kv_cache (LayerCache, KVCache), factory (make_cache), compiled (a decode step over
-full rings as one compiled function), report (bytes tables),
+full rings as one compiled function; compiled_retrieval: retrieval's), report (bytes tables),
 cachefile + persist (prompt-cache files).
 """
 

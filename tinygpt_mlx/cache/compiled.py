@@ -29,7 +29,8 @@ eager, so the two agree to the last bit here (tests/test_compiled.py). The layer
 give the position it takes; afterwards each layer runs the same `commit` of its plan as the eager
 step, with the token the trace wrote into its buffers (the store's `took`). Anything else runs
 eager: a ring that is not full yet, a re-base due, a chunk of several tokens, other policies (a
-cache's `compiled_step`, decided when it is made), a model sharded over ranks. The trace reads
+cache's `compiled_step`, decided when it is made), a model sharded over ranks. Retrieval on the
+device (kind "retrieval") has its own traced layer and step in compiled_retrieval.py. The trace reads
 only what the stores expose for it (`RingStore.steady`/`write_slot`/`buffers`,
 `KiviStore.quiet`/`layout`/`step_inputs`). An mlx-lm model is traced the same way (its code sees the position as an
 array, as `mx.fast.rope` takes it); one whose code needs it as a Python number, or reads
@@ -48,10 +49,9 @@ import mlx.core as mx
 
 from .. import attention
 from ..model import Model
-from .cold_device import place
-from .device_select import select_in_trace
+from . import compiled_retrieval
 from .packed import PackedRun, PackedSegment
-from .segments import DenseSegment, PickedSegment, Reading, attend
+from .segments import DenseSegment, attend
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
 _ATTR = "_posttrainllm_compiled_steps"
@@ -147,175 +147,10 @@ class _TracedKivi:
         return attend(segments, 0, queries, scale, mask)
 
 
-#: the step's numbers a retrieval trace reads, one int32 array shared by every layer (they are
-#: the same in each: one position, one body layout, one cold count), by index: the query's RoPE
-#: offset, the leaving token's slot in the body's buffers, the new token's, the first live one's
-#: after the step, the cold row the leaving token takes, the cold counts after the step (tokens,
-#: pages, blocks), the angle that turns the leaving key back, the one that turns the query
-_OFFSET, _SRC, _WRITE, _LIVE, _ROW, _COUNTS, _FIRST, _TURN = 0, 1, 2, 3, 4, 5, 8, 9
-
-
-class _TracedRetrieval:
-    """One retrieval layer during the trace of a steady decode step (`_retrieval_ready`): the
-    same work as the eager step's (`LayerCache.commit`, retrieved.py's `attend_retrieving`,
-    `DeviceColdStore.retrieve`), on arrays. Unless a page completes (then the layer evicted
-    before, `LayerCache.evict_ahead`), the body's oldest token is turned back before RoPE and
-    written as row n of the cold store's rows (`DeviceColdStore.append`); the new token is
-    written after the body's live ones (`DenseStore.append`); the query is turned to the
-    retrieved slot, `device_select`'s chain picks the cold tokens (as `select`, not a nested
-    compiled call), and one softmax covers them, the placed sink and the hot window
-    (`segments.attend`). What changed comes out (`outputs`) for the eager bookkeeping."""
-
-    reads_own_segments = True
-
-    def __init__(self, spec: Any, at: mx.array, inputs: dict):
-        self.spec, self.at = spec, at
-        self.body, self.sink = inputs["body"], inputs["sink"]
-        self.keys, self.values = inputs["keys"], inputs["values"]
-        self.summaries, self.recent = inputs["summaries"], inputs["recent"]
-        self.leaving: Optional[tuple] = None     # the body's oldest keys and values, evicted by this step
-        self.evicted: Optional[tuple] = None
-        self.picked: Optional[tuple] = None
-
-    @property
-    def offset(self) -> mx.array:
-        return self.at[_OFFSET]
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
-        if window_size is not None:
-            raise ValueError("a windowed mask is not traced")
-        return None     # one query sees every stored token (checked before the step: `make_mask` is None)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        sp, at = self.spec, self.at
-        kb, vb = self.body
-        B, H = kb.shape[:2]
-        if sp.evicts:     # LayerCache._evict: the oldest body token leaves (turned back and stored in `attend`)
-            self.leaving = tuple(mx.slice(b, at[_SRC:_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in (kb, vb))
-        dt = kb.dtype       # DenseStore.append: the new token after the live ones
-        self.body = (mx.slice_update(kb, keys if keys.dtype == dt else keys.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)),
-                     mx.slice_update(vb, values if values.dtype == dt else values.astype(dt), at[_WRITE:_WRITE + 1],
-                                     axes=(2,)))
-        return keys, values
-
-    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        sp, at = self.spec, self.at
-        kb, vb = self.body
-        B, H = kb.shape[:2]
-        Hq, D = queries.shape[1], queries.shape[3]
-        q = queries.astype(mx.float32).reshape(-1, 1, D)
-        if self.leaving is None:
-            turned = sp.positions.rope(q, offset=at[_TURN]).reshape(queries.shape)     # (retrieved.py)
-        else:
-            # the query turned to the retrieved slot and the leaving key turned back before RoPE
-            # (positions.unrotate) in one rotation, each row by its own angle
-            k, v = self.leaving
-            both = mx.concatenate([q, k.astype(mx.float32).reshape(-1, 1, D)])
-            angles = mx.concatenate([mx.broadcast_to(at[_TURN], (q.shape[0],)), mx.broadcast_to(at[_FIRST], (B * H,))])
-            both = sp.positions.rope(both, offset=angles)
-            turned = both[:q.shape[0]].reshape(queries.shape)
-            k = both[q.shape[0]:]                                    # [G, 1, D] (DeviceColdStore.append)
-            v = v.astype(mx.float32).reshape(B * H, 1, -1)
-            (ck,), (cv,) = self.keys, self.values
-            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
-            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
-            self.evicted = (self.keys[0], self.values[0], k)
-        rows = turned.reshape(B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
-        summaries = {name: a[:, :sp.buckets[name]] for name, a in self.summaries.items()}
-        idx, k, v, valid, last, scored, recent = select_in_trace(
-            sp.static, sp.codec, sp.rope, rows, at[_COUNTS:_COUNTS + 3], summaries, self.keys, self.values,
-            self.recent)
-        T = idx.shape[1]
-        k = place(k.reshape(B, -1, T, D), idx, 0, sp.positions, sp.static.page_size)
-        segments = [PickedSegment(k, v.reshape(B, H, T, -1), valid.reshape(B, -1, T))]
-        if self.sink:
-            segments.append(DenseSegment(*self.sink))
-        live = [mx.slice(b, at[_LIVE:_LIVE + 1], (2,), (B, H, sp.live, b.shape[3])) for b in (kb, vb)]
-        if kb.dtype != sp.compute:     # DenseStore.fetch in the compute dtype
-            live = [b.astype(sp.compute) for b in live]
-        segments.append(DenseSegment(*live))
-        self.picked = (idx, valid, last, scored, recent)
-        return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
-
-    def outputs(self) -> dict:
-        return {"body": self.body, "picked": self.picked, **({"evicted": self.evicted} if self.evicted else {})}
-
-
-def _retrieval_ready(layer: Any, plan: Any) -> bool:
-    """Whether this retrieval layer's next decode step, planned as `plan`, is a steady one: the
-    hot window full (one token evicted), the sink full, no re-base, room in the body's buffers,
-    and a cold store the step can search and write in a trace (`DeviceColdStore.step_ready`)."""
-    return (layer.dtype is not None and plan.rebase == 0 and plan.drop == 1
-            and len(layer.sink_store) == layer.config.held_sink and layer.body.fits(1) and layer.cold.step_ready())
-
-
-def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
-    """The compiled steady step of retrieval for `key` = ("retrieval", owners, the compute dtype,
-    the layers' config, whether the trace evicts, the selection's `Static`, the summaries' widths
-    scanned, the hot window's length after the step, whether a sink is held), made once per model
-    and key over these `layers`' position rules (their RoPE: the model's)."""
-    if key not in steps:
-        owners, compute, evicts, static, buckets, live = key[1], key[2], key[4], key[5], dict(key[6]), key[7]
-        specs = [SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
-                                 rope=c.positions.rope if static.page_rule else None, buckets=buckets, live=live,
-                                 compute=compute, evicts=evicts) for c in layers]
-
-        def step(tokens, at, inputs):
-            traced = [_TracedRetrieval(specs[i], at, inputs[i]) for i in range(len(inputs))]
-            logits = model(tokens, cache=[traced[i] for i in owners])
-            return logits, [t.outputs() for t in traced]
-        steps[key] = mx.compile(step)
-    return steps[key]
-
-
 def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                       ) -> Optional[mx.array]:
-    """`decode` for retrieval on the device (`_retrieval_ready`): the body's buffers, the placed
-    sink and the cold store's arrays go in, the written buffers and the picks come out, and each
-    layer's commit and telemetry follow eagerly (`LayerCache.took_step`, `DeviceColdStore.picked`)."""
-    first = layers[0]
-    body, cold = first.body, first.cold
-    seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
-                                                       len(body), len(cold), cold.has_sticky())
-    for c, p in zip(layers, plans):     # one position, one body layout and one selection serve every layer
-        if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
-                and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
-                and c.cold.has_sticky() == sticky):
-            return None
-    if first.make_mask(1, return_array=False, window_size=None) is not None:
-        return None
-    evicts = not cold.completes_page(plans[0].drop)
-    if not evicts:      # the page's summaries are made eagerly, then the trace only reads the store
-        plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
-    n_after = len(cold) + (1 if evicts else 0)
-    slot = first.positions.retrieved_slot(first.n_sink, n_after)
-    units, unit = cold.pick_units()
-    static, _, buckets = cold.select_static(units, unit, first.positions)    # (the same in every layer)
-    inputs = []
-    for c in layers:
-        summaries, keys, values, recent = c.cold.select_arrays(static)
-        inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
-                       "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
-    key = ("retrieval", owners, first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
-           len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]))
-    step = steps.get(key)
-    if step is _FAILED:
-        return None
-    if step is None:
-        step = _retrieval_step_fn(model, steps, key, layers)
-    head = body.head
-    at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
-          n_after, n_after // cold.page_size, cold.index.n_blocks,
-          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
-    try:
-        logits, outs = step(tokens, mx.array(at, mx.int32), inputs)
-    except Exception as e:     # as in `decode`: eager from now on for this layout (an eviction ahead is the eager one)
-        _failed(steps, key, e)
-        return None
-    for c, p, out in zip(layers, plans, outs):
-        c.took_step(p, out["body"], out.get("evicted"))
-        c.telemetry.record(c.cold.picked(*out["picked"]))
-    return logits
+    """`decode` for retrieval on the device (compiled_retrieval.py), with this module's failure rule."""
+    return compiled_retrieval.decode(model, tokens, layers, plans, owners, steps, _FAILED, _failed)
 
 
 def _traceable(model: Any, steps: dict) -> bool:
