@@ -12,8 +12,9 @@ Run a module from the repository root, with the package installed (`pip install 
 
 The modules import the library as `tinygpt_mlx` and each other as `benchmarks.NAME`, and carry
 what else they need (decode_costs its pre-RoPE reference caches, bench_server_ttft its random
-models); one still runs code of tests/: distributed_table, the two-rank worker of
-`tests.test_distributed`, which the repository root on the path makes importable. They are not part of the wheel and are
+models) or import it from the package (distributed_table: tinygpt_mlx/evaluate/sharded.py's
+two-rank runs, which tests/test_distributed.py checks); none imports tests/ (scripts/structure.py
+counts it, tests/test_structure.py holds it at zero). They are not part of the wheel and are
 not tests: tests/test_scripts.py only checks that some refuse bad arguments. Repository tools
 (fetching the corpus and SmolLM2, building prompt sets, the results index, the structure
 metrics) stay in scripts/.

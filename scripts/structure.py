@@ -11,7 +11,8 @@ import statement or a `lazy(...)` declaration inside a function), and, for the r
 modules declared at a module's top to load on first use (`lazy_modules`, tinygpt_mlx/lazy.py);
 for the
 measurement code and the tools beside the package (benchmarks/, scripts/): edits of `sys.path`
-(they import the installed package, and each other as `benchmarks.NAME`).
+and imports of the test suite's modules (`tests`, `tests.NAME`: they import the installed package,
+and each other as `benchmarks.NAME`).
 """
 
 from __future__ import annotations
@@ -97,16 +98,28 @@ def _path_edits(tree: ast.AST) -> list[str]:
     return out
 
 
+def _tests_imports(tree: ast.AST) -> list[str]:
+    """Imports of the test suite (`import tests...`, `from tests... import ...`), anywhere in a module."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "tests":
+            out.append(f"from {node.module} import {', '.join(a.name for a in node.names)} (line {node.lineno})")
+        elif isinstance(node, ast.Import) and any(a.name.split(".")[0] == "tests" for a in node.names):
+            out.append(f"import {', '.join(a.name for a in node.names)} (line {node.lineno})")
+    return out
+
+
 def measure(package: str) -> dict:
     pkg = ROOT / package
     if not pkg.is_dir():
         raise SystemExit(f"structure.py: no package folder {package!r} under {ROOT}")
     out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
-                 "function_level_imports": {}, "path_edits": {}, "lazy_modules": {}}
+                 "function_level_imports": {}, "path_edits": {}, "tests_imports": {}, "lazy_modules": {}}
     for path in sorted(p for folder in BESIDE for p in (ROOT / folder).glob("*.py")):
-        found = _path_edits(ast.parse(path.read_text()))
-        if found:
-            out["path_edits"][str(path.relative_to(ROOT))] = found
+        tree = ast.parse(path.read_text())
+        for key, found in (("path_edits", _path_edits(tree)), ("tests_imports", _tests_imports(tree))):
+            if found:
+                out[key][str(path.relative_to(ROOT))] = found
     for path in sorted(pkg.rglob("*.py")):
         rel = str(path.relative_to(ROOT))
         text = path.read_text()

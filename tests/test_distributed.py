@@ -1,7 +1,7 @@
 """Tensor-parallel sampling (#16): `mlx.launch -n 2 --backend ring` on 127.0.0.1.
 
 Each launch starts Python + MLX once per rank (a few seconds on two cores), so one launch
-runs every policy (tests/distributed_worker.py) and the tests read its JSON. What is shown:
+runs every policy (tinygpt_mlx/evaluate/sharded.py) and the tests read its JSON. What is shown:
 - the 2-rank greedy tokens equal the 1-rank ones, on the shipped model and on a tiny mlx-lm
   Llama, for full, int4, StreamingLLM (shifted), retrieval (disk cold store), int4+StreamingLLM
   and int4 with the exact top-k shadow; both ranks agree; the logits agree to 1e-3;
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,51 +25,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEXT, build_llama_dir   # also imported by benchmarks/distributed_table.py
+from tests.conftest import TEXT, build_llama_dir
+from tinygpt_mlx.evaluate import sharded
+from tinygpt_mlx.evaluate.sharded import free_port
 
 pytestmark = pytest.mark.slow   # README: `-m "not slow"` skips these
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "models" / "tinygpt-base.tinygpt"
-WORKER = Path(__file__).resolve().parent / "distributed_worker.py"
-POLICIES = ["full", "int4", "sink4/window64:shifted", "retrieval-disk", "int4+sink4/window64", "int4+top8"]
-PROMPT = (
-    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
-    "and darkness was upon the face of the deep. And the Spirit of God moved upon the face of the waters. "
-    "And God said, Let there be light: and there was light. And God saw the light, that it was good: and "
-    "God divided the light from the darkness. And God called the light Day, and the darkness he called "
-    "Night. And the evening and the morning were the first day. And God said, Let there be a firmament in "
-    "the midst of the waters, and let it divide the waters from the waters. And God made the firmament, and "
-    "divided the waters which were under the firmament from the waters which were above the firmament: and "
-    "it was so. And God called the firmament Heaven.\n")
+POLICIES = sharded.POLICIES   # the policies and prompt of docs/distributed.md's table
+PROMPT = sharded.PROMPT
 LAUNCH_TIMEOUT = 240   # seconds: a launch that passes it is a hang, and fails the test
-
-
-def mlx_launch() -> list[str]:
-    exe = Path(sys.executable).parent / "mlx.launch"
-    return [str(exe)] if exe.exists() else [sys.executable, "-c",
-                                           "from mlx._distributed_utils.launch import main; main()"]
-
-
-def free_port(n: int = 2) -> int:
-    """A port p with p .. p+n-1 free on 127.0.0.1 (the ring listens on one per rank), below the
-    kernel's ephemeral range (32768 on), where outgoing connections take ports between our check
-    and the ring's bind."""
-    for _ in range(50):
-        p = random.randrange(20000, 32000 - n)
-        try:
-            socks = []
-            for i in range(n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p + i))
-            return p
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no free ports")
 
 
 def env() -> dict:
@@ -81,28 +45,14 @@ def env() -> dict:
     return e
 
 
-def launch_cmd(n: int, command: list[str]) -> list[str]:
-    return [*mlx_launch(), "-n", str(n), "--backend", "ring", "-p", str(free_port(n)), "--", *command]
-
-
 def launch(n: int, command: list[str], timeout: float = LAUNCH_TIMEOUT, **extra) -> subprocess.CompletedProcess:
-    """Run `command` as n ranks; again on other ports (up to 3 tries) where a rank could not bind
-    its port (taken between `free_port`'s check and the ring's bind: another process's, not ours)."""
-    for _ in range(3):
-        p = subprocess.run(launch_cmd(n, command), capture_output=True, text=True, timeout=timeout, env=env(),
-                           cwd=ROOT, **extra)
-        if "Couldn't bind socket" not in p.stdout + p.stderr:
-            return p
-    return p
+    """Run `command` as n ranks from the checkout's root (`sharded.launch`, retried on a taken port)."""
+    return sharded.launch(n, command, timeout, env=env(), cwd=ROOT, **extra)
 
 
 def run_worker(model: Path, tmp: Path, prompt: str, policies=POLICIES) -> tuple[dict, dict]:
-    (tmp / "prompt.txt").write_text(prompt)
-    out = tmp / "out"
-    p = launch(2, [sys.executable, str(WORKER), str(model), str(out), str(tmp / "prompt.txt"), *policies])
-    files = [Path(f"{out}.rank{r}.json") for r in (0, 1)]
-    assert all(f.exists() for f in files), f"worker failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
-    return tuple(json.loads(f.read_text()) for f in files)
+    """Both ranks' JSON of `sharded.run_ranks`: the 1-rank and the 2-rank run of each policy."""
+    return sharded.run_ranks(model, tmp, prompt, policies, env=env(), cwd=ROOT)
 
 
 @pytest.fixture(scope="module")

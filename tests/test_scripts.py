@@ -36,6 +36,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
      "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
     ("pipeline", ["/no/model", "--rounds", "0"], "--rounds must be at least 1, got 0"),
     ("pipeline", ["/no/model", "--tokens", "1"], "--tokens must be at least 2, got 1"),
+    ("distributed_table", ["--model", "/no/such/model.tinygpt"], "--model /no/such/model.tinygpt: no such file or directory"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):

@@ -1,7 +1,7 @@
 """The structure the cache core's redesign reached stays reached (scripts/structure.py,
 docs/architecture.md): no private attribute of another object read in cache/, and no layer
 code probing which store it holds; and the measurement code (benchmarks/) and the tools (scripts/) import the package without
-editing sys.path."""
+editing sys.path, and import no module of tests/."""
 
 import ast
 import json
@@ -23,6 +23,7 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     assert m["private_reads"] == {} and m["store_probes"] == {}
     assert m["counts"]["private_reads"] == 0 and m["counts"]["store_probes"] == 0
     assert m["path_edits"] == {} and m["counts"]["path_edits"] == 0
+    assert m["tests_imports"] == {} and m["counts"]["tests_imports"] == 0   # benchmarks import the package (#54)
     assert m["function_level_imports"] == {} and m["counts"]["function_level_imports"] == 0
 
 
@@ -44,6 +45,15 @@ def test_path_edits_are_found():
     code = ("import sys\nsys.path.insert(0, 'a')\nsys.path.append('b')\nsys.path[:0] = ['c']\n"
             "sys.path += ['d']\nsys.path = ['e']\nprint(sys.path[0])\n")
     assert len(structure._path_edits(ast.parse(code))) == 5
+
+
+def test_tests_imports_are_found():
+    """The tests-import count is not vacuous: each way of importing the test suite is caught, in a
+    function too; a module merely named like it (`testsuite`) or a relative import is not."""
+    structure = script_module("structure")
+    code = ("from tests import test_distributed as td\nimport tests.conftest\nimport testsuite\n"
+            "from . import tests\ndef f():\n    from tests.conftest import TEXT\n")
+    assert len(structure._tests_imports(ast.parse(code))) == 3
 
 
 def test_measurement_scripts_refuse_bad_arguments():
