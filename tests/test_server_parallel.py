@@ -146,9 +146,61 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
         tokens = [int(t) for t in mx.argmax(want, axis=-1).tolist()]
     dense = policy in ("full", "sink+window")
     assert (counts["stacked"]["stacked"] > 0) == dense, counts       # one fused call per layer
-    assert (counts["compiled"]["compiled"] > 0) == dense, counts     # the compiled batched step
+    compiles = dense or policy == "retrieval"
+    assert (counts["compiled"]["compiled"] > 0) == compiles, counts  # the compiled batched step
+    assert (counts["compiled"]["compiled_retrieval"] > 0) == (policy == "retrieval"), counts
     if not dense:      # packed or retrieved data: each sequence attends on its own, as before
         assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
+
+
+def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32):
+    """Retrieval's steady steps of four sequences as one compiled batched call (batch.py
+    `_compiled_retrieval`: each row evicts into its own cold store; the coarse pass, pool and
+    fine pick run once over the rows stacked, each row gathering from its own store; one
+    attention call) against each sequence stepped alone (its compiled solo step), in lockstep
+    over 48 steps: pages complete at the rows' own phases (an eviction ahead in some rows and
+    not others, rows reordered by layout), the cold stores grow past the coarse pass's pages.
+    Every layer of every row picks the same cold tokens as alone and scores as many, its logits
+    agree within 1e-5 and give the same greedy token; the batched call ran for most steps, its
+    selection and attention stacked across the rows (one group) in most of them."""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (3, 4, 5, 6))]
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    assert all(c.compiled_step == "retrieval" for c in solo)
+    picks: dict = {}
+
+    def recording(cache, name):
+        for j, layer in enumerate(cache.owned):
+            def record(s, j=j, keep=layer.telemetry.record):
+                picks.setdefault((name, j), []).append(([r.tolist() for r in s.fetched()], int(s.tokens_scored)))
+                keep(s)
+            layer.telemetry.record = record
+    tokens = []
+    for i, (ids, a, b) in enumerate(zip(prompts, solo, together)):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+        recording(a, ("solo", i))
+        recording(b, ("batch", i))
+    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
+    before, failed = batch.taken.copy(), dict(batch._failed)
+    for _ in range(48):
+        rows = batch.decode_step(m, tokens, together)
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
+            assert mx.argmax(row).item() == mx.argmax(w).item()
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+    done = batch.taken - before
+    assert done["compiled_retrieval"] >= 40, done
+    assert done["retrieval_groups"] < 1.5 * done["compiled_retrieval"], done    # mostly all four as one
+    assert batch._failed == failed                                          # no trace fell back
+    for i in range(len(prompts)):
+        for j in range(len(together[i].owned)):
+            got, alone = picks[(("batch", i), j)], picks[(("solo", i), j)]
+            assert len(got) == len(alone) == 48
+            assert got == alone, (i, j)
+    assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
 # ----- the scheduler ----------------------------------------------------------------------------
@@ -166,10 +218,11 @@ def test_concurrent_requests_get_their_solo_text(native32, policy):
     assert sorted(r.slot_action for r in together) == ["new", "new", "scratch", "scratch"]
 
 
-@pytest.mark.parametrize("policy", ["full", "sink+window"])
+@pytest.mark.parametrize("policy", ["full", "sink+window", "retrieval"])
 def test_mlx_lm_model_batches_too(llama, policy):
     """mlx-lm's Llama batches as the native model does, its steps compiled where the policy
-    allows it (its code traced with the rows' stand-in caches: no trace fails)."""
+    allows it (its code traced with the rows' stand-in caches: no trace fails; retrieval's
+    steady steps too)."""
     prompts = [p * 2 for p in PROMPTS]
     alone, _ = _serve_jobs(llama, POLICIES[policy], prompts, parallel=1)
     before, failed = batch.taken["compiled"], dict(batch._failed)

@@ -32,8 +32,8 @@ each shorter row's padding (none when every row is as long). The padded keys sco
 add exact zeros, so the row is its solo attention over the same keys; the sums run over a
 longer row, so the last bits may differ from the per-sequence call (the tests hold the two to
 1e-5 and the greedy tokens equal). Only caches up to `STACK_TOKENS` stack (the stacking copies
-every row). The other layers (KIVI's packed blocks, retrieval, a step that needs a mask) keep
-the per-sequence call. `dense=False` is the per-sequence path for every layer (the tests'
+every row). The other layers (KIVI's packed blocks, retrieval outside its compiled step, a step
+that needs a mask) keep the per-sequence call. `dense=False` is the per-sequence path for every layer (the tests'
 reference).
 
 The compiled batched step (`compiled_decode`, tried first): where every sequence's cache is a
@@ -45,6 +45,22 @@ whole buffer with the unwritten slots masked, a ring row over its buffer as it l
 the element-wise work and Python builds no graph per step. A layout's trace is reused until a
 row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept.
 
+Retrieval in the batch (`_compiled_retrieval`): where every sequence's retrieval cache is in
+the steady state of the compiled solo step (cache/compiled_retrieval.py: hot window full, cold
+store on the device, exact rows), the B rows' whole step is one compiled function too. Each
+row's writes stay its own (the hot window's oldest token turned back and written into its cold
+store, the new token into its hot window, at its own slots); the queries and leaving keys turn
+in one RoPE call; the selection (`select_rows`: the coarse pass over the page summaries, the
+pool's union with the unfinished and sticky pages, the fine pick) runs **once over the rows
+stacked** (their summaries, counts and sticky pages stacked along the rows, each row gathering
+its pool's keys and values from its own store: no copy of the cold stores), and so does the one
+softmax over the picked tokens, the placed sinks and the hot windows. Rows stack where they
+share the selection's layout (`Static`, the summaries' widths scanned); rows of another layout
+form a group of their own in the same call. Every row's ops are the solo chain's on that row:
+the tests hold each row's picks and tokens scored equal to its solo step's, its logits within
+1e-5. A step that completes a page in a row evicts it eagerly first, as the solo step does; the
+rows are traced in an order sorted by layout, so four rows at their own phases make few traces.
+
 Where the time of a small model's batched step goes on this CPU (docs/server.md, "Several
 requests at once"): the B rows' matrix products cost about B times one row's (OpenBLAS's small
 products gain nothing from more rows), so what batching saves is the per-operation overhead the
@@ -55,12 +71,18 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
 
 from ..cache import KVCache
+from ..cache.cold_device import place
+from ..cache.compiled_retrieval import (_COUNTS, _FIRST, _LIVE, _ROW, _SRC, _TURN, _WRITE, _retrieval_ready)
+from ..cache.device_pages import hybrid_pages, iota, union
+from ..cache.device_select import _gather, _ranked, fine_pick
+from ..cache.segments import DenseSegment, PickedSegment, attend
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
 
@@ -368,6 +390,296 @@ def _compiled_step(model: Any, key: tuple):
     return steps[key]
 
 
+# ----- retrieval rows in one compiled batched step ----------------------------------------------
+def pool_rows(pool: mx.array, n: mx.array, page_size: int) -> tuple[mx.array, mx.array]:
+    """`device_pages.pool_tokens` for rows of several stores: `n` [G, 1] each row's store's
+    token count (the cold rows [G, K * page_size] of the pool's pages, padding reading its
+    page's first token or, for a page holding none, row n - 1; and which are real tokens)."""
+    page = pool[..., None]
+    first = mx.maximum(page, 0) * page_size
+    idx = first + iota(page_size)
+    n = n[..., None]
+    valid = (page >= 0) & (idx < n)
+    G = pool.shape[0]
+    return mx.where(valid, idx, mx.minimum(first, n - 1)).reshape(G, -1), valid.reshape(G, -1)
+
+
+def select_rows(st: Any, codec: Any, rope: Any, q: mx.array, counts: mx.array, summaries: dict,
+                keys: list, values: list, recent: mx.array) -> tuple:
+    """`device_select`'s selection (its `_select` chain) for the query rows of several sequences
+    at once: `q` [G, rep, D] holds each sequence's G / S rows in turn, `counts` [3, G, 1] each
+    row's sequence's (tokens, pages, blocks), `summaries` their summaries stacked along the rows
+    (one width: `Static` and the widths are the sequences' common ones), `recent` their sticky
+    pages stacked; `keys`/`values` each sequence's own capacity arrays (its rows are gathered
+    from its own store: no copy of the cold stores). Every row's ops are the solo chain's on
+    that row (the coarse pass, the pool, the fine pick), so each sequence picks what it picks
+    alone. Returns `_select`'s outputs but the tokens scored per row [G] (a sequence's count is
+    the max over its rows)."""
+    n, P, NB = counts[0], counts[1], counts[2]
+    G, S = q.shape[0], len(keys)
+    g = G // S
+    cap = next(iter(summaries.values())).shape[1] if summaries else 0
+    if st.few:
+        last = mx.broadcast_to(mx.where(iota(cap) < P, iota(cap), -1), (G, cap))
+    elif st.summary == "hybrid":
+        last = hybrid_pages([_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")],
+                            st.top_pages)
+    else:
+        last = _ranked(st, q, st.summary, summaries, P, NB)
+    parts = [last, P.astype(mx.int32)]                 # the unfinished page of each row's store
+    if st.sticky:
+        parts.append(recent)
+    pool = union(parts)
+    idx, valid = pool_rows(pool, n, st.page_size)
+    scored = valid.sum(axis=1)
+
+    def gathered(arrays: list, at: mx.array) -> mx.array:
+        got = [_gather(codec, st.packed, a, at[i * g:(i + 1) * g]) for i, a in enumerate(arrays)]
+        return mx.concatenate(got, axis=0) if S > 1 else got[0]
+    k = gathered(keys, idx)
+    idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, st.page_size,
+                              rope if st.page_rule else None)
+    stride = st.unit
+    recent = mx.where(valid[:, ::stride], idx[:, ::stride] // st.page_size, -1)
+    return idx, k, gathered(values, idx), valid, last, scored, recent
+
+
+class _RetrievalRows:
+    """One model layer's retrieval caches of B sequences during the trace of a batched step: the
+    work of the compiled solo step's layer (cache/compiled_retrieval.py `_TracedRetrieval`: the
+    body's oldest token turned back and written into the cold store, the new token into the hot
+    window, the query turned to the retrieved slot, `device_select`'s chain, one softmax over
+    the picked tokens, the placed sink and the hot window) for B rows at once. The writes are
+    per row (each at its own slots, `at[i]`); the turns are one RoPE call, and the selection and
+    the attention run once per group of rows that share a layout (`groups`: contiguous ranges
+    of rows with one `Static`, the same summary widths, hot window and sink), their arrays
+    stacked along the rows (the cold stores' rows gathered from each store: `select_rows`)."""
+
+    reads_own_segments = True
+
+    def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple):
+        self.specs, self.at, self.offset, self.groups = specs, at, offset, groups
+        self.body = [x["body"] for x in inputs]
+        self.sink = [x["sink"] for x in inputs]
+        self.keys, self.values = [x["keys"] for x in inputs], [x["values"] for x in inputs]
+        self.summaries, self.recent = [x["summaries"] for x in inputs], [x["recent"] for x in inputs]
+        B = len(inputs)
+        self.leaving: list = [None] * B
+        self.evicted: list = [None] * B
+        self.picked: list = [None] * B
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
+        if window_size is not None:
+            raise ValueError("a windowed mask is not traced")
+        return None     # one query sees every stored token (checked before the step)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, (sp, at) in enumerate(zip(self.specs, self.at)):
+            kb, vb = self.body[i]
+            if sp.evicts:     # LayerCache._evict: the oldest body token leaves (stored in `attend`)
+                self.leaving[i] = tuple(mx.slice(b, at[_SRC:_SRC + 1], (2,), (1, b.shape[1], 1, b.shape[3]))
+                                        for b in (kb, vb))
+            dt = kb.dtype     # DenseStore.append: the new token after the live ones
+            k, v = keys[i:i + 1], values[i:i + 1]
+            self.body[i] = (mx.slice_update(kb, k if k.dtype == dt else k.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)),
+                            mx.slice_update(vb, v if v.dtype == dt else v.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)))
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        outs = [self._attend(a, b, queries[a:b] if b - a < queries.shape[0] else queries, scale)
+                for a, b in self.groups]
+        return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
+
+    def _attend(self, a: int, b: int, queries: mx.array, scale: float) -> mx.array:
+        """Rows a..b (one layout) attend: `_TracedRetrieval.attend` on rows stacked."""
+        sp, n = self.specs[a], b - a
+        H = self.body[a][0].shape[1]
+        Hq, D = queries.shape[1], queries.shape[3]
+        q = queries.astype(mx.float32).reshape(-1, 1, D)
+        # the queries turned to the retrieved slot and the leaving keys turned back before RoPE,
+        # one rotation with each row's own angle
+        gone = [i for i in range(a, b) if self.leaving[i] is not None]
+        both = mx.concatenate([q] + [self.leaving[i][0].astype(mx.float32).reshape(-1, 1, D) for i in gone])
+        angles = mx.concatenate([mx.broadcast_to(self.at[i][_TURN], (Hq,)) for i in range(a, b)]
+                                + [mx.broadcast_to(self.at[i][_FIRST], (H,)) for i in gone])
+        both = sp.positions.rope(both, offset=angles)
+        turned = both[:n * Hq].reshape(queries.shape)
+        for j, i in enumerate(gone):       # DeviceColdStore.append: row n of the store's rows
+            k = both[n * Hq + j * H:n * Hq + (j + 1) * H]                                   # [H, 1, D]
+            v = self.leaving[i][1].astype(mx.float32).reshape(H, 1, -1)
+            (ck,), (cv,) = self.keys[i], self.values[i]
+            row = self.at[i][_ROW:_ROW + 1]
+            self.keys[i] = (mx.slice_update(ck, k.astype(ck.dtype), row, axes=(1,)),)
+            self.values[i] = (mx.slice_update(cv, v.astype(cv.dtype), row, axes=(1,)),)
+            self.evicted[i] = (self.keys[i][0], self.values[i][0], k)
+        rng = range(a, b)
+        stack = (lambda xs: mx.concatenate(xs, axis=0) if n > 1 else xs[0])
+        rows = turned.reshape(n * H, Hq // H, D)
+        summaries = {name: stack([self.summaries[i][name][:, :sp.buckets[name]] for i in rng])
+                     for name in self.summaries[a]}
+        counts = stack([mx.broadcast_to(self.at[i][_COUNTS:_COUNTS + 3][None, :, None], (H, 3, 1)) for i in rng])
+        recent = stack([self.recent[i] for i in rng]) if sp.static.sticky else None
+        idx, k, v, valid, last, scored, recent = select_rows(
+            sp.static, sp.codec, sp.rope, rows, counts.swapaxes(0, 1), summaries,
+            [self.keys[i] for i in rng], [self.values[i] for i in rng], recent)
+        for j, i in enumerate(rng):
+            r = slice(j * H, (j + 1) * H)
+            self.picked[i] = (idx[r], valid[r], last[r], scored[r].max(), recent[r])
+        T = idx.shape[1]
+        k = place(k.reshape(n, H, T, D), idx, 0, sp.positions, sp.static.page_size)
+        segments = [PickedSegment(k, v.reshape(n, H, T, -1), valid.reshape(n, H, T))]
+        if self.sink[a]:
+            segments.append(DenseSegment(stack([self.sink[i][0] for i in rng]), stack([self.sink[i][1] for i in rng])))
+        live = [stack([mx.slice(self.body[i][x], self.at[i][_LIVE:_LIVE + 1], (2,),
+                                (1, H, sp.live, self.body[i][x].shape[3])) for i in rng]) for x in (0, 1)]
+        if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
+            live = [x.astype(sp.compute) for x in live]
+        segments.append(DenseSegment(*live))
+        return attend(segments, 1, queries, scale, None, turned, len(segments) - 1)
+
+    def outputs(self, i: int) -> dict:
+        out = {"body": self.body[i], "picked": self.picked[i]}
+        if self.evicted[i] is not None:
+            out["evicted"] = self.evicted[i]
+        return out
+
+
+def _retrieval_checked(cache: KVCache) -> Optional[list]:
+    """The layers' plans of a retrieval cache whose next decode step is a steady one the compiled
+    solo step would run (cache/compiled.py `_retrieval_decode`'s checks: every layer ready, at
+    one position, one body layout and one cold count, no mask), or None; nothing changed."""
+    if cache.compiled_step != "retrieval":
+        return None
+    layers = cache.owned
+    plans = [c.plan() for c in layers]
+    first = layers[0]
+    body, cold = first.body, first.cold
+    seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
+                                                       len(body), len(cold), cold.has_sticky())
+    for c, p in zip(layers, plans):
+        if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
+                and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
+                and c.cold.has_sticky() == sticky):
+            return None
+    if first.make_mask(1, return_array=False, window_size=None) is not None:
+        return None
+    return plans
+
+
+def _retrieval_row(cache: KVCache, plans: list) -> tuple:
+    """(row key, step numbers `at`, the layers' input arrays, the plans to commit) of a checked
+    retrieval cache (`_retrieval_checked`), as `_retrieval_decode` makes them; a step that
+    completes a page evicts eagerly first (`evict_ahead`, what the eager step does too)."""
+    layers = cache.owned
+    first = layers[0]
+    body, cold = first.body, first.cold
+    evicts = not cold.completes_page(plans[0].drop)
+    if not evicts:
+        plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
+    n_after = len(cold) + (1 if evicts else 0)
+    slot = first.positions.retrieved_slot(first.n_sink, n_after)
+    units, unit = cold.pick_units()
+    static, _, buckets = cold.select_static(units, unit, first.positions)
+    inputs = []
+    for c in layers:
+        summaries, keys, values, recent = c.cold.select_arrays(static)
+        inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
+                       "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
+    key = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
+           len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]))
+    head = body.head
+    at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
+          n_after, n_after // cold.page_size, cold.index.n_blocks,
+          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
+    return key, at, inputs, plans
+
+
+def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
+    """The compiled batched retrieval step for `key` = ("retrieval", owners, the rows' keys),
+    made once per model and layout over these `caches`' position rules (their RoPE: the model's,
+    as the solo step's, cache/compiled_retrieval.py `_retrieval_step_fn`). Rows whose keys
+    share their selection's layout (`_group`) are contiguous: one group each."""
+    steps = getattr(model, _ATTR, None)
+    if steps is None:
+        steps = {}
+        object.__setattr__(model, _ATTR, steps)
+    if key in steps:
+        steps[key] = steps.pop(key)
+        return steps[key]
+    _, owners, rows = key
+    groups = _groups(rows)
+    specs = []
+    for cache, row in zip(caches, rows):
+        compute, evicts, static, buckets, live = row[1], row[3], row[4], dict(row[5]), row[6]
+        specs.append([SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
+                                      rope=c.positions.rope if static.page_rule else None, buckets=buckets,
+                                      live=live, compute=compute, evicts=evicts) for c in cache.owned])
+
+    def step(tokens, offsets, at, inputs):
+        layers = [_RetrievalRows([specs[i][j] for i in range(len(rows))], at, [x[j] for x in inputs], offsets,
+                                 tuple(groups)) for j in range(len(inputs[0]))]
+        logits = model(tokens, cache=[layers[i] for i in owners])
+        return logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers]
+    steps[key] = mx.compile(step)
+    while len(steps) > KEEP_TRACES:
+        steps.pop(next(iter(steps)))
+    return steps[key]
+
+
+def _groups(rows: tuple) -> list[tuple[int, int]]:
+    """The contiguous ranges of rows (their keys `rows`) that select and attend as one group."""
+    groups, a = [], 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or _group(rows[i]) != _group(rows[a]):
+            groups.append((a, i))
+            a = i
+    return groups
+
+
+def _group(row_key: tuple) -> tuple:
+    """What rows must share to select and attend as one group: the row key but whether the step
+    evicts (the compute dtype, config, `Static`, summary widths, hot window, sink)."""
+    return row_key[:3] + row_key[4:]
+
+
+def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], owners: tuple) -> Optional[mx.array]:
+    """`compiled_decode` for B retrieval caches whose next steps are steady ones (the compiled
+    solo step's condition): one compiled function runs the model over the B rows, each row's
+    layers evicting, searching its own cold store and attending as the solo step's trace does
+    (`_RetrievalRow`); each layer's commit and telemetry follow eagerly, as after the solo step.
+    The rows are traced in an order sorted by their layout (a step completing a page, a store's
+    widths), so B rows at their own phases make few layouts; None where a row is not steady."""
+    plans = [_retrieval_checked(c) for c in caches]
+    if any(p is None for p in plans):
+        return None                 # nothing changed yet
+    made = [_retrieval_row(c, p) for c, p in zip(caches, plans)]
+    order = sorted(range(len(caches)), key=lambda i: (hash(_group(made[i][0])), hash(made[i][0])))
+    key = ("retrieval", owners, tuple(made[i][0] for i in order))
+    step = _retrieval_step(model, key, [caches[i] for i in order])
+    if step is _FAILED:
+        return None                 # (an eviction ahead is the eager step's own)
+    try:
+        logits, outs = step(ids[mx.array(order)], mx.array([made[i][1][0] for i in order], dtype=mx.int32),
+                            [mx.array(made[i][1], mx.int32) for i in order], [made[i][2] for i in order])
+    except Exception as e:
+        getattr(model, _ATTR)[key] = _FAILED
+        _failed[key] = repr(e)
+        log.warning("compiled batched retrieval step: tracing layout %r failed (%r); it runs eager from now on",
+                    key[2], e)
+        return None
+    taken["compiled"] += 1
+    taken["compiled_retrieval"] += 1
+    taken["retrieval_groups"] += len(_groups(key[2]))
+    for j, i in enumerate(order):
+        for c, p, out in zip(caches[i].owned, made[i][3], [layer[j] for layer in outs]):
+            c.took_step(p, out["body"], out.get("evicted"))
+            c.telemetry.record(c.cold.picked(*out["picked"]))
+    back = [0] * len(order)
+    for j, i in enumerate(order):
+        back[i] = j
+    return logits if order == sorted(order) else logits[mx.array(back)]
+
+
 def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
     """One decode step of B sequences as one compiled function (the embedding, projections, RoPE,
     cache writes, attention and MLP traced once per layout and replayed), where every sequence
@@ -379,16 +691,21 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
     first = caches[0].owned
     index = {id(c): i for i, c in enumerate(first)}
     owners = tuple(index.get(id(c), -1) for c in caches[0])
+    retrieval = all(c.compiled_step == "retrieval" for c in caches)
     rows = []
     for cache in caches:
         layers = cache.owned
         if len(layers) != len(first) or tuple({id(c): i for i, c in enumerate(layers)}.get(id(c), -1)
                                               for c in cache) != owners:
             return None
+        if retrieval:
+            continue
         row = _row(cache)
         if row is None:
             return None
         rows.append(row)
+    if retrieval:
+        return _compiled_retrieval(model, ids, caches, owners)
     key = (owners, tuple(r[0] for r in rows))
     step = _compiled_step(model, key)
     if step is _FAILED:
