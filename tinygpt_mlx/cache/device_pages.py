@@ -387,7 +387,11 @@ def pool_tokens(pool: mx.array, n: Any, page_size: int) -> tuple[mx.array, mx.ar
     tokens. Padding reads its page's first token (a real one wherever any of the page is, so a
     span's max needs no token-level mask: PoolSegment); a page holding none (the unfinished page
     offered while empty: its first row is n, maybe past the arrays) reads row n - 1."""
-    first = mx.maximum(pool, 0) * page_size
-    idx = (first[..., None] + iota(page_size)).reshape(pool.shape[0], -1)
-    valid = mx.repeat(pool >= 0, page_size, axis=1) & (idx < n)
-    return mx.where(valid, idx, mx.repeat(mx.minimum(first, n - 1), page_size, axis=1)), valid
+    # (laid out [G, K, page_size] and flattened once: a compiled selection replays fewer nodes
+    # than with each page's values repeated along the flat axis)
+    page = pool[..., None]
+    first = mx.maximum(page, 0) * page_size
+    idx = first + iota(page_size)
+    valid = (page >= 0) & (idx < n)
+    G = pool.shape[0]
+    return mx.where(valid, idx, mx.minimum(first, n - 1)).reshape(G, -1), valid.reshape(G, -1)

@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from .device_pages import bound, hybrid_pages, iota, pool_tokens, union
 
-__all__ = ["Static", "select", "select_in_trace", "fine_pick"]
+__all__ = ["Static", "select", "select_in_trace", "fine_pick", "pick_spans"]
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def select_in_trace(static: Static, codec: Any, rope: Optional[Callable], rows: 
 
 def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, counts: mx.array,
             summaries: dict, keys: tuple, values: tuple, recent: mx.array) -> tuple:
-    n, P, NB = counts[0], counts[1], counts[2]
+    n, P, NB = counts[0:1], counts[1:2], counts[2:3]      # (slices of [1]: a node each, not two)
     G = q.shape[0]
     cap = next(iter(summaries.values())).shape[1] if summaries else 0
     if st.few:
@@ -96,9 +96,13 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     idx, valid = pool_tokens(pool, n, ps)
     scored = valid.sum(axis=1).max()
     k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
-    idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, ps, rope if st.page_rule else None)
-    stride = st.unit                                                      # a picked page's first token
-    recent = mx.where(valid[:, ::stride], idx[:, ::stride] // ps, -1)     # the next pass's sticky pages
+    if st.unit > 1:     # spans: the picked pages' tokens made again from their ids (`pick_spans`)
+        idx, valid, recent = pick_spans(q, pool, n, idx, k, valid, st.units, st.unit, st.span_score, ps,
+                                        rope if st.page_rule else None)
+        k = _gather(codec, st.packed, keys, idx)
+    else:
+        idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, ps, rope if st.page_rule else None)
+        recent = mx.where(valid, idx // ps, -1)                           # the next pass's sticky pages
     return idx, k, _gather(codec, st.packed, values, idx), valid, last, scored, recent
 
 
@@ -151,14 +155,10 @@ def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) ->
     return codec.dequantise_v(*got, *packed)
 
 
-def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
-              span_score: str, page_size: int, rope: Optional[Callable] = None) -> tuple:
-    """A decode step's fine pass (`PoolSegment`'s rule, as the host store's `_pick`): query rows
-    [G, rep, D] (turned to the retrieved slot) against a pool's keys [G, U, D] (cold indices
-    `idx`, real tokens `valid` [G, U]), scored where they will sit (`rope`: the `page` rule, token j
-    of a page j slots on); the `units` best tokens, or pages of `unit` tokens by their best token
-    (or their tokens' mean with `span_score` "mean"). Returns the picked cold indices, their keys
-    (as stored) and whether each is a real token."""
+def _span_scores(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, unit: int, span_score: str,
+                 page_size: int, rope: Optional[Callable]) -> mx.array:
+    """Each pool page's score [G, K] for query rows [G, rep, D] (`fine_pick`'s rule; -inf: a
+    page with no real token), or each token's where `unit` is 1."""
     G, rep = q.shape[:2]
     ranked = keys
     if rope is not None:
@@ -168,14 +168,45 @@ def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units
     if unit > 1 and span_score == "mean":
         w = valid.reshape(G, 1, -1, unit).astype(mx.float32)
         exact = ((scores.reshape(G, rep, -1, unit) * w).sum(axis=-1) / mx.maximum(w.sum(axis=-1), 1)).max(axis=1)
-        exact = mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
-    else:
-        exact = mx.where(valid, scores.max(axis=1), -mx.inf)
-        if unit > 1:
-            exact = exact.reshape(G, -1, unit).max(axis=-1)
-    k = min(units, exact.shape[1])
-    pick = (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < exact.shape[1]
+        return mx.where(w[:, 0].sum(axis=-1) > 0, exact, -mx.inf)
+    exact = mx.where(valid, scores.max(axis=1), -mx.inf)
+    return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact
+
+
+def _best(exact: mx.array, units: int) -> mx.array:
+    """The positions [G, k] of the `units` best scores of `exact` [G, K] (all of them if fewer)."""
+    G, K = exact.shape
+    k = min(units, K)
+    return (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < K
             else mx.broadcast_to(iota(k), (G, k))).astype(mx.int32)
+
+
+def pick_spans(q: mx.array, pool: mx.array, n: Any, idx: mx.array, keys: mx.array, valid: mx.array, units: int,
+               unit: int, span_score: str, page_size: int, rope: Optional[Callable] = None) -> tuple:
+    """`fine_pick` of spans (`unit` = page_size) over a pool of pages [G, K] (-1: none) whose
+    tokens `pool_tokens` made (`idx`, `valid` [G, K * unit], their keys [G, U, D]) from a store of
+    `n` tokens: the picked cold indices and which are real tokens, the same as `fine_pick`'s, and
+    the next pass's sticky pages [G, units] (a picked page whose first token is real, else -1).
+    The picked pages' tokens are made again from their ids (`pool_tokens` of the picked pages),
+    not taken from the pool's: fewer nodes for a compiled step to replay. (A page `fine_pick`
+    marks not `ok` holds no real token, so its tokens are not real here either.)"""
+    pick = _best(_span_scores(q, idx, keys, valid, unit, span_score, page_size, rope), units)
+    pages = mx.take_along_axis(pool, pick, axis=-1)                                  # [G, k]
+    idx, valid = pool_tokens(pages, n, page_size)
+    return idx, valid, mx.where(valid[:, ::unit], pages, -1)
+
+
+def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
+              span_score: str, page_size: int, rope: Optional[Callable] = None) -> tuple:
+    """A decode step's fine pass (`PoolSegment`'s rule, as the host store's `_pick`): query rows
+    [G, rep, D] (turned to the retrieved slot) against a pool's keys [G, U, D] (cold indices
+    `idx`, real tokens `valid` [G, U]), scored where they will sit (`rope`: the `page` rule, token j
+    of a page j slots on); the `units` best tokens, or pages of `unit` tokens by their best token
+    (or their tokens' mean with `span_score` "mean"). Returns the picked cold indices, their keys
+    (as stored) and whether each is a real token."""
+    G = q.shape[0]
+    exact = _span_scores(q, idx, keys, valid, unit, span_score, page_size, rope)
+    pick = _best(exact, units)
     ok = mx.take_along_axis(exact, pick, axis=-1) > -mx.inf
     if unit > 1:
         pick = (pick[..., None] * unit + iota(unit)).reshape(G, -1)
