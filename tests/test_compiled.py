@@ -291,6 +291,24 @@ def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
         assert ran == 0, spec
 
 
+def test_compiled_kivi_window_step_replays_a_few_traces(native32, monkeypatch):
+    """The quiet step's shapes are the residual's whole buffers and the packed run, not its live
+    tokens (masked instead, `_quiet_mask`): over 300 steps of a 64-token window (G = 32: 31 quiet
+    steps of as many residual lengths between two freezes) MLX traces it a few times (each
+    packed length and buffer size once), not once per residual length (about 2G traces: each
+    first-time shape cost a trace of a few ms, docs/kivi.md); the logits still the eager ones."""
+    traced = []
+    real = compiled._quiet_mask     # called once per trace (the step's Python runs only then)
+    monkeypatch.setattr(compiled, "_quiet_mask", lambda *a: traced.append(a[3][0].shape) or real(*a))
+    compiled.forget(native32.model)
+    config = CacheConfig.from_spec("int4+sink4/window64")
+    toks = [(i * 37 + 11) % 300 for i in range(320)]
+    fast, _, ran = _drive(native32.model, config, True, tokens=toks)
+    slow, _, _ = _drive(native32.model, config, False, tokens=toks)
+    assert ran > 200 and 1 <= len(traced) <= 4, (ran, traced)
+    assert mx.abs(fast - slow).max().item() <= TOL
+
+
 @pytest.mark.parametrize("spec", ["sink4/window16", "int4+sink4/window64"])
 def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
     """Everything the step stores is evaluated with its logits: the server steps on a worker

@@ -13,12 +13,15 @@ over them cannot be compiled; ours can.
 
 KIVI under StreamingLLM on frame positions (kivi.py) gets the same for its quiet steps, once
 the window is full: the steps that neither freeze a block, evict one, grow the residual's
-buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink,
-the packed blocks, the residual and the step's mask as `LayerCache.segments` and `make_mask`
-would hand them to attention, runs the same `segments.attend`, and hands the new token back to
-be written into the residual's buffer (in the trace, at an array index). Its shapes repeat every G steps, so each of the ~2G shapes
-is traced once (a few ms each) and reused; while the body still grows every step would be a new
-shape, so those steps stay eager.
+buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink
+and the packed blocks as `LayerCache.segments` would hand them to attention, the residual as its
+whole buffers, and builds the step's mask from arrays (`_quiet_mask`: the residual's dead slots
+and the body's tokens the window no longer shows masked, `Masks.make`'s rule), runs the same
+`segments.attend`, and writes the new token into the residual's buffer (in the trace, at an
+array index). Its shapes are the buffers' size and the packed run's length, not the residual's
+live tokens, so a trace serves every quiet step between two freezes (a few traces in all, each
+a few ms; it was one per residual length, about 2G); while the body still grows every step
+would be a new shape, so those steps stay eager.
 
 `decode(model, tokens, cache)` runs such a step when the cache and model allow it and returns
 None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
@@ -108,29 +111,30 @@ def _failed(steps: dict, key: Any, error: BaseException) -> None:
 class _TracedKivi:
     """One layer of KIVI under StreamingLLM (frame positions) during the trace of a quiet step
     (no block frozen or evicted): the sink placed, the packed blocks, the near tier's blocks if
-    it holds any, and the residual (its buffer and its live tokens) as inputs; the new token is written into the residual's buffer
-    at `slot`, in the trace, so the buffer comes out with the logits (evaluated with them, on
-    the thread that steps)."""
+    it holds any, and the residual's whole buffers as inputs, and the step's mask over them
+    (`_quiet_mask`: the residual's slots outside its live tokens and the new one masked, as are
+    the body's tokens the window no longer shows), so every quiet step of one buffer size and
+    one packed length replays one trace. The new token is written into the residual's buffer at
+    `slot`, in the trace, so the buffers come out with the logits (evaluated with them, on the
+    thread that steps)."""
 
     reads_own_segments = True
 
-    def __init__(self, sink: tuple, packed: tuple, near: tuple, residual: tuple, head: mx.array, slot: mx.array,
-                 mask: Optional[mx.array],
-                 offset: mx.array, config: Any, positions: Any, storage: mx.Dtype, compute_dtype: mx.Dtype):
-        self.sink, self.packed, self.near, self.mask = sink, packed, near, mask
-        self.buffers, self.live = residual[:2], residual[2:]
-        self.head, self.slot, self.offset, self.config, self.positions = head, slot, offset, config, positions
+    def __init__(self, sink: tuple, packed: tuple, near: tuple, buffers: tuple, slot: mx.array,
+                 mask: mx.array, offset: mx.array, config: Any, positions: Any, storage: mx.Dtype,
+                 compute_dtype: mx.Dtype):
+        self.sink, self.packed, self.near, self.buffers, self.mask = sink, packed, near, buffers, mask
+        self.slot, self.offset, self.config, self.positions = slot, offset, config, positions
         self.storage, self.compute_dtype = storage, compute_dtype
-        self.new: Optional[tuple] = None
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None:
             raise ValueError("a windowed mask is not traced")
-        return self.mask      # `LayerCache.make_mask`'s, made before the step
+        return self.mask      # the step's, over every segment's slots (`_quiet_mask`)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.new = (keys.astype(self.storage), values.astype(self.storage))
-        self.buffers = tuple(mx.slice_update(b, n, self.slot, axes=(2,)) for b, n in zip(self.buffers, self.new))
+        new = (keys.astype(self.storage), values.astype(self.storage))
+        self.buffers = tuple(mx.slice_update(b, n, self.slot, axes=(2,)) for b, n in zip(self.buffers, new))
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
@@ -138,13 +142,29 @@ class _TracedKivi:
         body = [PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)]
         if self.near:     # the near tier, as the eager step reads it (packed.FrozenTiers.segments)
             body.append(PackedSegment(PackedRun.of(*self.near, cfg, near=True), self.positions))
-        # the live tokens and the new one, read back from the written buffers (so the buffers are
-        # part of the logits' graph); the live views' shapes give the length, a shape of the trace
-        res_k, res_v = (mx.slice(b, self.head, (2,), (*live.shape[:2], live.shape[2] + 1, live.shape[3]))
-                        for b, live in zip(self.buffers, self.live))
+        # the whole written buffers (so they are part of the logits' graph), their dead slots masked
         dt = self.compute_dtype
+        res_k, res_v = self.buffers
         segments = [DenseSegment(*self.sink), *body, DenseSegment(res_k.astype(dt), res_v.astype(dt))]
-        return attend(segments, 0, queries, scale, mask)
+        return attend(segments, 0, queries, scale, self.mask)
+
+
+def _tokens(side: tuple) -> int:
+    """Tokens a packed run holds, from its arrays' shapes: its values keep one row per token
+    (packed per token, or exact), along their next-to-last axis."""
+    return side[1][0].shape[-2]
+
+
+def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, head: mx.array, n_res: mx.array,
+                cut: mx.array) -> mx.array:
+    """A quiet step's mask [1, sink + frozen + buffer slots] over the segments `_TracedKivi`
+    reads: the sink seen; of the body's tokens (frozen, then the residual's live ones and the
+    new one) the j-th seen where j >= `cut` (the window's first, `Masks.make`'s rule); the
+    residual's slots before `head` or after the new token's (head + n_res) not at all."""
+    frozen = _tokens(packed) + (_tokens(near) if near else 0)
+    slots = mx.arange(buffers[0].shape[2], dtype=mx.int32)
+    live = (slots >= head) & (slots <= head + n_res) & (slots - head + frozen >= cut)
+    return mx.concatenate([mx.ones((n_sink,), mx.bool_), mx.arange(frozen, dtype=mx.int32) >= cut, live])[None]
 
 
 def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
@@ -180,15 +200,18 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
-    """The compiled quiet step of KIVI under StreamingLLM for `key` = ("kivi", owners, masked,
-    compute dtype, storage, the layers' config, whether the near tier holds tokens)."""
+    """The compiled quiet step of KIVI under StreamingLLM for `key` = ("kivi", owners, compute
+    dtype, storage, the layers' config, whether the near tier holds tokens); MLX traces it again
+    for each new set of input shapes (a residual buffer's size, the packed run's length)."""
     if key not in steps:
-        _, owners, masked, compute_dtype, storage, config, _ = key
+        _, owners, compute_dtype, storage, config, _ = key
         positions = SimpleNamespace(pre_rope=False)     # frame positions: the query is not turned
 
-        def step(tokens, offset, sinks, packed, nears, residuals, head, slot, mask):
-            traced = [_TracedKivi(sinks[i], packed[i], nears[i], residuals[i], head, slot, mask if masked else None,
-                                  offset, config, positions, storage, compute_dtype) for i in range(len(sinks))]
+        def step(tokens, offset, sinks, packed, nears, buffers, head, n_res, cut):
+            mask = _quiet_mask(sinks[0][0].shape[2], packed[0], nears[0], buffers[0], head, n_res, cut)
+            slot = head + n_res
+            traced = [_TracedKivi(sinks[i], packed[i], nears[i], buffers[i], slot, mask, offset, config, positions,
+                                  storage, compute_dtype) for i in range(len(sinks))]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [t.buffers for t in traced]
         steps[key] = mx.compile(step)
@@ -280,34 +303,33 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
 def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                  ) -> Optional[mx.array]:
     """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
-    eager step would read them (`KiviStore.step_inputs`, `LayerReads.placed_sink`), the new
-    tokens come out and join each residual, eagerly."""
+    eager step would read them (`KiviStore.step_inputs`, `LayerReads.placed_sink`), the residual
+    as its whole buffers with the step's mask (`_quiet_mask`); the new tokens come out written
+    into the buffers and join each residual, eagerly."""
     first = layers[0]
     layout = first.body.layout()     # (packed tokens, frozen held, residual head, residual tokens)
     if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.layout() != layout
            for c in layers):
         return None
-    mask = first.make_mask(1, return_array=False, window_size=None)   # as the model asks, before the step
-    if isinstance(mask, str):
-        return None
     n_packed, held, head, n_res = layout
-    key = ("kivi", owners, mask is not None, first.dtype, first.body.storage, first.config, held > n_packed)
+    key = ("kivi", owners, first.dtype, first.body.storage, first.config, held > n_packed)
     step = steps.get(key)
     if step is _FAILED:
         return None
     if step is None:
         step = _kivi_step_fn(model, steps, key)
-    sinks, packed, nears, residuals = [], [], [], []
+    # the body's tokens the query no longer sees (mask.py: position first + j, the query's `seen`)
+    cut = max(0, first.seen - plans[0].first - first.config.window + 1)
+    sinks, packed, nears, buffers = [], [], [], []
     for c in layers:
         sinks.append(c.placed_sink())
         p, n, r = c.body.step_inputs()
         packed.append(p)
         nears.append(n)
-        residuals.append(r)
+        buffers.append(r)
     try:
-        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, residuals,
-                           mx.array([head], mx.int32), mx.array([head + n_res], mx.int32),
-                           mask if mask is not None else mx.zeros((0,), mx.bool_))
+        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, buffers,
+                           mx.array(head, mx.int32), mx.array(n_res, mx.int32), mx.array(cut, mx.int32))
     except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
         _failed(steps, key, e)
         return None

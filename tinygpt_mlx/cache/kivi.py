@@ -136,10 +136,11 @@ class KiviStore:
 
     def step_inputs(self) -> tuple[tuple, tuple, tuple]:
         """A quiet step's arrays, as the eager step reads them: the packed run's sides, the near
-        tier's (empty while it holds none) and the residual (its buffers, then its live tokens)."""
+        tier's (empty while it holds none) and the residual's whole buffers (its live tokens are
+        `layout`'s slots head .. head + n - 1)."""
         tiers, res = self.tiers, self.residual
         near = (tiers.near.keys, tiers.near.values) if tiers.n > tiers.packed.n else ()
-        return (tiers.packed.keys, tiers.packed.values), near, (res.keys, res.values, *res.fetch())
+        return (tiers.packed.keys, tiers.packed.values), near, (res.keys, res.values)
 
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
