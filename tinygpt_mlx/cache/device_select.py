@@ -53,7 +53,7 @@ _COMPILED: dict[tuple, Callable] = {}
 def select(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array, counts: mx.array,
            summaries: dict, keys: tuple, values: tuple, recent: Optional[mx.array]) -> tuple:
     """(picked cold indices [G, T], their keys [G, T, D] as stored, values [G, T, Dv], which are
-    real tokens [G, T], the coarse pass's pages [G, k], tokens scored, the pages of the picked
+    real tokens [G, T], the coarse pass's pages [G, k], tokens scored [1, 1], the pages of the picked
     tokens [G, S] (-1: none; the next pass's sticky pages)) for query rows [G, rep, D]
     (turned to the retrieved slot); `counts` = [tokens, pages, blocks] as an int32 array;
     `summaries` the index's capacity arrays by name; `keys`/`values` the rows' capacity arrays
@@ -94,7 +94,7 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     pool = union(parts)
     ps = st.page_size
     idx, valid = pool_tokens(pool, n, ps)
-    scored = valid.sum(axis=1).max()
+    scored = valid.sum(axis=1, keepdims=True).max(axis=0, keepdims=True)    # [1, 1] (kept dims: no squeezes)
     k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
     if st.unit > 1:     # spans: the picked pages' tokens made again from their ids (`pick_spans`)
         idx, valid, recent = pick_spans(q, pool, n, idx, k, valid, st.units, st.unit, st.span_score, ps,
