@@ -18,7 +18,11 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
                 each (as N lone requests would) against one batched call (server/batch.py),
                 --engine-steps steps a round, 2 x --rounds rounds alternating (medians): what
                 batching saves in the model call, apart from the server's per-token work; the
-                decode steps on one OpenBLAS thread, as the server runs them (blas.Threads)
+                decode steps on one OpenBLAS thread, as the server runs them (blas.Threads);
+                by the wall clock and per CPU-second of this process. --engine-vs PATH times
+                a second batched path in the same rounds (ratios in one run);
+                --engine-prompt-tokens N repeats each prompt to N tokens or more (past a
+                window or hot budget the steps start in the policy's steady state)
 
 Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
 non-empty text). The ratios are what count: each pair is measured in the same run, minutes
@@ -44,6 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import httpx
 
@@ -137,10 +142,13 @@ PATHS = {"compiled": {}, "stacked": {"compiled": False}, "per-sequence": {"compi
 
 
 def engine(model_path: str, config: CacheConfig, streams: int, steps: int, rounds: int, decode_threads: int = 1,
-           path: str = "compiled") -> dict:
-    """The decode step itself, without the server: `streams` sequences (the prompts, prefilled)
-    stepped one model call each (`generate._call`, as a lone request runs) against one batched call
-    for all (`batch.decode_step`), `steps` steps a round, alternating; tokens/s of each (medians)."""
+           path: str = "compiled", vs: Optional[str] = None, prompt_tokens: int = 0) -> dict:
+    """The decode step itself, without the server: `streams` sequences (the prompts, prefilled;
+    each repeated to at least `prompt_tokens` tokens) stepped one model call each
+    (`generate._call`, as a lone request runs) against one batched call for all
+    (`batch.decode_step` on `path`), and where `vs` names another path, one batched call on it
+    too, `steps` steps a round, alternating; tokens/s of each, by the wall clock and per
+    CPU-second of this process (medians)."""
     import mlx.core as mx
     from tinygpt_mlx.cache import make_cache
     from tinygpt_mlx.generate import _call, prefill
@@ -148,34 +156,52 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
 
     loaded = _loaded(model_path)
     m, tok = loaded.model, loaded.tokenizer
-    prompts = [tok.encode(p) for p in PROMPTS[:streams]]
+    prompts = []
+    for p in PROMPTS[:streams]:
+        ids = tok.encode(p)
+        prompts.append(tok.encode(" ".join([p] * -(-prompt_tokens // len(ids)))) if len(ids) < prompt_tokens else ids)
     threads = blas.Threads(decode=decode_threads or 1 << 16)     # 0: OpenBLAS's own count
     threads.for_prefill()
+    kinds = {"solo": None, "batched": PATHS[path], **({"vs": PATHS[vs]} if vs else {})}
     sets = {}
-    for kind in ("solo", "batched"):
+    for kind in kinds:
         caches = [make_cache(m, config) for _ in prompts]
         sets[kind] = (caches, [int(mx.argmax(prefill(m, ids, c, 512)).item()) for ids, c in zip(prompts, caches)])
     threads.for_decode()
-    rates = {"solo": [], "batched": []}
+    rates = {kind: [] for kind in kinds}
+    cpu = {kind: [] for kind in kinds}
+    order = list(kinds)
     for r in range(rounds):
-        for kind in (("solo", "batched") if r % 2 == 0 else ("batched", "solo")):
+        for kind in (order if r % 2 == 0 else order[::-1]):
             caches, tokens = sets[kind]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 if kind == "solo":
                     tokens = [int(mx.argmax(_call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
                 else:
-                    tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches, **PATHS[path]),
+                    tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches, **kinds[kind]),
                                                           axis=-1).tolist()]
             rates[kind].append(steps * streams / (time.perf_counter() - t0))
+            cpu[kind].append(steps * streams / max(time.process_time() - c0, 1e-9))
             sets[kind] = (caches, tokens)
     threads.for_prefill()
     for caches, _ in sets.values():
         for c in caches:
             c.close()
-    one, n = statistics.median(rates["solo"]), statistics.median(rates["batched"])
-    return {"engine_one_at_a_time_tok_s": round(one, 1), "engine_batched_tok_s": round(n, 1),
-            "engine_ratio": round(n / one, 2)}
+    med = {kind: statistics.median(v) for kind, v in rates.items()}
+    per_cpu = {kind: statistics.median(v) for kind, v in cpu.items()}
+    one, n = med["solo"], med["batched"]
+    out = {"engine_one_at_a_time_tok_s": round(one, 1), "engine_batched_tok_s": round(n, 1),
+           "engine_ratio": round(n / one, 2),
+           "engine_one_at_a_time_tok_per_cpu_s": round(per_cpu["solo"], 1),
+           "engine_batched_tok_per_cpu_s": round(per_cpu["batched"], 1),
+           "engine_cpu_ratio": round(per_cpu["batched"] / per_cpu["solo"], 2),
+           "engine_prompt_tokens": [len(p) for p in prompts]}
+    if vs:
+        out.update(engine_vs_path=vs, engine_vs_tok_s=round(med["vs"], 1), engine_vs_ratio=round(med["vs"] / one, 2),
+                   engine_vs_tok_per_cpu_s=round(per_cpu["vs"], 1),
+                   engine_vs_cpu_ratio=round(per_cpu["vs"] / per_cpu["solo"], 2))
+    return out
 
 
 _LOADED: dict = {}
@@ -264,6 +290,12 @@ def main() -> None:
                     help="the engine-only part's batched step: compiled where the caches allow it, then attention "
                          "stacked across sequences (the server's, default); stacked: never compiled; per-sequence: "
                          "each sequence's own attention (the path before attention was batched)")
+    ap.add_argument("--engine-vs", choices=list(PATHS),
+                    help="the engine-only part also times the batched step on this path, in the same rounds "
+                         "(ratios in one run)")
+    ap.add_argument("--engine-prompt-tokens", type=int, default=0,
+                    help="the engine-only part's prompts, each repeated to at least this many tokens (default 0: "
+                         "as they are; past a window or hot budget the steps start in its steady state)")
     ap.add_argument("--engine-blas-threads", type=int, default=1,
                     help="OpenBLAS threads for the engine-only part's decode steps (default 1, as the server "
                          "runs them; 0: OpenBLAS's own count)")
@@ -277,7 +309,8 @@ def main() -> None:
     for name, value, least in (("--streams", args.streams, 2), ("--tokens", args.tokens, 2),
                                ("--long-tokens", args.long_tokens, 16), ("--short-tokens", args.short_tokens, 1),
                                ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1), ("--window", args.window, 8),
-                               ("--engine-blas-threads", args.engine_blas_threads, 0)):
+                               ("--engine-blas-threads", args.engine_blas_threads, 0),
+                               ("--engine-prompt-tokens", args.engine_prompt_tokens, 0)):
         if value < least:
             ap.error(f"{name} must be at least {least}, got {value}")
     if args.streams > len(PROMPTS) - 2:
@@ -293,7 +326,8 @@ def main() -> None:
     threads = blas.Threads()
     results = {"model": name, "streams": args.streams, "tokens": args.tokens, "command": " ".join(sys.argv),
                "openblas_threads": threads.default if threads.available else None,
-               "engine_path": args.engine_path,
+               "engine_path": args.engine_path, "engine_vs": args.engine_vs,
+               "engine_prompt_tokens": args.engine_prompt_tokens,
                "engine_decode_openblas_threads": (args.engine_blas_threads or threads.default) if threads.available
                else None,
                "load_average_at_start": list(os.getloadavg()), "rows": []}
@@ -302,13 +336,17 @@ def main() -> None:
     for label in chosen:
         before = list(os.getloadavg())
         eng = {} if args.only == "ttft" else engine(args.model, table[label], args.streams, args.engine_steps,
-                                                    2 * args.rounds, args.engine_blas_threads, args.engine_path)
+                                                    2 * args.rounds, args.engine_blas_threads, args.engine_path,
+                                                    args.engine_vs, args.engine_prompt_tokens)
         row = {"policy": label}
         if args.only == "engine":
             row.update(eng, load_average_before=before, load_average_after=list(os.getloadavg()))
             results["rows"].append(row)
+            vs = (f"; {eng['engine_vs_path']} {eng['engine_vs_tok_s']:.1f} tok/s, x{eng['engine_vs_ratio']:.2f} "
+                  f"(per CPU-s x{eng['engine_vs_cpu_ratio']:.2f})") if "engine_vs_path" in eng else ""
             print(f"{label:<24} engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
-                  f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}  | load average "
+                  f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f} (per CPU-s "
+                  f"x{eng['engine_cpu_ratio']:.2f}){vs}  | load average "
                   f"{before[0]:.1f} -> {row['load_average_after'][0]:.1f}", flush=True)
             continue
         proc, url = start_server(args.model, label, args.window, args.streams)
