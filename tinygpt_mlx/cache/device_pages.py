@@ -303,18 +303,18 @@ class DevicePageIndex:
         G, rep, R, D = q.shape
         x = q.reshape(G, rep * R, D)
 
-        def score(x: mx.array, name: str) -> mx.array:
-            return x @ self.rows[prefix + name].array[:, :count].swapaxes(1, 2)
+        def score(x: mx.array, name: str) -> mx.array:   # (summaries times rows: device_select._bound)
+            return self.rows[prefix + name].array[:, :count] @ x.swapaxes(1, 2)   # [G, count, rep * R]
         out = bound(x, summary, score)
-        return out.reshape(G, rep, R, count).max(axis=1)
+        return out.reshape(G, count, rep, R).max(axis=2).swapaxes(1, 2)
 
     def _candidate_scores(self, q: mx.array, summary: str, cand: mx.array) -> mx.array:
         """Scores [G, R, C] of queries [G, rep, R, D] against the pages `cand` [G, R, C] only."""
         x = q.transpose(0, 2, 1, 3)                                           # [G, R, rep, D]
 
         def score(x: mx.array, name: str) -> mx.array:
-            return x @ self.rows["s" + name].gather(cand).swapaxes(-1, -2)    # [G, R, D, C]
-        return bound(x, summary, score).max(axis=2)
+            return self.rows["s" + name].gather(cand) @ x.swapaxes(-1, -2)    # [G, R, C, rep]
+        return bound(x, summary, score).max(axis=3)
 
     def ranked_pages(self, q: mx.array, summary: str, ordered: bool = False) -> mx.array:
         """The `top_pages` best pages [G, R, k] of each query row, by one summary (best first

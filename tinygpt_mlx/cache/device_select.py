@@ -136,15 +136,18 @@ def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array,
 
 def _bound(q: mx.array, summary: str, summaries: dict, level: str) -> mx.array:
     """Scores [G, cap] of query rows [G, rep, D] against every allocated summary of a level
-    ("s" pages, "b" blocks): Quest's bound (minmax) or the mean key's product, max over rep."""
-    return bound(q, summary, lambda x, name: x @ summaries[level + name].swapaxes(1, 2)).max(axis=1)
+    ("s" pages, "b" blocks): Quest's bound (minmax) or the mean key's product, max over rep.
+    (The summaries [G, cap, D] times the rows, not the rows times the summaries turned: the
+    same products, read in the summaries' own layout; about half the time of a scan of 16K
+    blocks under OpenBLAS, where a long context's decode step spent most of its growth.)"""
+    return bound(q, summary, lambda x, name: summaries[level + name] @ x.swapaxes(1, 2)).max(axis=2)
 
 
 def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx.array:
     """Scores [G, C] of query rows [G, rep, D] against the page summaries at `pages` [G, C]."""
     def score(x: mx.array, name: str) -> mx.array:
-        return x @ mx.take_along_axis(summaries["s" + name], pages[..., None], axis=1).swapaxes(1, 2)   # [G, D, C]
-    return bound(q, summary, score).max(axis=1)
+        return mx.take_along_axis(summaries["s" + name], pages[..., None], axis=1) @ x.swapaxes(1, 2)   # [G, C, rep]
+    return bound(q, summary, score).max(axis=2)
 
 
 def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) -> mx.array:
