@@ -26,6 +26,7 @@ Python of the model and the cache) and evaluating it (the kernels), medians in m
 
 from __future__ import annotations
 
+import random
 import re
 import statistics
 from collections import Counter
@@ -242,15 +243,24 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 cache.close()
 
 
-def step_parts(model: Any, caches: list, steps: int, warmup: int = 5) -> list[dict]:
+def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int = 0) -> list[dict]:
     """Median microseconds of one decode step on each of `caches`, split into building its graph
     (`build`: the engine's model call, `generate.forward`, before evaluation) and evaluating it
     (`eval`), and the `whole`; the caches stepped in turn (interleaved), `warmup` untimed steps
-    and `steps` timed ones, each feeding one token."""
+    and `steps` timed ones, each feeding one token.
+
+    The order of the caches is shuffled every round (`seed`): a build that always followed the
+    same neighbour's evaluation started as warm or as cold as that neighbour left the CPU's
+    caches (after a long context's evaluation, a third slower here: docs/results.md, "which
+    step a build follows"), so two policies compared by their builds each follow every other."""
     build: list[list[float]] = [[] for _ in caches]
     whole: list[list[float]] = [[] for _ in caches]
+    rng = random.Random(seed)
+    order = list(range(len(caches)))
     for step in range(warmup + steps):
-        for i, cache in enumerate(caches):
+        rng.shuffle(order)
+        for i in order:
+            cache = caches[i]
             t0 = time.perf_counter()
             logits = forward(model, mx.array([[7 + step % 50]]), cache)
             t1 = time.perf_counter()
