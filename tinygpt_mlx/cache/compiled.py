@@ -16,9 +16,10 @@ the window is full: the steps that neither freeze a block, evict one, grow the r
 buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink
 and the packed blocks as `LayerCache.segments` would hand them to attention, the residual as its
 whole buffers, and builds the step's mask from arrays (`_quiet_mask`: the residual's dead slots
-and the body's tokens the window no longer shows masked, `Masks.make`'s rule), runs the same
-`segments.attend`, and writes the new token into the residual's buffer (in the trace, at an
-array index). Its shapes are the buffers' size and the packed run's length, not the residual's
+and the body's tokens the window no longer shows masked, `Masks.make`'s rule), computes what
+`segments.attend` would over those segments (the same products in the same order, the query
+group kept as rows: fewer nodes to replay), and writes the new token into the residual's buffer
+(in the trace, at an array index). Its shapes are the buffers' size and the packed run's length, not the residual's
 live tokens, so a trace serves every quiet step between two freezes (a few traces in all, each
 a few ms; it was one per residual length, about 2G); while the body still grows every step
 would be a new shape, so those steps stay eager.
@@ -45,16 +46,14 @@ then on. One switch turns it off: `cache.compile_decode = False`, whose default
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import mlx.core as mx
 
-from .. import attention
+from .. import attention, quant
 from ..model import Model
 from . import compiled_retrieval
-from .packed import PackedRun, PackedSegment
-from .segments import DenseSegment, attend
+from .packed import PackedRun, rotation, rotation_back
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
 _ATTR = "_posttrainllm_compiled_steps"
@@ -121,10 +120,10 @@ class _TracedKivi:
     reads_own_segments = True
 
     def __init__(self, sink: tuple, packed: tuple, near: tuple, buffers: tuple, slot: mx.array,
-                 mask: mx.array, offset: mx.array, config: Any, positions: Any, storage: mx.Dtype,
+                 mask: mx.array, offset: mx.array, config: Any, storage: mx.Dtype,
                  compute_dtype: mx.Dtype):
         self.sink, self.packed, self.near, self.buffers, self.mask = sink, packed, near, buffers, mask
-        self.slot, self.offset, self.config, self.positions = slot, offset, config, positions
+        self.slot, self.offset, self.config = slot, offset, config
         self.storage, self.compute_dtype = storage, compute_dtype
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
@@ -138,15 +137,52 @@ class _TracedKivi:
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        """`segments.attend` over the sink, the packed run (and the near tier) and the residual's
+        written buffers (so they are part of the logits' graph, their dead slots masked), for the
+        one query of a decode step: the same products in the same order, with a KV head's query
+        group kept as rows [B, Hkv, rep, D] throughout (no reshape per segment: a fifth fewer
+        nodes for the trace to replay every step)."""
         cfg = self.config
-        body = [PackedSegment(PackedRun.of(*self.packed, cfg), self.positions)]
+        runs = [PackedRun.of(*self.packed, cfg)]
         if self.near:     # the near tier, as the eager step reads it (packed.FrozenTiers.segments)
-            body.append(PackedSegment(PackedRun.of(*self.near, cfg, near=True), self.positions))
-        # the whole written buffers (so they are part of the logits' graph), their dead slots masked
-        dt = self.compute_dtype
-        res_k, res_v = self.buffers
-        segments = [DenseSegment(*self.sink), *body, DenseSegment(res_k.astype(dt), res_v.astype(dt))]
-        return attend(segments, 0, queries, scale, self.mask)
+            runs.append(PackedRun.of(*self.near, cfg, near=True))
+        dt, f32 = self.compute_dtype, mx.float32
+        res_k, res_v = (b.astype(dt).astype(f32) for b in self.buffers)
+        sink_k, sink_v = (a.astype(f32) for a in self.sink)
+        B, Hq, L, D = queries.shape
+        hkv = res_k.shape[1]
+        rows = ((queries if queries.dtype == f32 else queries.astype(f32)) * scale).reshape(B, hkv, Hq // hkv * L, D)
+        turned = rows @ rotation(D) if any(r.rotate and r.key_bits for r in runs) else None
+        scores = [rows @ sink_k.swapaxes(-1, -2)]
+        for r in runs:
+            if r.key_bits:
+                scores.append(quant.quantised_matmul(turned if r.rotate else rows, *r.keys, bits=r.key_bits,
+                                                     group=r.group, path=r.path))
+            else:
+                scores.append(rows @ r.keys[0].astype(f32).swapaxes(-1, -2))
+        scores.append(rows @ res_k.swapaxes(-1, -2))
+        sizes = [sc.shape[-1] for sc in scores]
+        probs = mx.softmax(mx.where(self.mask, mx.concatenate(scores, axis=-1), -mx.inf), axis=-1)
+        pieces, start = [], 0
+        for n in sizes:
+            pieces.append(probs[:, :, :, start:start + n])
+            start += n
+        out = pieces[0] @ sink_v
+        in_basis = None     # the outputs of the runs whose values are stored rotated, summed
+        for r, p in zip(runs, pieces[1:-1]):
+            if r.value_bits:
+                part = quant.quantised_matmul(p, *r.values, bits=r.value_bits, group=r.value_group, path=r.path)
+                if r.rotate:
+                    in_basis = part if in_basis is None else in_basis + part
+                    continue
+            else:
+                part = p @ r.values[0].astype(f32)
+            out = out + part
+        out = out + pieces[-1] @ res_v
+        if in_basis is not None:
+            out = out + in_basis @ rotation_back(D)
+        out = out.reshape(B, Hq, L, -1)
+        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
 def _tokens(side: tuple) -> int:
@@ -205,12 +241,11 @@ def _kivi_step_fn(model: Any, steps: dict, key: tuple):
     for each new set of input shapes (a residual buffer's size, the packed run's length)."""
     if key not in steps:
         _, owners, compute_dtype, storage, config, _ = key
-        positions = SimpleNamespace(pre_rope=False)     # frame positions: the query is not turned
 
         def step(tokens, offset, sinks, packed, nears, buffers, head, n_res, cut):
             mask = _quiet_mask(sinks[0][0].shape[2], packed[0], nears[0], buffers[0], head, n_res, cut)
             slot = head + n_res
-            traced = [_TracedKivi(sinks[i], packed[i], nears[i], buffers[i], slot, mask, offset, config, positions,
+            traced = [_TracedKivi(sinks[i], packed[i], nears[i], buffers[i], slot, mask, offset, config,
                                   storage, compute_dtype) for i in range(len(sinks))]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [t.buffers for t in traced]
