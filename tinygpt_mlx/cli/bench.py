@@ -112,8 +112,8 @@ def bench(
         "(the policies' order shuffled every round with a fixed seed, so each build follows every other "
         "policy's evaluation), into building its graph on the host (the Python of the model and the cache) "
         "and evaluating it (the kernels): median microseconds of each. A step mostly build is bound by the "
-        "host (not so for a retrieval policy with its cold store on disk, colddisk, whose build reads the query on the host and "
-        "so waits for the layers before it).")] = False,
+        "host (not so for a retrieval policy with its cold store on disk, colddisk, whose build reads the "
+        "query on the host and so waits for the layers before it).")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
