@@ -1,0 +1,104 @@
+"""The two-level index's block scan of a decode step against the context: the coarse pass's
+matmul in the two layouts (the query rows times the summaries turned, `q @ s^T`, as before
+issue 53's change, and the summaries times the rows, `s @ q^T`, as device_select._bound and
+device_pages._scan do now), interleaved in one run, with the whole compiled selection
+(device_select.select) beside them, per layer of the shipped model's shape (4 KV heads, 2
+query rows each, head dim 32, pages of 8 tokens, blocks of 8 pages, the defaults for a hot
+window of 256: 64 top pages, the index expanding 4 x 64 blocks). Random summaries: the time
+of the ops, not of any model's keys. Both layouts give the same bits (checked and reported).
+
+    python -m benchmarks.coarse_scan [--contexts 4096,65536,262144,1048576] [--reps 20] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from tinygpt_mlx.cache.device_pages import bound
+from tinygpt_mlx.cache.device_select import Static, select
+from tinygpt_mlx.cli.common import write_atomic
+
+G, REP, D, PAGE, BLOCK, TOP, EXPAND, UNITS = 4, 2, 32, 8, 8, 64, 4, 4
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << max(n - 1, 0).bit_length())
+
+
+def row(tokens: int, reps: int, rng: np.random.RandomState) -> dict:
+    """Median ms per layer of each piece at a store of `tokens` cold tokens (interleaved calls)."""
+    P = tokens // PAGE
+    NB = P // BLOCK
+    uses = P > 2 * EXPAND * TOP * BLOCK
+    cap_p, cap_b = _bucket(P), _bucket(NB)
+    f32 = np.float32
+    keys = mx.array(rng.randn(G, cap_p * PAGE, D).astype(f32))
+    values = mx.array(rng.randn(G, cap_p * PAGE, D).astype(f32))
+    summaries = {n: mx.array(rng.randn(G, cap_p, D).astype(f32)) for n in ("smin", "smax")}
+    summaries.update({n: mx.array(rng.randn(G, cap_b, D).astype(f32)) for n in ("bmin", "bmax")})
+    mx.eval(keys, values, *summaries.values())
+    static = Static("minmax", TOP, False, uses, BLOCK, min(EXPAND * TOP, NB) if uses else 0, PAGE, UNITS, PAGE,
+                    "max", False, True, None)
+    counts = mx.array([tokens, P, NB], mx.int32)
+    recent = mx.array(rng.randint(0, P, size=(G, UNITS)).astype(np.int32))
+    level = "b" if uses else "s"
+    lo, hi = summaries[level + "min"], summaries[level + "max"]
+    before = mx.compile(lambda q: bound(q, "minmax", lambda x, n: x @ (lo if n == "min" else hi).swapaxes(1, 2)).max(axis=1))
+    after = mx.compile(lambda q: bound(q, "minmax", lambda x, n: (lo if n == "min" else hi) @ x.swapaxes(1, 2)).max(axis=2))
+    pieces = {"scan q @ s^T (before)": before, "scan s @ q^T (now)": after,
+              "whole selection (now)": lambda q: select(static, None, None, q, counts, summaries, (keys,), (values,),
+                                                        recent)}
+    times: dict = {name: [] for name in pieces}
+    same = True
+    for i in range(reps + 2):
+        q = mx.array(rng.randn(G, REP, D).astype(f32))
+        mx.eval(q)
+        if i == 0:
+            same = bool(mx.array_equal(before(q), after(q)).item())
+        for name, fn in pieces.items():
+            t0 = time.perf_counter()
+            mx.eval(fn(q))
+            if i >= 2:
+                times[name].append(time.perf_counter() - t0)
+    out = {"context": tokens, "pages": P, "blocks": NB, "index": uses,
+           "scanned": NB if uses else P, "same_bits": same}
+    out.update({name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="4096,65536,262144,1048576")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    try:
+        contexts = [int(c) for c in a.contexts.split(",")]
+    except ValueError:
+        ap.error(f"--contexts {a.contexts!r}: give a comma list of token counts")
+    if not contexts or min(contexts) < PAGE * BLOCK:
+        ap.error(f"--contexts {a.contexts!r}: each at least {PAGE * BLOCK} tokens")
+    if a.reps < 1:
+        ap.error(f"--reps {a.reps}: give at least 1")
+    rng = np.random.RandomState(0)
+    rows = []
+    for tokens in contexts:
+        r = row(tokens, a.reps, rng)
+        rows.append(r)
+        print(f"{tokens:>9,} tokens ({'blocks' if r['index'] else 'pages'} scanned {r['scanned']:>6,}): "
+              f"scan q @ s^T {r['scan q @ s^T (before)']:7.3f} ms, s @ q^T {r['scan s @ q^T (now)']:7.3f} ms "
+              f"(same bits: {r['same_bits']}); whole selection {r['whole selection (now)']:7.3f} ms per layer",
+              flush=True)
+    if a.json is not None:
+        write_atomic(a.json, json.dumps({"reps": a.reps, "shape": {"G": G, "rep": REP, "D": D}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
