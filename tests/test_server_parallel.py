@@ -153,7 +153,25 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
         assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
 
 
-def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32):
+#: the batched retrieval step's configurations (`select_rows` over rows of one layout, and of
+#: several): the coarse pass by min/max (spans, retrieved keys at one fixed slot), by the hybrid
+#: of min/max and mean, the two-level page index (blocks of 2 pages, engaged past 8 pages: every
+#: store here passes it), the retrieved keys at their page's slots ("page"), and rows of several
+#: layouts (one short store, every page of it in the pool, then scanned flat, beside three
+#: stores on the index: two groups every step).
+#: Packed cold rows (`cold_bits`) are out: the solo compiled step declines them
+#: (cold_device.py `step_ready`), so the batched one does too.
+RETRIEVAL_STEPS = {
+    "minmax": (dict(), (3, 4, 5, 6)),
+    "hybrid": (dict(summary="hybrid"), (3, 4, 5, 6)),
+    "index": (dict(index_block=2, index_expand=1), (7, 9, 7, 7)),
+    "page": (dict(retrieved_position="page"), (3, 4, 5, 6)),
+    "layouts": (dict(index_block=2, index_expand=1, summary="hybrid"), (3, 9, 7, 7)),
+}
+
+
+@pytest.mark.parametrize("case", list(RETRIEVAL_STEPS))
+def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     """Retrieval's steady steps of four sequences as one compiled batched call (batch.py
     `_compiled_retrieval`: each row evicts into its own cold store; the coarse pass, pool and
     fine pick run once over the rows stacked, each row gathering from its own store; one
@@ -162,10 +180,13 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32):
     not others, rows reordered by layout), the cold stores grow past the coarse pass's pages.
     Every layer of every row picks the same cold tokens as alone and scores as many, its logits
     agree within 1e-5 and give the same greedy token; the batched call ran for most steps, its
-    selection and attention stacked across the rows (one group) in most of them."""
+    selection and attention stacked across the rows (one group) in most of them, where the rows
+    share a layout, and in more than one group where they do not ("layouts"); it traced a few
+    layouts, not one per step (`traced`)."""
     m, tok = native32.model, native32.tokenizer
-    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
-    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (3, 4, 5, 6))]
+    extra, repeats = RETRIEVAL_STEPS[case]
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True, **extra)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, repeats)]
     solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
     assert all(c.compiled_step == "retrieval" for c in solo)
     picks: dict = {}
@@ -183,24 +204,74 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32):
         recording(a, ("solo", i))
         recording(b, ("batch", i))
     assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
-    before, failed = batch.taken.copy(), dict(batch._failed)
+    indexed = [c.owned[0].cold.index.uses_index() for c in together]
+    on_index = [False, True, True, True] if case == "layouts" else [case == "index"] * 4
+    assert indexed == on_index, indexed
+    batch.forget(m)         # (traces of this file's other tests would not be made again)
+    before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
+    several = 0         # steps whose rows selected and attended in more than one group
     for _ in range(48):
+        was = batch.taken.copy()
         rows = batch.decode_step(m, tokens, together)
         want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        step = batch.taken - was
+        several += step["retrieval_groups"] > step["compiled_retrieval"]
         for row, w in zip(rows, want):
             assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
             assert mx.argmax(row).item() == mx.argmax(w).item()
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
     done = batch.taken - before
     assert done["compiled_retrieval"] >= 40, done
-    assert done["retrieval_groups"] < 1.5 * done["compiled_retrieval"], done    # mostly all four as one
+    if case == "layouts":
+        assert several >= 40, (several, done)        # the short store's row in a group of its own
+    else:
+        assert done["retrieval_groups"] < 1.5 * done["compiled_retrieval"], done    # mostly all four as one
     assert batch._failed == failed                                          # no trace fell back
+    # a trace per layout: a new one where a row's page completes (its step evicts ahead), a
+    # summary's width doubles or a store passes a regime; four rows at their own phases, sorted by
+    # layout: measured 3-7 traces over the 48 steps (one per step without the traces kept: 48)
+    assert 0 < (batch.traced - traced)["retrieval"] <= 12, batch.traced - traced
     for i in range(len(prompts)):
         for j in range(len(together[i].owned)):
             got, alone = picks[(("batch", i), j)], picks[(("solo", i), j)]
             assert len(got) == len(alone) == 48
             assert got == alone, (i, j)
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
+
+
+def test_a_layout_whose_trace_failed_stays_eager_past_the_kept_traces(native32_path, monkeypatch, caplog):
+    """A layout whose compiled batched trace fails runs eager from then on, traced and logged
+    once: its mark is kept apart from the newest KEEP_TRACES traces (here 1), so the layouts
+    traced after it do not push it out (they did: it was traced, failed and logged again).
+    Three full caches fail to trace (a stand-in fault); one and two make the other layouts."""
+    from tinygpt_mlx.loading import load
+    m = load(native32_path).model         # (its own model: the failed mark stays with it)
+    monkeypatch.setattr(batch, "KEEP_TRACES", 1)
+    tries = []
+    real = batch._TracedRows.__init__
+
+    def faulty(self, rows, offset):
+        if len(rows) == 3:
+            tries.append(1)
+            raise RuntimeError("a stand-in fault of the three rows' trace")
+        real(self, rows, offset)
+    monkeypatch.setattr(batch._TracedRows, "__init__", faulty)
+    caches = [make_cache(m, POLICIES["full"]) for _ in range(3)]
+    ref = [make_cache(m, POLICIES["full"]) for _ in range(3)]
+    for c, r in zip(caches, ref):
+        prefill(m, [5, 6, 7], c, 16)
+        prefill(m, [5, 6, 7], r, 16)
+    before, failed = batch.taken["compiled"], dict(batch._failed)
+    with caplog.at_level(logging.WARNING, logger="posttrainllm.server"):
+        for step in range(6):
+            rows = caches if step % 3 == 0 else caches[:step % 3]     # three, one, two, three, ...
+            got = batch.decode_step(m, [9] * len(rows), rows)
+            want = batch.decode_step(m, [9] * len(rows), ref[:len(rows)], compiled=False, dense=False)
+            assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item(), step
+    assert batch.taken["compiled"] - before == 4, batch.taken           # the one- and two-row steps
+    assert len(batch._failed) == len(failed) + 1
+    assert len(tries) == 1                                               # traced once (it fails at its first layer)
+    assert caplog.text.count("tracing layout") == 1, caplog.text
 
 
 # ----- the scheduler ----------------------------------------------------------------------------

@@ -43,7 +43,8 @@ projections, RoPE, the B cache writes (at array positions), attention and MLP, i
 `mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row attends over its
 whole buffer with the unwritten slots masked, a ring row over its buffer as it lies. MLX fuses
 the element-wise work and Python builds no graph per step. A layout's trace is reused until a
-row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept.
+row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept, and
+apart from them the layouts whose trace failed (each runs eager from then on, logged once).
 
 Retrieval in the batch (`_compiled_retrieval`): where every sequence's retrieval cache is in
 the steady state of the compiled solo step (cache/compiled_retrieval.py: hot window full, cold
@@ -307,17 +308,68 @@ class _TracedRows:
         return mx.concatenate([r.attend(queries[i:i + 1], scale) for i, r in enumerate(self.rows)], axis=0)
 
 
-#: every trace failure in this process, (layout, error), each also logged once; the model's entry
-#: for that layout says so (`_FAILED`) and it runs eager from then on
+#: every trace failure in this process, (layout, error), each also logged once; the model's
+#: failed layouts (`_steps`) say so (`_FAILED`) and each runs eager from then on
 _failed: dict = {}
 _FAILED = "failed"
 log = logging.getLogger("posttrainllm.server")
 
-#: the compiled batched steps of a model, by layout (`_compiled_step`), the newest last
+#: the compiled batched steps of a model, by layout (`_compiled_step`, `_retrieval_step`), the
+#: newest last, and apart from them the layouts whose trace failed (`_steps`)
 _ATTR = "_posttrainllm_batched_steps"
 #: layouts kept per model (a full layer's buffer grows in 256-token steps: each sequence's
-#: growth is a new layout, traced once)
+#: growth is a new layout, traced once); a failed layout is not one of them: it is kept for
+#: good, or it would be traced, fail and be logged again once KEEP_TRACES others came after it
 KEEP_TRACES = 32
+#: traces MLX made of the batched steps, by kind ("compiled", "retrieval"): the step's Python
+#: body runs only while MLX traces it (a new layout, or new input shapes under one), for the tests
+traced: Counter = Counter()
+
+
+def _steps(model: Any) -> tuple[dict, set]:
+    """The model's compiled batched steps by layout (the LRU, newest last) and its failed layouts."""
+    held = getattr(model, _ATTR, None)
+    if held is None:
+        held = ({}, set())
+        object.__setattr__(model, _ATTR, held)    # not a parameter (nn.Module's setattr would keep it)
+    return held
+
+
+def forget(model: Any) -> None:
+    """Drop the model's compiled batched steps and its failed layouts (the tests' fresh start)."""
+    if getattr(model, _ATTR, None) is not None:
+        object.__setattr__(model, _ATTR, None)
+
+
+def _cached(model: Any, key: tuple) -> Any:
+    """The model's compiled step for `key` (now the newest), `_FAILED` where its trace failed,
+    or None where there is none yet."""
+    steps, failed = _steps(model)
+    if key in failed:
+        return _FAILED
+    if key in steps:
+        steps[key] = steps.pop(key)                # the newest last
+        return steps[key]
+    return None
+
+
+def _keep(model: Any, key: tuple, fn: Any) -> Any:
+    """Keep `fn`, the compiled step of `key`, as the newest; the oldest past KEEP_TRACES go."""
+    steps = _steps(model)[0]
+    steps[key] = fn
+    while len(steps) > KEEP_TRACES:
+        steps.pop(next(iter(steps)))
+    return fn
+
+
+def _trace_failed(model: Any, key: tuple, error: BaseException, what: str) -> None:
+    """`key`'s trace failed: eager from now on for that layout (kept apart from the LRU), counted
+    and logged once."""
+    steps, failed = _steps(model)
+    steps.pop(key, None)
+    failed.add(key)
+    _failed[key] = repr(error)
+    log.warning("%s: tracing layout %r failed (%r); it runs eager from now on", what, key, error)
 
 
 def _row(cache: KVCache) -> Optional[tuple]:
@@ -360,17 +412,14 @@ def _row(cache: KVCache) -> Optional[tuple]:
 
 def _compiled_step(model: Any, key: tuple):
     """The compiled batched step for `key` = (owners, the rows' layout keys), made once per model
-    and layout (the newest KEEP_TRACES kept)."""
-    steps = getattr(model, _ATTR, None)
-    if steps is None:
-        steps = {}
-        object.__setattr__(model, _ATTR, steps)    # not a parameter (nn.Module's setattr would keep it)
-    if key in steps:
-        steps[key] = steps.pop(key)                # the newest last
-        return steps[key]
+    and layout (the newest KEEP_TRACES kept), or `_FAILED`."""
+    known = _cached(model, key)
+    if known is not None:
+        return known
     owners, rows = key
 
     def step(tokens, offsets, slots, buffers, sinks):
+        traced["compiled"] += 1
         layers = []
         for j in range(len(buffers[0])):
             made = []
@@ -384,10 +433,7 @@ def _compiled_step(model: Any, key: tuple):
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[(r.keys, r.values) for r in layer.rows] for layer in layers]
     # the weights are closed over, as in cache/compiled.py (constants of the trace)
-    steps[key] = mx.compile(step)
-    while len(steps) > KEEP_TRACES:
-        steps.pop(next(iter(steps)))
-    return steps[key]
+    return _keep(model, key, mx.compile(step))
 
 
 # ----- retrieval rows in one compiled batched step ----------------------------------------------
@@ -597,15 +643,12 @@ def _retrieval_row(cache: KVCache, plans: list) -> tuple:
 def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
     """The compiled batched retrieval step for `key` = ("retrieval", owners, the rows' keys),
     made once per model and layout over these `caches`' position rules (their RoPE: the model's,
-    as the solo step's, cache/compiled_retrieval.py `_retrieval_step_fn`). Rows whose keys
-    share their selection's layout (`_group`) are contiguous: one group each."""
-    steps = getattr(model, _ATTR, None)
-    if steps is None:
-        steps = {}
-        object.__setattr__(model, _ATTR, steps)
-    if key in steps:
-        steps[key] = steps.pop(key)
-        return steps[key]
+    as the solo step's, cache/compiled_retrieval.py `_retrieval_step_fn`): (the compiled
+    function, how many groups it runs), or `_FAILED`. Rows whose keys share their selection's
+    layout (`_group`) are contiguous: one group each."""
+    known = _cached(model, key)
+    if known is not None:
+        return known
     _, owners, rows = key
     groups = _groups(rows)
     specs = []
@@ -616,14 +659,12 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
                                       live=live, compute=compute, evicts=evicts) for c in cache.owned])
 
     def step(tokens, offsets, at, inputs):
+        traced["retrieval"] += 1
         layers = [_RetrievalRows([specs[i][j] for i in range(len(rows))], at, [x[j] for x in inputs], offsets,
                                  tuple(groups)) for j in range(len(inputs[0]))]
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers]
-    steps[key] = mx.compile(step)
-    while len(steps) > KEEP_TRACES:
-        steps.pop(next(iter(steps)))
-    return steps[key]
+    return _keep(model, key, (mx.compile(step), len(groups)))
 
 
 def _groups(rows: tuple) -> list[tuple[int, int]]:
@@ -655,29 +696,32 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     made = [_retrieval_row(c, p) for c, p in zip(caches, plans)]
     order = sorted(range(len(caches)), key=lambda i: (hash(_group(made[i][0])), hash(made[i][0])))
     key = ("retrieval", owners, tuple(made[i][0] for i in order))
-    step = _retrieval_step(model, key, [caches[i] for i in order])
-    if step is _FAILED:
+    made_step = _retrieval_step(model, key, [caches[i] for i in order])
+    if made_step is _FAILED:
         return None                 # (an eviction ahead is the eager step's own)
+    step, n_groups = made_step
+    in_order = order == sorted(order)
     try:
-        logits, outs = step(ids[mx.array(order)], mx.array([made[i][1][0] for i in order], dtype=mx.int32),
+        logits, outs = step(ids if in_order else ids[mx.array(order)],
+                            mx.array([made[i][1][0] for i in order], dtype=mx.int32),
                             [mx.array(made[i][1], mx.int32) for i in order], [made[i][2] for i in order])
     except Exception as e:
-        getattr(model, _ATTR)[key] = _FAILED
-        _failed[key] = repr(e)
-        log.warning("compiled batched retrieval step: tracing layout %r failed (%r); it runs eager from now on",
-                    key[2], e)
+        _trace_failed(model, key, e, "compiled batched retrieval step")
         return None
     taken["compiled"] += 1
     taken["compiled_retrieval"] += 1
-    taken["retrieval_groups"] += len(_groups(key[2]))
+    taken["retrieval_groups"] += n_groups
     for j, i in enumerate(order):
+        # (the telemetry of every layer and step, as the solo compiled step records it)
         for c, p, out in zip(caches[i].owned, made[i][3], [layer[j] for layer in outs]):
             c.took_step(p, out["body"], out.get("evicted"))
             c.telemetry.record(c.cold.picked(*out["picked"]))
+    if in_order:
+        return logits
     back = [0] * len(order)
     for j, i in enumerate(order):
         back[i] = j
-    return logits if order == sorted(order) else logits[mx.array(back)]
+    return logits[mx.array(back)]
 
 
 def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
@@ -715,9 +759,7 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
                            mx.array([r[1] for r in rows], dtype=mx.int32),
                            [r[3] for r in rows], [r[4] if r[4] is not None else [] for r in rows])
     except Exception as e:      # the model's code cannot be traced: eager from now on, nothing moved
-        getattr(model, _ATTR)[key] = _FAILED
-        _failed[key] = repr(e)
-        log.warning("compiled batched step: tracing layout %r failed (%r); it runs eager from now on", key, e)
+        _trace_failed(model, key, e, "compiled batched step")
         return None
     taken["compiled"] += 1
     for i, (cache, row) in enumerate(zip(caches, rows)):
