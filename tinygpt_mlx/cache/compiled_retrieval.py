@@ -148,25 +148,32 @@ def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
     return steps[key]
 
 
-def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict, failed_mark: Any,
-           failed: Callable[[dict, Any, BaseException], None]) -> Optional[mx.array]:
-    """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
-    step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
-    in, the written buffers and the picks come out, and each layer's commit and telemetry follow
-    eagerly (`LayerCache.took_step`, `DeviceColdStore.picked`). `steps` holds the model's compiled
-    steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
-    marks one."""
+def steady(layers: list, plans: list) -> bool:
+    """Whether the next decode step of these retrieval layers, planned as `plans`, is one the
+    compiled step runs: every layer steady (`_retrieval_ready`) at one position, with one body
+    layout, one cold count and one sticky state (one selection serves every layer), and no mask.
+    Nothing is changed. The solo step (`decode`) and serve's batched step (server/batch.py) ask it."""
     first = layers[0]
     body, cold = first.body, first.cold
     seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
                                                        len(body), len(cold), cold.has_sticky())
-    for c, p in zip(layers, plans):     # one position, one body layout and one selection serve every layer
+    for c, p in zip(layers, plans):
         if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
                 and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
                 and c.cold.has_sticky() == sticky):
-            return None
-    if first.make_mask(1, return_array=False, window_size=None) is not None:
-        return None
+            return False
+    return first.make_mask(1, return_array=False, window_size=None) is None
+
+
+def step_inputs(layers: list, plans: list) -> tuple:
+    """(the step's key without the owners, the step numbers `at`, each layer's input arrays, the
+    plans to commit) of layers `steady` says are ready; a step that completes a page evicts
+    eagerly first (`evict_ahead`, what the eager step does too), so its trace only reads the store.
+    The key: ("retrieval", the compute dtype, the layers' config, whether the trace evicts, the
+    selection's `Static`, the summaries' widths scanned, the hot window's length after the step,
+    whether a sink is held)."""
+    first = layers[0]
+    body, cold = first.body, first.cold
     evicts = not cold.completes_page(plans[0].drop)
     if not evicts:      # the page's summaries are made eagerly, then the trace only reads the store
         plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
@@ -179,17 +186,32 @@ def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tupl
         summaries, keys, values, recent = c.cold.select_arrays(static)
         inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
                        "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
-    key = ("retrieval", owners, first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
+    row = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
            len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]))
+    head = body.head
+    at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
+          n_after, n_after // cold.page_size, cold.index.n_blocks,
+          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
+    return row, at, inputs, plans
+
+
+def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict, failed_mark: Any,
+           failed: Callable[[dict, Any, BaseException], None]) -> Optional[mx.array]:
+    """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
+    step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
+    in, the written buffers and the picks come out, and each layer's commit and telemetry follow
+    eagerly (`LayerCache.took_step`, `DeviceColdStore.picked`). `steps` holds the model's compiled
+    steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
+    marks one."""
+    if not steady(layers, plans):
+        return None
+    row, at, inputs, plans = step_inputs(layers, plans)
+    key = row[:1] + (owners,) + row[1:]
     step = steps.get(key)
     if step is failed_mark:
         return None
     if step is None:
         step = _retrieval_step_fn(model, steps, key, layers)
-    head = body.head
-    at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
-          n_after, n_after // cold.page_size, cold.index.n_blocks,
-          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
     try:
         logits, outs = step(tokens, mx.array(at, mx.int32), inputs)
     except Exception as e:     # as in `decode`: eager from now on for this layout (an eviction ahead is the eager one)

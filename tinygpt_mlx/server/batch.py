@@ -80,7 +80,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.cold_device import place
-from ..cache.compiled_retrieval import (_COUNTS, _FIRST, _LIVE, _ROW, _SRC, _TURN, _WRITE, _retrieval_ready)
+from ..cache.compiled_retrieval import _COUNTS, _FIRST, _LIVE, _ROW, _SRC, _TURN, _WRITE, steady, step_inputs
 from ..cache.device_pages import hybrid_pages, iota, union
 from ..cache.device_select import _gather, _ranked, fine_pick
 from ..cache.segments import DenseSegment, PickedSegment, attend
@@ -592,52 +592,18 @@ class _RetrievalRows:
 
 def _retrieval_checked(cache: KVCache) -> Optional[list]:
     """The layers' plans of a retrieval cache whose next decode step is a steady one the compiled
-    solo step would run (cache/compiled.py `_retrieval_decode`'s checks: every layer ready, at
-    one position, one body layout and one cold count, no mask), or None; nothing changed."""
+    solo step would run (cache/compiled_retrieval.py `steady`), or None; nothing changed."""
     if cache.compiled_step != "retrieval":
         return None
-    layers = cache.owned
-    plans = [c.plan() for c in layers]
-    first = layers[0]
-    body, cold = first.body, first.cold
-    seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
-                                                       len(body), len(cold), cold.has_sticky())
-    for c, p in zip(layers, plans):
-        if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
-                and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
-                and c.cold.has_sticky() == sticky):
-            return None
-    if first.make_mask(1, return_array=False, window_size=None) is not None:
-        return None
-    return plans
+    plans = [c.plan() for c in cache.owned]
+    return plans if steady(cache.owned, plans) else None
 
 
 def _retrieval_row(cache: KVCache, plans: list) -> tuple:
     """(row key, step numbers `at`, the layers' input arrays, the plans to commit) of a checked
-    retrieval cache (`_retrieval_checked`), as `_retrieval_decode` makes them; a step that
-    completes a page evicts eagerly first (`evict_ahead`, what the eager step does too)."""
-    layers = cache.owned
-    first = layers[0]
-    body, cold = first.body, first.cold
-    evicts = not cold.completes_page(plans[0].drop)
-    if not evicts:
-        plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
-    n_after = len(cold) + (1 if evicts else 0)
-    slot = first.positions.retrieved_slot(first.n_sink, n_after)
-    units, unit = cold.pick_units()
-    static, _, buckets = cold.select_static(units, unit, first.positions)
-    inputs = []
-    for c in layers:
-        summaries, keys, values, recent = c.cold.select_arrays(static)
-        inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
-                       "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
-    key = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
-           len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]))
-    head = body.head
-    at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
-          n_after, n_after // cold.page_size, cold.index.n_blocks,
-          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
-    return key, at, inputs, plans
+    retrieval cache (`_retrieval_checked`): the solo step's own (cache/compiled_retrieval.py
+    `step_inputs`; a step that completes a page evicts eagerly first)."""
+    return step_inputs(cache.owned, plans)
 
 
 def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
