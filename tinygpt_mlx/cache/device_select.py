@@ -75,9 +75,36 @@ def select_in_trace(static: Static, codec: Any, rope: Optional[Callable], rows: 
                    recent if recent is not None else mx.zeros((1,), mx.int32))
 
 
+def select_rows(static: Static, codec: Any, rope: Optional[Callable], rows: mx.array, counts: mx.array,
+                summaries: dict, keys: list, values: list, recent: Optional[mx.array]) -> tuple:
+    """`select_in_trace` for the query rows of several sequences at once (serve's batched step,
+    server/batch.py): `rows` [G, rep, D] holds each sequence's G / S rows in turn, `counts`
+    [3, G, 1] each row's sequence's (tokens, pages, blocks), `summaries` their summaries stacked
+    along the rows (one width: `static` and the widths are the sequences' common ones), `recent`
+    their sticky pages stacked; `keys` / `values` each sequence's own capacity arrays (a row's
+    tokens are gathered from its own store: no copy of the cold stores). Every row's ops are the
+    solo chain's on that row, so each sequence picks what it picks alone. The same outputs as
+    `select_in_trace` but the tokens scored per row [G] (a sequence's count is the max over its rows)."""
+    S = len(keys)
+    g = rows.shape[0] // S
+
+    def gather(stores: list, idx: mx.array) -> mx.array:
+        got = [_gather(codec, static.packed, parts, idx[i * g:(i + 1) * g]) for i, parts in enumerate(stores)]
+        return mx.concatenate(got, axis=0) if S > 1 else got[0]
+    return _select(static, codec, rope, rows, counts, summaries, keys, values,
+                   recent if recent is not None else mx.zeros((1,), mx.int32), gather=gather, per_row=True)
+
+
 def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, counts: mx.array,
-            summaries: dict, keys: tuple, values: tuple, recent: mx.array) -> tuple:
-    n, P, NB = counts[0:1], counts[1:2], counts[2:3]      # (slices of [1]: a node each, not two)
+            summaries: dict, keys: Any, values: Any, recent: mx.array,
+            gather: Optional[Callable] = None, per_row: bool = False) -> tuple:
+    if per_row:     # several stores' rows (select_rows): counts [3, G, 1]
+        n, P, NB = counts[0][..., None], counts[1], counts[2]
+    else:
+        n, P, NB = counts[0:1], counts[1:2], counts[2:3]      # (slices of [1]: a node each, not two)
+    if gather is None:
+        def gather(parts: tuple, idx: mx.array) -> mx.array:
+            return _gather(codec, st.packed, parts, idx)
     G = q.shape[0]
     cap = next(iter(summaries.values())).shape[1] if summaries else 0
     if st.few:
@@ -94,16 +121,19 @@ def _select(st: Static, codec: Any, rope: Optional[Callable], q: mx.array, count
     pool = union(parts)
     ps = st.page_size
     idx, valid = pool_tokens(pool, n, ps)
-    scored = valid.sum(axis=1, keepdims=True).max(axis=0, keepdims=True)    # [1, 1] (kept dims: no squeezes)
-    k = _gather(codec, st.packed, keys, idx)                              # [G, U, D]
+    if per_row:
+        scored = valid.sum(axis=1)                                          # [G]
+    else:
+        scored = valid.sum(axis=1, keepdims=True).max(axis=0, keepdims=True)    # [1, 1] (kept dims: no squeezes)
+    k = gather(keys, idx)                                                   # [G, U, D]
     if st.unit > 1:     # spans: the picked pages' tokens made again from their ids (`pick_spans`)
         idx, valid, recent = pick_spans(q, pool, n, idx, k, valid, st.units, st.unit, st.span_score, ps,
                                         rope if st.page_rule else None)
-        k = _gather(codec, st.packed, keys, idx)
+        k = gather(keys, idx)
     else:
         idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, ps, rope if st.page_rule else None)
         recent = mx.where(valid, idx // ps, -1)                           # the next pass's sticky pages
-    return idx, k, _gather(codec, st.packed, values, idx), valid, last, scored, recent
+    return idx, k, gather(values, idx), valid, last, scored, recent
 
 
 def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array, NB: mx.array,

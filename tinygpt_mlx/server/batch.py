@@ -81,8 +81,7 @@ import numpy as np
 from ..cache import KVCache
 from ..cache.cold_device import place
 from ..cache.compiled_retrieval import _COUNTS, _FIRST, _LIVE, _ROW, _SRC, _TURN, _WRITE, steady, step_inputs
-from ..cache.device_pages import hybrid_pages, iota, union
-from ..cache.device_select import _gather, _ranked, fine_pick
+from ..cache.device_select import select_rows
 from ..cache.segments import DenseSegment, PickedSegment, attend
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
@@ -437,59 +436,6 @@ def _compiled_step(model: Any, key: tuple):
 
 
 # ----- retrieval rows in one compiled batched step ----------------------------------------------
-def pool_rows(pool: mx.array, n: mx.array, page_size: int) -> tuple[mx.array, mx.array]:
-    """`device_pages.pool_tokens` for rows of several stores: `n` [G, 1] each row's store's
-    token count (the cold rows [G, K * page_size] of the pool's pages, padding reading its
-    page's first token or, for a page holding none, row n - 1; and which are real tokens)."""
-    page = pool[..., None]
-    first = mx.maximum(page, 0) * page_size
-    idx = first + iota(page_size)
-    n = n[..., None]
-    valid = (page >= 0) & (idx < n)
-    G = pool.shape[0]
-    return mx.where(valid, idx, mx.minimum(first, n - 1)).reshape(G, -1), valid.reshape(G, -1)
-
-
-def select_rows(st: Any, codec: Any, rope: Any, q: mx.array, counts: mx.array, summaries: dict,
-                keys: list, values: list, recent: mx.array) -> tuple:
-    """`device_select`'s selection (its `_select` chain) for the query rows of several sequences
-    at once: `q` [G, rep, D] holds each sequence's G / S rows in turn, `counts` [3, G, 1] each
-    row's sequence's (tokens, pages, blocks), `summaries` their summaries stacked along the rows
-    (one width: `Static` and the widths are the sequences' common ones), `recent` their sticky
-    pages stacked; `keys`/`values` each sequence's own capacity arrays (its rows are gathered
-    from its own store: no copy of the cold stores). Every row's ops are the solo chain's on
-    that row (the coarse pass, the pool, the fine pick), so each sequence picks what it picks
-    alone. Returns `_select`'s outputs but the tokens scored per row [G] (a sequence's count is
-    the max over its rows)."""
-    n, P, NB = counts[0], counts[1], counts[2]
-    G, S = q.shape[0], len(keys)
-    g = G // S
-    cap = next(iter(summaries.values())).shape[1] if summaries else 0
-    if st.few:
-        last = mx.broadcast_to(mx.where(iota(cap) < P, iota(cap), -1), (G, cap))
-    elif st.summary == "hybrid":
-        last = hybrid_pages([_ranked(st, q, s, summaries, P, NB, ordered=True) for s in ("minmax", "mean")],
-                            st.top_pages)
-    else:
-        last = _ranked(st, q, st.summary, summaries, P, NB)
-    parts = [last, P.astype(mx.int32)]                 # the unfinished page of each row's store
-    if st.sticky:
-        parts.append(recent)
-    pool = union(parts)
-    idx, valid = pool_rows(pool, n, st.page_size)
-    scored = valid.sum(axis=1)
-
-    def gathered(arrays: list, at: mx.array) -> mx.array:
-        got = [_gather(codec, st.packed, a, at[i * g:(i + 1) * g]) for i, a in enumerate(arrays)]
-        return mx.concatenate(got, axis=0) if S > 1 else got[0]
-    k = gathered(keys, idx)
-    idx, k, valid = fine_pick(q, idx, k, valid, st.units, st.unit, st.span_score, st.page_size,
-                              rope if st.page_rule else None)
-    stride = st.unit
-    recent = mx.where(valid[:, ::stride], idx[:, ::stride] // st.page_size, -1)
-    return idx, k, gathered(values, idx), valid, last, scored, recent
-
-
 class _RetrievalRows:
     """One model layer's retrieval caches of B sequences during the trace of a batched step: the
     work of the compiled solo step's layer (cache/compiled_retrieval.py `_TracedRetrieval`: the
