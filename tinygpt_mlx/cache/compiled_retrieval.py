@@ -7,7 +7,7 @@ whole step is traced once per shape and replayed: per layer the hot window's old
 turned back before RoPE and written as the cold store's next row, the new token is written
 after the window's live ones, the query is turned to the retrieved slot, `device_select`'s
 chain picks the cold tokens and one softmax covers them, the placed sink and the window. Every
-number that changes per step is one int32 array (`_OFFSET` ... `_TURN`). The host keeps the
+number that changes per step is one int32 array (`AT_OFFSET` ... `AT_TURN`). The host keeps the
 counters and the bookkeeping (`LayerCache.took_step`, `DeviceColdStore.picked`). The compiled
 module's failure rule holds: a layout whose trace fails runs eager from then on, counted and
 logged (`failed`, given by compiled.py).
@@ -32,7 +32,7 @@ __all__ = ["decode"]
 #: offset, the leaving token's slot in the body's buffers, the new token's, the first live one's
 #: after the step, the cold row the leaving token takes, the cold counts after the step (tokens,
 #: pages, blocks), the angle that turns the leaving key back, the one that turns the query
-_OFFSET, _SRC, _WRITE, _LIVE, _ROW, _COUNTS, _FIRST, _TURN = 0, 1, 2, 3, 4, 5, 8, 9
+AT_OFFSET, AT_SRC, AT_WRITE, AT_LIVE, AT_ROW, AT_COUNTS, AT_FIRST, AT_TURN = 0, 1, 2, 3, 4, 5, 8, 9
 
 
 class _TracedRetrieval:
@@ -59,7 +59,7 @@ class _TracedRetrieval:
 
     @property
     def offset(self) -> mx.array:
-        return self.at[_OFFSET]
+        return self.at[AT_OFFSET]
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None:
@@ -71,10 +71,11 @@ class _TracedRetrieval:
         kb, vb = self.body
         B, H = kb.shape[:2]
         if sp.evicts:     # LayerCache._evict: the oldest body token leaves (turned back and stored in `attend`)
-            self.leaving = tuple(mx.slice(b, at[_SRC:_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in (kb, vb))
+            self.leaving = tuple(mx.slice(b, at[AT_SRC:AT_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in (kb, vb))
         dt = kb.dtype       # DenseStore.append: the new token after the live ones
-        self.body = (mx.slice_update(kb, keys if keys.dtype == dt else keys.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)),
-                     mx.slice_update(vb, values if values.dtype == dt else values.astype(dt), at[_WRITE:_WRITE + 1],
+        self.body = (mx.slice_update(kb, keys if keys.dtype == dt else keys.astype(dt), at[AT_WRITE:AT_WRITE + 1],
+                                     axes=(2,)),
+                     mx.slice_update(vb, values if values.dtype == dt else values.astype(dt), at[AT_WRITE:AT_WRITE + 1],
                                      axes=(2,)))
         return keys, values
 
@@ -85,32 +86,33 @@ class _TracedRetrieval:
         Hq, D = queries.shape[1], queries.shape[3]
         q = queries.astype(mx.float32).reshape(-1, 1, D)
         if self.leaving is None:
-            turned = sp.positions.rope(q, offset=at[_TURN]).reshape(queries.shape)     # (retrieved.py)
+            turned = sp.positions.rope(q, offset=at[AT_TURN]).reshape(queries.shape)     # (retrieved.py)
         else:
             # the query turned to the retrieved slot and the leaving key turned back before RoPE
             # (positions.unrotate) in one rotation, each row by its own angle
             k, v = self.leaving
             both = mx.concatenate([q, k.astype(mx.float32).reshape(-1, 1, D)])
-            angles = mx.concatenate([mx.broadcast_to(at[_TURN], (q.shape[0],)), mx.broadcast_to(at[_FIRST], (B * H,))])
+            angles = mx.concatenate([mx.broadcast_to(at[AT_TURN], (q.shape[0],)),
+                                     mx.broadcast_to(at[AT_FIRST], (B * H,))])
             both = sp.positions.rope(both, offset=angles)
             turned = both[:q.shape[0]].reshape(queries.shape)
             k = both[q.shape[0]:]                                    # [G, 1, D] (DeviceColdStore.append)
             v = v.astype(mx.float32).reshape(B * H, 1, -1)
             (ck,), (cv,) = self.keys, self.values
-            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
-            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[_ROW:_ROW + 1], axes=(1,)),)
+            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[AT_ROW:AT_ROW + 1], axes=(1,)),)
+            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[AT_ROW:AT_ROW + 1], axes=(1,)),)
             self.evicted = (self.keys[0], self.values[0], k)
         rows = turned.reshape(B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
         summaries = {name: a[:, :sp.buckets[name]] for name, a in self.summaries.items()}
         idx, k, v, valid, last, scored, recent = select_in_trace(
-            sp.static, sp.codec, sp.rope, rows, at[_COUNTS:_COUNTS + 3], summaries, self.keys, self.values,
+            sp.static, sp.codec, sp.rope, rows, at[AT_COUNTS:AT_COUNTS + 3], summaries, self.keys, self.values,
             self.recent)
         T = idx.shape[1]
         k = place(k.reshape(B, -1, T, D), idx, 0, sp.positions, sp.static.page_size)
         segments = [PickedSegment(k, v.reshape(B, H, T, -1), valid.reshape(B, -1, T))]
         if self.sink:
             segments.append(DenseSegment(*self.sink))
-        live = [mx.slice(b, at[_LIVE:_LIVE + 1], (2,), (B, H, sp.live, b.shape[3])) for b in (kb, vb)]
+        live = [mx.slice(b, at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, b.shape[3])) for b in (kb, vb)]
         if kb.dtype != sp.compute:     # DenseStore.fetch in the compute dtype
             live = [b.astype(sp.compute) for b in live]
         segments.append(DenseSegment(*live))

@@ -80,7 +80,8 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.cold_device import place
-from ..cache.compiled_retrieval import _COUNTS, _FIRST, _LIVE, _ROW, _SRC, _TURN, _WRITE, steady, step_inputs
+from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE, steady,
+                                         step_inputs)
 from ..cache.device_select import select_rows
 from ..cache.segments import DenseSegment, PickedSegment, attend
 from ..cache.layer import FullLayer, LayerCache
@@ -469,12 +470,13 @@ class _RetrievalRows:
         for i, (sp, at) in enumerate(zip(self.specs, self.at)):
             kb, vb = self.body[i]
             if sp.evicts:     # LayerCache._evict: the oldest body token leaves (stored in `attend`)
-                self.leaving[i] = tuple(mx.slice(b, at[_SRC:_SRC + 1], (2,), (1, b.shape[1], 1, b.shape[3]))
+                self.leaving[i] = tuple(mx.slice(b, at[AT_SRC:AT_SRC + 1], (2,), (1, b.shape[1], 1, b.shape[3]))
                                         for b in (kb, vb))
             dt = kb.dtype     # DenseStore.append: the new token after the live ones
             k, v = keys[i:i + 1], values[i:i + 1]
-            self.body[i] = (mx.slice_update(kb, k if k.dtype == dt else k.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)),
-                            mx.slice_update(vb, v if v.dtype == dt else v.astype(dt), at[_WRITE:_WRITE + 1], axes=(2,)))
+            write = at[AT_WRITE:AT_WRITE + 1]
+            self.body[i] = (mx.slice_update(kb, k if k.dtype == dt else k.astype(dt), write, axes=(2,)),
+                            mx.slice_update(vb, v if v.dtype == dt else v.astype(dt), write, axes=(2,)))
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
@@ -492,15 +494,15 @@ class _RetrievalRows:
         # one rotation with each row's own angle
         gone = [i for i in range(a, b) if self.leaving[i] is not None]
         both = mx.concatenate([q] + [self.leaving[i][0].astype(mx.float32).reshape(-1, 1, D) for i in gone])
-        angles = mx.concatenate([mx.broadcast_to(self.at[i][_TURN], (Hq,)) for i in range(a, b)]
-                                + [mx.broadcast_to(self.at[i][_FIRST], (H,)) for i in gone])
+        angles = mx.concatenate([mx.broadcast_to(self.at[i][AT_TURN], (Hq,)) for i in range(a, b)]
+                                + [mx.broadcast_to(self.at[i][AT_FIRST], (H,)) for i in gone])
         both = sp.positions.rope(both, offset=angles)
         turned = both[:n * Hq].reshape(queries.shape)
         for j, i in enumerate(gone):       # DeviceColdStore.append: row n of the store's rows
             k = both[n * Hq + j * H:n * Hq + (j + 1) * H]                                   # [H, 1, D]
             v = self.leaving[i][1].astype(mx.float32).reshape(H, 1, -1)
             (ck,), (cv,) = self.keys[i], self.values[i]
-            row = self.at[i][_ROW:_ROW + 1]
+            row = self.at[i][AT_ROW:AT_ROW + 1]
             self.keys[i] = (mx.slice_update(ck, k.astype(ck.dtype), row, axes=(1,)),)
             self.values[i] = (mx.slice_update(cv, v.astype(cv.dtype), row, axes=(1,)),)
             self.evicted[i] = (self.keys[i][0], self.values[i][0], k)
@@ -509,7 +511,7 @@ class _RetrievalRows:
         rows = turned.reshape(n * H, Hq // H, D)
         summaries = {name: stack([self.summaries[i][name][:, :sp.buckets[name]] for i in rng])
                      for name in self.summaries[a]}
-        counts = stack([mx.broadcast_to(self.at[i][_COUNTS:_COUNTS + 3][None, :, None], (H, 3, 1)) for i in rng])
+        counts = stack([mx.broadcast_to(self.at[i][AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for i in rng])
         recent = stack([self.recent[i] for i in rng]) if sp.static.sticky else None
         idx, k, v, valid, last, scored, recent = select_rows(
             sp.static, sp.codec, sp.rope, rows, counts.swapaxes(0, 1), summaries,
@@ -522,7 +524,7 @@ class _RetrievalRows:
         segments = [PickedSegment(k, v.reshape(n, H, T, -1), valid.reshape(n, H, T))]
         if self.sink[a]:
             segments.append(DenseSegment(stack([self.sink[i][0] for i in rng]), stack([self.sink[i][1] for i in rng])))
-        live = [stack([mx.slice(self.body[i][x], self.at[i][_LIVE:_LIVE + 1], (2,),
+        live = [stack([mx.slice(self.body[i][x], self.at[i][AT_LIVE:AT_LIVE + 1], (2,),
                                 (1, H, sp.live, self.body[i][x].shape[3])) for i in rng]) for x in (0, 1)]
         if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
             live = [x.astype(sp.compute) for x in live]
