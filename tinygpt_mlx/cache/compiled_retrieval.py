@@ -131,16 +131,24 @@ def _retrieval_ready(layer: Any, plan: Any) -> bool:
             and len(layer.sink_store) == layer.config.held_sink and layer.body.fits(1) and layer.cold.step_ready())
 
 
+def layer_specs(layers: list, row: tuple) -> list:
+    """What each layer's trace needs beside its arrays, from a step's key without the owners
+    (`step_inputs`'s first output): its position rule and cold codec, the selection's `Static`,
+    the summaries' widths scanned, the hot window's length, the compute dtype, whether it evicts.
+    The solo step and serve's batched step (server/batch.py) build their traces from it."""
+    compute, evicts, static, buckets, live = row[1], row[3], row[4], dict(row[5]), row[6]
+    return [SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
+                            rope=c.positions.rope if static.page_rule else None, buckets=buckets, live=live,
+                            compute=compute, evicts=evicts) for c in layers]
+
+
 def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
     """The compiled steady step of retrieval for `key` = ("retrieval", owners, the compute dtype,
     the layers' config, whether the trace evicts, the selection's `Static`, the summaries' widths
     scanned, the hot window's length after the step, whether a sink is held), made once per model
     and key over these `layers`' position rules (their RoPE: the model's)."""
     if key not in steps:
-        owners, compute, evicts, static, buckets, live = key[1], key[2], key[4], key[5], dict(key[6]), key[7]
-        specs = [SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
-                                 rope=c.positions.rope if static.page_rule else None, buckets=buckets, live=live,
-                                 compute=compute, evicts=evicts) for c in layers]
+        owners, specs = key[1], layer_specs(layers, key[:1] + key[2:])
 
         def step(tokens, at, inputs):
             traced = [_TracedRetrieval(specs[i], at, inputs[i]) for i in range(len(inputs))]

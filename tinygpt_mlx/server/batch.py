@@ -72,7 +72,6 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from types import SimpleNamespace
 from typing import Any, Optional, Sequence
 
 import mlx.core as mx
@@ -80,8 +79,8 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.cold_device import place
-from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE, steady,
-                                         step_inputs)
+from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE,
+                                         layer_specs, steady, step_inputs)
 from ..cache.device_select import select_rows
 from ..cache.segments import DenseSegment, PickedSegment, attend
 from ..cache.layer import FullLayer, LayerCache
@@ -547,13 +546,6 @@ def _retrieval_checked(cache: KVCache) -> Optional[list]:
     return plans if steady(cache.owned, plans) else None
 
 
-def _retrieval_row(cache: KVCache, plans: list) -> tuple:
-    """(row key, step numbers `at`, the layers' input arrays, the plans to commit) of a checked
-    retrieval cache (`_retrieval_checked`): the solo step's own (cache/compiled_retrieval.py
-    `step_inputs`; a step that completes a page evicts eagerly first)."""
-    return step_inputs(cache.owned, plans)
-
-
 def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
     """The compiled batched retrieval step for `key` = ("retrieval", owners, the rows' keys),
     made once per model and layout over these `caches`' position rules (their RoPE: the model's,
@@ -565,12 +557,7 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
         return known
     _, owners, rows = key
     groups = _groups(rows)
-    specs = []
-    for cache, row in zip(caches, rows):
-        compute, evicts, static, buckets, live = row[1], row[3], row[4], dict(row[5]), row[6]
-        specs.append([SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
-                                      rope=c.positions.rope if static.page_rule else None, buckets=buckets,
-                                      live=live, compute=compute, evicts=evicts) for c in cache.owned])
+    specs = [layer_specs(cache.owned, row) for cache, row in zip(caches, rows)]
 
     def step(tokens, offsets, at, inputs):
         traced["retrieval"] += 1
@@ -601,13 +588,13 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     """`compiled_decode` for B retrieval caches whose next steps are steady ones (the compiled
     solo step's condition): one compiled function runs the model over the B rows, each row's
     layers evicting, searching its own cold store and attending as the solo step's trace does
-    (`_RetrievalRow`); each layer's commit and telemetry follow eagerly, as after the solo step.
+    (`_RetrievalRows`); each layer's commit and telemetry follow eagerly, as after the solo step.
     The rows are traced in an order sorted by their layout (a step completing a page, a store's
     widths), so B rows at their own phases make few layouts; None where a row is not steady."""
     plans = [_retrieval_checked(c) for c in caches]
     if any(p is None for p in plans):
         return None                 # nothing changed yet
-    made = [_retrieval_row(c, p) for c, p in zip(caches, plans)]
+    made = [step_inputs(c.owned, p) for c, p in zip(caches, plans)]   # (row key, at, inputs, plans) each
     order = sorted(range(len(caches)), key=lambda i: (hash(_group(made[i][0])), hash(made[i][0])))
     key = ("retrieval", owners, tuple(made[i][0] for i in order))
     made_step = _retrieval_step(model, key, [caches[i] for i in order])
