@@ -22,7 +22,10 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
                 by the wall clock and per CPU-second of this process. --engine-vs PATH times
                 a second batched path in the same rounds (ratios in one run);
                 --engine-prompt-tokens N repeats each prompt to N tokens or more (past a
-                window or hot budget the steps start in the policy's steady state)
+                window or hot budget the steps start in the policy's steady state);
+                in the same rounds, the ceiling batching has on this machine: mlx-lm's
+                own KVCache, the prompts cut to the shortest one's length (no mask: its
+                best case), N calls of one row against one call of N rows
 
 Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
 non-empty text). The ratios are what count: each pair is measured in the same run, minutes
@@ -56,7 +59,11 @@ from tinygpt_mlx import blas
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.loading import load
 
-PROMPTS = ["The history of the city begins", "In the morning the old fisherman", "A recipe for bread needs",
+#: the streams' prompts, then the TTFT part's two (the last two). Each stream's prompt must run its
+#: --tokens tokens on the models measured (SmolLM2 greedy: all 256): a stream that stops early
+#: leaves fewer rows in the batch's last steps ("A recipe for bread needs", the third before
+#: 2026-12-05, stopped after 125 tokens on SmolLM2 and lowered its four-stream rate)
+PROMPTS = ["The history of the city begins", "In the morning the old fisherman", "The old castle on the hill",
            "The theory of numbers studies", "Once upon a time in a small village", "The river flows from"]
 
 
@@ -127,6 +134,10 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
         together_rates.append(sum(r["tokens"] for r in together) / wall)
         together_cpu.append(sum(r["tokens"] for r in together) / cpu)
         same = [s and a["text"] == b["text"] for s, a, b in zip(same, alone, together)]
+    short = [r["tokens"] for r in alone if r["tokens"] < tokens]
+    if short:
+        print(f"warning: {len(short)} of {streams} streams stopped before {tokens} tokens ({short}): the last "
+              "steps of the concurrent runs batch fewer rows", file=sys.stderr)
     one, n = statistics.median(solo), statistics.median(together_rates)
     one_cpu, n_cpu = statistics.median(solo_cpu), statistics.median(together_cpu)
     return {"one_stream_tok_s": round(one, 2), "one_stream_samples": [round(x, 1) for x in solo],
@@ -152,6 +163,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     import mlx.core as mx
     from tinygpt_mlx.cache import make_cache
     from tinygpt_mlx.generate import _call, prefill
+    from mlx_lm.models import cache as mlx_cache
     from tinygpt_mlx.server import batch
 
     loaded = _loaded(model_path)
@@ -167,6 +179,14 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     for kind in kinds:
         caches = [make_cache(m, config) for _ in prompts]
         sets[kind] = (caches, [int(mx.argmax(prefill(m, ids, c, 512)).item()) for ids, c in zip(prompts, caches)])
+    # the peer's ceiling: mlx-lm's own KVCache, the prompts cut to the shortest's length (one
+    # length, so its B rows need no mask: its best case), B calls of one row against one of B
+    cut = min(len(p) for p in prompts)
+    for kind, rows in (("peer_solo", [[p[:cut]] for p in prompts]), ("peer_batched", [[p[:cut] for p in prompts]])):
+        caches = [mlx_cache.make_prompt_cache(m) for _ in rows]
+        sets[kind] = (caches, [mx.argmax(m(mx.array(r), cache=c)[:, -1:], axis=-1) for r, c in zip(rows, caches)])
+        mx.eval(sets[kind][1])
+        kinds[kind] = None
     threads.for_decode()
     rates = {kind: [] for kind in kinds}
     cpu = {kind: [] for kind in kinds}
@@ -178,6 +198,10 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
             for _ in range(steps):
                 if kind == "solo":
                     tokens = [int(mx.argmax(_call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
+                elif kind.startswith("peer"):
+                    tokens = [mx.argmax(m(t, cache=c)[:, -1:], axis=-1) for t, c in zip(tokens, caches)]
+                    mx.eval(tokens)
+                    [t.tolist() for t in tokens]      # read back, as the other paths do
                 else:
                     tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches, **kinds[kind]),
                                                           axis=-1).tolist()]
@@ -185,8 +209,8 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
             cpu[kind].append(steps * streams / max(time.process_time() - c0, 1e-9))
             sets[kind] = (caches, tokens)
     threads.for_prefill()
-    for caches, _ in sets.values():
-        for c in caches:
+    for kind, (caches, _) in sets.items():
+        for c in caches if not kind.startswith("peer") else ():
             c.close()
     med = {kind: statistics.median(v) for kind, v in rates.items()}
     per_cpu = {kind: statistics.median(v) for kind, v in cpu.items()}
@@ -196,7 +220,12 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
            "engine_one_at_a_time_tok_per_cpu_s": round(per_cpu["solo"], 1),
            "engine_batched_tok_per_cpu_s": round(per_cpu["batched"], 1),
            "engine_cpu_ratio": round(per_cpu["batched"] / per_cpu["solo"], 2),
-           "engine_prompt_tokens": [len(p) for p in prompts]}
+           "engine_prompt_tokens": [len(p) for p in prompts],
+           "engine_peer_one_at_a_time_tok_s": round(med["peer_solo"], 1),
+           "engine_peer_batched_tok_s": round(med["peer_batched"], 1),
+           "engine_peer_ratio": round(med["peer_batched"] / med["peer_solo"], 2),
+           "engine_peer_cpu_ratio": round(per_cpu["peer_batched"] / per_cpu["peer_solo"], 2),
+           "engine_peer_prompt_tokens": cut}
     if vs:
         out.update(engine_vs_path=vs, engine_vs_tok_s=round(med["vs"], 1), engine_vs_ratio=round(med["vs"] / one, 2),
                    engine_vs_tok_per_cpu_s=round(per_cpu["vs"], 1),
@@ -346,7 +375,7 @@ def main() -> None:
                   f"(per CPU-s x{eng['engine_vs_cpu_ratio']:.2f})") if "engine_vs_path" in eng else ""
             print(f"{label:<24} engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
                   f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f} (per CPU-s "
-                  f"x{eng['engine_cpu_ratio']:.2f}){vs}  | load average "
+                  f"x{eng['engine_cpu_ratio']:.2f}){vs}; mlx-lm's KVCache x{eng['engine_peer_ratio']:.2f}  | load average "
                   f"{before[0]:.1f} -> {row['load_average_after'][0]:.1f}", flush=True)
             continue
         proc, url = start_server(args.model, label, args.window, args.streams)
@@ -367,7 +396,8 @@ def main() -> None:
             line += (f" one {row['one_stream_tok_s']:7.1f} tok/s  {args.streams} streams {row['n_streams_tok_s']:7.1f} "
                      f"tok/s  x{row['ratio']:.2f} (per CPU-s x{row['cpu_ratio']:.2f})  same text {all(row['same_text'])}"
                      f"  | engine only: one call each {eng['engine_one_at_a_time_tok_s']:.1f} tok/s, batched "
-                     f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}")
+                     f"{eng['engine_batched_tok_s']:.1f} tok/s, x{eng['engine_ratio']:.2f}; mlx-lm's KVCache "
+                     f"x{eng['engine_peer_ratio']:.2f}")
         if "ttft" in row:
             t = row["ttft"]
             line += (f"  | TTFT idle {t['idle_ttft_ms']:.0f} ms, during a long answer {t['busy_ttft_ms']:.0f} ms "
