@@ -18,7 +18,7 @@ import pytest
 
 from tinygpt_mlx import attention
 from tinygpt_mlx.cache import compiled
-from tinygpt_mlx.cache.reads import LayerReads
+from tinygpt_mlx.cache.layer import LayerCache
 from tinygpt_mlx.cache.ring import RingLayer
 
 
@@ -34,7 +34,7 @@ def reference_path() -> Iterator[None]:
     """Within the block, attention over our caches is `dense_attend` and no decode step runs
     compiled (module doc)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(LayerReads, "attend", dense_attend)
+        patch.setattr(LayerCache, "attend", dense_attend)
         patch.setattr(RingLayer, "attend", dense_attend)
         patch.setattr(compiled, "decode", lambda model, tokens, cache: None)
         yield
