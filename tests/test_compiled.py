@@ -3,6 +3,8 @@ step it replaces: the same logits at every step and the same cache afterwards, t
 the shifted sink's block advances and refreshes, re-bases, storage precisions and YOCO; and
 every case it must leave to the eager path."""
 
+from dataclasses import replace
+
 import mlx.core as mx
 import pytest
 
@@ -282,11 +284,13 @@ def test_compiled_kivi_window_step_reads_value_groups_of_their_own(tmp_path, tok
 
 def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
     """While the body grows every step is a new shape (a new trace): those steps run eager; and
-    KIVI without a window, with absolute positions or an exact top-k shadow is not covered."""
+    KIVI under a window with absolute positions, or with an exact top-k shadow (a window's or a
+    full cache's: keys before RoPE), is not covered. (A full KIVI cache's quiet steps are:
+    below.)"""
     toks = [(i * 37 + 11) % 300 for i in range(120)]
     _, _, ran = _drive(native32.model, CacheConfig.from_spec("int4+sink4/window64"), True, tokens=toks[:60])
     assert ran == 0
-    for spec in ("int4", "int4+sink4/window64:absolute", "int4+top8+sink4/window64"):
+    for spec in ("int4+sink4/window64:absolute", "int4+top8+sink4/window64", "int4+top8"):
         _, _, ran = _drive(native32.model, CacheConfig.from_spec(spec), True, tokens=toks)
         assert ran == 0, spec
 
@@ -338,3 +342,68 @@ def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
         arrays, _ = layer_state(layer)
         mx.eval(list(arrays.values()))      # here, on another thread: raises if anything is pending
 
+
+
+# ----- a full KIVI cache (no window): its quiet steps compiled -----------------------------------
+
+@pytest.mark.parametrize("spec,sink", [("int4", 4), ("int4", 0), ("int2", 4), ("k8v4", 4), ("int4+near32", 4)])
+def test_compiled_kivi_full_step_equals_the_eager_step(native32, spec, sink):
+    """A full KIVI cache (G = 32) over 400 steps: a block frozen every 32 (int4's near tier
+    taking its 1/8 and handing blocks on to the body; a fixed tier of 32), the quiet steps
+    between compiled, its exact first tokens read from their copy in the residual's buffers
+    (`KiviStore.segments_led`; none with `kivi_sink` 0): the eager steps' logits and cache."""
+    config = replace(CacheConfig.from_spec(spec), kivi_sink=sink)
+    toks = [(i * 37 + 11) % 300 for i in range(420)]
+    fast, cache, ran = _drive(native32.model, config, True, tokens=toks)
+    slow, ref, _ = _drive(native32.model, config, False, tokens=toks)
+    assert 250 < ran < 400 - 10, ran      # all but the freezes' and the residual's new buffers' steps
+    assert mx.abs(fast - slow).max().item() <= TOL
+    assert mx.argmax(fast, axis=-1).tolist() == mx.argmax(slow, axis=-1).tolist()
+    near = cache.owned[0].body.tiers.near
+    assert near is None or near.n > 0
+    for x, y in zip(cache.owned, ref.owned):
+        assert (x.seen, x.body.n_packed, x.body.held, len(x.body.residual), len(x.sink_store)) == \
+            (y.seen, y.body.n_packed, y.body.held, len(y.body.residual), len(y.sink_store))
+        (kx, vx), (ky, vy) = x.fetch(), y.fetch()
+        assert mx.abs(kx - ky).max().item() <= TOL and mx.abs(vx - vy).max().item() <= TOL
+
+
+def test_compiled_kivi_full_step_keeps_one_function(native32, monkeypatch):
+    """A full cache's packed run only grows, so each trace serves the quiet steps of one block
+    and is dropped when the next freezes: about one trace per block frozen (and per new residual
+    buffer), and the model holds one compiled KIVI function at the end, not one per block."""
+    traced = []
+    real = compiled._quiet_mask     # called once per trace (the step's Python runs only then)
+    monkeypatch.setattr(compiled, "_quiet_mask", lambda *a: traced.append(a[1][1][0].shape) or real(*a))
+    model = native32.model
+    compiled.forget(model)
+    toks = [(i * 37 + 11) % 300 for i in range(340)]
+    fast, cache, ran = _drive(model, CacheConfig.from_spec("int4"), True, tokens=toks)
+    slow, _, _ = _drive(model, CacheConfig.from_spec("int4"), False, tokens=toks)
+    blocks = cache.owned[0].body.held // 32
+    assert ran > 250 and blocks // 2 <= len(traced) <= 2 * blocks, (ran, blocks, traced)
+    assert len([k for k in compiled._steps_of(model) if k[0] == "kivi"]) == 1
+    assert mx.abs(fast - slow).max().item() <= TOL
+
+
+def test_compiled_kivi_full_step_runs_fewer_kernels_than_quantized_kv_cache(native32):
+    """What compiling int4's quiet steps is for (issue #54): the eager step launches more kernels
+    than mlx-lm's QuantizedKVCache(4) (casts of the float16 scales, three segments, the
+    rotation); the compiled one fewer (the model's element-wise work fused, as the ring's)."""
+    from tinygpt_mlx.evaluate.bench import make_policy
+
+    model = native32.model
+    counts = {}
+    for flag in (True, False):
+        cache = make_cache(model, CacheConfig.from_spec("int4"))
+        cache.compile_decode = flag
+        mx.eval(model(mx.array([TOKENS[:100]]), cache=cache))
+        for t in TOKENS[100:104]:      # past the first decode step's freeze of the prompt's blocks
+            mx.eval(model(mx.array([[t]]), cache=cache))
+        counts[flag] = step_ops(model, cache)["kernels"]
+    peer = make_policy("mlx-q4", model).make()
+    mx.eval(model(mx.array([TOKENS[:100]]), cache=peer))
+    counts["peer"] = step_ops(model, peer)["kernels"]
+    print(f"kernels per int4 decode step: compiled {counts[True]}, eager {counts[False]}, "
+          f"QuantizedKVCache {counts['peer']}")
+    assert counts[True] < counts["peer"] < counts[False]

@@ -1,5 +1,5 @@
-"""A decode step over full StreamingLLM caches (the exact ring, and KIVI's quiet steps) as one
-compiled MLX function.
+"""A decode step over full StreamingLLM caches (the exact ring, and KIVI's quiet steps) and over
+a full KIVI cache's quiet steps as one compiled MLX function.
 
 Once every layer's ring (ring.py) holds its whole window, a decode step has fixed shapes: the
 buffers [B, H, S + W, D] do not grow, the new token is written in place at the ring's pointer
@@ -22,7 +22,12 @@ group kept as rows: fewer nodes to replay), and writes the new token into the re
 (in the trace, at an array index). Its shapes are the buffers' size and the packed run's length, not the residual's
 live tokens, so a trace serves every quiet step between two freezes (a few traces in all, each
 a few ms; it was one per residual length, about 2G); while the body still grows every step
-would be a new shape, so those steps stay eager.
+would be a new shape, so those steps stay eager. A full KIVI cache (no window) runs the same
+trace for its quiet steps (G - 1 of every G), without a sink segment: its exact first tokens are
+read with the residual from their copy in its buffers, as its eager step reads them
+(`KiviStore.segments_led`), and nothing is masked but the buffers' dead slots. Its packed run
+grows by a block every G steps, so each trace serves G - 1 steps and is then dropped
+(`_kivi_decode`).
 
 `decode(model, tokens, cache)` runs such a step when the cache and model allow it and returns
 None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
@@ -108,9 +113,10 @@ def _failed(steps: dict, key: Any, error: BaseException) -> None:
 
 
 class _TracedKivi:
-    """One layer of KIVI under StreamingLLM (frame positions) during the trace of a quiet step
-    (no block frozen or evicted): the sink placed, the packed blocks, the near tier's blocks if
-    it holds any, and the residual's whole buffers as inputs, and the step's mask over them
+    """One layer of KIVI under StreamingLLM (frame positions), or of a full KIVI cache, during the
+    trace of a quiet step (no block frozen or evicted): the sink placed (a full cache: none, its
+    exact first tokens being in the residual's buffers), the packed blocks, the near tier's
+    blocks if it holds any, and the residual's whole buffers as inputs, and the step's mask over them
     (`_quiet_mask`: the residual's slots outside its live tokens and the new one masked, as are
     the body's tokens the window no longer shows), so every quiet step of one buffer size and
     one packed length replays one trace. The new token is written into the residual's buffer at
@@ -148,12 +154,12 @@ class _TracedKivi:
             runs.append(PackedRun.of(*self.near, cfg, near=True))
         dt, f32 = self.compute_dtype, mx.float32
         res_k, res_v = (b.astype(dt).astype(f32) for b in self.buffers)
-        sink_k, sink_v = (a.astype(f32) for a in self.sink)
+        sink_k, sink_v = (a.astype(f32) for a in self.sink) if self.sink else (None, None)
         B, Hq, L, D = queries.shape
         hkv = res_k.shape[1]
         rows = ((queries if queries.dtype == f32 else queries.astype(f32)) * scale).reshape(B, hkv, Hq // hkv * L, D)
         turned = rows @ rotation(D) if any(r.rotate and r.key_bits for r in runs) else None
-        scores = [rows @ sink_k.swapaxes(-1, -2)]
+        scores = [rows @ sink_k.swapaxes(-1, -2)] if self.sink else []
         for r in runs:
             if r.key_bits:
                 scores.append(quant.quantised_matmul(turned if r.rotate else rows, *r.keys, bits=r.key_bits,
@@ -167,9 +173,9 @@ class _TracedKivi:
         for n in sizes:
             pieces.append(probs[:, :, :, start:start + n])
             start += n
-        out = pieces[0] @ sink_v
+        out = pieces[0] @ sink_v if self.sink else None
         in_basis = None     # the outputs of the runs whose values are stored rotated, summed
-        for r, p in zip(runs, pieces[1:-1]):
+        for r, p in zip(runs, pieces[1 if self.sink else 0:-1]):
             if r.value_bits:
                 part = quant.quantised_matmul(p, *r.values, bits=r.value_bits, group=r.value_group, path=r.path)
                 if r.rotate:
@@ -177,8 +183,9 @@ class _TracedKivi:
                     continue
             else:
                 part = p @ r.values[0].astype(f32)
-            out = out + part
-        out = out + pieces[-1] @ res_v
+            out = part if out is None else out + part
+        part = pieces[-1] @ res_v
+        out = part if out is None else out + part
         if in_basis is not None:
             out = out + in_basis @ rotation_back(D)
         out = out.reshape(B, Hq, L, -1)
@@ -225,14 +232,18 @@ def _ready(layer: Any, plan: Any) -> bool:
 
 
 def _kivi_ready(layer: Any, plan: Any) -> bool:
-    """Whether this layer's next decode step (KIVI under StreamingLLM on frame positions, the
-    layer's `compiles`), planned as `plan`, is a quiet step: the window full (blocks evicted
-    before), the sink full, and neither a block to evict before the token (`plan.drop`) nor one
-    to freeze after it, nor a residual buffer to grow (`KiviStore.quiet`), nor a re-base."""
-    # only once the window is full and blocks are evicted: then the step's shapes come back every
-    # G steps and each trace is reused; while the body grows every step would be a new trace
-    return (plan.drop == 0 and plan.rebase == 0 and layer.dtype is not None and layer.start > layer.config.sink
-            and len(layer.sink_store) == layer.config.sink and layer.body.quiet())
+    """Whether this layer's next decode step (KIVI under StreamingLLM on frame positions, or a
+    full KIVI cache: the layer's `compiles`), planned as `plan`, is a quiet step: under
+    StreamingLLM the window full (blocks evicted before) and the sink full, in a full cache its
+    exact first tokens all held (`exact_prefix`); and neither a block to evict before the token
+    (`plan.drop`) nor one to freeze after it, nor a residual buffer to grow (`KiviStore.quiet`),
+    nor a re-base."""
+    if plan.drop or plan.rebase or layer.dtype is None or len(layer.sink_store) != layer.config.held_sink:
+        return False
+    # under StreamingLLM only once the window is full and blocks are evicted: then the step's
+    # shapes come back every G steps and each trace is reused; while the body grows every step
+    # would be a new trace. A full cache's packed run grows by G every G steps (`_kivi_decode`)
+    return (not layer.config.streaming or layer.start > layer.config.sink) and layer.body.quiet()
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
@@ -243,7 +254,8 @@ def _kivi_step_fn(model: Any, steps: dict, key: tuple):
         _, owners, compute_dtype, storage, config, _ = key
 
         def step(tokens, offset, sinks, packed, nears, buffers, head, n_res, cut):
-            mask = _quiet_mask(sinks[0][0].shape[2], packed[0], nears[0], buffers[0], head, n_res, cut)
+            n_sink = sinks[0][0].shape[2] if sinks[0] else 0
+            mask = _quiet_mask(n_sink, packed[0], nears[0], buffers[0], head, n_res, cut)
             slot = head + n_res
             traced = [_TracedKivi(sinks[i], packed[i], nears[i], buffers[i], slot, mask, offset, config,
                                   storage, compute_dtype) for i in range(len(sinks))]
@@ -337,28 +349,41 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
 
 def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                  ) -> Optional[mx.array]:
-    """`decode` for KIVI under StreamingLLM (`_kivi_ready`): the segments' arrays go in as the
-    eager step would read them (`KiviStore.step_inputs`, `LayerReads.placed_sink`), the residual
-    as its whole buffers with the step's mask (`_quiet_mask`); the new tokens come out written
-    into the buffers and join each residual, eagerly."""
+    """`decode` for KIVI's quiet steps (`_kivi_ready`): the segments' arrays go in as the eager
+    step would read them (`KiviStore.step_inputs`; under StreamingLLM the placed sink,
+    `LayerCache.placed_sink`), the residual as its whole buffers with the step's mask
+    (`_quiet_mask`); the new tokens come out written into the buffers and join each residual,
+    eagerly. A full KIVI cache reads its exact first tokens with the residual, from their copy in
+    the residual's buffers (`KiviStore.segments_led`, as its eager step does), and sees every
+    stored token. Its packed run only grows (by G every G steps), so a trace of an older length
+    is never replayed again: the compiled function is made anew when the frozen tokens change,
+    which lets MLX drop the old one's traces (one kept, not one per block frozen)."""
     first = layers[0]
-    layout = first.body.layout()     # (packed tokens, frozen held, residual head, residual tokens)
-    if any(c.seen != first.seen or c.positions.base != first.positions.base or c.body.layout() != layout
-           for c in layers):
+    full = not first.config.streaming
+    leads = [c.sink_store if full else None for c in layers]
+    # (packed tokens, frozen held, first buffer slot read, tokens read there)
+    layout = first.body.layout(leads[0])
+    if layout is None or any(c.seen != first.seen or c.positions.base != first.positions.base
+                             or c.body.layout(lead) != layout for c, lead in zip(layers, leads)):
         return None
     n_packed, held, head, n_res = layout
     key = ("kivi", owners, first.dtype, first.body.storage, first.config, held > n_packed)
     step = steps.get(key)
     if step is _FAILED:
         return None
+    if full and steps.get(("kivi frozen", key[:-1])) != (n_packed, held):
+        for near in (False, True):      # (the traces without the near tier go too, once it holds tokens)
+            steps.pop(key[:-1] + (near,), None)
+        steps[("kivi frozen", key[:-1])] = (n_packed, held)
+        step = None
     if step is None:
         step = _kivi_step_fn(model, steps, key)
     # the body's tokens the query no longer sees (mask.py: position first + j, the query's `seen`)
-    cut = max(0, first.seen - plans[0].first - first.config.window + 1)
+    cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
     sinks, packed, nears, buffers = [], [], [], []
-    for c in layers:
-        sinks.append(c.placed_sink())
-        p, n, r = c.body.step_inputs()
+    for c, lead in zip(layers, leads):
+        sinks.append(() if full else c.placed_sink())
+        p, n, r = c.body.step_inputs(lead)
         packed.append(p)
         nears.append(n)
         buffers.append(r)

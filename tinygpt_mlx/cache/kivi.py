@@ -129,16 +129,25 @@ class KiviStore:
         return (self.tiers.packed.n > 0 and res.keys is not None
                 and len(res) + 1 < max(self.keep, 1) + self.group and res.head + res.n + 1 <= res.keys.shape[2])
 
-    def layout(self) -> tuple[int, int, int, int]:
-        """(tokens in the packed run, frozen tokens held in all, the residual's first buffer slot,
-        its tokens): what fixes a quiet step's shapes and where its token is written."""
-        return self.tiers.packed.n, self.tiers.n, self.residual.head, self.residual.n
+    def layout(self, lead: Optional[DenseStore] = None) -> Optional[tuple[int, int, int, int]]:
+        """(tokens in the packed run, frozen tokens held in all, the first buffer slot a quiet
+        step reads, the tokens it reads from there): what fixes a quiet step's shapes and where
+        its token is written (the slot after them). Those slots are the residual's live tokens,
+        or with `lead` (a full KIVI cache's exact sink, read with the residual as one segment,
+        `segments_led`) the sink's copy before them too; None where the residual cannot lead it."""
+        res, s = self.residual, len(lead) if lead is not None else 0
+        if s and not res.can_lead(lead):
+            return None
+        return self.tiers.packed.n, self.tiers.n, res.head - s, res.n + s
 
-    def step_inputs(self) -> tuple[tuple, tuple, tuple]:
+    def step_inputs(self, lead: Optional[DenseStore] = None) -> tuple[tuple, tuple, tuple]:
         """A quiet step's arrays, as the eager step reads them: the packed run's sides, the near
-        tier's (empty while it holds none) and the residual's whole buffers (its live tokens are
-        `layout`'s slots head .. head + n - 1)."""
+        tier's (empty while it holds none) and the residual's whole buffers (the slots read are
+        `layout`'s; with `lead` the sink's copy is written before the live tokens first, where
+        it is not there yet)."""
         tiers, res = self.tiers, self.residual
+        if lead is not None and len(lead):
+            res.led(lead)
         near = (tiers.near.keys, tiers.near.values) if tiers.n > tiers.packed.n else ()
         return (tiers.packed.keys, tiers.packed.values), near, (res.keys, res.values)
 
@@ -338,14 +347,18 @@ class Residual(DenseStore):
         if self.room and self.n and self.head < self.room:
             self._remake(self.n, self.keys, self.values)
 
+    def can_lead(self, lead: DenseStore) -> bool:
+        """Whether `led` can read `lead`'s tokens before the live ones (there are some, and room)."""
+        s = len(lead)
+        return bool(s and self.n and s <= self.head and s <= self.room and lead.dtype == self.dtype)
+
     def led(self, lead: DenseStore) -> Optional[tuple[mx.array, mx.array]]:
         """The `lead` store's tokens (the sink, at most `room` of them) then the live ones, as
         one (keys, values) view of the buffers [B, H, s + n, D]; None where there is nothing live
         or no room before it."""
-        s = len(lead)
-        if not (s and self.n and s <= self.head and s <= self.room) or lead.dtype != self.dtype:
+        if not self.can_lead(lead):
             return None
-        h = self.head
+        s, h = len(lead), self.head
         mark = (lead.version, id(lead), self.made, h)
         if self._led_for != mark:
             k, v = lead.fetch()

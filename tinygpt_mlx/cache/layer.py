@@ -73,12 +73,13 @@ class LayerCache:
         #: an exact ring whatever the policy), None for a global layer (the policy's cache)
         self.sliding: Optional[int] = None
         #: the compiled decode step that can run this layer (cache/compiled.py), decided here once:
-        #: "kivi" for KIVI under StreamingLLM on frame positions (its quiet steps), "ring" for a
-        #: ring (ring.py), "retrieval" for retrieval over an exact hot window on frame positions
-        #: with its cold store in RAM, exact rows and no RAM budget (its steady steps), None for
-        #: every other policy (its steps run eager)
-        self.compiles: Optional[str] = ("kivi" if config.quantised and config.streaming and positions.frame
-                                        and not config.exact_topk and not config.retrieval else
+        #: "kivi" for KIVI under StreamingLLM on frame positions or a full KIVI cache on absolute
+        #: positions (their quiet steps), "ring" for a ring (ring.py), "retrieval" for retrieval
+        #: over an exact hot window on frame positions with its cold store in RAM, exact rows and
+        #: no RAM budget (its steady steps), None for every other policy (its steps run eager)
+        kivi = config.quantised and not config.exact_topk and not config.retrieval
+        self.compiles: Optional[str] = ("kivi" if kivi and (positions.frame if config.streaming else not positions.shifted)
+                                        else
                                         "retrieval" if (config.retrieval and positions.frame and not config.quantised
                                                         and config.cold_store == "ram" and config.cold_bits is None
                                                         and config.cold_ram is None
