@@ -42,6 +42,7 @@ def run(loaded, config: CacheConfig, rounds: int, question: str, reply_tokens: i
         "".join(s.say(text))
     s.flush()
     if config.retrieval:
+        s.cache.record_retrievals()
         s.cache.set_truth(list(range(at, at + len(key))))
         s.cache.reset_telemetry()
     reply = "".join(s.say(question))

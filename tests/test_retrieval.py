@@ -22,10 +22,13 @@ from tinygpt_mlx.generate import forward, prefill
 TOKENS = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=150)]
 
 
-def run(model, config, tokens=TOKENS, chunk=16, steps=4, ring=True, rebase_every=None):
+def run(model, config, tokens=TOKENS, chunk=16, steps=4, ring=True, rebase_every=None, record=False):
     """Logits after a chunked prefill and after each of `steps` decode tokens, and the cache
-    (`ring=False`: the shifted hot window before RoPE, the path frame positions replaced)."""
+    (`ring=False`: the shifted hot window before RoPE, the path frame positions replaced;
+    `record`: its retrievals recorded, `KVCache.record_retrievals`)."""
     cache = make_cache(model, config, ring=ring)
+    if record:
+        cache.record_retrievals()
     if rebase_every is not None:
         for c in cache.owned:
             c.positions.rebase_every = rebase_every
@@ -335,7 +338,7 @@ def test_disk_store_equals_ram_store(native, tmp_path):
 def test_positions_stay_bounded_and_prefill_chunks_retrieve(native, ring):
     cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=12, retrieve_unit="tokens")
     tokens = TOKENS * 3   # 450 tokens, longer than the tiny model's context of 256
-    _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2, ring=ring)
+    _, cache = run(native.model, cfg, tokens=tokens, chunk=16, steps=2, ring=ring, record=True)
     c = cache[0]
     assert c.current_length == 452 and c.stored_count == 4 + 32
     # the query's distance to slot 0 (the sink's first key): on frame positions the query sits
@@ -584,8 +587,9 @@ def test_frame_hot_window_equals_the_pre_rope_path(native, case):
     on every read) puts it, across prefill chunks, evictions into the cold store, retrieval and
     decode: the same logits to rounding, the same tokens, the same cold store."""
     tokens = DISTINCT
-    frame, cache = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24)
-    simple, ref = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24, ring=False)
+    frame, cache = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24, record=True)
+    simple, ref = run(native.model, _frame_config(**FRAME_CASES[case]), tokens, chunk=16, steps=24, ring=False,
+                      record=True)
     layer = cache[0]
     assert layer.positions.frame and layer.body.frame is not None and not ref[0].positions.frame
     assert len(layer.cold) == len(ref[0].cold) > 200
@@ -595,7 +599,7 @@ def test_frame_hot_window_equals_the_pre_rope_path(native, case):
     assert mx.argmax(frame, axis=-1).tolist() == mx.argmax(simple, axis=-1).tolist()
     # the cold store received the same (pre-RoPE) keys
     np.testing.assert_allclose(layer.cold.keys.view(), ref[0].cold.keys.view(), atol=2e-5)
-    assert cache.retrieval_report()["retrievals"] == ref.retrieval_report()["retrievals"]
+    assert cache.retrieval_report()["retrievals"] == ref.retrieval_report()["retrievals"] > 0
 
 
 def test_frame_hot_window_rebase_is_exact(native):

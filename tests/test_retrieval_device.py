@@ -420,18 +420,21 @@ STEP_CASES = {"default": {}, "tokens": dict(retrieve_unit="tokens"), "mean": dic
               "page": dict(retrieved_position="page"), "no-sink": dict(sink=0), "bf16": dict(storage="bf16")}
 
 
-def _stepped(model, cache, prompt, steps):
+def _stepped(model, cache, prompt, steps, record=True):
     """Prefill `prompt`, then decode `steps` given tokens (the same for every cache: the runs stay
     in step); per step the logits, and per step and layer the sorted cold indices each KV head
-    fetched (the telemetry's `Selection`, recorded after attention)."""
+    fetched (the telemetry's `Selection`, recorded after attention; `record`: the cache asked to
+    record, `KVCache.record_retrievals`, else nothing is recorded and the picks are the step marks)."""
     from tinygpt_mlx.cache.telemetry import RetrievalTelemetry
 
     picks = []
-    record = RetrievalTelemetry.record
+    record_fn = RetrievalTelemetry.record
 
     def keep(self, s):
         picks.append((s.layer, [sorted(np.asarray(r).tolist()) for r in s.fetched()]))
-        record(self, s)
+        record_fn(self, s)
+    if record:
+        cache.record_retrievals()
     mx.eval(prefill(model, prompt, cache, 256))
     out = []
     RetrievalTelemetry.record = keep
@@ -441,8 +444,14 @@ def _stepped(model, cache, prompt, steps):
             out.append(forward(model, mx.array([[3 + (7 * t) % 250]]), cache)[0, -1])
             mx.eval(out[-1])
     finally:
-        RetrievalTelemetry.record = record
+        RetrievalTelemetry.record = record_fn
     return out, picks
+
+
+def _records(cache):
+    """Every layer's telemetry records (the device store's tokens scored, a lazy scalar, read)."""
+    return [[{k: int(v) if k == "tokens_scored" else v for k, v in r.items()} for r in c.telemetry.records]
+            for c in cache.owned]
 
 
 @pytest.mark.parametrize("case", list(STEP_CASES))
@@ -479,12 +488,59 @@ def test_a_compiled_retrieval_step_attends_to_what_the_host_store_does(native, c
     want, want_picks = _stepped(native.model, eager, prompt, 24)
     host, host_picks = _stepped(native.model, make_cache(native.model, dataclasses.replace(cfg, cold_store="disk")),
                                 prompt, 24)
+    assert len(got_picks) == 24 * (1 + len(fast.owned))       # a pick per step and layer, read through the records
     assert got_picks == want_picks == host_picks
+    assert _records(fast) == _records(eager)                   # the same records, compiled or eager
     # (the host store holds bf16 rows as fp32: numpy has no bf16)
     host_atol = 2e-3 if cfg.storage == "bf16" else 1e-4
     for a, b, c in zip(got, want, host):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=host_atol)
+
+
+def test_retrievals_are_recorded_only_when_asked(native):
+    """Retrieval telemetry is recorded only when asked (`KVCache.record_retrievals`): by default
+    a prefill and decode steps through the compiled step, the eager device step and the host
+    store make no record and no `Selection` of a compiled pick, and the report says that nothing
+    was asked (an error, not zeros). Unrecorded, the compiled step decodes what a recorded one
+    does (its trace then gives only the next sticky pages: the logits equal over 24 steps)."""
+    from tinygpt_mlx.cache import compiled
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4,
+                      index_expand=2)
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 321))]
+    made, ran = [], []
+    real, real_decode = DeviceColdStore.picked, compiled._retrieval_decode
+
+    def picked(self, *a):
+        made.append(1)
+        return real(self, *a)
+
+    def decode(*a):
+        ran.append(real_decode(*a))
+        return ran[-1]
+    DeviceColdStore.picked, compiled._retrieval_decode = picked, decode
+    try:
+        quiet = make_cache(native.model, cfg)
+        got, picks = _stepped(native.model, quiet, prompt, 24, record=False)
+        eager = make_cache(native.model, cfg)
+        eager.compile_decode = False
+        host = make_cache(native.model, dataclasses.replace(cfg, cold_store="disk"))
+        for cache in (eager, host):
+            _stepped(native.model, cache, prompt, 8, record=False)
+    finally:
+        DeviceColdStore.picked = real
+        compiled._retrieval_decode = real_decode
+    assert sum(r is not None for r in ran) >= 20 and not made and picks == ["step"] * 24
+    for cache in (quiet, eager, host):
+        assert all(c.telemetry.records == [] and c.telemetry.steps == 0 for c in cache.owned)
+        with pytest.raises(RuntimeError, match="record_retrievals"):
+            cache.retrieval_report()
+    recorded = make_cache(native.model, cfg)
+    want, _ = _stepped(native.model, recorded, prompt, 24)
+    assert recorded.retrieval_report()["retrievals"] > 24 * len(recorded.owned)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
 def test_a_compiled_retrieval_step_reads_nothing_back(native):

@@ -192,6 +192,7 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     picks: dict = {}
 
     def recording(cache, name):
+        cache.record_retrievals()       # (off by default: the picks are read through the records)
         for j, layer in enumerate(cache.owned):
             def record(s, j=j, keep=layer.telemetry.record):
                 picks.setdefault((name, j), []).append(([r.tolist() for r in s.fetched()], int(s.tokens_scored)))

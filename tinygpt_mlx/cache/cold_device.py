@@ -370,12 +370,16 @@ class DeviceColdStore:
         self.index.add(k)
         self.n += 1
 
-    def picked(self, idx: mx.array, valid: mx.array, last: mx.array, scored: mx.array,
-               recent: mx.array) -> Selection:
-        """A compiled step's pick (`device_select`'s outputs): the next pass's sticky pages kept,
-        and its `Selection` (telemetry) returned."""
+    def keep_sticky(self, recent: mx.array) -> None:
+        """A compiled step's next sticky pages [G, S] (`device_select`'s last output), kept where
+        the pages are sticky."""
         if self.config.sticky:
             self._recent = recent
+
+    def picked(self, idx: mx.array, valid: mx.array, last: mx.array, scored: mx.array,
+               recent: mx.array) -> Selection:
+        """A compiled step's pick (`device_select`'s outputs) as a `Selection` (telemetry; asked
+        for only where it records, compiled_retrieval.commit, which keeps the sticky pages)."""
         return self._selection(1, idx, valid, last, scored, idx.shape[1], 1, None)
 
     def _place(self, k: mx.array, idx: mx.array, slot: int, pos: Any) -> mx.array:

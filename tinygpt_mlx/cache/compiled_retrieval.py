@@ -24,7 +24,7 @@ from .cold_device import place
 from .device_select import select_in_trace
 from .segments import DenseSegment, PickedSegment, attend
 
-__all__ = ["decode"]
+__all__ = ["decode", "commit"]
 
 
 #: the step's numbers a retrieval trace reads, one int32 array shared by every layer (they are
@@ -116,7 +116,8 @@ class _TracedRetrieval:
         if kb.dtype != sp.compute:     # DenseStore.fetch in the compute dtype
             live = [b.astype(sp.compute) for b in live]
         segments.append(DenseSegment(*live))
-        self.picked = (idx, valid, last, scored, recent)
+        # (the telemetry's parts only where it records: `commit` then reads the sticky pages alone)
+        self.picked = (idx, valid, last, scored, recent) if sp.records else (recent,)
         return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
 
     def outputs(self) -> dict:
@@ -134,19 +135,21 @@ def _retrieval_ready(layer: Any, plan: Any) -> bool:
 def layer_specs(layers: list, row: tuple) -> list:
     """What each layer's trace needs beside its arrays, from a step's key without the owners
     (`step_inputs`'s first output): its position rule and cold codec, the selection's `Static`,
-    the summaries' widths scanned, the hot window's length, the compute dtype, whether it evicts.
+    the summaries' widths scanned, the hot window's length, the compute dtype, whether it evicts,
+    whether the telemetry records (the picks' outputs).
     The solo step and serve's batched step (server/batch.py) build their traces from it."""
-    compute, evicts, static, buckets, live = row[1], row[3], row[4], dict(row[5]), row[6]
+    compute, evicts, static, buckets, live, records = row[1], row[3], row[4], dict(row[5]), row[6], row[8]
     return [SimpleNamespace(positions=c.positions, codec=c.cold.codec, static=static,
                             rope=c.positions.rope if static.page_rule else None, buckets=buckets, live=live,
-                            compute=compute, evicts=evicts) for c in layers]
+                            compute=compute, evicts=evicts, records=records) for c in layers]
 
 
 def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
     """The compiled steady step of retrieval for `key` = ("retrieval", owners, the compute dtype,
     the layers' config, whether the trace evicts, the selection's `Static`, the summaries' widths
-    scanned, the hot window's length after the step, whether a sink is held), made once per model
-    and key over these `layers`' position rules (their RoPE: the model's)."""
+    scanned, the hot window's length after the step, whether a sink is held, whether the telemetry
+    records), made once per model and key over these `layers`' position rules (their RoPE: the
+    model's)."""
     if key not in steps:
         owners, specs = key[1], layer_specs(layers, key[:1] + key[2:])
 
@@ -181,7 +184,7 @@ def step_inputs(layers: list, plans: list) -> tuple:
     eagerly first (`evict_ahead`, what the eager step does too), so its trace only reads the store.
     The key: ("retrieval", the compute dtype, the layers' config, whether the trace evicts, the
     selection's `Static`, the summaries' widths scanned, the hot window's length after the step,
-    whether a sink is held)."""
+    whether a sink is held, whether the telemetry records)."""
     first = layers[0]
     body, cold = first.body, first.cold
     evicts = not cold.completes_page(plans[0].drop)
@@ -197,7 +200,7 @@ def step_inputs(layers: list, plans: list) -> tuple:
         inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
                        "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
     row = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
-           len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]))
+           len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]), any(c.telemetry.on for c in layers))
     head = body.head
     at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
           n_after, n_after // cold.page_size, cold.index.n_blocks,
@@ -209,8 +212,8 @@ def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tupl
            failed: Callable[[dict, Any, BaseException], None]) -> Optional[mx.array]:
     """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
     step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
-    in, the written buffers and the picks come out, and each layer's commit and telemetry follow
-    eagerly (`LayerCache.took_step`, `DeviceColdStore.picked`). `steps` holds the model's compiled
+    in, the written buffers and the picks come out, and each layer's commit, sticky pages and
+    (where asked) telemetry follow eagerly (`commit`). `steps` holds the model's compiled
     steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
     marks one."""
     if not steady(layers, plans):
@@ -228,6 +231,18 @@ def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tupl
         failed(steps, key, e)
         return None
     for c, p, out in zip(layers, plans, outs):
-        c.took_step(p, out["body"], out.get("evicted"))
-        c.telemetry.record(c.cold.picked(*out["picked"]))
+        commit(c, p, out)
     return logits
+
+
+def commit(layer: Any, plan: Any, out: dict) -> None:
+    """One layer's eager part after a compiled retrieval step (the solo step's or serve's batched
+    one, server/batch.py), from the trace's `out`puts: its commit of `plan` (`LayerCache.took_step`),
+    the next pass's sticky pages (the last of `out["picked"]`) and, only where the telemetry
+    records (`KVCache.record_retrievals`), its record of the pick (`DeviceColdStore.picked`:
+    then `out["picked"]` holds the selection's five outputs)."""
+    layer.took_step(plan, out["body"], out.get("evicted"))
+    picked = out["picked"]
+    layer.cold.keep_sticky(picked[-1])
+    if layer.telemetry.on:
+        layer.telemetry.record(layer.cold.picked(*picked))

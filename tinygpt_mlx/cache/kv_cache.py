@@ -238,14 +238,27 @@ class KVCache(list):
                                      "gives each query a pool of its own")
                 c.cold.pinned = pinned
 
+    def record_retrievals(self, on: bool = True) -> None:
+        """Keep a telemetry record of every retrieval from now on (`retrieval_report` sums them;
+        `on=False` stops). Off by default: a decode step then makes and keeps nothing that
+        nobody reads. Whoever reads the records asks first (telemetry.py)."""
+        for c in self.owned:
+            if c.telemetry is not None:
+                c.telemetry.on = on
+
     def reset_telemetry(self) -> None:
         for c in self.owned:
             if c.telemetry is not None:
                 c.telemetry.reset()
 
     def retrieval_report(self, last_steps: Optional[int] = None) -> dict:
-        """Retrieval telemetry summed over layers (telemetry.summarise)."""
-        return summarise([c.telemetry for c in self.owned if c.telemetry is not None], last_steps)
+        """Retrieval telemetry summed over layers (telemetry.summarise). A cache that was never
+        asked to record (`record_retrievals`) has nothing to report: a RuntimeError, not zeros."""
+        telemetries = [c.telemetry for c in self.owned if c.telemetry is not None]
+        if telemetries and not any(t.on or t.steps for t in telemetries):
+            raise RuntimeError("retrieval telemetry is recorded only when asked: call "
+                               "KVCache.record_retrievals() before the steps to report")
+        return summarise(telemetries, last_steps)
 
     def close(self) -> None:
         """Release every layer's stores now (disk stores' files removed). Idempotent."""

@@ -17,7 +17,7 @@ from .segments import Reading, attend
 
 def attend_retrieving(layer: Any, queries: mx.array, scale: float, mask: Any) -> mx.array:
     """`LayerCache.attend` for a layer whose cold store holds tokens (module doc); the layer's
-    retrieval telemetry records what the queries picked."""
+    retrieval telemetry records what the queries picked (where asked: `KVCache.record_retrievals`)."""
     stages = layer.cold.stages
     with stages.timed("model"):     # (bench's stage split: the model up to this query)
         stages.sync(queries)
@@ -35,5 +35,6 @@ def attend_retrieving(layer: Any, queries: mx.array, scale: float, mask: Any) ->
     with stages.timed("attend"):
         out = attend(segments, len(retrieved), queries, scale, mask, turned, n_turned)
         stages.sync(out)
-    layer.telemetry.record(selection)   # after attention: what the last query picked is known there
+    if layer.telemetry.on:      # (asked for: KVCache.record_retrievals)
+        layer.telemetry.record(selection)   # after attention: what the last query picked is known there
     return out

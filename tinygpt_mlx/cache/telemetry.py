@@ -4,6 +4,12 @@ are known) whether its pages and tokens were among what was fetched.
 The cold store describes each retrieval as a `Selection`; the layer cache hands it to its
 `RetrievalTelemetry`, which keeps one record per retrieval. `KVCache.retrieval_report` sums
 the records of every layer (`summarise`).
+
+Recording is off by default (`RetrievalTelemetry.on`): a decode step builds no `Selection` and
+keeps no record that nobody reads (about 36 us per step of the shipped model's compiled step,
+issue 53). Whoever reads the records turns it on first (`KVCache.record_retrievals`): the needle
+grid's recall and oracle (evaluate/needle.py), the decode-scaling bench (retrieval_bench.py),
+benchmarks/chat_retrieval_reach.py and the tests that compare picks through the records.
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ class RetrievalTelemetry:
         self.records: list[dict] = []
         self.steps = 0    # retrievals recorded since the last reset (records keeps the newest KEEP..2 KEEP)
         self._truth: Optional[np.ndarray] = None
+        #: whether the layer records its retrievals (`KVCache.record_retrievals`); off, the
+        #: callers of `record` make no `Selection` for it (retrieved.py, compiled_retrieval.commit)
+        self.on = False
 
     @property
     def truth(self) -> Optional[np.ndarray]:

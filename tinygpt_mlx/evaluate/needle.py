@@ -104,6 +104,7 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
     stats = GenerationStats()
     with make_cache(model, config) as cache:
         if config.retrieval:
+            cache.record_retrievals()     # (the cell's telemetry: recall of the needle's pages and tokens)
             cache.set_truth(truth)
             if oracle:
                 cache.pin(truth)

@@ -72,6 +72,7 @@ def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts:
     try:
         for context in contexts:
             caches.append(make_cache(model, config))
+            caches[-1].record_retrievals()      # (each row's telemetry: `_row`)
             runs.append(steps(model, prompt, caches[-1], make_sampler(0.0), decode_steps + 2, chunk))
             t0 = time.perf_counter()
             _prefill(runs[-1])

@@ -80,7 +80,7 @@ import numpy as np
 from ..cache import KVCache
 from ..cache.cold_device import place
 from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE,
-                                         layer_specs, steady, step_inputs)
+                                         commit, layer_specs, steady, step_inputs)
 from ..cache.device_select import select_rows
 from ..cache.segments import DenseSegment, PickedSegment, attend
 from ..cache.layer import FullLayer, LayerCache
@@ -613,10 +613,9 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     taken["compiled_retrieval"] += 1
     taken["retrieval_groups"] += n_groups
     for j, i in enumerate(order):
-        # (the telemetry of every layer and step, as the solo compiled step records it)
+        # (as after the solo step: the commit, the sticky pages, the telemetry where asked)
         for c, p, out in zip(caches[i].owned, made[i][3], [layer[j] for layer in outs]):
-            c.took_step(p, out["body"], out.get("evicted"))
-            c.telemetry.record(c.cold.picked(*out["picked"]))
+            commit(c, p, out)
     if in_order:
         return logits
     back = [0] * len(order)
