@@ -68,6 +68,9 @@ CASES = {
     "page": dict(rope_mode="shifted", retrieved_position="page", retrieve_unit="spans"),
     "slots": dict(rope_mode="shifted", retrieved_position="slots"),
     "every-page": dict(top_pages=300, retrieve_unit="spans"),
+    # blocks of 3 pages: the summaries' capacity (512) is not a multiple of the block, so the
+    # index's candidates are gathered page by page (device_select._bound_at), not block by block
+    "index-block-3": dict(index_block=3),
 }
 
 
@@ -251,6 +254,20 @@ def test_a_store_at_its_capacity_reads_no_row_past_it():
     [seg], _ = dev.retrieve(reading)
     assert int(mx.max(seg.rows)) < 256
     assert _attended(host, reading)[0] == _attended(dev, reading)[0]
+
+
+@pytest.mark.parametrize("unit", ["tokens", "spans"])
+def test_the_index_at_its_capacity_scores_no_page_past_it(unit):
+    """4,096 tokens: 512 pages, the summaries' capacity, 64 whole blocks and no unfinished one:
+    the unfinished block the index always offers (block 64) lies past the arrays, its block
+    gather reads the last one instead (device_select._bound_blocks) and its pages are masked;
+    every query still attends to what the host store's does."""
+    cfg, (host, dev), rng = _stores(9, 4096, retrieve_unit=unit)
+    assert dev.index.uses_index() and dev.index.rows["smin"].capacity == dev.index.n_pages == 512
+    for _ in range(3):
+        q = mx.array(rng.randn(1, 4, 1, 16).astype(np.float32))
+        reading = Reading(mx.float32, Positions(cfg, None), 0, q, 0.25)
+        assert _attended(host, reading)[0] == _attended(dev, reading)[0]
 
 
 def test_bf16_rows_are_written_as_the_host_store_writes_them():

@@ -147,11 +147,12 @@ def _ranked(st: Static, q: mx.array, summary: str, summaries: dict, P: mx.array,
         bs = mx.where(iota(bs.shape[-1]) < NB, bs, -mx.inf)
         kb, Bp = st.blocks_kept, st.index_block
         blocks = mx.argpartition(-bs, kb - 1, axis=-1)[:, :kb].astype(mx.int32)
+        # the kept blocks and the unfinished block (NB), whose pages are the candidates, block by block
+        blocks = mx.concatenate([blocks, mx.broadcast_to(NB.astype(mx.int32), (blocks.shape[0], 1))], axis=-1)
         cand = (blocks[..., None] * Bp + iota(Bp)).reshape(blocks.shape[0], -1)
-        rest = mx.broadcast_to(NB.astype(mx.int32) * Bp + iota(Bp), (blocks.shape[0], Bp))
-        cand = mx.concatenate([cand, rest], axis=-1)
         cap = summaries["s" + ("mean" if summary == "mean" else "min")].shape[1]
-        sc = _bound_at(q, summary, summaries, mx.minimum(cand, cap - 1))
+        sc = (_bound_blocks(q, summary, summaries, blocks, Bp) if cap % Bp == 0
+              else _bound_at(q, summary, summaries, mx.minimum(cand, cap - 1)))
         sc = mx.where(cand < P, sc, -mx.inf)
     else:
         cand = None
@@ -171,6 +172,22 @@ def _bound(q: mx.array, summary: str, summaries: dict, level: str) -> mx.array:
     same products, read in the summaries' own layout; about half the time of a scan of 16K
     blocks under OpenBLAS, where a long context's decode step spent most of its growth.)"""
     return bound(q, summary, lambda x, name: summaries[level + name] @ x.swapaxes(1, 2)).max(axis=2)
+
+
+def _bound_blocks(q: mx.array, summary: str, summaries: dict, blocks: mx.array, Bp: int) -> mx.array:
+    """`_bound_at` of the pages of `blocks` [G, K] (blocks of `Bp` pages, a capacity that is a
+    multiple of Bp), scores [G, K x Bp] block by block: each block's page summaries are one
+    gather of a row of Bp x D values (the summaries seen as [G, cap / Bp, Bp x D]), where
+    `take_along_axis` of the pages gathered value by value: the same values and products, about
+    a third of the time at 2,056 candidates (the index's 256 blocks of 8 pages and the unfinished
+    block, 64K-1M tokens). A block past the arrays reads the last one: its pages are past the
+    count (masked by the caller)."""
+    def score(x: mx.array, name: str) -> mx.array:
+        s = summaries["s" + name]
+        G, cap, D = s.shape
+        rows = s.reshape(G, cap // Bp, Bp * D)[iota(G)[:, None], mx.minimum(blocks, cap // Bp - 1)]
+        return rows.reshape(G, -1, D) @ x.swapaxes(1, 2)                         # [G, K x Bp, rep]
+    return bound(q, summary, score).max(axis=2)
 
 
 def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx.array:
