@@ -407,3 +407,30 @@ def test_compiled_kivi_full_step_runs_fewer_kernels_than_quantized_kv_cache(nati
     print(f"kernels per int4 decode step: compiled {counts[True]}, eager {counts[False]}, "
           f"QuantizedKVCache {counts['peer']}")
     assert counts[True] < counts["peer"] < counts[False]
+
+
+def test_compiled_kivi_mask_compiles_no_kernel_per_frozen_length(tmp_path):
+    """The quiet step's mask takes every number that moves between traces as an array: a Python
+    number in it (the frozen tokens' count, before) is a constant of MLX's fused kernel, whose
+    CPU build then compiled a new kernel library (g++, about a second) for every count, in a
+    full cache at every block frozen, a step of a second or two every G steps. Traced at three
+    frozen lengths no one has used (random), the mask's fused kernel is built at most once."""
+    import os
+    import random
+    import tempfile
+
+    jit = os.path.join(tempfile.gettempdir(), "mlx", mx.__version__, "cpu")
+
+    def libs() -> set:
+        return {f for f in os.listdir(jit) if f.endswith(".so") and "BitwiseAnd" in f} if os.path.isdir(jit) else set()
+    buffers = (mx.zeros((1, 2, 64, 32)),)
+    fn = mx.compile(lambda packed, first, last, cut: compiled._quiet_mask(4, packed, (), buffers, first, last, cut))
+    lengths = random.Random().sample(range(40, 4000), 3)
+    seen = []
+    for n in lengths:
+        packed = ((), (mx.zeros((1, 2, n, 4), mx.uint32),))       # `_tokens` reads the values' rows
+        mask = fn(packed, mx.array(3, mx.int32), mx.array(20, mx.int32), mx.array(n // 2, mx.int32))
+        mx.eval(mask)
+        assert mask.shape == (1, 4 + n + 64) and mask.sum().item() == 4 + (n - n // 2) + 18
+        seen.append(libs())
+    assert seen[2] == seen[0], (lengths, sorted(seen[2] - seen[0]))

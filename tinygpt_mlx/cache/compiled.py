@@ -198,15 +198,17 @@ def _tokens(side: tuple) -> int:
     return side[1][0].shape[-2]
 
 
-def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, head: mx.array, n_res: mx.array,
+def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, first: mx.array, last: mx.array,
                 cut: mx.array) -> mx.array:
     """A quiet step's mask [1, sink + frozen + buffer slots] over the segments `_TracedKivi`
-    reads: the sink seen; of the body's tokens (frozen, then the residual's live ones and the
-    new one) the j-th seen where j >= `cut` (the window's first, `Masks.make`'s rule); the
-    residual's slots before `head` or after the new token's (head + n_res) not at all."""
+    reads: the sink seen; of the body's frozen tokens the j-th seen where j >= `cut` (the
+    window's first, `Masks.make`'s rule); of the residual's buffer the slots `first` .. `last`
+    (its live tokens the window still shows, then the new one's; `_kivi_decode`), no other.
+    Every number that moves between traces comes in as an array: a Python number here would be
+    a constant of MLX's fused kernel, compiled anew (g++ on a CPU, about a second) for each value."""
     frozen = _tokens(packed) + (_tokens(near) if near else 0)
     slots = mx.arange(buffers[0].shape[2], dtype=mx.int32)
-    live = (slots >= head) & (slots <= head + n_res) & (slots - head + frozen >= cut)
+    live = (slots >= first) & (slots <= last)
     return mx.concatenate([mx.ones((n_sink,), mx.bool_), mx.arange(frozen, dtype=mx.int32) >= cut, live])[None]
 
 
@@ -253,10 +255,9 @@ def _kivi_step_fn(model: Any, steps: dict, key: tuple):
     if key not in steps:
         _, owners, compute_dtype, storage, config, _ = key
 
-        def step(tokens, offset, sinks, packed, nears, buffers, head, n_res, cut):
+        def step(tokens, offset, sinks, packed, nears, buffers, first, slot, cut):
             n_sink = sinks[0][0].shape[2] if sinks[0] else 0
-            mask = _quiet_mask(n_sink, packed[0], nears[0], buffers[0], head, n_res, cut)
-            slot = head + n_res
+            mask = _quiet_mask(n_sink, packed[0], nears[0], buffers[0], first, slot, cut)
             traced = [_TracedKivi(sinks[i], packed[i], nears[i], buffers[i], slot, mask, offset, config,
                                   storage, compute_dtype) for i in range(len(sinks))]
             logits = model(tokens, cache=[traced[i] for i in owners])
@@ -388,8 +389,11 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
         nears.append(n)
         buffers.append(r)
     try:
+        # the residual's slots read: from its first live token the window shows (frozen tokens
+        # before it: `held`) to the new token's, written at `slot`
         logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, buffers,
-                           mx.array(head, mx.int32), mx.array(n_res, mx.int32), mx.array(cut, mx.int32))
+                           mx.array(head + max(0, cut - held), mx.int32), mx.array(head + n_res, mx.int32),
+                           mx.array(cut, mx.int32))
     except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
         _failed(steps, key, e)
         return None
