@@ -249,9 +249,10 @@ def _kivi_ready(layer: Any, plan: Any) -> bool:
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
-    """The compiled quiet step of KIVI under StreamingLLM for `key` = ("kivi", owners, compute
-    dtype, storage, the layers' config, whether the near tier holds tokens); MLX traces it again
-    for each new set of input shapes (a residual buffer's size, the packed run's length)."""
+    """The compiled quiet step of KIVI (under StreamingLLM, or a full cache) for `key` = ("kivi",
+    owners, compute dtype, storage, the layers' config, whether the near tier holds tokens); MLX
+    traces it again for each new set of input shapes (a residual buffer's size, the packed run's
+    length)."""
     if key not in steps:
         _, owners, compute_dtype, storage, config, _ = key
 
