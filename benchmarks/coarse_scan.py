@@ -6,6 +6,9 @@ device_pages._scan do now), interleaved in one run, with the whole compiled sele
 query rows each, head dim 32, pages of 8 tokens, blocks of 8 pages, the defaults for a hot
 window of 256: 64 top pages, the index expanding 4 x 64 blocks). Random summaries: the time
 of the ops, not of any model's keys. Both layouts give the same bits (checked and reported).
+Where the index is engaged, its candidates' scores (the kept blocks' pages and the unfinished
+block's, masked past the page count) gathered page by page (`take_along_axis`, before) and
+block by block (`_bound_blocks`, now), same bits checked too.
 
     python -m benchmarks.coarse_scan [--contexts 4096,65536,262144,1048576] [--reps 20] [--json PATH]
 """
@@ -21,8 +24,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from tinygpt_mlx.cache.device_pages import bound
-from tinygpt_mlx.cache.device_select import Static, select
+from tinygpt_mlx.cache.device_pages import bound, iota
+from tinygpt_mlx.cache.device_select import Static, _bound_at, _bound_blocks, select
 from tinygpt_mlx.cli.common import write_atomic
 
 G, REP, D, PAGE, BLOCK, TOP, EXPAND, UNITS = 4, 2, 32, 8, 8, 64, 4, 4
@@ -55,20 +58,34 @@ def row(tokens: int, reps: int, rng: np.random.RandomState) -> dict:
     pieces = {"scan q @ s^T (before)": before, "scan s @ q^T (now)": after,
               "whole selection (now)": lambda q: select(static, None, None, q, counts, summaries, (keys,), (values,),
                                                         recent)}
+    if uses:    # the index's candidates (kept blocks + the unfinished one), scored (masked past P)
+        kb = static.blocks_kept
+        blocks = mx.array(np.concatenate([rng.choice(NB, size=(G, kb)), np.full((G, 1), NB)], axis=1).astype(np.int32))
+        cand = (blocks[..., None] * BLOCK + iota(BLOCK)).reshape(G, -1)
+
+        def masked(sc):
+            return mx.where(cand < P, sc, -mx.inf)
+        pieces["candidates by page (before)"] = mx.compile(
+            lambda q: masked(_bound_at(q, "minmax", summaries, mx.minimum(cand, cap_p - 1))))
+        pieces["candidates by block (now)"] = mx.compile(
+            lambda q: masked(_bound_blocks(q, "minmax", summaries, blocks, BLOCK)))
     times: dict = {name: [] for name in pieces}
-    same = True
+    same = same_cand = True
     for i in range(reps + 2):
         q = mx.array(rng.randn(G, REP, D).astype(f32))
         mx.eval(q)
         if i == 0:
             same = bool(mx.array_equal(before(q), after(q)).item())
+            if uses:
+                same_cand = bool(mx.array_equal(pieces["candidates by page (before)"](q),
+                                                pieces["candidates by block (now)"](q)).item())
         for name, fn in pieces.items():
             t0 = time.perf_counter()
             mx.eval(fn(q))
             if i >= 2:
                 times[name].append(time.perf_counter() - t0)
     out = {"context": tokens, "pages": P, "blocks": NB, "index": uses,
-           "scanned": NB if uses else P, "same_bits": same}
+           "scanned": NB if uses else P, "same_bits": same, "candidates_same_bits": same_cand}
     out.update({name: round(statistics.median(t) * 1e3, 3) for name, t in times.items()})
     return out
 
@@ -94,8 +111,10 @@ def main() -> None:
         rows.append(r)
         print(f"{tokens:>9,} tokens ({'blocks' if r['index'] else 'pages'} scanned {r['scanned']:>6,}): "
               f"scan q @ s^T {r['scan q @ s^T (before)']:7.3f} ms, s @ q^T {r['scan s @ q^T (now)']:7.3f} ms "
-              f"(same bits: {r['same_bits']}); whole selection {r['whole selection (now)']:7.3f} ms per layer",
-              flush=True)
+              f"(same bits: {r['same_bits']}); whole selection {r['whole selection (now)']:7.3f} ms per layer"
+              + (f"; candidates by page {r['candidates by page (before)']:7.3f} ms, by block "
+                 f"{r['candidates by block (now)']:7.3f} ms (same bits: {r['candidates_same_bits']})"
+                 if r["index"] else ""), flush=True)
     if a.json is not None:
         write_atomic(a.json, json.dumps({"reps": a.reps, "shape": {"G": G, "rep": REP, "D": D}, "rows": rows}, indent=2))
 
