@@ -24,6 +24,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks._args import token_counts
 from tinygpt_mlx.cache.device_pages import bound, iota
 from tinygpt_mlx.cache.device_select import Static, _bound_at, _bound_blocks, select
 from tinygpt_mlx.cli.common import write_atomic
@@ -96,10 +97,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    try:
-        contexts = [int(c) for c in a.contexts.split(",")]
-    except ValueError:
-        ap.error(f"--contexts {a.contexts!r}: give a comma list of token counts")
+    contexts = token_counts(ap, "--contexts", a.contexts)
     if not contexts or min(contexts) < PAGE * BLOCK:
         ap.error(f"--contexts {a.contexts!r}: each at least {PAGE * BLOCK} tokens")
     if a.reps < 1:

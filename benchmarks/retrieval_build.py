@@ -35,6 +35,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks._args import token_counts
+
 CONDITIONS = ("own", "after_32k_full")
 
 
@@ -63,16 +65,10 @@ def main() -> None:
                     help="contexts of the full fp32 cache, prefilled for real (default: --prompt tokens)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    try:
-        contexts = [int(c) for c in a.contexts.split(",")]
-    except ValueError:
-        ap.error(f"--contexts {a.contexts!r}: give a comma list of token counts")
+    contexts = token_counts(ap, "--contexts", a.contexts)
     if a.prompt <= 1028:
         ap.error(f"--prompt {a.prompt}: more than the hot window and sink (1,028 tokens)")
-    try:
-        full = [int(c) for c in a.full_contexts.split(",")] if a.full_contexts else [a.prompt]
-    except ValueError:
-        ap.error(f"--full-contexts {a.full_contexts!r}: give a comma list of token counts")
+    full = token_counts(ap, "--full-contexts", a.full_contexts) if a.full_contexts else [a.prompt]
     if not full or min(full) < 1:
         ap.error(f"--full-contexts {a.full_contexts!r}: give positive token counts")
     if not contexts or min(contexts) < a.prompt:
