@@ -517,7 +517,8 @@ class _RetrievalRows:
             [self.keys[i] for i in rng], [self.values[i] for i in rng], recent)
         for j, i in enumerate(rng):
             r = slice(j * H, (j + 1) * H)
-            self.picked[i] = (idx[r], valid[r], last[r], scored[r].max(), recent[r])
+            # (the telemetry's parts only where it records, as the solo step's `_TracedRetrieval`)
+            self.picked[i] = (idx[r], valid[r], last[r], scored[r].max(), recent[r]) if sp.records else (recent[r],)
         T = idx.shape[1]
         k = place(k.reshape(n, H, T, D), idx, 0, sp.positions, sp.static.page_size)
         segments = [PickedSegment(k, v.reshape(n, H, T, -1), valid.reshape(n, H, T))]
