@@ -19,6 +19,7 @@ read every field of this class and called its `plan`, so it is back here.)
 from __future__ import annotations
 
 from dataclasses import replace
+from operator import attrgetter
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -443,9 +444,8 @@ class FullLayer(LayerCache):
     def plan(self) -> Plan:
         return Plan(0, 0, self.start, len(self.body), self.seen)
 
-    @property
-    def offset(self) -> int:
-        return self.seen
+    #: `seen` (the next token's position), read twice per layer and step by the model: a C getter
+    offset = property(attrgetter("seen"), doc="The next token's position: `seen`.")
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """`commit` of the fixed plan (an append), then every stored token in the compute dtype."""

@@ -127,12 +127,14 @@ class DenseStore:
                 or keys.dtype != self.dtype or values.dtype != self.dtype):
             self.append(keys, values)
             return self.fetch(dtype)
-        self.keys[..., end : end + L, :] = keys
-        self.values[..., end : end + L, :] = values
+        # [:, :, a:b] rather than [..., a:b, :]: the same slices of the [B, H, T, D] buffers, and
+        # each about 0.5 us less to build here (an Ellipsis costs MLX's indexing a pass)
+        self.keys[:, :, end : end + L] = keys
+        self.values[:, :, end : end + L] = values
         self.n += L
         self.version += 1
         end += L
-        k, v = self.keys[..., self.head:end, :], self.values[..., self.head:end, :]
+        k, v = self.keys[:, :, self.head:end], self.values[:, :, self.head:end]
         if dtype != self.dtype:
             k, v = k.astype(dtype), v.astype(dtype)
         return k, v
