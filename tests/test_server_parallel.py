@@ -240,6 +240,82 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+#: KIVI's quiet steps batched: the full int4 cache, and int4 under StreamingLLM with a window
+#: past G (every prompt past sink + window + G, so the rows' blocks freeze and evict at their
+#: own phases while the batch steps)
+KIVI_STEPS = {
+    "int4": CacheConfig(key_bits=4, value_bits=4),
+    "int4+sink+window": CacheConfig(key_bits=4, value_bits=4, sink=SINK, window=96),
+}
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-row"])
+@pytest.mark.parametrize("case", list(KIVI_STEPS))
+def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stacked, monkeypatch):
+    """KIVI's quiet steps of four sequences as one compiled batched call (batch.py
+    `_compiled_kivi`: the projections and MLP once over the rows; each row's sink, packed
+    blocks, near tier and residual attended as the solo quiet step's trace does, the rows
+    stacked and padded to the longest in one attention, or past STACK_TOKENS (here 0) each row
+    on its own) against each sequence stepped alone (its compiled solo step where quiet), in
+    lockstep over 96 steps: every row's logits within 1e-5 and the same greedy token; the
+    batched call ran for most steps (a row freezing or evicting a block runs the step eager),
+    on the path asked for, and its traces stay few: a new set of the rows' shapes (a row's
+    packed run grown) is traced once, not one per step, and each function holds at most
+    KIVI_SHAPES of them."""
+    if not stacked:
+        monkeypatch.setattr(batch, "STACK_TOKENS", 0)
+    m, tok, cfg = native32.model, native32.tokenizer, KIVI_STEPS[case]
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (10, 12, 14, 16))]
+    assert min(len(p) for p in prompts) > SINK + 96 + 32
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    assert all(c.compiled_step == "kivi" for c in solo)
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    batch.forget(m)
+    before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
+    held = []       # the shapes each step's compiled function has traced
+    for _ in range(96):
+        rows = batch.decode_step(m, tokens, together)
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), case
+            assert mx.argmax(row).item() == mx.argmax(w).item(), case
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        held += [len(s.shapes) for s in batch._steps(m)[0].values() if isinstance(s, batch._KiviStep)]
+    done = batch.taken - before
+    assert done["compiled_kivi"] >= 64, done
+    assert done["compiled_kivi_stacked"] == (done["compiled_kivi"] if stacked else 0), done
+    assert batch._failed == failed                                          # no trace fell back
+    # one trace per new set of shapes: a row's block frozen (full: every G steps in each row;
+    # under a window the packed run's length cycles), not one per step
+    assert 0 < (batch.traced - traced)["kivi"] <= 24, batch.traced - traced
+    assert held and max(held) <= batch.KIVI_SHAPES
+    assert len({c.current_length for c in together}) == 4
+
+
+def test_a_batched_kivi_step_is_made_anew_past_its_shapes(native32, monkeypatch):
+    """The compiled batched KIVI step of one layout keeps at most KIVI_SHAPES sets of input
+    shapes: past them it is made anew (MLX drops the old function's traces with it) and a set
+    seen before the renewal is traced again. Two full int4 caches stepped together until their
+    packed runs grew through more shapes than the bound."""
+    monkeypatch.setattr(batch, "KIVI_SHAPES", 2)
+    m, tok = native32.model, native32.tokenizer
+    caches = [make_cache(m, KIVI_STEPS["int4"]) for _ in range(2)]
+    tokens = [int(mx.argmax(prefill(m, tok.encode(p * 6), c, 16)).item()) for p, c in zip(PROMPTS, caches)]
+    batch.forget(m)
+    shapes, traced = set(), batch.traced["kivi"]
+    for _ in range(160):
+        rows = batch.decode_step(m, tokens, caches)
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        (step,) = [s for s in batch._steps(m)[0].values() if isinstance(s, batch._KiviStep)]
+        assert len(step.shapes) <= 2
+        shapes |= step.shapes
+    assert len(shapes) >= 5 and step.made >= 3, (len(shapes), step.made)
+    assert batch.traced["kivi"] - traced == len(shapes)       # each set traced once (none seen again here)
+
+
 def test_a_layout_whose_trace_failed_stays_eager_past_the_kept_traces(native32_path, monkeypatch, caplog):
     """A layout whose compiled batched trace fails runs eager from then on, traced and logged
     once: its mark is kept apart from the newest KEEP_TRACES traces (here 1), so the layouts

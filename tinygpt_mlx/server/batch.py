@@ -32,8 +32,8 @@ each shorter row's padding (none when every row is as long). The padded keys sco
 add exact zeros, so the row is its solo attention over the same keys; the sums run over a
 longer row, so the last bits may differ from the per-sequence call (the tests hold the two to
 1e-5 and the greedy tokens equal). Only caches up to `STACK_TOKENS` stack (the stacking copies
-every row). The other layers (KIVI's packed blocks, retrieval outside its compiled step, a step
-that needs a mask) keep the per-sequence call. `dense=False` is the per-sequence path for every layer (the tests'
+every row). The other layers (KIVI's packed blocks outside its compiled quiet steps, retrieval outside
+its compiled step, a step that needs a mask) keep the per-sequence call. `dense=False` is the per-sequence path for every layer (the tests'
 reference).
 
 The compiled batched step (`compiled_decode`, tried first): where every sequence's cache is a
@@ -45,6 +45,19 @@ whole buffer with the unwritten slots masked, a ring row over its buffer as it l
 the element-wise work and Python builds no graph per step. A layout's trace is reused until a
 row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept, and
 apart from them the layouts whose trace failed (each runs eager from then on, logged once).
+
+KIVI in the batch (`_compiled_kivi`): where every sequence's KIVI cache (full, or under
+StreamingLLM on frame positions) is at a quiet step, the compiled solo step's condition
+(cache/compiled.py `_kivi_ready`: no block frozen or evicted after the token, no residual
+buffer grown, no re-base), the B rows' step is one compiled function too: each row's layer is
+the solo quiet step's traced layer (`_TracedKivi`: its sink, packed run, near tier and residual
+buffers, its new token written at its own slot), and the rows attend as one (`_KiviStacked`:
+their segments stacked along the rows, each padded with zeros to the longest row's, one mask
+[B, 1, 1, slots] showing each row its own slots, built from arrays) up to `STACK_TOKENS`, each
+on its own past it (`_KiviRows`). MLX traces the function again for each new set of the rows'
+shapes (a row's packed run grows by a block every G tokens); a function is made anew past
+`KIVI_SHAPES` of them, so the traces it holds stay bounded. A step where any row freezes or
+evicts a block runs eager for all (about one step in G per row).
 
 Retrieval in the batch (`_compiled_retrieval`): where every sequence's retrieval cache is in
 the steady state of the compiled solo step (cache/compiled_retrieval.py: hot window full, cold
@@ -79,6 +92,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.cold_device import place
+from ..cache.compiled import _TracedKivi, _kivi_ready, _quiet_mask
 from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE,
                                          commit, layer_specs, steady, step_inputs)
 from ..cache.device_select import select_rows
@@ -435,6 +449,239 @@ def _compiled_step(model: Any, key: tuple):
     return _keep(model, key, mx.compile(step))
 
 
+# ----- KIVI's quiet steps in one compiled batched step -------------------------------------------
+class _KiviRows(_TracedRows):
+    """One model layer's KIVI caches of B sequences during the trace of a batched quiet step:
+    each row a `_TracedKivi` (cache/compiled.py: the solo quiet step's traced layer) with its
+    own sink, packed run, near tier, residual buffers, slot and mask; the rows' writes and
+    attention are each row's own, the model's projections, RoPE and MLP run once over the B rows."""
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        return mx.concatenate([r.attend(queries[i:i + 1], scale, None) for i, r in enumerate(self.rows)], axis=0)
+
+
+class _KiviStacked(_TracedKivi):
+    """One model layer's KIVI caches of B sequences during the trace of a batched quiet step,
+    attending as one: each row writes its new token into its own residual buffer at its own
+    slot (`rows`, each a `_TracedKivi`), then the rows' sinks, packed runs, near tiers and
+    residual buffers are stacked along the rows, each padded with zeros to the longest row's
+    (`_padded`), and `_TracedKivi.attend` runs once over the B rows with a mask [B, 1, 1, slots]
+    that shows each row its own slots (`_stacked_mask`: the padding masked, as is every slot the
+    row's solo step masks). A padded key scores -inf and adds an exact zero: each row is its
+    solo attention over the same keys, its sums run over longer rows (the last bits may differ)."""
+
+    def __init__(self, rows: list, offset: mx.array, masks: mx.array):
+        first = rows[0]
+        super().__init__((), (), (), (), None, masks, offset, first.config, first.storage, first.compute_dtype)
+        self.rows = rows
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
+        if window_size is not None:
+            raise ValueError("a windowed mask is not traced")
+        return None     # the rows' mask is built in the step (`_stacked_mask`)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, r in enumerate(self.rows):
+            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+        return keys, values
+
+    def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        rows = self.rows
+        stack = (lambda xs: mx.concatenate(xs, axis=0))
+        self.sink = tuple(stack([r.sink[x] for r in rows]) for x in (0, 1)) if rows[0].sink else ()
+        self.packed = _padded([r.packed for r in rows])
+        self.near = _padded([r.near for r in rows]) if any(r.near for r in rows) else ()
+        size = max(r.buffers[0].shape[2] for r in rows)
+        self.buffers = tuple(stack([_pad(r.buffers[x], 2, size - r.buffers[x].shape[2]) for r in rows]) for x in (0, 1))
+        return super().attend(queries, scale, None)
+
+
+def _pad(a: mx.array, axis: int, n: int) -> mx.array:
+    """`a` with `n` zeros appended along `axis`."""
+    if n == 0:
+        return a
+    shape = list(a.shape)
+    shape[axis] = n
+    return mx.concatenate([a, mx.zeros(shape, a.dtype)], axis=axis)
+
+
+def _padded(runs: list) -> tuple:
+    """The rows' packed runs (each `(keys side, values side)`, or () where a row's near tier holds
+    none) stacked along the rows, each padded with zeros to the longest run: codes, scales and
+    zeros of 0 (a key of 0 scores 0, then -inf under the mask; a value of 0 adds 0) along each
+    array's token axis (packed.py `_axes`: a quantised key side, three arrays of K^T, along its
+    last axis; values and exact keys along the next-to-last), as many entries as the longest's."""
+    lengths = [run[1][0].shape[-2] if run else 0 for run in runs]
+    like = runs[lengths.index(max(lengths))]
+    out = []
+    for side in (0, 1):
+        axis = 3 if side == 0 and len(like[0]) == 3 else 2
+        arrays = []
+        for x, ref in enumerate(like[side]):
+            parts = []
+            for run in runs:
+                parts.append(_pad(run[side][x], axis, ref.shape[axis] - run[side][x].shape[axis]) if run
+                             else mx.zeros(ref.shape, ref.dtype))
+            arrays.append(mx.concatenate(parts, axis=0))
+        out.append(tuple(arrays))
+    return tuple(out)
+
+
+def _kivi_quiet(cache: KVCache) -> Optional[tuple]:
+    """(the layers' plans, their layout) of a KIVI cache whose next step is a quiet one in every
+    layer at one position, as the solo quiet step requires (cache/compiled.py `_kivi_ready`,
+    `_kivi_decode`), or None (then the whole batch runs eager); nothing changed."""
+    layers = cache.owned
+    plans = [c.plan() for c in layers]
+    if not all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
+        return None
+    first = layers[0]
+    leads = [c.sink_store if not first.config.streaming else None for c in layers]
+    layout = first.body.layout(leads[0])
+    if layout is None or any(c.seen != first.seen or c.positions.base != first.positions.base
+                             or c.body.layout(lead) != layout for c, lead in zip(layers, leads)):
+        return None
+    return plans, layout
+
+
+def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
+    """What the compiled batched KIVI step needs of one quiet sequence's cache (`_kivi_quiet`)
+    for its next token, read as the solo quiet step reads it (cache/compiled.py `_kivi_decode`):
+    (row key, RoPE position, the sinks, packed runs, near tiers and residual buffers per layer,
+    the first residual slot read, the new token's slot, the body's tokens the window no longer
+    shows, the input shapes that fix the trace)."""
+    layers = cache.owned
+    first = layers[0]
+    full = not first.config.streaming
+    n_packed, held, head, n_res = layout
+    cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
+    sinks, packed, nears, buffers = [], [], [], []
+    for c in layers:
+        sinks.append(() if full else c.placed_sink())
+        p, n, r = c.body.step_inputs(c.sink_store if full else None)
+        packed.append(p)
+        nears.append(n)
+        buffers.append(r)
+    key = ("kivi", first.dtype, first.body.storage, first.config, held > n_packed)
+    shapes = (n_packed, held, buffers[0][0].shape[2], sinks[0][0].shape[2] if sinks[0] else 0)
+    return key, plans[0].offset, sinks, packed, nears, buffers, head + max(0, cut - held), head + n_res, cut, shapes
+
+
+#: the input shapes (each row's packed run, frozen tokens, residual buffer and sink) one compiled
+#: batched KIVI step is traced for before it is made anew: MLX keeps every trace of a compiled
+#: function while the function lives, and a full KIVI cache's packed run only grows (a new
+#: shape every G tokens in each row, never seen again), so without a bound the traces of a
+#: long-running server would pile up
+KIVI_SHAPES = 8
+
+
+class _KiviStep:
+    """The compiled batched KIVI step of one layout, and the input shapes it has traced; made
+    anew past KIVI_SHAPES of them (dropping the old function's traces)."""
+
+    def __init__(self, make):
+        self.make, self.fn, self.shapes = make, make(), set()
+        self.made = 1       # functions made (for the tests)
+
+    def __call__(self, shapes: tuple, *args):
+        if shapes not in self.shapes:
+            if len(self.shapes) >= KIVI_SHAPES:
+                self.fn, self.shapes = self.make(), set()
+                self.made += 1
+            self.shapes.add(shapes)
+        return self.fn(*args)
+
+
+def _stacked_mask(n_sink: int, shapes: tuple, counts: mx.array, firsts: mx.array, lasts: mx.array,
+                  cuts: mx.array) -> mx.array:
+    """The mask [B, 1, 1, slots] of B KIVI rows attending stacked (`_KiviStacked`), over the
+    sink, the packed run, the near tier and the residual's buffer, each padded to the longest
+    row's (`shapes`: their tokens, Tp, Tn, S): row i sees its sink; of its frozen tokens (packed
+    run then near tier: `counts[i]` of each) the j-th where j >= `cuts[i]` (compiled.py
+    `_quiet_mask`'s rule); of its buffer the slots `firsts[i]` .. `lasts[i]`; no padding. Every
+    row's number comes in as an array (a Python number would be a constant of the fused kernel,
+    compiled anew for each value: compiled.py `_quiet_mask`)."""
+    Tp, Tn, S = shapes
+    B = counts.shape[0]
+    packed_n, near_n, cut = counts[:, :1], counts[:, 1:], cuts[:, None]
+    parts = [mx.ones((B, n_sink), mx.bool_)] if n_sink else []
+    j = mx.arange(Tp, dtype=mx.int32)[None]
+    parts.append((j < packed_n) & (j >= cut))
+    if Tn:
+        j = mx.arange(Tn, dtype=mx.int32)[None]
+        parts.append((j < near_n) & (j + packed_n >= cut))
+    slots = mx.arange(S, dtype=mx.int32)[None]
+    parts.append((slots >= firsts[:, None]) & (slots <= lasts[:, None]))
+    return mx.concatenate(parts, axis=1)[:, None, None, :]
+
+
+def _kivi_step(model: Any, key: tuple):
+    """The compiled batched KIVI step for `key` = ("kivi", owners, the rows' keys, stacked), made
+    once per model and layout (the newest KEEP_TRACES kept), or `_FAILED`; MLX traces it again
+    for each new set of the rows' input shapes (KIVI_SHAPES of them per function). `stacked`:
+    the rows attend as one (`_KiviStacked`), else each on its own (`_KiviRows`)."""
+    known = _cached(model, key)
+    if known is not None:
+        return known
+    _, owners, rows, stacked = key
+
+    def step(tokens, offsets, sinks, packed, nears, buffers, firsts, slots, cuts, counts):
+        traced["kivi"] += 1
+        B, n_sink = len(rows), sinks[0][0][0].shape[2] if sinks[0][0] else 0
+        if stacked:
+            shapes = (max(p[0][1][0].shape[2] for p in packed), max((n[0][1][0].shape[2] for n in nears if n[0]), default=0),
+                      max(b[0][0].shape[2] for b in buffers))
+            masks = [_stacked_mask(n_sink, shapes, counts, firsts, slots, cuts)] * B
+        else:
+            masks = [_quiet_mask(n_sink, packed[i][0], nears[i][0], buffers[i][0], firsts[i:i + 1], slots[i:i + 1],
+                                 cuts[i:i + 1]) for i in range(B)]
+        layers = []
+        for j in range(len(buffers[0])):
+            made = [_TracedKivi(sinks[i][j], packed[i][j], nears[i][j], buffers[i][j], slots[i:i + 1], masks[i],
+                                None, row[3], row[2], row[1]) for i, row in enumerate(rows)]
+            layers.append(_KiviStacked(made, offsets, masks[0]) if stacked else _KiviRows(made, offsets))
+        logits = model(tokens, cache=[layers[i] for i in owners])
+        return logits, [[r.buffers for r in layer.rows] for layer in layers]
+    # the weights are closed over, as in cache/compiled.py (constants of the trace)
+    return _keep(model, key, _KiviStep(lambda: mx.compile(step)))
+
+
+def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners: tuple) -> Optional[mx.array]:
+    """`compiled_decode` for B KIVI caches (full, or under StreamingLLM on frame positions) whose
+    next steps are quiet in every row (`_kivi_row`): one compiled function runs the model over
+    the B rows, each row's layers attending over their own sink, packed blocks and residual as
+    the solo quiet step's trace does (`_TracedKivi`, in `_KiviRows`); each new token comes out
+    written into its residual's buffers and joins it by the eager step's commit. None where a
+    row is not quiet (a block freezing or evicted, a buffer growing: the eager batched call)."""
+    quiet = [_kivi_quiet(c) for c in caches]
+    if any(q is None for q in quiet):
+        return None                 # nothing changed yet
+    rows = [_kivi_row(c, *q) for c, q in zip(caches, quiet)]
+    # one attention for all rows where they share a layer's kind and their caches are short
+    # (the stacking copies every row: `STACK_TOKENS`, as for dense layers)
+    stacked = (len({r[0][:4] for r in rows}) == 1
+               and max(q[1][1] + r[5][0][0].shape[2] for q, r in zip(quiet, rows)) <= STACK_TOKENS)
+    key = ("kivi", owners, tuple(r[0] for r in rows), stacked)
+    step = _kivi_step(model, key)
+    if step is _FAILED:
+        return None
+    ints = (lambda n: mx.array([r[n] for r in rows], dtype=mx.int32))
+    try:
+        logits, new = step(tuple(r[9] for r in rows), ids, ints(1), [r[2] for r in rows], [r[3] for r in rows],
+                           [r[4] for r in rows], [r[5] for r in rows], ints(6), ints(7), ints(8),
+                           mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
+    except Exception as e:      # as `compiled_decode`: eager from now on for this layout, nothing moved
+        _trace_failed(model, key, e, "compiled batched KIVI step")
+        return None
+    taken["compiled"] += 1
+    taken["compiled_kivi"] += 1
+    taken["compiled_kivi_stacked"] += stacked
+    for i, (cache, (plans, _)) in enumerate(zip(caches, quiet)):
+        for j, (c, p) in enumerate(zip(cache.owned, plans)):
+            c.commit(p, None, None, written=new[j][i])
+    return logits
+
+
 # ----- retrieval rows in one compiled batched step ----------------------------------------------
 class _RetrievalRows:
     """One model layer's retrieval caches of B sequences during the trace of a batched step: the
@@ -637,13 +884,14 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
     index = {id(c): i for i, c in enumerate(first)}
     owners = tuple(index.get(id(c), -1) for c in caches[0])
     retrieval = all(c.compiled_step == "retrieval" for c in caches)
+    kivi = all(c.compiled_step == "kivi" for c in caches)
     rows = []
     for cache in caches:
         layers = cache.owned
         if len(layers) != len(first) or tuple({id(c): i for i, c in enumerate(layers)}.get(id(c), -1)
                                               for c in cache) != owners:
             return None
-        if retrieval:
+        if retrieval or kivi:
             continue
         row = _row(cache)
         if row is None:
@@ -651,6 +899,8 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
         rows.append(row)
     if retrieval:
         return _compiled_retrieval(model, ids, caches, owners)
+    if kivi:
+        return _compiled_kivi(model, ids, caches, owners)
     key = (owners, tuple(r[0] for r in rows))
     step = _compiled_step(model, key)
     if step is _FAILED:
