@@ -313,6 +313,50 @@ def test_compiled_kivi_window_step_replays_a_few_traces(native32, monkeypatch):
     assert mx.abs(fast - slow).max().item() <= TOL
 
 
+def test_kivi_window_moves_its_residual_at_a_freeze_not_on_a_step_of_its_own(native32, monkeypatch):
+    """A KIVI window's residual drops its front at every freeze; its buffers are moved (made anew,
+    the live tokens copied in) in that freeze's step, which is eager anyway, where the next G
+    tokens would not fit, or where they are a prefill chunk's (larger than the size a move makes):
+    no decode step runs eager only to move them (one in every 2G steps did, and the first after a
+    prefill read the chunk's whole buffer). Nothing stored moves: the logits are those of the
+    same run with the buffers moved only when full, bit for bit, compiled or eager."""
+    from tinygpt_mlx.cache.kivi import Residual
+    model = native32.model
+    toks = [(i * 37 + 11) % 300 for i in range(400)] + [(i * 53 + 7) % 300 for i in range(260)]
+    config = CacheConfig.from_spec("int4+sink4/window64")
+
+    def run(use_compiled, moved_at_freezes=True):
+        cache = make_cache(model, config)
+        outs = []
+        for chunk in (toks[:200], toks[200:400]):     # a prompt in two chunks, as bench's
+            outs.append(model(mx.array([chunk]), cache=cache))
+            cache.evict_middle_if_needed()
+        moves = []
+        for j in range(400, len(toks)):
+            layer = cache.owned[0]
+            body, res = layer.body, layer.body.residual
+            freezes = len(res) + 1 >= max(body.keep, 1) + body.group
+            if not freezes and res.head + res.n + 1 > res.keys.shape[2]:
+                moves.append(j)       # a step that is not quiet only to move the buffers
+            logits = compiled.decode(model, mx.array([[toks[j]]]), cache) if use_compiled else None
+            if logits is None:
+                logits = model(mx.array([[toks[j]]]), cache=cache)
+                cache.evict_middle_if_needed()
+            outs.append(logits)
+            mx.eval(logits)
+            # from the first freeze after the prompt (this step's) on, buffers of the size a move makes
+            assert res.keys.shape[2] <= 3 * body.group or not moved_at_freezes, (j, res.keys.shape)
+        return mx.concatenate(outs, axis=1), moves
+
+    fast, moves = run(True)
+    slow, _ = run(False)
+    assert moves == [], moves
+    assert mx.array_equal(fast, slow).item() or mx.abs(fast - slow).max().item() <= TOL
+    monkeypatch.setattr(Residual, "fit_ahead", lambda self, ahead: None)    # moved only when full
+    late, late_moves = run(False, moved_at_freezes=False)
+    assert late_moves and mx.array_equal(late, slow).item()
+
+
 @pytest.mark.parametrize("spec", ["sink4/window16", "int4+sink4/window64"])
 def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
     """Everything the step stores is evaluated with its logits: the server steps on a worker

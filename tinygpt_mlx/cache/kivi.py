@@ -153,6 +153,9 @@ class KiviStore:
 
     def _freeze(self, n: int) -> None:
         k, v = self.residual.drop_front(n)
+        # the buffers moved now, in this step (eager: it freezes), where the next G tokens would
+        # not fit after the live ones: else the next step would move them, eagerly (not quiet)
+        self.residual.fit_ahead(self.group)
         if self.positions.pre_rope:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         self.shadow.append(k, v)
@@ -328,6 +331,26 @@ class Residual(DenseStore):
         if self.room and L and (self.keys is None or self.head + self.n + L > self.keys.shape[2]):
             self._remake(self.n + L, keys, values)
         super().append(keys, values)
+
+    def fit_ahead(self, ahead: int) -> None:
+        """After a freeze (the front dropped): where `ahead` more tokens would not fit after the
+        live ones, or the buffers are larger than that size (a prefill chunk's), new buffers now,
+        sized as the next append that did not fit would size them (`append`'s rule for a store
+        that drops its front: the same shapes every time, so a compiled quiet step traces no new
+        one, and reads no more slots than it needs), the live tokens moved in; nothing stored
+        changes. Buffers with `room` (a full KIVI cache's led sink) are left to `append`."""
+        if self.room or self.keys is None or not self.n:
+            return
+        size = -(-(self.n + 1) // self.step) * self.step + self.step     # as `append` with a head
+        if self.head + self.n + ahead <= self.keys.shape[2] <= size:
+            return
+        B, H, _, Dk = self.keys.shape
+        new_k = mx.zeros((B, H, size, Dk), self.dtype)
+        new_v = mx.zeros((B, H, size, self.values.shape[3]), self.dtype)
+        new_k[:, :, : self.n], new_v[:, :, : self.n] = self.fetch()
+        self.keys, self.values, self.head = new_k, new_v, 0
+        self.made += 1
+        self.version += 1
 
     def _remake(self, tokens: int, keys: mx.array, values: mx.array) -> None:
         """New buffers for `tokens` with `room` slots before them, the live tokens moved in."""
