@@ -518,12 +518,14 @@ def test_summary_recall_reads_the_decode_steps_coarse_passes(native):
 @pytest.mark.parametrize("unit, units, span_score", [(1, 24, "max"), (8, 3, "max"), (8, 3, "mean")])
 def test_pool_segment_fast_path_equals_the_gather_reference(unit, units, span_score):
     """PoolSegment scores whole pages by a page gather and forms its output by scattering the
-    probabilities into the pool and one matmul; the simple path (gather each query's picked
-    keys and values, score and weight them) gives the same picks, scores and output."""
+    probabilities into the pool and one matmul (tokens) or weighting each query's picked pages
+    gathered as pages (spans); the simple path (gather each query's picked keys and values,
+    score and weight them) gives the same picks, scores and output. Two batch rows: a page
+    gather offset by the wrong row fails."""
     import mlx.core as mx
 
     from tinygpt_mlx.cache.segments import PoolSegment
-    B, H, rep, L, U, D = 1, 2, 3, 5, 64, 8
+    B, H, rep, L, U, D = 2, 2, 3, 5, 64, 8
     keys, values = mx.random.normal((B, H, U, D), key=mx.random.key(1)), mx.random.normal((B, H, U, D), key=mx.random.key(2))
     if unit == 1:
         valid = mx.random.uniform(shape=(B, H, U), key=mx.random.key(3)) > 0.2

@@ -91,6 +91,7 @@ class PoolSegment:
         self.valid, self.units, self.unit = valid, units, unit
         self.span_score = span_score if unit > 1 else "max"   # how a page is ranked (spans)
         self.picked: Optional[mx.array] = None      # [B, Hkv, L, T] pool indices, once scored
+        self.top: Optional[mx.array] = None         # spans: the picked pages [B, Hkv, L, units], once scored
         self.rows: Any = None    # the cold store's index of each pool position [B * Hkv, U] (its own to set)
 
     def scores(self, q: mx.array) -> mx.array:
@@ -115,6 +116,7 @@ class PoolSegment:
             k = min(self.units, pages.shape[-1])
             top = mx.argpartition(-pages, k - 1, axis=-1)[..., :k]                      # [B, H, L, k]
             idx = (top[..., None] * u + mx.arange(u)).reshape(B, H, L, k * u)
+            self.top = top
             # whole pages gathered as pages (contiguous rows: faster than token by token)
             sel = mx.take_along_axis(s.reshape(B, H, rep, L, U // u, u),
                                      mx.broadcast_to(top[:, :, None, :, :, None], (B, H, rep, L, k, 1)),
@@ -129,11 +131,22 @@ class PoolSegment:
         return mx.where(ok[:, :, None], sel, -mx.inf)
 
     def output(self, p: mx.array) -> mx.array:
-        """p [B, Hkv, rep, L, T] over the picked tokens -> [B, Hkv, rep, L, D]: the
-        probabilities scattered into a [rep * L, U] matrix (zero where not picked) times the
-        pool's values, one matmul (gathering T values per query costs twice as much here)."""
+        """p [B, Hkv, rep, L, T] over the picked tokens -> [B, Hkv, rep, L, D]. Spans: each
+        query's picked pages of values, gathered as pages (one `take` of rows of `unit` x D
+        values) and weighted by one batched matmul per query; tokens: the probabilities
+        scattered into a [rep * L, U] matrix (zero where not picked) times the pool's values,
+        one matmul (gathering T values per query token by token costs twice as much here).
+        With spans at `sink4/hot1024` the scatter's [rep * L, U] matrix is 71 MB per layer and
+        chunk, more than the page gather's whole work (docs/retrieval.md, "Prefill against
+        StreamingLLM")."""
         B, H, rep, L, T = p.shape
         U = self.values.shape[2]
+        if self.top is not None:     # spans: T = units x unit tokens, whole pages in pick order
+            u, D = self.unit, self.values.shape[-1]
+            P = U // u
+            rows = (self.top + (mx.arange(B * H, dtype=self.top.dtype) * P).reshape(B, H, 1, 1)).reshape(-1)
+            picked = mx.take(self.values.reshape(B * H * P, u * D), rows, axis=0).reshape(B, H, L, T, D)
+            return (p.transpose(0, 1, 3, 2, 4) @ picked).transpose(0, 1, 3, 2, 4)
         idx = mx.broadcast_to(self.picked[:, :, None], (B, H, rep, L, T))
         dense = mx.put_along_axis(mx.zeros((B, H, rep, L, U), dtype=p.dtype), idx, p, axis=-1)
         return (dense.reshape(B, H, rep * L, U) @ self.values).reshape(B, H, rep, L, -1)
