@@ -14,7 +14,9 @@ click this project pins against), the cache flags grouped by the part of the pol
 `error: Invalid value for '--tokens' / '-n': ...`, exit code 2.
 
 On Linux the command first re-executes itself once with the system's OpenBLAS preloaded, before
-anything here imports MLX (tinygpt_mlx/blas.py); a program or a test importing this module never.
+anything here imports MLX (tinygpt_mlx/blas.py), and keeps MLX's large temporaries on glibc's
+heap instead of a fresh mmap each (tinygpt_mlx/heap.py); a program or a test importing this
+module never.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ import importlib
 import os
 import sys
 
-from tinygpt_mlx import blas
+from tinygpt_mlx import blas, heap
 
 if blas.started_as_command(__name__):
     blas.reexec_with_openblas(sys.argv[1:])
+    heap.keep_large_blocks()
 
 import typer  # noqa: E402  (after the re-execution above: the imports below load MLX)
 from typer._click import exceptions as cx  # noqa: E402  (typer vendors its own click)

@@ -1,0 +1,47 @@
+"""glibc's heap kept for MLX's large temporaries on Linux, set by `posttrainllm` at its start.
+
+MLX's CPU backend allocates every array with `malloc` and, on Linux, keeps no cache of freed
+buffers (`mx.get_cache_memory()` stays 0). glibc serves a request above its mmap threshold
+(dynamic, at most 32 MiB) with a fresh `mmap` and unmaps it on `free`, so every such temporary
+is faulted in again, a zeroed 4 KiB page at a time, each time it is made: a 71 MB
+`mx.zeros` took 45-50 ms here, 5-6 ms from the heap. A retrieval prefill chunk at
+`sink4/hot1024` makes several of that size per layer (its pool's scores, [2 x 512, 4,360] fp32
+per KV head of the shipped model), StreamingLLM's none, so retrieval paid most of it
+(docs/retrieval.md, "Prefill against StreamingLLM").
+
+`keep_large_blocks()` raises the mmap threshold to 256 MiB and the trim threshold to 512 MiB
+(`mallopt`): blocks up to 256 MiB come from the heap and are reused there, and up to 512 MiB
+freed at the heap's top stay mapped (so the process's RSS keeps its peak working set, less
+what lies above that). It does nothing off Linux/glibc, or with POSTTRAINLLM_NO_HEAP_TUNE=1
+(or true/yes/on). Standard library only: the CLI calls it before MLX loads, as `blas`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+from typing import Any, Mapping, Optional
+
+OFF_VAR = "POSTTRAINLLM_NO_HEAP_TUNE"
+MMAP_THRESHOLD = 256 << 20
+TRIM_THRESHOLD = 512 << 20
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3     # glibc's malloc.h
+
+
+def _libc() -> Optional[Any]:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") else None
+    except OSError:
+        return None
+
+
+def keep_large_blocks(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
+    """Set glibc's mmap and trim thresholds (module doc); True where both were set."""
+    if not platform.startswith("linux") or environ.get(OFF_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+        return False
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
