@@ -261,7 +261,7 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
     batched call ran for most steps (a row freezing or evicting a block runs the step eager),
     on the path asked for, and its traces stay few: a new set of the rows' shapes (a row's
     packed run grown) is traced once, not one per step, and each function holds at most
-    KIVI_SHAPES of them."""
+    KEEP_SHAPES of them."""
     if not stacked:
         monkeypatch.setattr(batch, "STACK_TOKENS", 0)
     m, tok, cfg = native32.model, native32.tokenizer, KIVI_STEPS[case]
@@ -283,7 +283,7 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
             assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), case
             assert mx.argmax(row).item() == mx.argmax(w).item(), case
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
-        held += [len(s.shapes) for s in batch._steps(m)[0].values() if isinstance(s, batch._KiviStep)]
+        held += [s.traces for s in batch._steps(m)[0].values() if isinstance(s, batch._Compiled)]
     done = batch.taken - before
     assert done["compiled_kivi"] >= 64, done
     assert done["compiled_kivi_stacked"] == (done["compiled_kivi"] if stacked else 0), done
@@ -291,29 +291,29 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
     # one trace per new set of shapes: a row's block frozen (full: every G steps in each row;
     # under a window the packed run's length cycles), not one per step
     assert 0 < (batch.traced - traced)["kivi"] <= 24, batch.traced - traced
-    assert held and max(held) <= batch.KIVI_SHAPES
+    assert held and max(held) <= batch.KEEP_SHAPES
     assert len({c.current_length for c in together}) == 4
 
 
-def test_a_batched_kivi_step_is_made_anew_past_its_shapes(native32, monkeypatch):
-    """The compiled batched KIVI step of one layout keeps at most KIVI_SHAPES sets of input
-    shapes: past them it is made anew (MLX drops the old function's traces with it) and a set
-    seen before the renewal is traced again. Two full int4 caches stepped together until their
-    packed runs grew through more shapes than the bound."""
-    monkeypatch.setattr(batch, "KIVI_SHAPES", 2)
+def test_a_compiled_batched_step_is_made_anew_past_its_traces(native32, monkeypatch):
+    """A compiled batched step holds at most KEEP_SHAPES traces (one per set of input shapes MLX
+    has seen): past them it is made anew (MLX drops the old function's traces with it), so a
+    long-running server's traces stay bounded (`trace_counts`). Two full int4 caches stepped
+    together until their packed runs grew through more shapes than the bound (here 2)."""
+    monkeypatch.setattr(batch, "KEEP_SHAPES", 2)
     m, tok = native32.model, native32.tokenizer
     caches = [make_cache(m, KIVI_STEPS["int4"]) for _ in range(2)]
     tokens = [int(mx.argmax(prefill(m, tok.encode(p * 6), c, 16)).item()) for p, c in zip(PROMPTS, caches)]
     batch.forget(m)
-    shapes, traced = set(), batch.traced["kivi"]
+    traced = batch.traced["kivi"]
     for _ in range(160):
         rows = batch.decode_step(m, tokens, caches)
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
-        (step,) = [s for s in batch._steps(m)[0].values() if isinstance(s, batch._KiviStep)]
-        assert len(step.shapes) <= 2
-        shapes |= step.shapes
-    assert len(shapes) >= 5 and step.made >= 3, (len(shapes), step.made)
-    assert batch.traced["kivi"] - traced == len(shapes)       # each set traced once (none seen again here)
+        (step,) = [s for s in batch._steps(m)[0].values() if isinstance(s, batch._Compiled)]
+        assert step.traces <= 2
+        assert batch.trace_counts(m)["batched_traces_held"] == step.traces
+    made = batch.traced["kivi"] - traced
+    assert made >= 5 and step.made >= 3 and step.made == -(-made // 2), (made, step.made)
 
 
 def test_a_layout_whose_trace_failed_stays_eager_past_the_kept_traces(native32_path, monkeypatch, caplog):

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from .cold_device import place
-from .device_select import select_in_trace
+from .device_select import select_in_trace, select_rows
 from .segments import DenseSegment, PickedSegment, attend
 
 __all__ = ["decode", "commit"]
@@ -80,48 +80,80 @@ class _TracedRetrieval:
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        sp, at = self.spec, self.at
-        kb, vb = self.body
-        B, H = kb.shape[:2]
-        Hq, D = queries.shape[1], queries.shape[3]
-        q = queries.astype(mx.float32).reshape(-1, 1, D)
-        if self.leaving is None:
-            turned = sp.positions.rope(q, offset=at[AT_TURN]).reshape(queries.shape)     # (retrieved.py)
-        else:
-            # the query turned to the retrieved slot and the leaving key turned back before RoPE
-            # (positions.unrotate) in one rotation, each row by its own angle
-            k, v = self.leaving
-            both = mx.concatenate([q, k.astype(mx.float32).reshape(-1, 1, D)])
-            angles = mx.concatenate([mx.broadcast_to(at[AT_TURN], (q.shape[0],)),
-                                     mx.broadcast_to(at[AT_FIRST], (B * H,))])
-            both = sp.positions.rope(both, offset=angles)
-            turned = both[:q.shape[0]].reshape(queries.shape)
-            k = both[q.shape[0]:]                                    # [G, 1, D] (DeviceColdStore.append)
-            v = v.astype(mx.float32).reshape(B * H, 1, -1)
-            (ck,), (cv,) = self.keys, self.values
-            self.keys = (mx.slice_update(ck, k.astype(ck.dtype), at[AT_ROW:AT_ROW + 1], axes=(1,)),)
-            self.values = (mx.slice_update(cv, v.astype(cv.dtype), at[AT_ROW:AT_ROW + 1], axes=(1,)),)
-            self.evicted = (self.keys[0], self.values[0], k)
-        rows = turned.reshape(B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
-        summaries = {name: a[:, :sp.buckets[name]] for name, a in self.summaries.items()}
-        idx, k, v, valid, last, scored, recent = select_in_trace(
-            sp.static, sp.codec, sp.rope, rows, at[AT_COUNTS:AT_COUNTS + 3], summaries, self.keys, self.values,
-            self.recent)
-        T = idx.shape[1]
-        k = place(k.reshape(B, -1, T, D), idx, 0, sp.positions, sp.static.page_size)
-        segments = [PickedSegment(k, v.reshape(B, H, T, -1), valid.reshape(B, -1, T))]
-        if self.sink:
-            segments.append(DenseSegment(*self.sink))
-        live = [mx.slice(b, at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, b.shape[3])) for b in (kb, vb)]
-        if kb.dtype != sp.compute:     # DenseStore.fetch in the compute dtype
-            live = [b.astype(sp.compute) for b in live]
-        segments.append(DenseSegment(*live))
-        # (the telemetry's parts only where it records: `commit` then reads the sticky pages alone)
-        self.picked = (idx, valid, last, scored, recent) if sp.records else (recent,)
-        return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
+        return attend_rows([self], queries, scale, mask, stacked=False)
 
     def outputs(self) -> dict:
         return {"body": self.body, "picked": self.picked, **({"evicted": self.evicted} if self.evicted else {})}
+
+
+def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked: bool) -> mx.array:
+    """The attention of retrieval layers in a steady step's trace, `rows` (each a
+    `_TracedRetrieval` after its `update_and_fetch`, all of one layout: one spec's `Static`,
+    summary widths, hot window and sink), over their `queries` stacked in order: the solo step's
+    one layer (`stacked` False) or serve's batched step's rows of one group (server/batch.py,
+    `stacked` True). Each row's leaving key is turned back before RoPE and written as its cold
+    store's next row (`DeviceColdStore.append`), with the queries turned to the retrieved slot in
+    one rotation, each row by its own angles; `device_select`'s chain picks the cold tokens
+    (`select_in_trace` for one layer, `select_rows` over the rows' summaries, counts and sticky
+    pages stacked, each row gathering from its own store), and one softmax covers them, the
+    placed sinks and the hot windows (`segments.attend`). Each row's picks (per row where
+    stacked) and its cold store's writes are left on it for `outputs`."""
+    first = rows[0]
+    sp, n = first.spec, len(rows)
+    B, H = first.body[0].shape[:2]
+    Hq, D = queries.shape[1], queries.shape[3]
+    q = queries.astype(mx.float32).reshape(-1, 1, D)
+    gone = [r for r in rows if r.leaving is not None]
+    if n == 1 and not gone:
+        turned = sp.positions.rope(q, offset=first.at[AT_TURN]).reshape(queries.shape)     # (retrieved.py)
+    else:
+        # the queries turned to the retrieved slot and the leaving keys turned back before RoPE
+        # (positions.unrotate) in one rotation, each row by its own angle
+        both = mx.concatenate([q] + [r.leaving[0].astype(mx.float32).reshape(-1, 1, D) for r in gone])
+        angles = mx.concatenate([mx.broadcast_to(r.at[AT_TURN], (B * Hq,)) for r in rows]
+                                + [mx.broadcast_to(r.at[AT_FIRST], (B * H,)) for r in gone])
+        both = sp.positions.rope(both, offset=angles)
+        m = q.shape[0]
+        turned = both[:m].reshape(queries.shape)
+        for j, r in enumerate(gone):
+            k = both[m + j * B * H:m + (j + 1) * B * H]               # [G, 1, D] (DeviceColdStore.append)
+            v = r.leaving[1].astype(mx.float32).reshape(B * H, 1, -1)
+            (ck,), (cv,) = r.keys, r.values
+            row = r.at[AT_ROW:AT_ROW + 1]
+            r.keys = (mx.slice_update(ck, k.astype(ck.dtype), row, axes=(1,)),)
+            r.values = (mx.slice_update(cv, v.astype(cv.dtype), row, axes=(1,)),)
+            r.evicted = (r.keys[0], r.values[0], k)
+    stack = (lambda xs: mx.concatenate(xs, axis=0) if n > 1 else xs[0])
+    q_rows = turned.reshape(n * B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
+    if stacked:
+        summaries = {name: stack([r.summaries[name][:, :sp.buckets[name]] for r in rows]) for name in first.summaries}
+        counts = stack([mx.broadcast_to(r.at[AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for r in rows])
+        recent = stack([r.recent for r in rows]) if sp.static.sticky else None
+        idx, k, v, valid, last, scored, recent = select_rows(
+            sp.static, sp.codec, sp.rope, q_rows, counts.swapaxes(0, 1), summaries,
+            [r.keys for r in rows], [r.values for r in rows], recent)
+        for j, r in enumerate(rows):
+            part = slice(j * H, (j + 1) * H)
+            # (the telemetry's parts only where it records: `commit` then reads the sticky pages alone)
+            r.picked = ((idx[part], valid[part], last[part], scored[part].max(), recent[part]) if sp.records
+                        else (recent[part],))
+    else:
+        summaries = {name: a[:, :sp.buckets[name]] for name, a in first.summaries.items()}
+        idx, k, v, valid, last, scored, recent = select_in_trace(
+            sp.static, sp.codec, sp.rope, q_rows, first.at[AT_COUNTS:AT_COUNTS + 3], summaries, first.keys,
+            first.values, first.recent)
+        first.picked = (idx, valid, last, scored, recent) if sp.records else (recent,)
+    T = idx.shape[1]
+    k = place(k.reshape(n * B, -1, T, D), idx, 0, sp.positions, sp.static.page_size)
+    segments = [PickedSegment(k, v.reshape(n * B, H, T, -1), valid.reshape(n * B, -1, T))]
+    if first.sink:
+        segments.append(DenseSegment(*(stack([r.sink[x] for r in rows]) for x in (0, 1))))
+    live = [stack([mx.slice(r.body[x], r.at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, r.body[x].shape[3]))
+                   for r in rows]) for x in (0, 1)]
+    if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
+        live = [b.astype(sp.compute) for b in live]
+    segments.append(DenseSegment(*live))
+    return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
 
 
 def _retrieval_ready(layer: Any, plan: Any) -> bool:

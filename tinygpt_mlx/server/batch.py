@@ -55,8 +55,8 @@ buffers, its new token written at its own slot), and the rows attend as one (`_K
 their segments stacked along the rows, each padded with zeros to the longest row's, one mask
 [B, 1, 1, slots] showing each row its own slots, built from arrays) up to `STACK_TOKENS`, each
 on its own past it (`_KiviRows`). MLX traces the function again for each new set of the rows'
-shapes (a row's packed run grows by a block every G tokens); a function is made anew past
-`KIVI_SHAPES` of them, so the traces it holds stay bounded. A step where any row freezes or
+shapes (a row's packed run grows by a block every G tokens); every compiled batched step holds
+at most `KEEP_SHAPES` traces, then is made anew (`_Compiled`). A step where any row freezes or
 evicts a block runs eager for all (about one step in G per row).
 
 Retrieval in the batch (`_compiled_retrieval`): where every sequence's retrieval cache is in
@@ -70,7 +70,9 @@ stacked** (their summaries, counts and sticky pages stacked along the rows, each
 its pool's keys and values from its own store: no copy of the cold stores), and so does the one
 softmax over the picked tokens, the placed sinks and the hot windows. Rows stack where they
 share the selection's layout (`Static`, the summaries' widths scanned); rows of another layout
-form a group of their own in the same call. Every row's ops are the solo chain's on that row:
+form a group of their own in the same call. The code is the solo step's own
+(compiled_retrieval.py `attend_rows`, in its per-row form; each row's layer its `_TracedRetrieval`,
+`_RetrievalRows`). Every row's ops are the solo chain's on that row:
 the tests hold each row's picks and tokens scored equal to its solo step's, its logits within
 1e-5. A step that completes a page in a row evicts it eagerly first, as the solo step does; the
 rows are traced in an order sorted by layout, so four rows at their own phases make few traces.
@@ -91,12 +93,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import KVCache
-from ..cache.cold_device import place
-from ..cache.compiled import _TracedKivi, _kivi_ready, _quiet_mask
-from ..cache.compiled_retrieval import (AT_COUNTS, AT_FIRST, AT_LIVE, AT_ROW, AT_SRC, AT_TURN, AT_WRITE,
-                                         commit, layer_specs, steady, step_inputs)
-from ..cache.device_select import select_rows
-from ..cache.segments import DenseSegment, PickedSegment, attend
+from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask
+from ..cache.compiled_retrieval import _TracedRetrieval, attend_rows, commit, layer_specs, steady, step_inputs
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
 
@@ -339,6 +337,47 @@ KEEP_TRACES = 32
 traced: Counter = Counter()
 
 
+#: traces one compiled batched step holds before it is made anew. MLX keeps a compiled
+#: function's trace of every set of input shapes it has seen while the function lives, and the
+#: shapes under one layout key keep changing: a full KIVI cache's packed run grows by a block
+#: every G tokens in each row (a new set of shapes, never seen again), retrieval's cold stores
+#: and buffers grow; so past KEEP_SHAPES traces a step is compiled anew (the old function and
+#: its traces dropped) and the traces a server holds stay at most KEEP_TRACES x KEEP_SHAPES
+KEEP_SHAPES = 8
+
+
+class _Compiled:
+    """A compiled batched step (`mx.compile` of a layout's step function, `make`) and the traces
+    it holds, counted by the `traced` counter of its `kind` (its Python body runs only while MLX
+    traces it); made anew once it holds KEEP_SHAPES of them."""
+
+    def __init__(self, make: Any, kind: str):
+        self.make, self.kind = make, kind
+        self.fn, self.traces, self.made = make(), 0, 1
+
+    def __call__(self, *args):
+        if self.traces >= KEEP_SHAPES:
+            self.fn, self.traces = self.make(), 0
+            self.made += 1
+        before = traced[self.kind]
+        try:
+            return self.fn(*args)
+        finally:
+            self.traces += traced[self.kind] - before
+
+
+def trace_counts(model: Any) -> dict:
+    """The compiled steps' traces in this process, for /api/slots and the load benchmark: the
+    batched steps' traces made so far by kind (`traced`), the batched functions `model` holds
+    and the traces they hold, and the solo compiled steps (cache/compiled.py) it holds."""
+    held = [s[0] if isinstance(s, tuple) else s for s in _steps(model)[0].values()]
+    held = [s for s in held if isinstance(s, _Compiled)]
+    solo = getattr(model, _SOLO_STEPS, None) or {}
+    return {"batched_traces_made": dict(traced), "batched_functions_held": len(held),
+            "batched_traces_held": sum(s.traces for s in held),
+            "solo_functions_held": sum(1 for v in solo.values() if callable(v))}
+
+
 def _steps(model: Any) -> tuple[dict, set]:
     """The model's compiled batched steps by layout (the LRU, newest last) and its failed layouts."""
     held = getattr(model, _ATTR, None)
@@ -446,7 +485,7 @@ def _compiled_step(model: Any, key: tuple):
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[(r.keys, r.values) for r in layer.rows] for layer in layers]
     # the weights are closed over, as in cache/compiled.py (constants of the trace)
-    return _keep(model, key, mx.compile(step))
+    return _keep(model, key, _Compiled(lambda: mx.compile(step), "compiled"))
 
 
 # ----- KIVI's quiet steps in one compiled batched step -------------------------------------------
@@ -549,7 +588,7 @@ def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
     for its next token, read as the solo quiet step reads it (cache/compiled.py `_kivi_decode`):
     (row key, RoPE position, the sinks, packed runs, near tiers and residual buffers per layer,
     the first residual slot read, the new token's slot, the body's tokens the window no longer
-    shows, the input shapes that fix the trace)."""
+    shows)."""
     layers = cache.owned
     first = layers[0]
     full = not first.config.streaming
@@ -563,33 +602,7 @@ def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
         nears.append(n)
         buffers.append(r)
     key = ("kivi", first.dtype, first.body.storage, first.config, held > n_packed)
-    shapes = (n_packed, held, buffers[0][0].shape[2], sinks[0][0].shape[2] if sinks[0] else 0)
-    return key, plans[0].offset, sinks, packed, nears, buffers, head + max(0, cut - held), head + n_res, cut, shapes
-
-
-#: the input shapes (each row's packed run, frozen tokens, residual buffer and sink) one compiled
-#: batched KIVI step is traced for before it is made anew: MLX keeps every trace of a compiled
-#: function while the function lives, and a full KIVI cache's packed run only grows (a new
-#: shape every G tokens in each row, never seen again), so without a bound the traces of a
-#: long-running server would pile up
-KIVI_SHAPES = 8
-
-
-class _KiviStep:
-    """The compiled batched KIVI step of one layout, and the input shapes it has traced; made
-    anew past KIVI_SHAPES of them (dropping the old function's traces)."""
-
-    def __init__(self, make):
-        self.make, self.fn, self.shapes = make, make(), set()
-        self.made = 1       # functions made (for the tests)
-
-    def __call__(self, shapes: tuple, *args):
-        if shapes not in self.shapes:
-            if len(self.shapes) >= KIVI_SHAPES:
-                self.fn, self.shapes = self.make(), set()
-                self.made += 1
-            self.shapes.add(shapes)
-        return self.fn(*args)
+    return key, plans[0].offset, sinks, packed, nears, buffers, head + max(0, cut - held), head + n_res, cut
 
 
 def _stacked_mask(n_sink: int, shapes: tuple, counts: mx.array, firsts: mx.array, lasts: mx.array,
@@ -618,7 +631,7 @@ def _stacked_mask(n_sink: int, shapes: tuple, counts: mx.array, firsts: mx.array
 def _kivi_step(model: Any, key: tuple):
     """The compiled batched KIVI step for `key` = ("kivi", owners, the rows' keys, stacked), made
     once per model and layout (the newest KEEP_TRACES kept), or `_FAILED`; MLX traces it again
-    for each new set of the rows' input shapes (KIVI_SHAPES of them per function). `stacked`:
+    for each new set of the rows' input shapes (`_Compiled`: KEEP_SHAPES per function). `stacked`:
     the rows attend as one (`_KiviStacked`), else each on its own (`_KiviRows`)."""
     known = _cached(model, key)
     if known is not None:
@@ -643,7 +656,7 @@ def _kivi_step(model: Any, key: tuple):
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[r.buffers for r in layer.rows] for layer in layers]
     # the weights are closed over, as in cache/compiled.py (constants of the trace)
-    return _keep(model, key, _KiviStep(lambda: mx.compile(step)))
+    return _keep(model, key, _Compiled(lambda: mx.compile(step), "kivi"))
 
 
 def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners: tuple) -> Optional[mx.array]:
@@ -667,7 +680,7 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
         return None
     ints = (lambda n: mx.array([r[n] for r in rows], dtype=mx.int32))
     try:
-        logits, new = step(tuple(r[9] for r in rows), ids, ints(1), [r[2] for r in rows], [r[3] for r in rows],
+        logits, new = step(ids, ints(1), [r[2] for r in rows], [r[3] for r in rows],
                            [r[4] for r in rows], [r[5] for r in rows], ints(6), ints(7), ints(8),
                            mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
     except Exception as e:      # as `compiled_decode`: eager from now on for this layout, nothing moved
@@ -684,28 +697,21 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
 
 # ----- retrieval rows in one compiled batched step ----------------------------------------------
 class _RetrievalRows:
-    """One model layer's retrieval caches of B sequences during the trace of a batched step: the
-    work of the compiled solo step's layer (cache/compiled_retrieval.py `_TracedRetrieval`: the
-    body's oldest token turned back and written into the cold store, the new token into the hot
-    window, the query turned to the retrieved slot, `device_select`'s chain, one softmax over
-    the picked tokens, the placed sink and the hot window) for B rows at once. The writes are
-    per row (each at its own slots, `at[i]`); the turns are one RoPE call, and the selection and
-    the attention run once per group of rows that share a layout (`groups`: contiguous ranges
-    of rows with one `Static`, the same summary widths, hot window and sink), their arrays
-    stacked along the rows (the cold stores' rows gathered from each store: `select_rows`)."""
+    """One model layer's retrieval caches of B sequences during the trace of a batched step: each
+    row the compiled solo step's traced layer (cache/compiled_retrieval.py `_TracedRetrieval`,
+    with its own `at`), which writes its own token (the body's oldest token leaving, the new one
+    written into the hot window, at its own slots); the attention runs once per group of rows
+    that share a layout (`groups`: contiguous ranges of rows with one `Static`, the same summary
+    widths, hot window and sink) through the solo step's own code in its per-row form
+    (`attend_rows`, stacked: the turns in one RoPE call, each row's leaving key written into its
+    own cold store, the selection over the rows' arrays stacked, `select_rows`, each row
+    gathering from its own store, one softmax)."""
 
     reads_own_segments = True
 
     def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple):
-        self.specs, self.at, self.offset, self.groups = specs, at, offset, groups
-        self.body = [x["body"] for x in inputs]
-        self.sink = [x["sink"] for x in inputs]
-        self.keys, self.values = [x["keys"] for x in inputs], [x["values"] for x in inputs]
-        self.summaries, self.recent = [x["summaries"] for x in inputs], [x["recent"] for x in inputs]
-        B = len(inputs)
-        self.leaving: list = [None] * B
-        self.evicted: list = [None] * B
-        self.picked: list = [None] * B
+        self.rows = [_TracedRetrieval(sp, a, x) for sp, a, x in zip(specs, at, inputs)]
+        self.offset, self.groups = offset, groups
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
         if window_size is not None:
@@ -713,76 +719,17 @@ class _RetrievalRows:
         return None     # one query sees every stored token (checked before the step)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        for i, (sp, at) in enumerate(zip(self.specs, self.at)):
-            kb, vb = self.body[i]
-            if sp.evicts:     # LayerCache._evict: the oldest body token leaves (stored in `attend`)
-                self.leaving[i] = tuple(mx.slice(b, at[AT_SRC:AT_SRC + 1], (2,), (1, b.shape[1], 1, b.shape[3]))
-                                        for b in (kb, vb))
-            dt = kb.dtype     # DenseStore.append: the new token after the live ones
-            k, v = keys[i:i + 1], values[i:i + 1]
-            write = at[AT_WRITE:AT_WRITE + 1]
-            self.body[i] = (mx.slice_update(kb, k if k.dtype == dt else k.astype(dt), write, axes=(2,)),
-                            mx.slice_update(vb, v if v.dtype == dt else v.astype(dt), write, axes=(2,)))
+        for i, r in enumerate(self.rows):
+            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        outs = [self._attend(a, b, queries[a:b] if b - a < queries.shape[0] else queries, scale)
-                for a, b in self.groups]
+        outs = [attend_rows(self.rows[a:b], queries[a:b] if b - a < queries.shape[0] else queries, scale, None,
+                            stacked=True) for a, b in self.groups]
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
-    def _attend(self, a: int, b: int, queries: mx.array, scale: float) -> mx.array:
-        """Rows a..b (one layout) attend: `_TracedRetrieval.attend` on rows stacked."""
-        sp, n = self.specs[a], b - a
-        H = self.body[a][0].shape[1]
-        Hq, D = queries.shape[1], queries.shape[3]
-        q = queries.astype(mx.float32).reshape(-1, 1, D)
-        # the queries turned to the retrieved slot and the leaving keys turned back before RoPE,
-        # one rotation with each row's own angle
-        gone = [i for i in range(a, b) if self.leaving[i] is not None]
-        both = mx.concatenate([q] + [self.leaving[i][0].astype(mx.float32).reshape(-1, 1, D) for i in gone])
-        angles = mx.concatenate([mx.broadcast_to(self.at[i][AT_TURN], (Hq,)) for i in range(a, b)]
-                                + [mx.broadcast_to(self.at[i][AT_FIRST], (H,)) for i in gone])
-        both = sp.positions.rope(both, offset=angles)
-        turned = both[:n * Hq].reshape(queries.shape)
-        for j, i in enumerate(gone):       # DeviceColdStore.append: row n of the store's rows
-            k = both[n * Hq + j * H:n * Hq + (j + 1) * H]                                   # [H, 1, D]
-            v = self.leaving[i][1].astype(mx.float32).reshape(H, 1, -1)
-            (ck,), (cv,) = self.keys[i], self.values[i]
-            row = self.at[i][AT_ROW:AT_ROW + 1]
-            self.keys[i] = (mx.slice_update(ck, k.astype(ck.dtype), row, axes=(1,)),)
-            self.values[i] = (mx.slice_update(cv, v.astype(cv.dtype), row, axes=(1,)),)
-            self.evicted[i] = (self.keys[i][0], self.values[i][0], k)
-        rng = range(a, b)
-        stack = (lambda xs: mx.concatenate(xs, axis=0) if n > 1 else xs[0])
-        rows = turned.reshape(n * H, Hq // H, D)
-        summaries = {name: stack([self.summaries[i][name][:, :sp.buckets[name]] for i in rng])
-                     for name in self.summaries[a]}
-        counts = stack([mx.broadcast_to(self.at[i][AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for i in rng])
-        recent = stack([self.recent[i] for i in rng]) if sp.static.sticky else None
-        idx, k, v, valid, last, scored, recent = select_rows(
-            sp.static, sp.codec, sp.rope, rows, counts.swapaxes(0, 1), summaries,
-            [self.keys[i] for i in rng], [self.values[i] for i in rng], recent)
-        for j, i in enumerate(rng):
-            r = slice(j * H, (j + 1) * H)
-            # (the telemetry's parts only where it records, as the solo step's `_TracedRetrieval`)
-            self.picked[i] = (idx[r], valid[r], last[r], scored[r].max(), recent[r]) if sp.records else (recent[r],)
-        T = idx.shape[1]
-        k = place(k.reshape(n, H, T, D), idx, 0, sp.positions, sp.static.page_size)
-        segments = [PickedSegment(k, v.reshape(n, H, T, -1), valid.reshape(n, H, T))]
-        if self.sink[a]:
-            segments.append(DenseSegment(stack([self.sink[i][0] for i in rng]), stack([self.sink[i][1] for i in rng])))
-        live = [stack([mx.slice(self.body[i][x], self.at[i][AT_LIVE:AT_LIVE + 1], (2,),
-                                (1, H, sp.live, self.body[i][x].shape[3])) for i in rng]) for x in (0, 1)]
-        if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
-            live = [x.astype(sp.compute) for x in live]
-        segments.append(DenseSegment(*live))
-        return attend(segments, 1, queries, scale, None, turned, len(segments) - 1)
-
     def outputs(self, i: int) -> dict:
-        out = {"body": self.body[i], "picked": self.picked[i]}
-        if self.evicted[i] is not None:
-            out["evicted"] = self.evicted[i]
-        return out
+        return self.rows[i].outputs()
 
 
 def _retrieval_checked(cache: KVCache) -> Optional[list]:
@@ -813,7 +760,7 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
                                  tuple(groups)) for j in range(len(inputs[0]))]
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers]
-    return _keep(model, key, (mx.compile(step), len(groups)))
+    return _keep(model, key, (_Compiled(lambda: mx.compile(step), "retrieval"), len(groups)))
 
 
 def _groups(rows: tuple) -> list[tuple[int, int]]:
