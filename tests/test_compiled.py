@@ -357,6 +357,53 @@ def test_kivi_window_moves_its_residual_at_a_freeze_not_on_a_step_of_its_own(nat
     assert late_moves and mx.array_equal(late, slow).item()
 
 
+@pytest.mark.parametrize("spec", ["int4+sink4/window64", "int4"])
+def test_kivi_quiet_steps_replay_traces_made_in_the_eager_steps_before_them(native32, monkeypatch, spec):
+    """A quiet step of a new shape comes only after an eager step (a block frozen or evicted):
+    `generate.forward` has that step trace it (`compiled.prepare`, with the next step's inputs), so
+    no quiet step traces (each first-time shape made one slow: two of bench's 32 steps after a
+    1K prefill, docs/results.md); the logits those of the eager steps, and of the same run
+    without `prepare`. Fails with `prepare` a no-op (the quiet steps trace) or tracing nothing."""
+    from tinygpt_mlx.generate import forward
+    model = native32.model
+    toks = [(i * 37 + 11) % 300 for i in range(400)] + [(i * 53 + 7) % 300 for i in range(200)]
+    where = []      # "decode" / "prepare": where each trace happened (the step's Python runs only then)
+    real_mask, real_decode, real_prepare = compiled._quiet_mask, compiled.decode, compiled.prepare
+    now = ["eager"]
+
+    def during(name, fn):
+        def wrapped(*a, **k):
+            now[0] = name
+            try:
+                return fn(*a, **k)
+            finally:
+                now[0] = "eager"
+        return wrapped
+    monkeypatch.setattr(compiled, "_quiet_mask", lambda *a: where.append(now[0]) or real_mask(*a))
+    monkeypatch.setattr(compiled, "decode", during("decode", real_decode))
+
+    def run(compile_decode):
+        compiled.forget(model)
+        cache = make_cache(model, CacheConfig.from_spec(spec))
+        cache.compile_decode = compile_decode
+        outs = [forward(model, mx.array([toks[:200]]), cache), forward(model, mx.array([toks[200:400]]), cache)]
+        for t in toks[400:]:
+            outs.append(forward(model, mx.array([[t]]), cache))
+            mx.eval(outs[-1])
+        return mx.concatenate(outs, axis=1)
+
+    monkeypatch.setattr(compiled, "prepare", during("prepare", real_prepare))
+    fast = run(True)
+    assert where and set(where) == {"prepare"}, where
+    slow = run(False)
+    assert mx.abs(fast - slow).max().item() <= TOL
+    where.clear()
+    monkeypatch.setattr(compiled, "prepare", lambda *a: False)
+    unprepared = run(True)
+    assert "decode" in where        # (the check above can fail)
+    assert mx.array_equal(unprepared, fast).item()
+
+
 @pytest.mark.parametrize("spec", ["sink4/window16", "int4+sink4/window64"])
 def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
     """Everything the step stores is evaluated with its logits: the server steps on a worker

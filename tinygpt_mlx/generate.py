@@ -96,10 +96,12 @@ def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     exactly what its policy keeps between calls (a call of L > 1 tokens leaves a window's layers
     `window - 1 + L`: what reports, checkpoints and prompt-cache files see). A decode step over
     full StreamingLLM rings or KIVI's quiet steps runs as one compiled function
-    (cache/compiled.py)."""
+    (cache/compiled.py); an eager decode step before a quiet one of a shape not seen yet traces
+    it (`compiled.prepare`), so the quiet steps replay traces."""
     logits = compiled.decode(model, tokens, cache)
     if logits is None:
         logits = model(tokens, cache=cache)
+        compiled.prepare(model, tokens, cache)
     if isinstance(cache, KVCache) and tokens.shape[1] > 1:
         cache.evict_middle_if_needed()
     return logits

@@ -30,7 +30,9 @@ grows by a block every G steps, so each trace serves G - 1 steps and is then dro
 (`_kivi_decode`).
 
 `decode(model, tokens, cache)` runs such a step when the cache and model allow it and returns
-None otherwise (the caller then runs the eager model call, `generate.forward`). It traces the
+None otherwise (the caller then runs the eager model call, `generate.forward`). A KIVI quiet
+step meets a new shape only after an eager step (a block frozen or evicted): `prepare`, called
+after it, traces the next quiet step's shapes there, so the quiet steps replay traces. It traces the
 model's own `__call__` with stand-in layer caches (`_TracedRing`, `_TracedKivi`) that follow the same
 protocol as `LayerCache` (offset, make_mask, update_and_fetch, attend): the same code path as
 eager, so the two agree to the last bit here (tests/test_compiled.py). The layers' plans
@@ -360,6 +362,23 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
     stored token. Its packed run only grows (by G every G steps), so a trace of an older length
     is never replayed again: the compiled function is made anew when the frozen tokens change,
     which lets MLX drop the old one's traces (one kept, not one per block frozen)."""
+    call = _kivi_call(model, layers, plans, owners, steps)
+    if call is None:
+        return None
+    key, step, args = call
+    try:
+        logits, new = step(tokens, *args)
+    except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
+        _failed(steps, key, e)
+        return None
+    for c, p, (k, v) in zip(layers, plans, new):    # the eager step's commit (nothing frozen), the token written
+        c.commit(p, None, None, written=(k, v))
+    return logits
+
+
+def _kivi_call(model: Any, layers: list, plans: list, owners: tuple, steps: dict) -> Optional[tuple]:
+    """(layout key, compiled function, its inputs but the tokens) for KIVI's quiet step planned
+    as `plans`, or None where it cannot run compiled (`_kivi_decode`)."""
     first = layers[0]
     full = not first.config.streaming
     leads = [c.sink_store if full else None for c in layers]
@@ -376,6 +395,7 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
     if full and steps.get(("kivi frozen", key[:-1])) != (n_packed, held):
         for near in (False, True):      # (the traces without the near tier go too, once it holds tokens)
             steps.pop(key[:-1] + (near,), None)
+            steps.pop(("kivi traced", key[:-1] + (near,)), None)
         steps[("kivi frozen", key[:-1])] = (n_packed, held)
         step = None
     if step is None:
@@ -389,15 +409,56 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
         packed.append(p)
         nears.append(n)
         buffers.append(r)
+    # the residual's slots read: from its first live token the window shows (frozen tokens
+    # before it: `held`) to the new token's, written at `slot`
+    return key, step, (mx.array(plans[0].offset, mx.int32), sinks, packed, nears, buffers,
+                       mx.array(head + max(0, cut - held), mx.int32), mx.array(head + n_res, mx.int32),
+                       mx.array(cut, mx.int32))
+
+
+def _shapes(tree: Any) -> tuple:
+    """The shapes and dtypes of the arrays in nested tuples and lists: what MLX traces anew for."""
+    if isinstance(tree, mx.array):
+        return (tuple(tree.shape), tree.dtype)
+    return tuple(_shapes(t) for t in tree)
+
+
+def prepare(model: Any, tokens: mx.array, cache: Any) -> bool:
+    """After an eager decode step of a cache whose quiet steps run compiled (KIVI's: a block
+    frozen or evicted, a re-base): where the next step is a quiet one whose shapes its compiled
+    function has not been traced for yet, trace it now, in this step, with the next step's inputs
+    (its token a stand-in: a trace depends on shapes, not values), its outputs dropped
+    unevaluated, nothing committed. A new shape comes only after such a step (the packed run
+    changes at a freeze or an eviction, the residual's buffers at a freeze), so the quiet steps
+    replay traces and the trace's cost (a few ms) joins a step that is slow anyway instead of
+    making a quiet one slow. True where it traced."""
+    if (getattr(cache, "compiled_step", None) != "kivi" or not cache.compile_decode or tokens.ndim != 2
+            or tokens.shape[1] != 1):
+        return False
+    steps = _steps_of(model)
+    if not _traceable(model, steps):
+        return False
+    layers = cache.owned
+    plans = [c.plan() for c in layers]
+    if not all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
+        return False
+    index = {id(c): i for i, c in enumerate(layers)}
+    call = _kivi_call(model, layers, plans, tuple(index[id(c)] for c in cache), steps)
+    if call is None:
+        return False
+    key, step, args = call
+    token = mx.zeros(tokens.shape, tokens.dtype)
+    held = steps.get(("kivi traced", key))      # (the function, the input shapes traced here)
+    if held is None or held[0] is not step:
+        held = steps[("kivi traced", key)] = (step, set())
+    seen = held[1]
+    shapes = _shapes((token, args))
+    if shapes in seen:
+        return False
     try:
-        # the residual's slots read: from its first live token the window shows (frozen tokens
-        # before it: `held`) to the new token's, written at `slot`
-        logits, new = step(tokens, mx.array(plans[0].offset, mx.int32), sinks, packed, nears, buffers,
-                           mx.array(head + max(0, cut - held), mx.int32), mx.array(head + n_res, mx.int32),
-                           mx.array(cut, mx.int32))
-    except Exception as e:     # as in `decode`: eager from now on for this layout; nothing has moved
+        step(token, *args)
+    except Exception as e:     # as in `decode`: eager from now on for this layout
         _failed(steps, key, e)
-        return None
-    for c, p, (k, v) in zip(layers, plans, new):    # the eager step's commit (nothing frozen), the token written
-        c.commit(p, None, None, written=(k, v))
-    return logits
+        return False
+    seen.add(shapes)
+    return True
