@@ -448,6 +448,50 @@ def test_cancel_frees_the_place_at_once(native):
     assert w.steps - steps <= len(r.tokens) + 3          # it started at once, not after the long reply
 
 
+def test_events_reach_their_streams_in_order_one_wake_up_per_phase(native):
+    """The worker hands a scheduler phase's events to the event loop at once (`Worker._flush`):
+    four requests at once on a real asyncio loop, one of them cancelled by its reader after
+    three text pieces. Every text piece reaches its own request's queue in order (the pieces
+    join into its reply's text), the cancelled one ends as "cancel" and the others complete,
+    and the loop is woken (`call_soon_threadsafe`) fewer times than half the events: one call
+    per loop and phase, not one per token and stream."""
+    loop = asyncio.new_event_loop()
+    calls = []
+    send = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (calls.append(1), send(*a))[1]
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=4), 16, parallel=4)
+
+    async def run(job, cancel_after=None):
+        job.loop, job.events = loop, asyncio.Queue()
+        w.submit(job)
+        got = []
+        while True:
+            kind, payload = await job.events.get()
+            got.append((kind, payload))
+            if cancel_after is not None and sum(k == "text" for k, _ in got) == cancel_after:
+                job.cancel()
+            if kind in ("done", "error"):
+                return got
+    async def main():
+        jobs = [Job(native.tokenizer.encode(p * 2), 24, temperature=0) for p in PROMPTS]
+        return await asyncio.wait_for(asyncio.gather(*(run(j, 3 if i == 0 else None) for i, j in enumerate(jobs))),
+                                      120)
+    try:
+        got = loop.run_until_complete(main())
+    finally:
+        w.stop()
+        loop.close()
+    events = sum(len(g) for g in got)
+    for i, g in enumerate(got):
+        kind, r = g[-1]
+        assert kind == "done" and all(k == "text" for k, _ in g[:-1])
+        assert "".join(p for _, p in g[:-1]) == r.text
+        assert r.done_reason == ("cancel" if i == 0 else "length"), (i, r.done_reason)
+        assert len(r.tokens) < 24 if i == 0 else len(r.tokens) == 24
+    assert w.batched_steps > 10
+    assert len(calls) < events / 2, (len(calls), events)
+
+
 class _FakeOpenBLAS:
     def __init__(self, threads: int):
         self.threads, self.calls = threads, []

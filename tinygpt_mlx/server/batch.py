@@ -369,13 +369,17 @@ class _Compiled:
 def trace_counts(model: Any) -> dict:
     """The compiled steps' traces in this process, for /api/slots and the load benchmark: the
     batched steps' traces made so far by kind (`traced`), the batched functions `model` holds
-    and the traces they hold, and the solo compiled steps (cache/compiled.py) it holds."""
-    held = [s[0] if isinstance(s, tuple) else s for s in _steps(model)[0].values()]
+    and the traces they hold, the solo compiled steps (cache/compiled.py) it holds; beside them
+    MLX's memory in MiB: its arrays (active), its cache of freed buffers, its peak."""
+    held = [s[0] if isinstance(s, tuple) else s for s in list(_steps(model)[0].values())]   # (a copy: the worker adds)
     held = [s for s in held if isinstance(s, _Compiled)]
-    solo = getattr(model, _SOLO_STEPS, None) or {}
+    solo = list((getattr(model, _SOLO_STEPS, None) or {}).values())
     return {"batched_traces_made": dict(traced), "batched_functions_held": len(held),
             "batched_traces_held": sum(s.traces for s in held),
-            "solo_functions_held": sum(1 for v in solo.values() if callable(v))}
+            "solo_functions_held": sum(1 for v in solo if callable(v)),
+            "mlx_mib": {"active": round(mx.get_active_memory() / 2 ** 20, 1),
+                        "cache": round(mx.get_cache_memory() / 2 ** 20, 1),
+                        "peak": round(mx.get_peak_memory() / 2 ** 20, 1)}}
 
 
 def _steps(model: Any) -> tuple[dict, set]:

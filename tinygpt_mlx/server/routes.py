@@ -93,7 +93,7 @@ def register(app: FastAPI, models: Models) -> None:
         srv = models.resident
         return {"slots": srv.pool.describe(), "queued": srv.worker.pending, "busy": srv.worker.busy,
                 "running": len(srv.worker.running), "parallel": srv.worker.parallel,
-                "batched_steps": srv.worker.batched_steps,
+                "batched_steps": srv.worker.batched_steps, "compiled": srv.worker.trace_counts(),
                 "cache_policy": srv.cache_config.label(), "recent": list(srv.worker.recent),
                 "model": srv.names[1], "model_swaps": models.swaps}
 
