@@ -431,10 +431,17 @@ def prepare(model: Any, tokens: mx.array, cache: Any) -> bool:
     unevaluated, nothing committed. A new shape comes only after such a step (the packed run
     changes at a freeze or an eviction, the residual's buffers at a freeze), so the quiet steps
     replay traces and the trace's cost (a few ms) joins a step that is slow anyway instead of
-    making a quiet one slow. True where it traced."""
+    making a quiet one slow. True where it traced.
+
+    First, under StreamingLLM, the blocks that no longer fit the window are evicted now
+    (`evict_middle_if_needed`: what the next step's plan would evict before its attention
+    anyway, so it attends the same tokens): after a prompt, the first step freezes the prompt's
+    blocks (KIVI keeps a chunk exact until the next append) and the next would evict most of
+    them, eagerly; evicted here, that next step is a quiet one."""
     if (getattr(cache, "compiled_step", None) != "kivi" or not cache.compile_decode or tokens.ndim != 2
             or tokens.shape[1] != 1):
         return False
+    cache.evict_middle_if_needed()
     steps = _steps_of(model)
     if not _traceable(model, steps):
         return False
