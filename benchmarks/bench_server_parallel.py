@@ -20,7 +20,8 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
                 batching saves in the model call, apart from the server's per-token work; the
                 decode steps on one OpenBLAS thread, as the server runs them (blas.Threads);
                 by the wall clock and per CPU-second of this process. --engine-vs PATH times
-                a second batched path in the same rounds (ratios in one run);
+                a second batched path in the same rounds (ratios in one run); the JSON
+                counts how each batched path's steps ran (batch.taken: compiled, compiled_kivi, ...);
                 --engine-prompt-tokens N repeats each prompt to N tokens or more (past a
                 window or hot budget the steps start in the policy's steady state);
                 in the same rounds, the ceiling batching has on this machine: mlx-lm's
@@ -191,6 +192,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     rates = {kind: [] for kind in kinds}
     cpu = {kind: [] for kind in kinds}
     order = list(kinds)
+    paths = {kind: batch.taken - batch.taken for kind in kinds}     # how each batched kind's steps ran
     for r in range(rounds):
         for kind in (order if r % 2 == 0 else order[::-1]):
             caches, tokens = sets[kind]
@@ -203,8 +205,10 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
                     mx.eval(tokens)
                     [t.tolist() for t in tokens]      # read back, as the other paths do
                 else:
+                    was = batch.taken.copy()
                     tokens = [int(t) for t in mx.argmax(batch.decode_step(m, tokens, caches, **kinds[kind]),
                                                           axis=-1).tolist()]
+                    paths[kind] += batch.taken - was
             rates[kind].append(steps * streams / (time.perf_counter() - t0))
             cpu[kind].append(steps * streams / max(time.process_time() - c0, 1e-9))
             sets[kind] = (caches, tokens)
@@ -225,11 +229,12 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
            "engine_peer_batched_tok_s": round(med["peer_batched"], 1),
            "engine_peer_ratio": round(med["peer_batched"] / med["peer_solo"], 2),
            "engine_peer_cpu_ratio": round(per_cpu["peer_batched"] / per_cpu["peer_solo"], 2),
-           "engine_peer_prompt_tokens": cut}
+           "engine_peer_prompt_tokens": cut,
+           "engine_batched_paths": dict(paths["batched"])}
     if vs:
         out.update(engine_vs_path=vs, engine_vs_tok_s=round(med["vs"], 1), engine_vs_ratio=round(med["vs"] / one, 2),
                    engine_vs_tok_per_cpu_s=round(per_cpu["vs"], 1),
-                   engine_vs_cpu_ratio=round(per_cpu["vs"] / per_cpu["solo"], 2))
+                   engine_vs_cpu_ratio=round(per_cpu["vs"] / per_cpu["solo"], 2), engine_vs_paths=dict(paths["vs"]))
     return out
 
 
