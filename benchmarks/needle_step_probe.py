@@ -36,6 +36,7 @@ import numpy as np
 from tinygpt_mlx import loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
+from tinygpt_mlx.chat_template import encode_fragment
 from tinygpt_mlx.cache.telemetry import pages_holding
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, as_chat, cell_document, needle_positions, with_lead_in
@@ -150,7 +151,7 @@ def main() -> None:
     prompt = as_chat(tok, prompt, a.lead_in) if a.chat else with_lead_in(prompt, a.lead_in)
     ids = list(tok.encode(prompt))
     truth = np.asarray(needle_positions(tok.encode, prompt, answer))
-    target = list(tok.encode(" " + answer + "."))
+    target = encode_fragment(tok, " " + answer + ".")   # no BOS: the answer continues the prompt
     print(f"cell: context {a.context}, depth {a.depth}, seed {a.seed}: {len(ids)} tokens, answer {answer!r}, "
           f"needle at positions {truth.min()}-{truth.max()}", flush=True)
     plain = ColdStore.pool
