@@ -20,7 +20,10 @@ off by default since issue 53):
   builds at 32K.
 
     python -m benchmarks.retrieval_build [--contexts 4096,32768] [--full-contexts 4096,32768] [--steps 30]
-        [--real] [--json PATH]
+        [--real] [--model PATH] [--json PATH]
+
+`--model`: another model than the shipped one (SmolLM2's GGUF, say); the neighbour stays the
+shipped model's 32K step.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def main() -> None:
     ap.add_argument("--real", action="store_true", help="prefill each whole context through the policy")
     ap.add_argument("--full-contexts", default=None,
                     help="contexts of the full fp32 cache, prefilled for real (default: --prompt tokens)")
+    ap.add_argument("--model", default=None, help="model name or path (default: the shipped model)")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     contexts = token_counts(ap, "--contexts", a.contexts)
@@ -77,11 +81,15 @@ def main() -> None:
         ap.error(f"--steps {a.steps}: give at least 1")
 
     from tinygpt_mlx.cli.common import load_model, write_atomic
+    from tinygpt_mlx.errors import PosttrainError
     from tinygpt_mlx.evaluate.bench import make_policy
     from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
     from tinygpt_mlx.generate import forward, prefill
 
-    model = load_model(None).model
+    try:
+        model = load_model(a.model).model
+    except (OSError, ValueError, PosttrainError) as e:
+        ap.error(f"--model {a.model!r}: {e}")
     caches: dict = {}
     made = ([("fp32", "fp32", c) for c in full] + [("sink4/hot1024", "sink4/hot1024", c) for c in contexts]
             + [("sink4/hot1024 recording", "sink4/hot1024", contexts[0])])
@@ -125,7 +133,7 @@ def main() -> None:
             print(f"{cond:>15}  {key[0]:>24} {key[1]:>7,}  build {us:7.0f} us  ({us / ref:.2f}x fp32 at {ref_ctx:,})",
                   flush=True)
     if a.json is not None:
-        write_atomic(a.json, json.dumps({"steps": a.steps, "prompt": a.prompt, "real": a.real, "full_contexts": full,
+        write_atomic(a.json, json.dumps({"steps": a.steps, "prompt": a.prompt, "real": a.real, "full_contexts": full, "model": a.model,
                                          "rows": rows},
                                         indent=2))
 
