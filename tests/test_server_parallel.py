@@ -316,6 +316,41 @@ def test_a_compiled_batched_step_is_made_anew_past_its_traces(native32, monkeypa
     assert made >= 5 and step.made >= 3 and step.made == -(-made // 2), (made, step.made)
 
 
+def test_a_full_compiled_batched_step_replays_the_shapes_it_holds(monkeypatch):
+    """Holding KEEP_SHAPES traces (here 2), a compiled batched step made anew only when a call
+    brings a new set of input shapes: a call with shapes it has traced replays (it was made anew
+    before such a call too, and traced the shapes it had just dropped again)."""
+    monkeypatch.setattr(batch, "KEEP_SHAPES", 2)
+
+    def make():
+        def f(x, pair):
+            batch.traced["probe"] += 1     # runs only while MLX traces
+            return x * 2 + pair[0].sum() + pair[1][0].sum()
+        return mx.compile(f)
+    step, start = batch._Compiled(make, "probe"), batch.traced["probe"]
+    a, b, c = (mx.ones((n,)) for n in (2, 3, 4))
+    for x in (a, b, b, a, b):                            # two shape sets: traced once each
+        mx.eval(step(x, (x, [x])))
+    assert (batch.traced["probe"] - start, step.made, step.traces) == (2, 1, 2)
+    mx.eval(step(c, (c, [c])))                          # a third: made anew, traced
+    assert (batch.traced["probe"] - start, step.made, step.traces) == (3, 2, 1)
+    mx.eval(step(c, (c, [c])))
+    mx.eval(step(a, (a, [a])))                          # dropped with the old function: traced again
+    assert (batch.traced["probe"] - start, step.made, step.traces) == (4, 2, 2)
+    assert float(step(a, (a, [a]))[0]) == 6
+
+
+def test_trace_counts_reads_a_model_without_steps_and_sets_nothing():
+    """/api/slots may ask before the worker's first compiled step: `trace_counts` reads the model's
+    steps without making them (making them there raced the worker's own)."""
+    class Bare:
+        pass
+    m = Bare()
+    counts = batch.trace_counts(m)
+    assert counts["batched_functions_held"] == 0 and counts["batched_traces_held"] == 0
+    assert not hasattr(m, batch._ATTR)
+
+
 def test_a_layout_whose_trace_failed_stays_eager_past_the_kept_traces(native32_path, monkeypatch, caplog):
     """A layout whose compiled batched trace fails runs eager from then on, traced and logged
     once: its mark is kept apart from the newest KEEP_TRACES traces (here 1), so the layouts

@@ -346,24 +346,44 @@ traced: Counter = Counter()
 KEEP_SHAPES = 8
 
 
+def _shape_key(tree: Any) -> Any:
+    """What MLX traces a compiled function anew for: its arrays' shapes and dtypes, in nested
+    tuples and lists (other arguments as they are)."""
+    if isinstance(tree, mx.array):
+        return (tuple(tree.shape), tree.dtype)
+    if isinstance(tree, (tuple, list)):
+        return tuple(_shape_key(t) for t in tree)
+    if isinstance(tree, dict):
+        return tuple((k, _shape_key(v)) for k, v in tree.items())
+    try:
+        hash(tree)
+        return tree
+    except TypeError:
+        return repr(tree)
+
+
 class _Compiled:
     """A compiled batched step (`mx.compile` of a layout's step function, `make`) and the traces
     it holds, counted by the `traced` counter of its `kind` (its Python body runs only while MLX
-    traces it); made anew once it holds KEEP_SHAPES of them."""
+    traces it), one per set of input shapes (`seen`); made anew when a call brings a new set
+    while it holds KEEP_SHAPES of them (a call whose shapes it has traced replays, even then)."""
 
     def __init__(self, make: Any, kind: str):
         self.make, self.kind = make, kind
-        self.fn, self.traces, self.made = make(), 0, 1
+        self.fn, self.traces, self.made, self.seen = make(), 0, 1, set()
 
     def __call__(self, *args):
-        if self.traces >= KEEP_SHAPES:
-            self.fn, self.traces = self.make(), 0
+        key = _shape_key(args)
+        if key not in self.seen and self.traces >= KEEP_SHAPES:
+            self.fn, self.traces, self.seen = self.make(), 0, set()
             self.made += 1
         before = traced[self.kind]
         try:
             return self.fn(*args)
         finally:
-            self.traces += traced[self.kind] - before
+            if traced[self.kind] != before:
+                self.traces += traced[self.kind] - before
+                self.seen.add(key)
 
 
 def trace_counts(model: Any) -> dict:
@@ -371,7 +391,8 @@ def trace_counts(model: Any) -> dict:
     batched steps' traces made so far by kind (`traced`), the batched functions `model` holds
     and the traces they hold, the solo compiled steps (cache/compiled.py) it holds; beside them
     MLX's memory in MiB: its arrays (active), its cache of freed buffers, its peak."""
-    held = [s[0] if isinstance(s, tuple) else s for s in list(_steps(model)[0].values())]   # (a copy: the worker adds)
+    steps = getattr(model, _ATTR, None)     # read only: `_steps` would set it, racing the worker
+    held = [s[0] if isinstance(s, tuple) else s for s in list(steps[0].values())] if steps else []  # (a copy)
     held = [s for s in held if isinstance(s, _Compiled)]
     solo = list((getattr(model, _SOLO_STEPS, None) or {}).values())
     return {"batched_traces_made": dict(traced), "batched_functions_held": len(held),
