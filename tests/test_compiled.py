@@ -409,6 +409,28 @@ def test_kivi_quiet_steps_replay_traces_made_in_the_eager_steps_before_them(nati
     assert mx.array_equal(unprepared, fast).item()
 
 
+def test_a_kivi_window_holds_the_same_between_steps_compiled_or_not(native32):
+    """Under StreamingLLM a KIVI cache evicts what its window no longer holds after an eager step
+    (`compiled.prepare`), with its decode steps compiled or not: what it stores between steps (what
+    a prompt-cache file or checkpoint saves) does not depend on POSTTRAINLLM_COMPILE. Fails with the
+    eviction done only where the steps compile (the eager cache held a window's worth more)."""
+    from tinygpt_mlx.generate import forward
+    model = native32.model
+    toks = [(i * 37 + 11) % 300 for i in range(300)] + [(i * 53 + 7) % 300 for i in range(80)]
+
+    def held(compile_decode):
+        compiled.forget(model)
+        cache = make_cache(model, CacheConfig.from_spec("int4+sink4/window64"))
+        cache.compile_decode = compile_decode
+        forward(model, mx.array([toks[:300]]), cache)
+        out = []
+        for t in toks[300:]:
+            mx.eval(forward(model, mx.array([[t]]), cache))
+            out.append((cache.current_length, cache.stored_count, cache.nbytes))
+        return out
+    assert held(True) == held(False)
+
+
 @pytest.mark.parametrize("spec", ["sink4/window16", "int4+sink4/window64"])
 def test_a_compiled_step_leaves_nothing_unevaluated(native32, spec):
     """Everything the step stores is evaluated with its logits: the server steps on a worker

@@ -437,11 +437,15 @@ def prepare(model: Any, tokens: mx.array, cache: Any) -> bool:
     (`evict_middle_if_needed`: what the next step's plan would evict before its attention
     anyway, so it attends the same tokens): after a prompt, the first step freezes the prompt's
     blocks (KIVI keeps a chunk exact until the next append) and the next would evict most of
-    them, eagerly; evicted here, that next step is a quiet one."""
-    if (getattr(cache, "compiled_step", None) != "kivi" or not cache.compile_decode or tokens.ndim != 2
-            or tokens.shape[1] != 1):
+    them, eagerly; evicted here, that next step is a quiet one. This happens with the steps
+    compiled or not (`compile_decode`), so what the cache holds between steps, and so what a
+    prompt-cache file or checkpoint saves, does not depend on it."""
+    if getattr(cache, "compiled_step", None) != "kivi" or tokens.ndim != 2 or tokens.shape[1] != 1:
         return False
-    cache.evict_middle_if_needed()
+    if cache.config.streaming:      # compiled or not: the cache holds the same between steps
+        cache.evict_middle_if_needed()
+    if not cache.compile_decode:
+        return False
     steps = _steps_of(model)
     if not _traceable(model, steps):
         return False
