@@ -376,16 +376,49 @@ def _kivi_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners
     return logits
 
 
+def kivi_layout(layers: list) -> Optional[tuple]:
+    """The body layout every layer shares for KIVI's quiet step, (packed tokens, frozen held,
+    first buffer slot read, tokens read there), or None where the layers differ (then the step
+    runs eager). Also serve's batched step's (server/batch.py)."""
+    first = layers[0]
+    full = not first.config.streaming
+    leads = [c.sink_store if full else None for c in layers]
+    layout = first.body.layout(leads[0])
+    if layout is None or any(c.seen != first.seen or c.positions.base != first.positions.base
+                             or c.body.layout(lead) != layout for c, lead in zip(layers, leads)):
+        return None
+    return layout
+
+
+def kivi_inputs(layers: list, plans: list, layout: tuple) -> tuple:
+    """What KIVI's quiet step reads of the layers for the next token, planned as `plans` with
+    `layout` (`kivi_layout`): (RoPE position, the sinks, packed runs, near tiers and residual
+    buffers per layer, the first residual slot read, the new token's slot, the body's tokens
+    the window no longer shows), the numbers as Python ints. Also serve's batched step's."""
+    first = layers[0]
+    full = not first.config.streaming
+    n_packed, held, head, n_res = layout
+    # the body's tokens the query no longer sees (mask.py: position first + j, the query's `seen`)
+    cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
+    sinks, packed, nears, buffers = [], [], [], []
+    for c in layers:
+        sinks.append(() if full else c.placed_sink())
+        p, n, r = c.body.step_inputs(c.sink_store if full else None)
+        packed.append(p)
+        nears.append(n)
+        buffers.append(r)
+    # the residual's slots read: from its first live token the window shows (frozen tokens
+    # before it: `held`) to the new token's, written at `slot`
+    return plans[0].offset, sinks, packed, nears, buffers, head + max(0, cut - held), head + n_res, cut
+
+
 def _kivi_call(model: Any, layers: list, plans: list, owners: tuple, steps: dict) -> Optional[tuple]:
     """(layout key, compiled function, its inputs but the tokens) for KIVI's quiet step planned
     as `plans`, or None where it cannot run compiled (`_kivi_decode`)."""
     first = layers[0]
     full = not first.config.streaming
-    leads = [c.sink_store if full else None for c in layers]
-    # (packed tokens, frozen held, first buffer slot read, tokens read there)
-    layout = first.body.layout(leads[0])
-    if layout is None or any(c.seen != first.seen or c.positions.base != first.positions.base
-                             or c.body.layout(lead) != layout for c, lead in zip(layers, leads)):
+    layout = kivi_layout(layers)
+    if layout is None:
         return None
     n_packed, held, head, n_res = layout
     key = ("kivi", owners, first.dtype, first.body.storage, first.config, held > n_packed)
@@ -400,20 +433,9 @@ def _kivi_call(model: Any, layers: list, plans: list, owners: tuple, steps: dict
         step = None
     if step is None:
         step = _kivi_step_fn(model, steps, key)
-    # the body's tokens the query no longer sees (mask.py: position first + j, the query's `seen`)
-    cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
-    sinks, packed, nears, buffers = [], [], [], []
-    for c, lead in zip(layers, leads):
-        sinks.append(() if full else c.placed_sink())
-        p, n, r = c.body.step_inputs(lead)
-        packed.append(p)
-        nears.append(n)
-        buffers.append(r)
-    # the residual's slots read: from its first live token the window shows (frozen tokens
-    # before it: `held`) to the new token's, written at `slot`
-    return key, step, (mx.array(plans[0].offset, mx.int32), sinks, packed, nears, buffers,
-                       mx.array(head + max(0, cut - held), mx.int32), mx.array(head + n_res, mx.int32),
-                       mx.array(cut, mx.int32))
+    offset, sinks, packed, nears, buffers, read_from, slot, cut = kivi_inputs(layers, plans, layout)
+    return key, step, (mx.array(offset, mx.int32), sinks, packed, nears, buffers,
+                       mx.array(read_from, mx.int32), mx.array(slot, mx.int32), mx.array(cut, mx.int32))
 
 
 def _shapes(tree: Any) -> tuple:

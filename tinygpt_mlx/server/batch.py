@@ -93,7 +93,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import KVCache
-from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask
+from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout
 from ..cache.compiled_retrieval import _TracedRetrieval, attend_rows, commit, layer_specs, steady, step_inputs
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
@@ -594,40 +594,25 @@ def _padded(runs: list) -> tuple:
 def _kivi_quiet(cache: KVCache) -> Optional[tuple]:
     """(the layers' plans, their layout) of a KIVI cache whose next step is a quiet one in every
     layer at one position, as the solo quiet step requires (cache/compiled.py `_kivi_ready`,
-    `_kivi_decode`), or None (then the whole batch runs eager); nothing changed."""
+    `kivi_layout`), or None (then the whole batch runs eager); nothing changed."""
     layers = cache.owned
     plans = [c.plan() for c in layers]
     if not all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
         return None
-    first = layers[0]
-    leads = [c.sink_store if not first.config.streaming else None for c in layers]
-    layout = first.body.layout(leads[0])
-    if layout is None or any(c.seen != first.seen or c.positions.base != first.positions.base
-                             or c.body.layout(lead) != layout for c, lead in zip(layers, leads)):
-        return None
-    return plans, layout
+    layout = kivi_layout(layers)
+    return None if layout is None else (plans, layout)
 
 
 def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
     """What the compiled batched KIVI step needs of one quiet sequence's cache (`_kivi_quiet`)
-    for its next token, read as the solo quiet step reads it (cache/compiled.py `_kivi_decode`):
+    for its next token, read as the solo quiet step reads it (cache/compiled.py `kivi_inputs`):
     (row key, RoPE position, the sinks, packed runs, near tiers and residual buffers per layer,
     the first residual slot read, the new token's slot, the body's tokens the window no longer
     shows)."""
-    layers = cache.owned
-    first = layers[0]
-    full = not first.config.streaming
-    n_packed, held, head, n_res = layout
-    cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
-    sinks, packed, nears, buffers = [], [], [], []
-    for c in layers:
-        sinks.append(() if full else c.placed_sink())
-        p, n, r = c.body.step_inputs(c.sink_store if full else None)
-        packed.append(p)
-        nears.append(n)
-        buffers.append(r)
+    first = cache.owned[0]
+    n_packed, held = layout[:2]
     key = ("kivi", first.dtype, first.body.storage, first.config, held > n_packed)
-    return key, plans[0].offset, sinks, packed, nears, buffers, head + max(0, cut - held), head + n_res, cut
+    return (key, *kivi_inputs(cache.owned, plans, layout))
 
 
 def _stacked_mask(n_sink: int, shapes: tuple, counts: mx.array, firsts: mx.array, lasts: mx.array,
