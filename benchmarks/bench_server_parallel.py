@@ -274,7 +274,11 @@ def ttft(url: str, model: str, long_tokens: int, short_tokens: int, repeats: int
 
 
 def serve(model: str, label: str, window: int, streams: int, port: int) -> None:
-    """The server process: `label`'s policy, --parallel `streams`, on 127.0.0.1:`port`."""
+    """The server process: `label`'s policy, --parallel `streams`, on 127.0.0.1:`port`; glibc's
+    heap kept for MLX's large temporaries as `posttrainllm serve` keeps it (tinygpt_mlx/heap.py;
+    POSTTRAINLLM_NO_HEAP_TUNE=1 runs it without, to compare)."""
+    from tinygpt_mlx import heap
+    heap.keep_large_blocks()
     import uvicorn
     from tinygpt_mlx.server.app import create_app
     app = create_app(load(model), policies(window)[label], max_slots=streams, parallel=streams)
