@@ -25,6 +25,8 @@ import os
 import sys
 from typing import Any, Mapping, Optional
 
+from . import blas
+
 OFF_VAR = "POSTTRAINLLM_NO_HEAP_TUNE"
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
@@ -41,7 +43,7 @@ def _libc() -> Optional[Any]:
 
 def keep_large_blocks(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
     """Set glibc's mmap and trim thresholds and one arena (module doc); True where all were set."""
-    if not platform.startswith("linux") or environ.get(OFF_VAR, "").strip().lower() in ("1", "true", "yes", "on"):
+    if not platform.startswith("linux") or blas._on(environ.get(OFF_VAR)):
         return False
     libc = _libc()
     if libc is None:

@@ -438,11 +438,21 @@ def _kivi_call(model: Any, layers: list, plans: list, owners: tuple, steps: dict
                        mx.array(read_from, mx.int32), mx.array(slot, mx.int32), mx.array(cut, mx.int32))
 
 
-def _shapes(tree: Any) -> tuple:
-    """The shapes and dtypes of the arrays in nested tuples and lists: what MLX traces anew for."""
+def shape_key(tree: Any) -> Any:
+    """What MLX traces a compiled function anew for: the shapes and dtypes of the arrays in
+    nested tuples, lists and dicts, other arguments as they are (`prepare`; serve's batched
+    steps, server/batch.py)."""
     if isinstance(tree, mx.array):
         return (tuple(tree.shape), tree.dtype)
-    return tuple(_shapes(t) for t in tree)
+    if isinstance(tree, (tuple, list)):
+        return tuple(shape_key(t) for t in tree)
+    if isinstance(tree, dict):
+        return tuple((k, shape_key(v)) for k, v in tree.items())
+    try:
+        hash(tree)
+        return tree
+    except TypeError:
+        return repr(tree)
 
 
 def prepare(model: Any, tokens: mx.array, cache: Any) -> bool:
@@ -485,7 +495,7 @@ def prepare(model: Any, tokens: mx.array, cache: Any) -> bool:
     if held is None or held[0] is not step:
         held = steps[("kivi traced", key)] = (step, set())
     seen = held[1]
-    shapes = _shapes((token, args))
+    shapes = shape_key((token, args))
     if shapes in seen:
         return False
     try:

@@ -93,7 +93,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..cache import KVCache
-from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout
+from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout, shape_key
 from ..cache.compiled_retrieval import _TracedRetrieval, attend_rows, commit, layer_specs, steady, step_inputs
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
@@ -346,22 +346,6 @@ traced: Counter = Counter()
 KEEP_SHAPES = 8
 
 
-def _shape_key(tree: Any) -> Any:
-    """What MLX traces a compiled function anew for: its arrays' shapes and dtypes, in nested
-    tuples and lists (other arguments as they are)."""
-    if isinstance(tree, mx.array):
-        return (tuple(tree.shape), tree.dtype)
-    if isinstance(tree, (tuple, list)):
-        return tuple(_shape_key(t) for t in tree)
-    if isinstance(tree, dict):
-        return tuple((k, _shape_key(v)) for k, v in tree.items())
-    try:
-        hash(tree)
-        return tree
-    except TypeError:
-        return repr(tree)
-
-
 class _Compiled:
     """A compiled batched step (`mx.compile` of a layout's step function, `make`) and the traces
     it holds, counted by the `traced` counter of its `kind` (its Python body runs only while MLX
@@ -373,7 +357,7 @@ class _Compiled:
         self.fn, self.traces, self.made, self.seen = make(), 0, 1, set()
 
     def __call__(self, *args):
-        key = _shape_key(args)
+        key = shape_key(args)
         if key not in self.seen and self.traces >= KEEP_SHAPES:
             self.fn, self.traces, self.seen = self.make(), 0, set()
             self.made += 1
