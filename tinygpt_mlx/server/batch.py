@@ -508,7 +508,7 @@ class _KiviRows(_TracedRows):
         return mx.concatenate([r.attend(queries[i:i + 1], scale, None) for i, r in enumerate(self.rows)], axis=0)
 
 
-class _KiviStacked(_TracedKivi):
+class _KiviStacked(_TracedRows, _TracedKivi):
     """One model layer's KIVI caches of B sequences during the trace of a batched quiet step,
     attending as one: each row writes its new token into its own residual buffer at its own
     slot (`rows`, each a `_TracedKivi`), then the rows' sinks, packed runs, near tiers and
@@ -516,22 +516,15 @@ class _KiviStacked(_TracedKivi):
     (`_padded`), and `_TracedKivi.attend` runs once over the B rows with a mask [B, 1, 1, slots]
     that shows each row its own slots (`_stacked_mask`: the padding masked, as is every slot the
     row's solo step masks). A padded key scores -inf and adds an exact zero: each row is its
-    solo attention over the same keys, its sums run over longer rows (the last bits may differ)."""
+    solo attention over the same keys, its sums run over longer rows (the last bits may differ).
+    The rows' writes and the mask protocol are `_TracedRows`' (the rows' mask is built in the
+    step, `_stacked_mask`); the attention `_TracedKivi`'s, once over the stacked rows."""
 
     def __init__(self, rows: list, offset: mx.array, masks: mx.array):
         first = rows[0]
-        super().__init__((), (), (), (), None, masks, offset, first.config, first.storage, first.compute_dtype)
+        _TracedKivi.__init__(self, (), (), (), (), None, masks, offset, first.config, first.storage,
+                             first.compute_dtype)
         self.rows = rows
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
-        if window_size is not None:
-            raise ValueError("a windowed mask is not traced")
-        return None     # the rows' mask is built in the step (`_stacked_mask`)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        for i, r in enumerate(self.rows):
-            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-        return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         rows = self.rows
@@ -541,7 +534,7 @@ class _KiviStacked(_TracedKivi):
         self.near = _padded([r.near for r in rows]) if any(r.near for r in rows) else ()
         size = max(r.buffers[0].shape[2] for r in rows)
         self.buffers = tuple(stack([_pad(r.buffers[x], 2, size - r.buffers[x].shape[2]) for r in rows]) for x in (0, 1))
-        return super().attend(queries, scale, None)
+        return _TracedKivi.attend(self, queries, scale, None)
 
 
 def _pad(a: mx.array, axis: int, n: int) -> mx.array:
@@ -690,7 +683,7 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
 
 
 # ----- retrieval rows in one compiled batched step ----------------------------------------------
-class _RetrievalRows:
+class _RetrievalRows(_TracedRows):
     """One model layer's retrieval caches of B sequences during the trace of a batched step: each
     row the compiled solo step's traced layer (cache/compiled_retrieval.py `_TracedRetrieval`,
     with its own `at`), which writes its own token (the body's oldest token leaving, the new one
@@ -699,23 +692,12 @@ class _RetrievalRows:
     widths, hot window and sink) through the solo step's own code in its per-row form
     (`attend_rows`, stacked: the turns in one RoPE call, each row's leaving key written into its
     own cold store, the selection over the rows' arrays stacked, `select_rows`, each row
-    gathering from its own store, one softmax)."""
-
-    reads_own_segments = True
+    gathering from its own store, one softmax). The rows' writes and the mask protocol (one
+    query sees every stored token, checked before the step) are `_TracedRows`'."""
 
     def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple):
-        self.rows = [_TracedRetrieval(sp, a, x) for sp, a, x in zip(specs, at, inputs)]
-        self.offset, self.groups = offset, groups
-
-    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
-        if window_size is not None:
-            raise ValueError("a windowed mask is not traced")
-        return None     # one query sees every stored token (checked before the step)
-
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        for i, r in enumerate(self.rows):
-            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
-        return keys, values
+        super().__init__([_TracedRetrieval(sp, a, x) for sp, a, x in zip(specs, at, inputs)], offset)
+        self.groups = groups
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         outs = [attend_rows(self.rows[a:b], queries[a:b] if b - a < queries.shape[0] else queries, scale, None,
