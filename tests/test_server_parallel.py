@@ -15,7 +15,8 @@ running); the scheduler never retiring a cancelled request (the cancel test time
 prefill taking the oldest prompt first (the long prefill is answered first); no reload of a busy
 pre-warmed document (the other questions prefill it); the stacked attention without its padding
 mask, the compiled full row's mask one slot short, a ring's stacked length taken as its whole
-buffer (the lockstep test of the batched attention paths fails for the policies concerned);
+buffer, a filling ring's compiled row unmasked, the compiled rows attending as one without their
+masks or in another order (the lockstep tests fail for the policies concerned);
 the worker never switching OpenBLAS to one thread for decode; `render` not joining waiting text
 pieces.
 """
@@ -149,6 +150,8 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
     compiles = dense or policy == "retrieval"
     assert (counts["compiled"]["compiled"] > 0) == compiles, counts  # the compiled batched step
     assert (counts["compiled"]["compiled_retrieval"] > 0) == (policy == "retrieval"), counts
+    # a ring whose window is still filling (the short prompt's) steps compiled too
+    assert (counts["compiled"]["compiled_ring_filling"] > 0) == (policy == "sink+window"), counts
     if not dense:      # packed or retrieved data: each sequence attends on its own, as before
         assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
 

@@ -38,10 +38,13 @@ reference).
 
 The compiled batched step (`compiled_decode`, tried first): where every sequence's cache is a
 full exact one with room for the token in its buffers, or a StreamingLLM ring in its steady
-state (the compiled solo step's condition, cache/compiled.py), the whole step, embedding,
+state (the compiled solo step's condition, cache/compiled.py) or still filling its window (laid
+out as a ring, its sink full: the solo step runs these eager), the whole step, embedding,
 projections, RoPE, the B cache writes (at array positions), attention and MLP, is traced by
-`mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row attends over its
-whole buffer with the unwritten slots masked, a ring row over its buffer as it lies. MLX fuses
+`mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row, and a filling
+ring's, attends over its whole buffer with the unwritten slots masked, a steady ring row over its
+buffer as it lies; rows whose buffers share a shape attend in one fused call over the buffers
+concatenated (`STACK_ROWS`), each row's mask stacked. MLX fuses
 the element-wise work and Python builds no graph per step. A layout's trace is reused until a
 row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept, and
 apart from them the layouts whose trace failed (each runs eager from then on, logged once).
@@ -99,8 +102,9 @@ from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
 
 
-#: how the batched steps ran, for the tests and /api/slots: "compiled" steps (`compiled_decode`),
-#: layer calls whose rows attended "stacked" (one fused call) and rows attending "per_sequence"
+#: how the batched steps ran, for the tests and /api/slots: "compiled" steps (`compiled_decode`;
+#: "compiled_ring_filling" those with a ring still filling its window), layer calls whose rows
+#: attended "stacked" (one fused call) and rows attending "per_sequence"
 taken: Counter = Counter()
 
 
@@ -268,37 +272,47 @@ class _TracedFull:
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.slot, axes=(2,))
 
     def attend(self, queries: mx.array, scale: float) -> mx.array:
+        k, v = self.kv()
+        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=self.valid())
+
+    def kv(self) -> tuple[mx.array, mx.array]:
+        """The buffers in the compute dtype (after this step's write)."""
         k, v = self.keys, self.values
         if k.dtype != self.compute_dtype:
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
-        valid = (mx.arange(k.shape[2]) <= self.slot)[None, None, None, :]
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=valid)
+        return k, v
+
+    def valid(self) -> Optional[mx.array]:
+        """The slots this row's query sees, [1, 1, 1, capacity] (None: all of them)."""
+        return (mx.arange(self.keys.shape[2]) <= self.slot)[None, None, None, :]
 
 
 class _TracedRing(_TracedFull):
-    """One sequence's full StreamingLLM ring (every slot live) during the trace: the new token
-    written over the oldest at `slot`, in shifted mode the sink placed for this step's query
-    (`sink_rows`), one query over the buffer as it lies (ring.py, cache/compiled.py)."""
+    """One sequence's StreamingLLM ring during the trace: the new token written at `slot` (over
+    the oldest window token in a full ring), in shifted mode the sink placed for this step's
+    query (`sink_rows`), one query over the buffer as it lies (ring.py, cache/compiled.py). A
+    ring still `filling` (its window not full: the live tokens are the buffer's first `slot`
+    slots, the rest zeros) masks the slots past the new token, as a full cache's row does."""
 
     def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype,
-                 sink_rows: Optional[mx.array]):
+                 sink_rows: Optional[mx.array], filling: bool = False):
         super().__init__(keys, values, slot, compute_dtype)
-        self.sink_rows = sink_rows
+        self.sink_rows, self.filling = sink_rows, filling
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> None:
         super().update_and_fetch(keys, values)
         if self.sink_rows is not None:
             self.keys[..., :self.sink_rows.shape[2], :] = self.sink_rows
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        k, v = self.keys, self.values
-        if k.dtype != self.compute_dtype:
-            k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale)
+    def valid(self) -> Optional[mx.array]:
+        return super().valid() if self.filling else None
 
 
 class _TracedRows:
-    """One model layer's B sequences during the trace (the per-layer protocol, as `BatchLayer`)."""
+    """One model layer's B sequences during the trace (the per-layer protocol, as `BatchLayer`).
+    Rows whose buffers share one shape (rings of one sink + window, full caches of one capacity)
+    of at most `STACK_TOKENS` slots attend as one (`STACK_ROWS`): their buffers concatenated along the rows, one fused call,
+    each row's mask (`valid`) stacked where any row has one; else each row on its own."""
 
     reads_own_segments = True
 
@@ -316,7 +330,25 @@ class _TracedRows:
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
+        rows = self.rows
+        if (STACK_ROWS and len(rows) > 1 and len({(r.keys.shape, r.compute_dtype) for r in rows}) == 1
+                and rows[0].keys.shape[2] <= STACK_TOKENS):     # (the copy: as the eager step's)
+            ks, vs = zip(*(r.kv() for r in rows))
+            valid = [r.valid() for r in rows]
+            if all(m is None for m in valid):
+                mask = None
+            else:
+                ones = mx.ones((1, 1, 1, rows[0].keys.shape[2]), mx.bool_)
+                mask = mx.concatenate([ones if m is None else m for m in valid], axis=0)
+            return mx.fast.scaled_dot_product_attention(queries, mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0),
+                                                        scale=scale, mask=mask)
         return mx.concatenate([r.attend(queries[i:i + 1], scale) for i, r in enumerate(self.rows)], axis=0)
+
+
+#: the rows of a compiled full / ring step attend as one where their buffers share a shape
+#: (`_TracedRows.attend`: one fused call over the B buffers concatenated, which copies them, in
+#: place of B calls); False: each row on its own (an A/B switch: docs/server.md)
+STACK_ROWS = True
 
 
 #: every trace failure in this process, (layout, error), each also logged once; the model's
@@ -439,7 +471,8 @@ def _row(cache: KVCache) -> Optional[tuple]:
     key, slot, RoPE position, buffers per layer, sink rows per layer or None, the layers' plans,
     the sink's slot), or None where this step cannot run compiled for it: a full exact cache
     whose buffers have room for the token, or a StreamingLLM ring in its steady state (the
-    compiled solo step's condition, cache/compiled.py); every layer of it at one position."""
+    compiled solo step's condition, cache/compiled.py) or filling its window (`_filling`);
+    every layer of it at one position, and in one of the two states."""
     layers = cache.owned
     first = layers[0]
     if first.dtype is None or any(c.sliding is not None for c in layers):
@@ -458,7 +491,8 @@ def _row(cache: KVCache) -> Optional[tuple]:
     if cache.compiled_step != "ring" or not all(type(c) is RingLayer for c in layers):
         return None
     plans = [c.plan() for c in layers]
-    if not all(p.rebase == 0 and c.body.steady() for c, p in zip(layers, plans)):
+    filling = _filling(first.body, plans[0])
+    if not all(p.rebase == 0 and (_filling(c.body, p) if filling else c.body.steady()) for c, p in zip(layers, plans)):
         return None
     slot = first.body.write_slot
     if any(c.seen != first.seen or c.body.write_slot != slot or c.positions.base != first.positions.base
@@ -468,8 +502,15 @@ def _row(cache: KVCache) -> Optional[tuple]:
     first_slot = first.sink_slot_during(plans[0])
     buffers = [c.body.buffers() for c in layers]
     sinks = [c.body.placed_sink(first_slot) for c in layers] if shifted else None
-    key = ("ring", buffers[0][0].shape[2], shifted, buffers[0][0].dtype, first.dtype)
+    key = ("ring", buffers[0][0].shape[2], shifted, filling, buffers[0][0].dtype, first.dtype)
     return key, slot, plans[0].offset, buffers, sinks, plans, first_slot if shifted else None
+
+
+def _filling(ring: Any, plan: Any) -> bool:
+    """Whether a ring's next decode step writes its token after the live ones without evicting:
+    laid out as a ring (after its first decode step), its sink full, its window not yet (the
+    live tokens are the buffer's first sink + n slots, the pointer right after them)."""
+    return ring.ring and ring.n_sink == ring.sink and ring.ptr == ring.n < ring.window and plan.drop == 0
 
 
 def _compiled_step(model: Any, key: tuple):
@@ -490,7 +531,7 @@ def _compiled_step(model: Any, key: tuple):
                 if row[0] == "full":
                     made.append(_TracedFull(k, v, slots[i:i + 1], row[-1]))
                 else:
-                    made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None))
+                    made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None, row[3]))
             layers.append(_TracedRows(made, offsets))
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[(r.keys, r.values) for r in layer.rows] for layer in layers]
@@ -799,8 +840,8 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
 def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
     """One decode step of B sequences as one compiled function (the embedding, projections, RoPE,
     cache writes, attention and MLP traced once per layout and replayed), where every sequence
-    allows it (`_row`: a full exact cache with room in its buffers, or a steady StreamingLLM
-    ring); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
+    allows it (`_row`: a full exact cache with room in its buffers, or a StreamingLLM ring, steady
+    or filling its window); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
     None where it cannot run (nothing changed: the caller runs the eager batched call)."""
     if not batches(model) or any(not getattr(c, "compile_decode", False) for c in caches):
         return None
@@ -837,6 +878,7 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
         _trace_failed(model, key, e, "compiled batched step")
         return None
     taken["compiled"] += 1
+    taken["compiled_ring_filling"] += any(r[0][0] == "ring" and r[0][3] for r in rows)
     for i, (cache, row) in enumerate(zip(caches, rows)):
         for j, (c, p) in enumerate(zip(cache.owned, row[5])):
             k, v = new[j][i]
