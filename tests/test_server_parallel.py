@@ -111,6 +111,34 @@ def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
     assert len({c.current_length for c in together}) > 2      # the rows sit at their own positions
 
 
+@pytest.mark.parametrize("policy", ["sink+window", "retrieval"])
+def test_windows_filling_step_compiled_as_each_sequence_alone(native32, policy):
+    """Four short prompts whose windows (a StreamingLLM ring, retrieval's hot window) fill during
+    the steps, then evict: the batched step runs compiled while they fill (the solo steps run
+    eager there), then in the steady state, each row's logits within 1e-5 of its solo step's
+    (the masked buffer's sums run longer) with the same greedy token, at every step."""
+    m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
+    prompts = [tok.encode(p) for p in PROMPTS]
+    assert max(len(p) for p in prompts) < min(WINDOW, HOT)
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    before = batch.taken.copy()
+    for _ in range(40):
+        rows = batch.decode_step(m, tokens, together)
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), policy
+            assert mx.argmax(row).item() == mx.argmax(w).item(), policy
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+    counts = batch.taken - before
+    filling = counts["compiled_ring_filling" if policy == "sink+window" else "compiled_hot_filling"]
+    assert filling >= WINDOW - max(len(p) for p in prompts) - 2, counts    # all but the first step or so
+    assert counts["compiled"] >= 40 - 8, counts     # and steady after (a few eager: rows filling at their own steps)
+
+
 def _prefilled(m, tok, cfg, texts):
     caches = [make_cache(m, cfg) for _ in texts]
     first = [int(mx.argmax(prefill(m, tok.encode(t), c, 64)).item()) for t, c in zip(texts, caches)]

@@ -39,7 +39,9 @@ reference).
 The compiled batched step (`compiled_decode`, tried first): where every sequence's cache is a
 full exact one with room for the token in its buffers, or a StreamingLLM ring in its steady
 state (the compiled solo step's condition, cache/compiled.py) or still filling its window (laid
-out as a ring, its sink full: the solo step runs these eager), the whole step, embedding,
+out as a ring, its sink full: the solo step runs these eager), or a retrieval cache whose hot
+window is still filling (nothing cold yet: `_hot_row`, its sink placed outside the trace), the
+whole step, embedding,
 projections, RoPE, the B cache writes (at array positions), attention and MLP, is traced by
 `mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row, and a filling
 ring's, attends over its whole buffer with the unwritten slots masked, a steady ring row over its
@@ -100,10 +102,12 @@ from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _qu
 from ..cache.compiled_retrieval import _TracedRetrieval, attend_rows, commit, layer_specs, steady, step_inputs
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
+from ..cache.segments import Reading
 
 
 #: how the batched steps ran, for the tests and /api/slots: "compiled" steps (`compiled_decode`;
-#: "compiled_ring_filling" those with a ring still filling its window), layer calls whose rows
+#: "compiled_ring_filling" those with a ring still filling its window, "compiled_hot_filling"
+#: retrieval caches filling their hot windows), layer calls whose rows
 #: attended "stacked" (one fused call) and rows attending "per_sequence"
 taken: Counter = Counter()
 
@@ -308,6 +312,27 @@ class _TracedRing(_TracedFull):
         return super().valid() if self.filling else None
 
 
+class _TracedHot(_TracedFull):
+    """One sequence's retrieval layer during the trace while its hot window fills (nothing evicted
+    yet, its cold store empty): the new token written into the hot window's buffer at `slot`, one
+    query over the sink (placed where the eager step reads it: `sink`, keys and values in the
+    compute dtype, or () without one) and the buffer's first `slot + 1` slots, the rest masked."""
+
+    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype, sink: tuple):
+        super().__init__(keys, values, slot, compute_dtype)
+        self.sink = sink
+
+    def kv(self) -> tuple[mx.array, mx.array]:
+        k, v = super().kv()
+        if self.sink:
+            k, v = mx.concatenate([self.sink[0], k], axis=2), mx.concatenate([self.sink[1], v], axis=2)
+        return k, v
+
+    def valid(self) -> Optional[mx.array]:
+        n = self.sink[0].shape[2] if self.sink else 0
+        return (mx.arange(n + self.keys.shape[2]) <= self.slot + n)[None, None, None, :]
+
+
 class _TracedRows:
     """One model layer's B sequences during the trace (the per-layer protocol, as `BatchLayer`).
     Rows whose buffers share one shape (rings of one sink + window, full caches of one capacity)
@@ -331,18 +356,19 @@ class _TracedRows:
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         rows = self.rows
-        if (STACK_ROWS and len(rows) > 1 and len({(r.keys.shape, r.compute_dtype) for r in rows}) == 1
-                and rows[0].keys.shape[2] <= STACK_TOKENS):     # (the copy: as the eager step's)
-            ks, vs = zip(*(r.kv() for r in rows))
-            valid = [r.valid() for r in rows]
-            if all(m is None for m in valid):
-                mask = None
-            else:
-                ones = mx.ones((1, 1, 1, rows[0].keys.shape[2]), mx.bool_)
-                mask = mx.concatenate([ones if m is None else m for m in valid], axis=0)
-            return mx.fast.scaled_dot_product_attention(queries, mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0),
-                                                        scale=scale, mask=mask)
-        return mx.concatenate([r.attend(queries[i:i + 1], scale) for i, r in enumerate(self.rows)], axis=0)
+        ks, vs = zip(*(r.kv() for r in rows))
+        valid = [r.valid() for r in rows]
+        size = ks[0].shape[2]
+        if not (STACK_ROWS and len(rows) > 1 and len({(k.shape, k.dtype, v.shape) for k, v in zip(ks, vs)}) == 1
+                and size <= STACK_TOKENS):      # (the copy: as the eager step's)
+            return mx.concatenate([mx.fast.scaled_dot_product_attention(queries[i:i + 1], k, v, scale=scale, mask=m)
+                                   for i, (k, v, m) in enumerate(zip(ks, vs, valid))], axis=0)
+        mask = None
+        if any(m is not None for m in valid):
+            ones = mx.ones((1, 1, 1, size), mx.bool_)
+            mask = mx.concatenate([ones if m is None else m for m in valid], axis=0)
+        return mx.fast.scaled_dot_product_attention(queries, mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0),
+                                                    scale=scale, mask=mask)
 
 
 #: the rows of a compiled full / ring step attend as one where their buffers share a shape
@@ -471,8 +497,9 @@ def _row(cache: KVCache) -> Optional[tuple]:
     key, slot, RoPE position, buffers per layer, sink rows per layer or None, the layers' plans,
     the sink's slot), or None where this step cannot run compiled for it: a full exact cache
     whose buffers have room for the token, or a StreamingLLM ring in its steady state (the
-    compiled solo step's condition, cache/compiled.py) or filling its window (`_filling`);
-    every layer of it at one position, and in one of the two states."""
+    compiled solo step's condition, cache/compiled.py) or filling its window (`_filling`), or
+    a retrieval cache whose hot window is filling (`_hot_row`); every layer of it at one
+    position, and in one state."""
     layers = cache.owned
     first = layers[0]
     if first.dtype is None or any(c.sliding is not None for c in layers):
@@ -488,6 +515,8 @@ def _row(cache: KVCache) -> Optional[tuple]:
         key = ("full", size, body.keys.dtype, first.dtype)
         plans = [c.plan() for c in layers]
         return key, slot, first.seen, [(c.body.keys, c.body.values) for c in layers], None, plans, None
+    if cache.compiled_step == "retrieval":
+        return _hot_row(layers)
     if cache.compiled_step != "ring" or not all(type(c) is RingLayer for c in layers):
         return None
     plans = [c.plan() for c in layers]
@@ -504,6 +533,34 @@ def _row(cache: KVCache) -> Optional[tuple]:
     sinks = [c.body.placed_sink(first_slot) for c in layers] if shifted else None
     key = ("ring", buffers[0][0].shape[2], shifted, filling, buffers[0][0].dtype, first.dtype)
     return key, slot, plans[0].offset, buffers, sinks, plans, first_slot if shifted else None
+
+
+def _hot_row(layers: list) -> Optional[tuple]:
+    """`_row` of a retrieval cache whose hot window is still filling (nothing evicted yet, its
+    cold store empty: the eager step attends over the sink and the hot window alone, and the
+    solo step too), its sink full, its buffers with room for the token, no re-base: every layer
+    at one position with one buffer layout. The sink is placed as the eager step reads it after
+    the commit (`sink_slot_during`); None for any other state (the steady one is
+    `_compiled_retrieval`'s)."""
+    first = layers[0]
+    plans = [c.plan() for c in layers]
+    body, n_sink = first.body, len(first.sink_store)
+    if body.keys is None:
+        return None
+    size, slot = body.keys.shape[2], body.head + body.n
+    for c, p in zip(layers, plans):
+        b = c.body
+        if not (p.rebase == 0 and p.drop == 0 and len(c.cold) == 0 and len(c.sink_store) == n_sink == c.config.held_sink
+                and c.positions.frame and b.frame is not None and b.head == 0 and b.fits(1) and b.n == body.n
+                and b.keys.shape[2] == size and c.seen == first.seen and c.dtype == first.dtype
+                and c.positions.base == first.positions.base and c.make_mask(1) is None):
+            return None
+    sinks = []
+    for c, p in zip(layers, plans):
+        segments = c.sink_store.segments(Reading(c.dtype, c.positions, c.sink_slot_during(p)))
+        sinks.append((segments[0].keys, segments[0].values) if segments else ())
+    key = ("hot", size, n_sink, body.keys.dtype, first.dtype)
+    return key, slot, plans[0].offset, [b.buffers() for b in (c.body for c in layers)], sinks, plans, None
 
 
 def _filling(ring: Any, plan: Any) -> bool:
@@ -530,6 +587,8 @@ def _compiled_step(model: Any, key: tuple):
                 k, v = buffers[i][j]
                 if row[0] == "full":
                     made.append(_TracedFull(k, v, slots[i:i + 1], row[-1]))
+                elif row[0] == "hot":
+                    made.append(_TracedHot(k, v, slots[i:i + 1], row[-1], sinks[i][j]))
                 else:
                     made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None, row[3]))
             layers.append(_TracedRows(made, offsets))
@@ -840,8 +899,9 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
 def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
     """One decode step of B sequences as one compiled function (the embedding, projections, RoPE,
     cache writes, attention and MLP traced once per layout and replayed), where every sequence
-    allows it (`_row`: a full exact cache with room in its buffers, or a StreamingLLM ring, steady
-    or filling its window); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
+    allows it (`_row`: a full exact cache with room in its buffers, a StreamingLLM ring, steady
+    or filling its window, a retrieval cache filling its hot window; retrieval's steady steps
+    and KIVI's quiet ones are `_compiled_retrieval`'s and `_compiled_kivi`'s); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
     None where it cannot run (nothing changed: the caller runs the eager batched call)."""
     if not batches(model) or any(not getattr(c, "compile_decode", False) for c in caches):
         return None
@@ -850,22 +910,23 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
     owners = tuple(index.get(id(c), -1) for c in caches[0])
     retrieval = all(c.compiled_step == "retrieval" for c in caches)
     kivi = all(c.compiled_step == "kivi" for c in caches)
-    rows = []
     for cache in caches:
         layers = cache.owned
         if len(layers) != len(first) or tuple({id(c): i for i, c in enumerate(layers)}.get(id(c), -1)
                                               for c in cache) != owners:
             return None
-        if retrieval or kivi:
-            continue
+    if retrieval:
+        logits = _compiled_retrieval(model, ids, caches, owners)
+        if logits is not None:
+            return logits       # (else nothing changed, or only an eviction ahead: not a filling row then)
+    if kivi:
+        return _compiled_kivi(model, ids, caches, owners)
+    rows = []
+    for cache in caches:
         row = _row(cache)
         if row is None:
             return None
         rows.append(row)
-    if retrieval:
-        return _compiled_retrieval(model, ids, caches, owners)
-    if kivi:
-        return _compiled_kivi(model, ids, caches, owners)
     key = (owners, tuple(r[0] for r in rows))
     step = _compiled_step(model, key)
     if step is _FAILED:
@@ -879,10 +940,11 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
         return None
     taken["compiled"] += 1
     taken["compiled_ring_filling"] += any(r[0][0] == "ring" and r[0][3] for r in rows)
+    taken["compiled_hot_filling"] += retrieval
     for i, (cache, row) in enumerate(zip(caches, rows)):
         for j, (c, p) in enumerate(zip(cache.owned, row[5])):
             k, v = new[j][i]
-            c.commit(p, None, None, written=(k, v) if row[0][0] == "full" else (k, v, row[6]))
+            c.commit(p, None, None, written=(k, v) if row[0][0] in ("full", "hot") else (k, v, row[6]))
     return logits
 
 
