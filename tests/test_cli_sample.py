@@ -62,6 +62,7 @@ BAD_FLAGS = [
      "rope_mode"),
     ("sample", ["--streaming-llm-rope", "absolute"], "--streaming-llm-rope", "rope_mode"),
     ("sample", ["--kv-quantize", "int4", "--streaming-llm-rope", "shifted"], "--streaming-llm-rope", "rope_mode"),
+    ("sample", ["--streaming-llm-rope", "auto"], "--streaming-llm-rope", "rope_mode"),
     ("sample", ["--kv-quantize", "int4", "--kv-group-size", "48", "--kv-residual", "48"], "--kv-group-size",
      "group_size"),
     ("sample", ["--kv-group-size", "16"], "--kv-group-size", "group_size"),
@@ -244,9 +245,12 @@ def test_no_warning_inside_the_context_and_the_exact_boundary(native, native_pat
 @pytest.mark.parametrize("args, warned, named", [
     (["--streaming-llm-sink", 4, "--streaming-llm-window", CONTEXT - 3], True, "--streaming-llm-window"),
     (["--streaming-llm-sink", 4, "--streaming-llm-window", CONTEXT - 4], False, None),
-    (["--kiv-hot-budget", CONTEXT], True, "--kiv-hot-budget"),               # + 1 fixed retrieved slot
-    (["--kiv-hot-budget", CONTEXT - 1], False, None),
-    (["--kiv-hot-budget", CONTEXT - 64, "--kiv-positions", "slots", "--kiv-top-p", 65], True, "--kiv-hot-budget"),
+    # retrieval's shifted slots named: its default picks original positions for a run this short
+    (["--kiv-hot-budget", CONTEXT, "--streaming-llm-rope", "shifted"], True, "--kiv-hot-budget"),  # + 1 fixed slot
+    (["--kiv-hot-budget", CONTEXT - 1, "--streaming-llm-rope", "shifted"], False, None),
+    (["--kiv-hot-budget", CONTEXT - 64, "--kiv-positions", "slots", "--kiv-top-p", 65, "--streaming-llm-rope",
+      "shifted"], True, "--kiv-hot-budget"),
+    (["--kiv-hot-budget", CONTEXT], False, None),    # the default: original positions, none untrained
 ])
 def test_span_wider_than_the_context_is_warned_up_front(native_path, args, warned, named):
     r = run("sample", native_path, "-p", "The", "-n", 2, *args)   # short run: only the config can warn
@@ -289,6 +293,35 @@ def test_window_run_past_the_context_warns_only_with_absolute_positions(native_p
     r = run(*base, "--streaming-llm-rope", "absolute")
     assert r.exit_code == 0 and count_warnings(r) == 1, r.stderr
     assert "--streaming-llm-rope shifted keeps them inside" in r.stderr
+
+
+def test_retrieval_positions_follow_the_runs_length(native_path, tmp_path):
+    """Retrieval's default (--streaming-llm-rope auto): original positions where the prompt and
+    --tokens fit the trained context (the same text as naming absolute, and said), cache slots
+    where the run may pass it (the same text as naming shifted), and for a cache saved to be
+    continued later."""
+    prompt = "the word of the keeper and the number " * 3    # past the hot window: cold tokens retrieved
+    flags = ["-p", prompt, "--temperature", 1.0, "--seed", 3, "--ignore-eos", "--kiv-hot-budget", 16,
+             "--streaming-llm-sink", 4, "--kiv-top-p", 8]      # sampled: the tiny model's greedy text is one digit
+
+    def sample(n, *extra):
+        out = tmp_path / "r.json"
+        r = run("sample", native_path, *flags, "-n", n, "--report-json", out, *extra)
+        assert r.exit_code == 0, r.output
+        return r, json.loads(out.read_text())["policy"]["retrieval"]["rope_mode"]
+
+    n = CONTEXT - 140          # prompt + n inside the context
+    auto, mode = sample(n)
+    assert mode == "absolute" and "original positions" in auto.stderr
+    assert "note: original RoPE positions: prompt + --tokens" in auto.stderr
+    absolute, mode = sample(n, "--streaming-llm-rope", "absolute")
+    shifted, _ = sample(n, "--streaming-llm-rope", "shifted")
+    assert auto.stdout == absolute.stdout and mode == "absolute"
+    assert shifted.stdout != auto.stdout        # the positions change what this model says
+    long, mode = sample(CONTEXT, "-n", CONTEXT)   # may pass the context: slots (the last -n wins)
+    assert mode == "shifted" and "original RoPE" not in long.stderr
+    saved, mode = sample(n, "--save-prompt-cache", tmp_path / "p.ptc")
+    assert mode == "shifted" and saved.stdout == shifted.stdout
 
 
 # ----- 7. user text is shown intact ------------------------------------------------------------------

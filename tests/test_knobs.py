@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from tinygpt_mlx.cli.common import CACHE_OPTIONS, CONFIG_FLAGS, with_cache_options
 from tinygpt_mlx.cli.main import app as main_app
-from tinygpt_mlx.config import CacheConfig, ConfigError
+from tinygpt_mlx.config import RUN_CHOICES, CacheConfig, ConfigError
 from tinygpt_mlx.knobs import BY_KEYWORD, KNOBS, PANELS
 from tinygpt_mlx.policy_spec import SPEC_HELP, spec_flags
 
@@ -69,7 +69,8 @@ def test_every_config_field_is_one_knob_and_every_knob_a_keyword():
     fields = {f.name for f in dataclasses.fields(CacheConfig)}
     keywords = [k.keyword for k in KNOBS]
     assert len(keywords) == len(set(keywords))
-    assert fields - PRECISION == set(keywords) - {"kv_quantize", "kv_quantize_keys", "kv_quantize_values"}
+    assert fields - PRECISION - set(RUN_CHOICES) == set(keywords) - {"kv_quantize", "kv_quantize_keys", "kv_quantize_values"}
+    assert CacheConfig(hot_budget=64, rope_mode="auto").rope_auto   # a run's choice: set by a knob's value
     assert {kw for _, kw in CACHE_OPTIONS.values()} == set(keywords)
     for knob in KNOBS:
         assert CONFIG_FLAGS[knob.keyword] == knob.flag.split("/")[0]

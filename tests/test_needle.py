@@ -152,7 +152,7 @@ def test_grid_summary_counts_passes(native, monkeypatch):
     """needle_grid's summary: cells and passes per policy, as the docs' 75/75 are read."""
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None):
         calls.append((config, answer, truth))
         ok = not config.retrieval and config.window is None       # only "full" passes
         return {"passed": ok, "answer": answer, "output": answer if ok else "0", "values": 1,
@@ -184,7 +184,7 @@ def test_needle_positions_mark_every_value_of_a_keyed_all_answer():
 def test_grid_runs_each_task_and_hands_retrieval_the_values(native, monkeypatch, task):
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None):
         calls.append((tokenizer.decode(ids), answer, truth))
         return {"passed": False, "answer": answer, "output": "", "values": len(re.findall(r"\d+", answer)),
                 "values_right": 0}
@@ -301,7 +301,7 @@ def test_probe_reruns_only_failed_retrieval_cells_and_counts_the_verdicts(native
     "ranking" where the oracle answers, "reading" where it does not; the summary counts them."""
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, oracle=False):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, oracle=False, context=None):
         calls.append((config.retrieval, oracle))
         depth_low = truth[0] < len(ids) / 2
         ok = (not config.retrieval) or (oracle and depth_low)   # the oracle rescues the shallow needle only
@@ -333,3 +333,34 @@ def test_probe_needs_a_pooled_retrieval_policy(native_path):
     assert r.exit_code != 0 and "--probe" in r.output and "'full,streaming'" in r.output
     r = CliRunner().invoke(app, args + ["--policies", "retrieval", "--kiv-positions", "slots"])
     assert r.exit_code != 0 and "--kiv-positions slots" in r.output
+
+
+def test_retrieval_cells_take_original_positions_only_inside_the_context(native_path, tmp_path):
+    """The retrieval policy's default positions are the run's (`CacheConfig.for_run`): a cell whose
+    prompt and answer fit the model's context (256) reads at original positions, as naming
+    absolute does, a longer one at cache slots; the grid's StreamingLLM keeps its slots."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    args = ["needle", str(native_path), "--contexts", "128,400", "--depths", "0.5", "--seeds", "1",
+            "--policies", "streaming,retrieval", "--kiv-hot-budget", "32"]
+
+    def cells(*extra):
+        out = tmp_path / "grid.json"
+        r = CliRunner().invoke(app, args + ["--json", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        return {(c["policy"], c["context"]): c for c in json.loads(out.read_text())["cells"]}
+
+    auto = cells()
+    assert {k: c["rope_mode"] for k, c in auto.items()} == {
+        ("streaming", 128): "shifted", ("retrieval", 128): "absolute",
+        ("streaming", 400): "shifted", ("retrieval", 400): "shifted"}
+    named = {"absolute": cells("--streaming-llm-rope", "absolute"), "shifted": cells("--streaming-llm-rope", "shifted")}
+    for key, cell in auto.items():
+        if key[0] == "retrieval":
+            assert cell["output"] == named[cell["rope_mode"]][key]["output"]
+            assert cell["telemetry"] == named[cell["rope_mode"]][key]["telemetry"]
+    assert all(c["rope_mode"] == "shifted" for c in named["shifted"].values())

@@ -21,7 +21,7 @@ from .knobs import (COLD_STORES, DEFAULT_ROPE_MODE, FETCH_FLOOR, GROUP_SIZES, IN
                     SUMMARY_KINDS, check_values)
 from .policy_spec import describe, label, spec_flags
 
-__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
+__all__ = ["COLD_STORES", "DEFAULT_ROPE_MODE", "RUN_CHOICES", "FETCH_FLOOR", "GROUP_SIZES", "KV_QUANTIZE_CHOICES", "QUANT_BITS", "RETRIEVE_UNITS",
            "RETRIEVED_POSITIONS", "ROPE_MODES", "STORAGE_DTYPES", "SUMMARY_KINDS", "CacheConfig", "ConfigError",
            "ModelConfig", "SampleConfig", "fetch_budget", "field_default", "precision_fields"]
 
@@ -121,6 +121,11 @@ class ModelConfig:
         return cls(**d)
 
 
+#: fields a command chooses per run, set through another knob's value (`rope_auto`: the rope
+#: knob's "auto"), not the policy a cache or its file keeps
+RUN_CHOICES = ("rope_auto",)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV-cache policy: storage precision x StreamingLLM eviction x tiered retrieval.
@@ -148,7 +153,11 @@ class CacheConfig:
     sink, window StreamingLLM: keep the first `sink` and the last `window` tokens
     rope_mode    "shifted" (positions are cache slots, the paper) or "absolute"; only with a
                  window or a hot budget, where None means "shifted" (`DEFAULT_ROPE_MODE`, filled
-                 in by `__post_init__`); None otherwise
+                 in by `__post_init__`); None otherwise. "auto" is taken too: it is stored as
+                 "shifted" with `rope_auto` set, and `for_run` decides
+    rope_auto    the positions are the run's to choose (`for_run`): absolute for a run that fits
+                 the model's trained context, shifted otherwise; a choice, not a policy (not
+                 compared, not a prompt-cache file's mismatch)
     hot_budget   retrieval: exact hot window; evicted tokens go to a cold store
     retrieve_tokens, page_size, top_pages, summary, cold_store, cold_bits, cold_path:
                  the cold store (cache/cold.py, docs/retrieval.md); None: `fetch_budget`'s
@@ -202,6 +211,7 @@ class CacheConfig:
     span_score: str = "max"
     sticky: bool = True
     index_expand: int = 4
+    rope_auto: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         # the precision (set through --kv-quantize*), then each field's own values (choices,
@@ -265,8 +275,13 @@ class CacheConfig:
             if self.rope_mode is not None:
                 raise ConfigError("rope_mode", "needs {window} (a StreamingLLM window) or {hot_budget} "
                                   "(retrieval): positions only move under eviction", ("window", "hot_budget"))
-        elif self.rope_mode is None:
-            object.__setattr__(self, "rope_mode", DEFAULT_ROPE_MODE)   # frozen: set once, here
+        elif self.rope_mode in (None, "auto"):   # frozen: set once, here
+            if self.rope_mode == "auto":
+                object.__setattr__(self, "rope_auto", True)
+            object.__setattr__(self, "rope_mode", DEFAULT_ROPE_MODE)
+        if self.rope_auto and self.rope_mode != DEFAULT_ROPE_MODE:
+            raise ConfigError("rope_auto", f"chooses between shifted and absolute per run; rope_mode "
+                              f"{self.rope_mode!r} is already chosen")
         if self.exact_topk and self.retrieval and self.rope_mode == "shifted":
             raise ConfigError("rope_mode", "must be absolute for KIVI's exact top-k ({exact_topk}) with retrieval "
                               "({hot_budget}): its shadow keeps keys before RoPE, where the retrieval slots "
@@ -370,6 +385,16 @@ class CacheConfig:
             return None
         held = self.slot_span - 1
         return context - held if held < context else None
+
+    def for_run(self, context: Optional[int], tokens: int) -> "CacheConfig":
+        """The policy for a run of `tokens` in all (prompt + the most it may generate) on a model
+        trained on `context`: where the positions are the run's choice (`rope_auto`), original
+        positions if the whole run fits the context, none of it ever reaching an untrained
+        position (the distances a query sees are the full cache's: docs/gguf.md, the 8K needle
+        grid), else shifted; itself otherwise (and where the context is not known)."""
+        if self.rope_auto and context and tokens <= context:
+            return dataclasses.replace(self, rope_mode="absolute", rope_auto=False)
+        return self
 
     def fitted_chunk(self, chunk: int, context: Optional[int], tokens: int) -> int:
         """`chunk`, or `prefill_fit` where that is narrower (chat, serve and cache-prompt)."""

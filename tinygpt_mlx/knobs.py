@@ -27,9 +27,13 @@ SIDE_CHOICES = "|".join(STORAGE_DTYPES + tuple(SIDE_BITS))
 GROUP_SIZES: tuple[int, ...] = (32, 64, 128)
 #: The error of a group size outside them (key blocks and value groups alike).
 GROUP_MESSAGE = "must be one of {choices} (the KIVI group sizes MLX's quantised kernels take), got {value}"
-ROPE_MODES = ("shifted", "absolute")
+#: "auto" is a choice, not a mode: `CacheConfig.for_run` makes it absolute for a run that fits the
+#: model's trained context and leaves it shifted otherwise (`CacheConfig.rope_auto`)
+ROPE_MODES = ("shifted", "absolute", "auto")
 #: The RoPE mode of a StreamingLLM or retrieval policy that names none.
 DEFAULT_ROPE_MODE = "shifted"
+#: The command line's choice for retrieval where --streaming-llm-rope is not given.
+RETRIEVAL_ROPE_CHOICE = "auto"
 SUMMARY_KINDS = ("minmax", "mean", "hybrid")
 COLD_STORES = ("ram", "disk")
 RETRIEVED_POSITIONS = ("fixed", "page", "slots")
@@ -159,8 +163,11 @@ KNOBS: tuple[Knob, ...] = (
        "max(M, R) + G - 1 tokens stay stored after the sink (those older than M are masked out). Keep N + M "
        "within the model's context (sample warns otherwise).", minimum=1),
     Knob("rope_mode", "--streaming-llm-rope", str, "streaming",
-       "StreamingLLM positions: shifted (cache slots, the paper) or absolute (original positions, like "
-       "mlx-lm's RotatingKVCache). Default {rope}.", choices=ROPE_MODES),
+       "StreamingLLM and retrieval positions: shifted (cache slots, the paper), absolute (original positions, "
+       "like mlx-lm's RotatingKVCache) or auto (absolute where the whole run, prompt + --tokens, fits the "
+       "model's trained context, shifted past it or where the run's length is not known: chat, serve, "
+       "cache-prompt). Default {rope} for a StreamingLLM window, {retrieval_rope} for retrieval (sample and "
+       "needle; docs/retrieval.md \"Position rule\").", choices=ROPE_MODES),
     # ---- retrieval ----
     Knob("hot_budget", "--kiv-hot-budget", int, "retrieval",
        "Retrieval: exact hot window; older tokens go to a cold store and are fetched back.", minimum=1),

@@ -65,6 +65,8 @@ def describe(config: Any) -> dict:
     if config.streaming:
         d.update(streaming_llm={"sink": config.sink, "window": config.window,
                                 "rope_mode": config.rope_mode})
+        if config.rope_auto:
+            d["streaming_llm"]["rope_auto"] = True
     if config.retrieval:
         d.update(retrieval={"hot_budget": config.hot_budget, "sink": config.sink,
                             "retrieve_tokens": config.retrieve_tokens,
@@ -76,6 +78,8 @@ def describe(config: Any) -> dict:
                             "sticky": config.sticky, "index_expand": config.index_expand})
         if config.span_score != "max":
             d["retrieval"]["span_score"] = config.span_score
+        if config.rope_auto:
+            d["retrieval"]["rope_auto"] = True
         if config.cold_ram is not None:
             d["retrieval"]["cold_ram_mib"] = config.cold_ram
     return d
@@ -125,9 +129,11 @@ def label(config: Any, default: Any) -> str:
         fetched = (f"top {config.retrieve_tokens} tokens" if config.retrieve_unit == "tokens" else
                    f"top {max(1, config.retrieve_tokens // config.page_size)} pages")
         # the page rankings, where not the defaults (min/max bound, a page by its best token)
-        ranks = ([f"{config.summary} summary"] if config.summary != default("summary") else []) + (
+        notes = ([f"{config.summary} summary"] if config.summary != default("summary") else []) + (
             [f"pages by {config.span_score} score"] if config.span_score != default("span_score") else [])
-        parts.append(f"retrieval hot {config.hot_budget} + {fetched}" + (f" ({', '.join(ranks)})" if ranks else ""))
+        # the positions, where not shifted slots (the default, and `rope_auto`'s until `for_run`)
+        notes += ["original positions"] if config.rope_mode == "absolute" else []
+        parts.append(f"retrieval hot {config.hot_budget} + {fetched}" + (f" ({', '.join(notes)})" if notes else ""))
     return " + ".join(parts)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from .. import format as tinygpt_format
-from ..config import CacheConfig
+from ..config import RUN_CHOICES, CacheConfig
 from ..errors import ModelFormatError, PosttrainError
 from . import cachefile
 from .factory import make_cache
@@ -377,7 +377,7 @@ def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
     named or not), or None. Where the stores live (`PLACEMENT`) is not policy."""
     default = CacheConfig()
     for f in dataclasses.fields(CacheConfig):
-        if f.name in PLACEMENT:
+        if f.name in PLACEMENT or f.name in RUN_CHOICES:   # a run's choice is not the file's policy
             continue
         if getattr(given, f.name) != getattr(default, f.name) and given.in_effect(f.name) != saved.in_effect(f.name):
             return f.name

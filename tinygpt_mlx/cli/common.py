@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from tinygpt_mlx import blas
 from tinygpt_mlx.config import DEFAULT_ROPE_MODE, FETCH_FLOOR, KV_QUANTIZE_CHOICES, CacheConfig, SampleConfig, field_default
-from tinygpt_mlx.knobs import KNOBS, PANELS, Knob
+from tinygpt_mlx.knobs import KNOBS, PANELS, RETRIEVAL_ROPE_CHOICE, Knob
 from tinygpt_mlx.errors import PosttrainError
 from tinygpt_mlx.lazy import lazy
 
@@ -55,7 +55,10 @@ def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=Non
                  residual=None, sink=None, window=None, rope_mode=None, hot_budget=None,
                  retrieve_tokens=None, page_size=None, top_pages=None, **extra) -> CacheConfig:
     """One CacheConfig from command-line values; a bad value or combination (every rule is
-    `CacheConfig`'s) is a BadParameter naming the flag."""
+    `CacheConfig`'s) is a BadParameter naming the flag. Retrieval without --streaming-llm-rope
+    leaves its positions to the run (`RETRIEVAL_ROPE_CHOICE`, `CacheConfig.for_run`)."""
+    if rope_mode is None and hot_budget is not None:
+        rope_mode = RETRIEVAL_ROPE_CHOICE
     try:
         return CacheConfig.from_flags(
             kv_quantize=kv_quantize, kv_quantize_keys=kv_quantize_keys, kv_quantize_values=kv_quantize_values,
@@ -73,6 +76,7 @@ def _option(knob: Knob) -> Any:
     default = field_default(_C, field) if field in _C.__dataclass_fields__ else None
     shown = ("on" if default else "off") if knob.switch else default
     help = knob.help.format(default=shown, fetch_floor=FETCH_FLOOR, rope=DEFAULT_ROPE_MODE,
+                            retrieval_rope=RETRIEVAL_ROPE_CHOICE,
                             precisions="|".join(KV_QUANTIZE_CHOICES))
     return Annotated[Optional[knob.kind], typer.Option(knob.flag, help=help, show_default=False,
                                                        rich_help_panel=PANELS[knob.part])]
@@ -95,6 +99,7 @@ KvGroup, KvResidual = cache_option("group_size"), cache_option("residual")   # c
 # table for every command, so that a config error names what the user typed (`config_error`).
 CONFIG_FLAGS: dict[str, str] = {
     **{knob.keyword: knob.flag.split("/")[0] for knob in KNOBS},   # "--kiv-sticky/--no-kiv-sticky": the on switch
+    "rope_auto": "--streaming-llm-rope",
     "storage": "--kv-quantize", "key_bits": "--kv-quantize-keys", "value_bits": "--kv-quantize-values",
     # SampleConfig
     "max_tokens": "--tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",

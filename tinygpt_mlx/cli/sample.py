@@ -101,6 +101,18 @@ def read_prompt_file(path: Path) -> str:
     return text
 
 
+def run_positions(cfg: CacheConfig, context: Optional[int], prompt_tokens: int, sample_config: SampleConfig,
+                  save_to: Optional[Path]) -> Optional[CacheConfig]:
+    """The policy with original positions where they are the run's to choose (`--streaming-llm-rope
+    auto`, retrieval's default) and the whole run, the prompt and up to --tokens more, fits the
+    trained context (`CacheConfig.for_run`); None where nothing changes. A cache saved for later
+    (--save-prompt-cache) may be continued past this run: it keeps shifted positions."""
+    if save_to is not None:
+        return None
+    chosen = cfg.for_run(context, prompt_tokens + sample_config.max_tokens)
+    return chosen if chosen is not cfg else None
+
+
 def config_context_warning(context: Optional[int], cfg: CacheConfig) -> Optional[str]:
     """Up front: a shifted policy whose cache slots reach past the trained context.
 
@@ -244,6 +256,8 @@ def sample(
                 raise ValueError("the prompt encodes to no tokens")
         context = loaded.context_length
         generate.check_context(len(ids), context, cache_config)
+        chosen = run_positions(cache_config, context, len(ids), sample_config, save_prompt_cache)
+        cache_config = chosen or cache_config
         fit = cache_config.prefill_fit(context, len(ids))
         narrowed = prefill_chunk is None and fit is not None and fit < sample_config.prefill_chunk
         if narrowed:   # the default chunk, narrowed so that prefill stays inside the trained context
@@ -255,6 +269,9 @@ def sample(
         if text is not None and has_template(loaded.tokenizer):
             note("the prompt was sent raw (--no-chat-template)" if no_chat_template
                  else "the prompt is one user message in the model's chat template (--no-chat-template: raw)")
+        if chosen is not None:
+            note(f"original RoPE positions: prompt + --tokens ({len(ids)} + {sample_config.max_tokens}) fit the "
+                 f"model's trained context ({context}); --streaming-llm-rope shifted keeps cache slots")
         if text is None:
             note(f"no prompt given: sampling unconditionally from the start token (id {ids[0]})")
         if sample_config.max_tokens == 0:

@@ -94,13 +94,16 @@ def passed(text: str, answer: str) -> bool:
 
 def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
              truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None,
-             oracle: bool = False) -> dict:
+             oracle: bool = False, context: Optional[int] = None) -> dict:
     """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers.
     `on_chunk(done, total, cache)` follows the prefill (long documents' progress). `oracle`:
     every retrieval pass is offered the needle's pages whatever its coarse pass ranks them
-    (`KVCache.pin`; the fine pass still picks from the pool by score)."""
+    (`KVCache.pin`; the fine pass still picks from the pool by score). `context`: the model's
+    trained context, where positions are the run's choice (`CacheConfig.for_run`: the cell's
+    prompt and answer inside it take original positions)."""
     want = encode_fragment(tokenizer, " " + answer)
     n_new = len(want) + 1
+    config = config.for_run(context, len(ids) + n_new)
     stats = GenerationStats()
     with make_cache(model, config) as cache:
         if config.retrieval:
@@ -128,6 +131,8 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
                 "decode_ms_per_token": round(1000 * stats.decode_seconds / max(1, n_new - 1), 3),
                 "cache_bytes": cache.nbytes_breakdown(),
                 "rss_anon_peak_bytes": peak["anon"], "rss_file_peak_bytes": peak["file"]}
+        if config.streaming or config.retrieval:
+            cell["rope_mode"] = config.rope_mode
         if config.retrieval:
             cell["telemetry"] = cache.retrieval_report()
     return cell
@@ -229,10 +234,10 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 for name, cfg in configs.items():
                     if name == "full" and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
-                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk)
+                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk, context=ctx_len)
                     if probe and cfg.retrieval and not r["passed"]:
                         r["probe"] = probe_record(run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk,
-                                                           on_chunk, oracle=True))
+                                                           on_chunk, oracle=True, context=ctx_len))
                     cell = {"policy": name, "context": context, "depth": depth, "seed": seed,
                             "passed": bool(r.pop("passed")), **r}
                     cells.append(cell)
