@@ -318,6 +318,27 @@ def test_cli_perplexity_json(native_path, wide_path, wide, tmp_path):
     assert d["modes"]["int4"]["kl_mean"] > 1e-6
 
 
+def test_cli_perplexity_retrieval_flags_take_positions_by_the_runs_length(native_path, tmp_path):
+    """Retrieval flags without --streaming-llm-rope: 30 tokens inside the 256-token context
+    score at original positions, as the spec naming them does; a spec keeps its own rule."""
+    text, out = tmp_path / "t.txt", tmp_path / "p.json"
+    text.write_text(TEXT * 4)
+
+    def scored(*args):
+        r = _run("perplexity", native_path, "--text", text, "--max-tokens", 30, "--baseline", "none",
+                 "--json", out, *args)
+        assert r.exit_code == 0, r.output
+        return json.loads(out.read_text())
+
+    auto = scored("--streaming-llm-sink", 2, "--kiv-hot-budget", 8)
+    assert auto["policy"]["retrieval"]["rope_mode"] == "absolute" and "original positions" in auto["label"]
+    named = scored("--modes", "sink2/hot8:absolute,sink2/hot8")["modes"]
+    # the same computation to the bit; the random tiny model moves only in the 7th digit with the rule
+    assert auto["perplexity"] == named["sink2/hot8:absolute"]["perplexity"]
+    assert named["sink2/hot8"]["policy"]["retrieval"]["rope_mode"] == "shifted"
+    assert named["sink2/hot8"]["perplexity"] != auto["perplexity"]
+
+
 def test_bench_stage_split_of_retrieval(wide, native):
     """--stages: a retrieval row says where its prefill and decode time went (every stage ran,
     and the parts add up to the measured time); other rows and runs without it have no split."""

@@ -166,8 +166,8 @@ KNOBS: tuple[Knob, ...] = (
        "StreamingLLM and retrieval positions: shifted (cache slots, the paper), absolute (original positions, "
        "like mlx-lm's RotatingKVCache) or auto (absolute where the whole run, prompt + --tokens, fits the "
        "model's trained context, shifted past it or where the run's length is not known: chat, serve, "
-       "cache-prompt). Default {rope} for a StreamingLLM window, {retrieval_rope} for retrieval (sample and "
-       "needle; docs/retrieval.md \"Position rule\").", choices=ROPE_MODES),
+       "cache-prompt). Default {rope} for a StreamingLLM window, {retrieval_rope} for retrieval (sample, "
+       "needle, perplexity; docs/retrieval.md \"Position rule\").", choices=ROPE_MODES),
     # ---- retrieval ----
     Knob("hot_budget", "--kiv-hot-budget", int, "retrieval",
        "Retrieval: exact hot window; older tokens go to a cold store and are fetched back.", minimum=1),

@@ -73,6 +73,9 @@ def perplexity(
         if text is None and max_tokens is None and loaded.context_length:
             max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
         ids = loaded.tokenizer.encode(source)[:max_tokens]
+        if modes is None:   # the flags' positions where they are the run's to choose (CacheConfig.for_run)
+            config = config.for_run(loaded.context_length, len(ids))
+            policies = {config.label(): config}
         err.print(f"[bold]perplexity[/bold] · model [cyan]{loaded.name}[/cyan] (context "
                   f"{loaded.context_length}) · {len(ids)} tokens of {text or 'the shipped KJV held-out text'} · "
                   f"baseline "
