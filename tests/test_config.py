@@ -36,6 +36,11 @@ RULES = [
     (dict(key_bits=4, value_bits=4, shadow_store="ram"), "shadow_store", "only applies with exact_topk"),
     (dict(sink=4), "sink", "needs window"),
     (dict(hot_budget=8, window=8), "hot_budget", "cannot be combined with window"),
+    (dict(rope_mode="auto"), "rope_mode", "needs window"),
+    (dict(rope_auto=True), "rope_auto", "it needs one"),
+    (dict(hot_budget=8, rope_mode="absolute", rope_auto=True), "rope_auto", "'absolute' is already chosen"),
+    (dict(key_bits=4, value_bits=4, hot_budget=64, exact_topk=8, rope_mode="auto"), "rope_mode",
+     "must be absolute for KIVI's"),
 ]
 
 
@@ -73,6 +78,21 @@ def test_rope_mode_is_none_without_eviction_and_shifted_by_default_with_it():
     # a config changed field by field is validated again
     with pytest.raises(ConfigError, match="rope_mode needs"):
         dataclasses.replace(CacheConfig(window=8, rope_mode="absolute"), window=None)
+
+
+def test_auto_positions_are_the_run_s_choice():
+    """rope_mode "auto": shifted until `for_run` sees a run that fits the trained context, then
+    absolute (and no longer a choice); past it, or with no context known, unchanged. Not policy:
+    equal to the shifted config."""
+    for fields in (dict(hot_budget=8), dict(window=8, sink=4)):
+        auto = CacheConfig(rope_mode="auto", **fields)
+        assert auto.rope_mode == "shifted" and auto.rope_auto and auto == CacheConfig(**fields)
+        inside = auto.for_run(256, 256)
+        assert inside.rope_mode == "absolute" and not inside.rope_auto
+        assert inside == CacheConfig(rope_mode="absolute", **fields)
+        assert auto.for_run(256, 257) is auto and auto.for_run(None, 5) is auto
+        named = CacheConfig(rope_mode="shifted", **fields)
+        assert named.for_run(256, 10) is named and not named.rope_auto
 
 
 def test_from_flags_uses_the_precision_table():

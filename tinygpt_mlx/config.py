@@ -280,8 +280,9 @@ class CacheConfig:
                 object.__setattr__(self, "rope_auto", True)
             object.__setattr__(self, "rope_mode", DEFAULT_ROPE_MODE)
         if self.rope_auto and self.rope_mode != DEFAULT_ROPE_MODE:
-            raise ConfigError("rope_auto", f"chooses between shifted and absolute per run; rope_mode "
-                              f"{self.rope_mode!r} is already chosen")
+            raise ConfigError("rope_auto", "chooses the positions of {window} or {hot_budget} per run: it needs "
+                              "one" if self.rope_mode is None else f"chooses between shifted and absolute per run; "
+                              f"rope_mode {self.rope_mode!r} is already chosen", ("window", "hot_budget"))
         if self.exact_topk and self.retrieval and self.rope_mode == "shifted":
             raise ConfigError("rope_mode", "must be absolute for KIVI's exact top-k ({exact_topk}) with retrieval "
                               "({hot_budget}): its shadow keeps keys before RoPE, where the retrieval slots "
