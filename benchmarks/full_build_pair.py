@@ -1,5 +1,5 @@
-"""The full exact cache's host work per decode step against mlx-lm's `KVCache` (issue #54), in two
-measures that a loaded machine moves less than bench's one median:
+"""The full exact cache's host work per decode step against mlx-lm's `KVCache` (issue #54), and its
+whole step, in four measures that a loaded machine moves less than bench's one median:
 
 1. `layer`: the calls an attention layer of an mlx-lm model makes on its cache per decode step
    (`cache.offset` twice, `update_and_fetch` of one token), timed alone on one layer of each
@@ -9,7 +9,12 @@ measures that a loaded machine moves less than bench's one median:
    `bench --parts` calls the build), the two caches stepped in an order shuffled every step
    after the same prefill, in `--rounds` rounds of `--steps` steps each; the ratio of the two
    medians per round, and the median of those ratios (a load that rises for a round moves
-   both caches' steps of that round).
+   both caches' steps of that round);
+0. `graph`: the first two decode steps' MLX graphs on each cache after the same prefill
+   (opcount's nodes by primitive, views included), and whether the two caches' graphs are the
+   same (`mx.export_to_dot`'s text, its node ids renamed in order of appearance);
+3. `step`: in the same steps, the whole decode step (the build and its evaluation, what bench's
+   decode tok/s is one over), its per-round medians and their ratios as for the build.
 
     python -m benchmarks.full_build_pair [--model M] [--context 1024] [--rounds 30] [--steps 10]
         [--calls 200] [--json FILE]
@@ -21,8 +26,10 @@ does less); --json writes them too, with every round's ratio. Not a test.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -31,6 +38,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from tinygpt_mlx.evaluate.bench import make_policy
+from tinygpt_mlx.evaluate.opcount import graph_ops
 from tinygpt_mlx.generate import forward
 from tinygpt_mlx.loading import load
 
@@ -72,14 +80,40 @@ def layer_calls(caches: dict, blocks: int, calls: int) -> dict:
     return {s: statistics.median(v) for s, v in per.items()}
 
 
+def graphs(model, caches: dict, steps: int = 2) -> list[dict]:
+    """The graphs of the first `steps` decode steps on each cache: each step's nodes by
+    primitive, and whether the two caches' graphs are the same (the dot text with every node id
+    renamed by first appearance). After a prefill that fills the buffers (a multiple of 256
+    tokens) the first step grows them: mlx-lm's KVCache concatenates, ours copies into a new
+    buffer (`DenseStore.append`), so that step differs; the next ones do not."""
+    out = []
+    for step in range(steps):
+        ops, dots = {}, {}
+        for s in SPECS:
+            logits = forward(model, mx.array([[5 + step]]), caches[s])
+            ops[s] = graph_ops(logits)
+            buf = io.StringIO()
+            mx.export_to_dot(buf, logits)
+            ids: dict[str, str] = {}
+            dots[s] = re.sub(r"\b\d{6,}\b", lambda m: ids.setdefault(m.group(0), f"n{len(ids)}"), buf.getvalue())
+            mx.eval(logits)
+        out.append({"nodes": {s: sum(o.values()) for s, o in ops.items()},
+                    "by_primitive": {s: dict(sorted(o.items())) for s, o in ops.items()},
+                    "same_graph": dots["fp32"] == dots["mlx"]})
+    return out
+
+
 def builds(model, caches: dict, rounds: int, steps: int, warmup: int = 5, seed: int = 0) -> dict:
-    """Each round's median build (us) per cache and the per-round ratio ours / mlx-lm's."""
+    """Each round's median build and whole step (us) per cache and the per-round ratios ours /
+    mlx-lm's (`rounds_us`/`ratios` the build's, `whole_rounds_us`/`whole_ratios` the step's)."""
     rng = random.Random(seed)
     order = list(SPECS)
     out: dict[str, list] = {s: [] for s in SPECS}
-    ratios = []
+    whole_out: dict[str, list] = {s: [] for s in SPECS}
+    ratios, whole_ratios = [], []
     for r in range(rounds + 1):
         b: dict[str, list[float]] = {s: [] for s in SPECS}
+        w: dict[str, list[float]] = {s: [] for s in SPECS}
         for step in range(warmup if r == 0 else steps):
             rng.shuffle(order)
             for s in order:
@@ -87,13 +121,17 @@ def builds(model, caches: dict, rounds: int, steps: int, warmup: int = 5, seed: 
                 logits = forward(model, mx.array([[7 + step % 50]]), caches[s])
                 t1 = time.perf_counter()
                 mx.eval(logits)
+                t2 = time.perf_counter()
                 b[s].append(t1 - t0)
+                w[s].append(t2 - t0)
         if r == 0:
             continue    # warm-up round
         for s in SPECS:
             out[s].append(statistics.median(b[s]) * 1e6)
+            whole_out[s].append(statistics.median(w[s]) * 1e6)
         ratios.append(out["fp32"][-1] / out["mlx"][-1])
-    return {"rounds_us": out, "ratios": ratios}
+        whole_ratios.append(whole_out["fp32"][-1] / whole_out["mlx"][-1])
+    return {"rounds_us": out, "ratios": ratios, "whole_rounds_us": whole_out, "whole_ratios": whole_ratios}
 
 
 def main() -> None:
@@ -111,21 +149,30 @@ def main() -> None:
     try:
         model = load(a.model).model
         layer = layer_calls(prefilled(model, a.context), 40, a.calls)
-        built = builds(model, prefilled(model, a.context), a.rounds, a.steps)
+        caches = prefilled(model, a.context)
+        graph = graphs(model, caches)
+        built = builds(model, caches, a.rounds, a.steps)
     except (ValueError, OSError) as e:
         sys.exit(f"full_build_pair: {e}")
     layer_ratio = layer["fp32"] / layer["mlx"]
     medians = {s: statistics.median(v) for s, v in built["rounds_us"].items()}
     ratio = statistics.median(built["ratios"])
+    for i, g in enumerate(graph):
+        print(f"step {i}'s graph: fp32 {g['nodes']['fp32']} nodes  mlx {g['nodes']['mlx']} nodes  "
+              f"{'the same graph' if g['same_graph'] else 'different graphs'}")
     print(f"layer calls per step: fp32 {layer['fp32']:.2f} us  mlx {layer['mlx']:.2f} us  ratio {layer_ratio:.3f}")
-    print(f"build per step: fp32 {medians['fp32']:.0f} us  mlx {medians['mlx']:.0f} us  "
-          f"median of {a.rounds} round ratios {ratio:.3f} (rounds {min(built['ratios']):.3f}-{max(built['ratios']):.3f})",
-          flush=True)
+    whole = {s: statistics.median(v) for s, v in built["whole_rounds_us"].items()}
+    whole_ratio = statistics.median(built["whole_ratios"])
+    for what, med, rat, rs in (("build", medians, ratio, built["ratios"]),
+                               ("whole step", whole, whole_ratio, built["whole_ratios"])):
+        print(f"{what} per step: fp32 {med['fp32']:.0f} us  mlx {med['mlx']:.0f} us  "
+              f"median of {a.rounds} round ratios {rat:.3f} (rounds {min(rs):.3f}-{max(rs):.3f})", flush=True)
     if a.json is not None:
         tmp = a.json.with_name(a.json.name + ".tmp")
         tmp.write_text(json.dumps({"context": a.context, "rounds": a.rounds, "steps": a.steps, "calls": a.calls,
                                    "layer_us": layer, "layer_ratio": layer_ratio, "build_median_us": medians,
-                                   "build_ratio_median": ratio, **built}, indent=1))
+                                   "build_ratio_median": ratio, "whole_median_us": whole,
+                                   "whole_ratio_median": whole_ratio, "graph": graph, **built}, indent=1))
         tmp.replace(a.json)
 
 
