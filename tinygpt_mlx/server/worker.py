@@ -15,8 +15,9 @@ strings, limits and log-probabilities. Each scheduler step:
 3. runs one decode step for every request with a token to feed: one batched model call
    (batch.py: the projections and the MLP over all rows, attention batched across the
    sequences where their caches allow it, else per sequence over its own cache; compiled for
-   full caches and steady StreamingLLM rings) where the caches allow it, else one call each;
-   and samples each request's next token (the greedy ones' in one evaluation).
+   full caches, StreamingLLM rings, KIVI's quiet steps and retrieval) where the caches allow it,
+   else one call each;
+   and samples each request's next token (a greedy one's argmax evaluated with the step's logits).
 
 Decode steps run OpenBLAS on one thread, prefill chunks on its own count (`blas.Threads`): a
 decode step's products are a few rows, which OpenBLAS's threads slow down. An idle or stopped
@@ -525,14 +526,19 @@ class Worker:
         caches = [s.slot.cache for s in feeding]
         self.blas.for_decode()
         greedy: list = [None] * len(feeding)
+        wants = [s.job.temperature == 0 for s in feeding]
         if len(feeding) > 1 and self.batches and all(batch.batchable(c) for c in caches):
-            logits = batch.decode_step(model, [s.token for s in feeding], caches)
+            # every greedy row's token from the step's own evaluation (a second one costs ~0.5 ms)
+            out = batch.decode_step(model, [s.token for s in feeding], caches, argmax=any(wants))
+            logits, greedy = out if any(wants) else (out, greedy)
             rows = [logits[i] for i in range(len(feeding))]
             self.batched_steps += 1
-            if any(s.job.temperature == 0 for s in feeding):   # every greedy row's token in one evaluation
-                greedy = mx.argmax(logits, axis=-1).tolist()
         else:
-            rows = [engine._call(model, [s.token], s.slot.cache) for s in feeding]
+            # (one call each; a greedy request's token evaluated with its logits, as above)
+            rows = [engine._call(model, [s.token], s.slot.cache, wait=False) for s in feeding]
+            picks = [mx.argmax(row) if want else None for row, want in zip(rows, wants)]
+            mx.eval(rows, [p for p in picks if p is not None])
+            greedy = [None if p is None else p.item() for p in picks]
         for s, row in zip(feeding, rows):
             s.slot.tokens.append(s.token)
             s.token, s.logits = None, row
