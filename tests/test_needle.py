@@ -355,6 +355,8 @@ def test_retrieval_cells_take_original_positions_only_inside_the_context(native_
         return {(c["policy"], c["context"]): c for c in json.loads(out.read_text())["cells"]}
 
     auto = cells()
+    said = CliRunner().invoke(app, args + ["--contexts", "128", "--policies", "retrieval"])
+    assert "original RoPE positions where a cell fits the context" in said.stderr
     assert {k: c["rope_mode"] for k, c in auto.items()} == {
         ("streaming", 128): "shifted", ("retrieval", 128): "absolute",
         ("streaming", 400): "shifted", ("retrieval", 400): "shifted"}

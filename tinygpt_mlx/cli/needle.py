@@ -172,7 +172,9 @@ def needle(
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
         loaded = c.load_model(model, weights)
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
-                  f"retrieval policy: [green]{cfg.label()}[/green] · prefill chunk {prefill_chunk} · task {task}"
+                  f"retrieval policy: [green]{cfg.label()}[/green]"
+                  + (" · original RoPE positions where a cell fits the context, else shifted" if cfg.rope_auto else "")
+                  + f" · prefill chunk {prefill_chunk} · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
 
         fits = [n for n in ctx_list if not loaded.context_length or n <= loaded.context_length]
