@@ -150,7 +150,8 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
 
 
 #: the batched step's attention paths (`--engine-path`): server/batch.py's `decode_step` arguments
-PATHS = {"compiled": {}, "stacked": {"compiled": False}, "per-sequence": {"compiled": False, "dense": False}}
+PATHS = {"compiled": {}, "compiled-steady": {"compiled": "steady"}, "stacked": {"compiled": False},
+         "per-sequence": {"compiled": False, "dense": False}}
 
 
 def engine(model_path: str, config: CacheConfig, streams: int, steps: int, rounds: int, decode_threads: int = 1,
@@ -327,8 +328,10 @@ def main() -> None:
                          "only the engine-only part, no server")
     ap.add_argument("--engine-path", choices=list(PATHS), default="compiled",
                     help="the engine-only part's batched step: compiled where the caches allow it, then attention "
-                         "stacked across sequences (the server's, default); stacked: never compiled; per-sequence: "
-                         "each sequence's own attention (the path before attention was batched)")
+                         "stacked across sequences (the server's, default); compiled-steady: the compiled step as it "
+                         "ran before 2026-12-05 15:00 (no window still filling compiled, each row attending on its own "
+                         "in the trace); stacked: never compiled; per-sequence: each sequence's own attention (the "
+                         "path before attention was batched)")
     ap.add_argument("--engine-vs", choices=list(PATHS),
                     help="the engine-only part also times the batched step on this path, in the same rounds "
                          "(ratios in one run)")

@@ -161,7 +161,7 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
     lengths = [len(tok.encode(t)) for t in texts]
     assert lengths[0] > 256 > lengths[2] > 250 > 20 > lengths[1]
     ref, tokens = _prefilled(m, tok, cfg, texts)
-    paths = {"stacked": dict(compiled=False), "compiled": {}}
+    paths = {"stacked": dict(compiled=False), "compiled": {}, "steady": dict(compiled="steady")}  # (steady: the bench's A/B)
     runs = {name: _prefilled(m, tok, cfg, texts)[0] for name in paths}
     counts = {}
     for _ in range(40):
@@ -180,6 +180,7 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
     assert (counts["compiled"]["compiled_retrieval"] > 0) == (policy == "retrieval"), counts
     # a ring whose window is still filling (the short prompt's) steps compiled too
     assert (counts["compiled"]["compiled_ring_filling"] > 0) == (policy == "sink+window"), counts
+    assert counts["steady"]["compiled_ring_filling"] == 0 and counts["steady"]["compiled_hot_filling"] == 0, counts
     if not dense:      # packed or retrieved data: each sequence attends on its own, as before
         assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
 
@@ -393,11 +394,11 @@ def test_a_layout_whose_trace_failed_stays_eager_past_the_kept_traces(native32_p
     tries = []
     real = batch._TracedRows.__init__
 
-    def faulty(self, rows, offset):
+    def faulty(self, rows, offset, *rest):
         if len(rows) == 3:
             tries.append(1)
             raise RuntimeError("a stand-in fault of the three rows' trace")
-        real(self, rows, offset)
+        real(self, rows, offset, *rest)
     monkeypatch.setattr(batch._TracedRows, "__init__", faulty)
     caches = [make_cache(m, POLICIES["full"]) for _ in range(3)]
     ref = [make_cache(m, POLICIES["full"]) for _ in range(3)]

@@ -46,7 +46,7 @@ projections, RoPE, the B cache writes (at array positions), attention and MLP, i
 `mx.compile` once per layout (the rows' buffer sizes) and replayed: a full row, and a filling
 ring's, attends over its whole buffer with the unwritten slots masked, a steady ring row over its
 buffer as it lies; rows whose buffers share a shape attend in one fused call over the buffers
-concatenated (`STACK_ROWS`), each row's mask stacked. MLX fuses
+concatenated, each row's mask stacked. MLX fuses
 the element-wise work and Python builds no graph per step. A layout's trace is reused until a
 row's buffer grows (every 256 tokens of a full cache); the newest `KEEP_TRACES` are kept, and
 apart from them the layouts whose trace failed (each runs eager from then on, logged once).
@@ -336,13 +336,14 @@ class _TracedHot(_TracedFull):
 class _TracedRows:
     """One model layer's B sequences during the trace (the per-layer protocol, as `BatchLayer`).
     Rows whose buffers share one shape (rings of one sink + window, full caches of one capacity)
-    of at most `STACK_TOKENS` slots attend as one (`STACK_ROWS`): their buffers concatenated along the rows, one fused call,
-    each row's mask (`valid`) stacked where any row has one; else each row on its own."""
+    of at most `STACK_TOKENS` slots attend as one (`stack`): their buffers concatenated along the
+    rows, one fused call, each row's mask (`valid`) stacked where any row has one; else (and
+    with `stack` False) each row on its own."""
 
     reads_own_segments = True
 
-    def __init__(self, rows: list, offset: mx.array):
-        self.rows, self.offset = rows, offset
+    def __init__(self, rows: list, offset: mx.array, stack: bool = False):
+        self.rows, self.offset, self.stack = rows, offset, stack
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
         if window_size is not None:
@@ -359,7 +360,7 @@ class _TracedRows:
         ks, vs = zip(*(r.kv() for r in rows))
         valid = [r.valid() for r in rows]
         size = ks[0].shape[2]
-        if not (STACK_ROWS and len(rows) > 1 and len({(k.shape, k.dtype, v.shape) for k, v in zip(ks, vs)}) == 1
+        if not (self.stack and len(rows) > 1 and len({(k.shape, k.dtype, v.shape) for k, v in zip(ks, vs)}) == 1
                 and size <= STACK_TOKENS):      # (the copy: as the eager step's)
             return mx.concatenate([mx.fast.scaled_dot_product_attention(queries[i:i + 1], k, v, scale=scale, mask=m)
                                    for i, (k, v, m) in enumerate(zip(ks, vs, valid))], axis=0)
@@ -369,12 +370,6 @@ class _TracedRows:
             mask = mx.concatenate([ones if m is None else m for m in valid], axis=0)
         return mx.fast.scaled_dot_product_attention(queries, mx.concatenate(ks, axis=0), mx.concatenate(vs, axis=0),
                                                     scale=scale, mask=mask)
-
-
-#: the rows of a compiled full / ring step attend as one where their buffers share a shape
-#: (`_TracedRows.attend`: one fused call over the B buffers concatenated, which copies them, in
-#: place of B calls); False: each row on its own (an A/B switch: docs/server.md)
-STACK_ROWS = True
 
 
 #: every trace failure in this process, (layout, error), each also logged once; the model's
@@ -492,7 +487,7 @@ def _trace_failed(model: Any, key: tuple, error: BaseException, what: str) -> No
     log.warning("%s: tracing layout %r failed (%r); it runs eager from now on", what, key, error)
 
 
-def _row(cache: KVCache) -> Optional[tuple]:
+def _row(cache: KVCache, filling: bool = True) -> Optional[tuple]:
     """What the compiled batched step needs of one sequence's cache for its next token: (layout
     key, slot, RoPE position, buffers per layer, sink rows per layer or None, the layers' plans,
     the sink's slot), or None where this step cannot run compiled for it: a full exact cache
@@ -516,11 +511,11 @@ def _row(cache: KVCache) -> Optional[tuple]:
         plans = [c.plan() for c in layers]
         return key, slot, first.seen, [(c.body.keys, c.body.values) for c in layers], None, plans, None
     if cache.compiled_step == "retrieval":
-        return _hot_row(layers)
+        return _hot_row(layers) if filling else None
     if cache.compiled_step != "ring" or not all(type(c) is RingLayer for c in layers):
         return None
     plans = [c.plan() for c in layers]
-    filling = _filling(first.body, plans[0])
+    filling = filling and _filling(first.body, plans[0])
     if not all(p.rebase == 0 and (_filling(c.body, p) if filling else c.body.steady()) for c, p in zip(layers, plans)):
         return None
     slot = first.body.write_slot
@@ -576,7 +571,7 @@ def _compiled_step(model: Any, key: tuple):
     known = _cached(model, key)
     if known is not None:
         return known
-    owners, rows = key
+    owners, rows, stack = key
 
     def step(tokens, offsets, slots, buffers, sinks):
         traced["compiled"] += 1
@@ -591,7 +586,7 @@ def _compiled_step(model: Any, key: tuple):
                     made.append(_TracedHot(k, v, slots[i:i + 1], row[-1], sinks[i][j]))
                 else:
                     made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None, row[3]))
-            layers.append(_TracedRows(made, offsets))
+            layers.append(_TracedRows(made, offsets, stack))
         logits = model(tokens, cache=[layers[i] for i in owners])
         return logits, [[(r.keys, r.values) for r in layer.rows] for layer in layers]
     # the weights are closed over, as in cache/compiled.py (constants of the trace)
@@ -896,13 +891,16 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     return logits[mx.array(back)]
 
 
-def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Optional[mx.array]:
+def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache], steady_only: bool = False
+                    ) -> Optional[mx.array]:
     """One decode step of B sequences as one compiled function (the embedding, projections, RoPE,
     cache writes, attention and MLP traced once per layout and replayed), where every sequence
     allows it (`_row`: a full exact cache with room in its buffers, a StreamingLLM ring, steady
     or filling its window, a retrieval cache filling its hot window; retrieval's steady steps
     and KIVI's quiet ones are `_compiled_retrieval`'s and `_compiled_kivi`'s); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
-    None where it cannot run (nothing changed: the caller runs the eager batched call)."""
+    None where it cannot run (nothing changed: the caller runs the eager batched call).
+    `steady_only`: the step as it ran before 2026-12-05 15:00, for the benchmark's A/B: no window
+    still filling compiled, and each row attending on its own within the trace."""
     if not batches(model) or any(not getattr(c, "compile_decode", False) for c in caches):
         return None
     first = caches[0].owned
@@ -923,11 +921,11 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
         return _compiled_kivi(model, ids, caches, owners)
     rows = []
     for cache in caches:
-        row = _row(cache)
+        row = _row(cache, not steady_only)
         if row is None:
             return None
         rows.append(row)
-    key = (owners, tuple(r[0] for r in rows))
+    key = (owners, tuple(r[0] for r in rows), not steady_only)
     step = _compiled_step(model, key)
     if step is _FAILED:
         return None
@@ -949,14 +947,15 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache]) -> Opt
 
 
 def decode_step(model: Any, tokens: Sequence[int], caches: Sequence[KVCache], dense: bool = True,
-                compiled: bool = True, argmax: bool = False) -> Any:
+                compiled: Any = True, argmax: bool = False) -> Any:
     """One decode step of B sequences: `tokens[i]` fed to `caches[i]` (each advanced by one
     token); the fp32 logits after each, shape [B, V], evaluated. `dense` False: attention per
-    sequence for every layer (the reference the batched attention is tested against). `argmax`:
+    sequence for every layer (the reference the batched attention is tested against); `compiled`
+    False: never the compiled step, "steady": `compiled_decode`'s `steady_only`. `argmax`:
     (the logits, each row's argmax as a list of B ints), both from one evaluation (a second
     evaluation for the greedy rows' tokens cost the server ~0.5 ms a step on the shipped model)."""
     ids = mx.array(list(tokens), dtype=mx.int32)[:, None]
-    logits = compiled_decode(model, ids, caches) if compiled else None
+    logits = compiled_decode(model, ids, caches, compiled == "steady") if compiled else None
     if logits is None:
         logits = model(ids, cache=batch_layers(caches, dense))
     logits = logits[:, -1].astype(mx.float32)
