@@ -515,6 +515,55 @@ def test_a_compiled_retrieval_step_attends_to_what_the_host_store_does(native, c
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=host_atol)
 
 
+class _ScaledRope:
+    """A RoPE that scales its input as some variants do (YaRN's mscale): not an `nn.RoPE`."""
+
+    def __call__(self, x, offset=0):
+        return mx.fast.rope(x * 1.25, x.shape[-1], traditional=True, base=500.0, scale=1.0, offset=offset)
+
+
+@pytest.mark.parametrize("rope", [nn.RoPE(16), nn.RoPE(16, traditional=True, base=77.0), nn.RoPE(8, base=9.0),
+                                  _ScaledRope()], ids=["rope", "traditional", "partial", "scaled"])
+def test_rotations_are_the_ropes_turns(rope):
+    """`Positions.rotations`: x times the matrix of each offset is the layer's (pure) RoPE of x
+    at that offset (a partial RoPE leaves its other dims as they are; an input scale is divided
+    out); `rotation_key` shares matrices only between equal `nn.RoPE`s."""
+    pos = Positions(CacheConfig(hot_budget=8), rope)
+    x = mx.array(np.random.RandomState(3).randn(6, 1, 16).astype(np.float32))
+    offsets = [-37, 0, 5, 1000]
+    mats = pos.rotations(mx.array(offsets, mx.int32), 16)
+    for o, m in zip(offsets, mats):
+        np.testing.assert_allclose(np.asarray(x[:, 0] @ m), np.asarray(pos.rope(x, offset=o)[:, 0]), atol=2e-6)
+    same = Positions(CacheConfig(hot_budget=8), nn.RoPE(16))
+    assert (same.rotation_key() == pos.rotation_key()) == (isinstance(rope, nn.RoPE) and rope.base == 10000
+                                                          and rope.dims == 16 and not rope.traditional)
+    assert Positions(CacheConfig(hot_budget=8), _ScaledRope()).rotation_key() != pos.rotation_key()
+
+
+def test_a_compiled_retrieval_step_turns_each_layer_by_its_own_rope(native_path):
+    """A model whose layers hold other RoPE bases (Gemma 3's local and global layers): the
+    compiled step, which turns the queries and leaving keys by matrices made once per step and
+    RoPE (`Positions.rotations`), fetches what the eager device step and the host store fetch,
+    layer by layer, and the logits agree."""
+    from tinygpt_mlx.loading import load
+
+    m = load(native_path)      # (its own model: a compiled step is kept on the model it traced)
+    D = m.model.layers[0].attn.head_dim
+    m.model.layers[1].attn.rope = nn.RoPE(D, base=31.0)
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4,
+                      index_expand=2)
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 321))]
+    got, got_picks = _stepped(m.model, make_cache(m.model, cfg), prompt, 16)
+    eager = make_cache(m.model, cfg)
+    eager.compile_decode = False
+    want, want_picks = _stepped(m.model, eager, prompt, 16)
+    host, host_picks = _stepped(m.model, make_cache(m.model, dataclasses.replace(cfg, cold_store="disk")), prompt, 16)
+    assert got_picks == want_picks == host_picks
+    for a, b, c in zip(got, want, host):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-4)
+
+
 def test_retrievals_are_recorded_only_when_asked(native):
     """Retrieval telemetry is recorded only when asked (`KVCache.record_retrievals`): by default
     a prefill and decode steps through the compiled step, the eager device step and the host

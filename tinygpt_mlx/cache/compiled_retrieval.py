@@ -48,8 +48,11 @@ class _TracedRetrieval:
 
     reads_own_segments = True
 
-    def __init__(self, spec: Any, at: mx.array, inputs: dict):
+    def __init__(self, spec: Any, at: mx.array, inputs: dict, turns: Optional[dict] = None):
         self.spec, self.at = spec, at
+        #: the step's RoPE matrices by `Positions.rotation_key`, shared by the layers of one trace
+        #: that read the same `at` (the solo step's; each row of serve's batched step its own)
+        self.turns = {} if turns is None else turns
         self.body, self.sink = inputs["body"], inputs["sink"]
         self.keys, self.values = inputs["keys"], inputs["values"]
         self.summaries, self.recent = inputs["summaries"], inputs["recent"]
@@ -92,8 +95,9 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     summary widths, hot window and sink), over their `queries` stacked in order: the solo step's
     one layer (`stacked` False) or serve's batched step's rows of one group (server/batch.py,
     `stacked` True). Each row's leaving key is turned back before RoPE and written as its cold
-    store's next row (`DeviceColdStore.append`), with the queries turned to the retrieved slot in
-    one rotation, each row by its own angles; `device_select`'s chain picks the cold tokens
+    store's next row (`DeviceColdStore.append`), with the queries turned to the retrieved slot, each
+    row by its own angles (products with RoPE's matrices of the step's angles, `_turns`);
+    `device_select`'s chain picks the cold tokens
     (`select_in_trace` for one layer, `select_rows` over the rows' summaries, counts and sticky
     pages stacked, each row gathering from its own store), and one softmax covers them, the
     placed sinks and the hot windows (`segments.attend`). Each row's picks (per row where
@@ -102,21 +106,16 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     sp, n = first.spec, len(rows)
     B, H = first.body[0].shape[:2]
     Hq, D = queries.shape[1], queries.shape[3]
-    q = queries.astype(mx.float32).reshape(-1, 1, D)
-    gone = [r for r in rows if r.leaving is not None]
-    if n == 1 and not gone:
-        turned = sp.positions.rope(q, offset=first.at[AT_TURN]).reshape(queries.shape)     # (retrieved.py)
-    else:
-        # the queries turned to the retrieved slot and the leaving keys turned back before RoPE
-        # (positions.unrotate) in one rotation, each row by its own angle
-        both = mx.concatenate([q] + [r.leaving[0].astype(mx.float32).reshape(-1, 1, D) for r in gone])
-        angles = mx.concatenate([mx.broadcast_to(r.at[AT_TURN], (B * Hq,)) for r in rows]
-                                + [mx.broadcast_to(r.at[AT_FIRST], (B * H,)) for r in gone])
-        both = sp.positions.rope(both, offset=angles)
-        m = q.shape[0]
-        turned = both[:m].reshape(queries.shape)
-        for j, r in enumerate(gone):
-            k = both[m + j * B * H:m + (j + 1) * B * H]               # [G, 1, D] (DeviceColdStore.append)
+    q = queries.astype(mx.float32).reshape(n, -1, D)
+    # the queries turned to the retrieved slot (retrieved.py) and the leaving keys turned back
+    # before RoPE (positions.unrotate), each row by its own angles, as products with the
+    # rotations of the step's two angles (`Positions.rotations`: made once per step and RoPE)
+    turns = _turns(rows, D)
+    turned = (q @ turns[:, 1]).reshape(queries.shape)
+    for j, r in enumerate(rows):
+        if r.leaving is not None:
+            # [G, 1, D] (DeviceColdStore.append)
+            k = (r.leaving[0].astype(mx.float32).reshape(B * H, D) @ turns[j, 0])[:, None]
             v = r.leaving[1].astype(mx.float32).reshape(B * H, 1, -1)
             (ck,), (cv,) = r.keys, r.values
             row = r.at[AT_ROW:AT_ROW + 1]
@@ -156,6 +155,22 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
 
 
+def _turns(rows: list, D: int) -> mx.array:
+    """The RoPE matrices [n, 2, D, D] of `rows`' step (`Positions.rotations` of each row's angles
+    `at[AT_FIRST]`, `at[AT_TURN]`: the leaving key's turn back, the query's turn), in one RoPE
+    call; one row's (the solo step's layer) made once per trace and rotation key, shared by
+    the layers that read the same `at` (`_TracedRetrieval.turns`)."""
+    pos = rows[0].spec.positions
+    if len(rows) > 1:
+        return pos.rotations(mx.concatenate([r.at[AT_FIRST:AT_TURN + 1] for r in rows]), D).reshape(len(rows), 2, D, D)
+    row = rows[0]
+    key = (pos.rotation_key(), D)
+    m = row.turns.get(key)
+    if m is None:
+        m = row.turns[key] = pos.rotations(row.at[AT_FIRST:AT_TURN + 1], D)[None]
+    return m
+
+
 def _retrieval_ready(layer: Any, plan: Any) -> bool:
     """Whether this retrieval layer's next decode step, planned as `plan`, is a steady one: the
     hot window full (one token evicted), the sink full, no re-base, room in the body's buffers,
@@ -186,7 +201,8 @@ def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
         owners, specs = key[1], layer_specs(layers, key[:1] + key[2:])
 
         def step(tokens, at, inputs):
-            traced = [_TracedRetrieval(specs[i], at, inputs[i]) for i in range(len(inputs))]
+            turns: dict = {}     # (the layers read one `at`: their turns are shared, `_turns`)
+            traced = [_TracedRetrieval(specs[i], at, inputs[i], turns) for i in range(len(inputs))]
             logits = model(tokens, cache=[traced[i] for i in owners])
             return logits, [t.outputs() for t in traced]
         steps[key] = mx.compile(step)

@@ -33,6 +33,8 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
 
 from ..config import CacheConfig
 
@@ -144,6 +146,27 @@ class Positions:
         shape = x.shape
         return self.rope(x.reshape(-1, 1, shape[-1]), offset=position).reshape(shape)
 
+    def rotations(self, offsets: mx.array, D: int) -> mx.array:
+        """RoPE to each of `offsets` (an int32 array [k], e.g. a compiled step's angles) as
+        matrices [k, D, D]: RoPE is linear in x, so rope(x, offset=o) is x @ M with row i of M
+        the rotation of the i-th unit vector, made by the same RoPE call (the same cosines and
+        sines, bit for bit). A compiled retrieval step turns every layer's query and leaving
+        key by one step's two angles (cache/compiled_retrieval.py): one RoPE call per step and
+        `rotation_key`, and a small matmul per layer, where a RoPE call per layer replays the
+        angles' whole computation (MLX's CPU RoPE falls back to ~12 ops: its `arange`s are
+        not merged across calls by `mx.compile`)."""
+        k = offsets.shape[0]
+        eye = mx.broadcast_to(_eye(D), (k, D, D)).reshape(k * D, 1, D)
+        return self.rope(eye, offset=mx.repeat(offsets, D)).reshape(k, D, D)
+
+    def rotation_key(self) -> Any:
+        """What makes two layers' `rotations` the same: an MLX `nn.RoPE`'s settings (a model's
+        layers hold equal ones, or one per kind of layer), else this layer's own RoPE."""
+        r = self.rope.rope if self.rope is not None else None
+        if type(r) is nn.RoPE:     # (no input scale: `PureRotation` calls it as it is)
+            return ("RoPE", r.dims, r.traditional, r.base, r.scale)
+        return ("layer", id(self.rope))
+
     def rebased(self, keys: mx.array, by: int) -> mx.array:
         """Frame mode: stored keys turned back by `by` positions (in fp32), as a re-base by `by`
         needs them (the ring's window, a KIVI body, a retrieval hot window)."""
@@ -173,3 +196,14 @@ class PureRotation:
             self._inverse[D] = None if bool(mx.all(diag == 1.0)) else (1.0 / diag).astype(mx.float32)
         inverse = self._inverse[D]
         return self.rope(x if inverse is None else (x * inverse).astype(x.dtype), offset=offset)
+
+
+_EYES: dict[int, mx.array] = {}
+
+
+def _eye(D: int) -> mx.array:
+    """The identity [D, D] (fp32), made once from numpy: a constant inside a compiled trace."""
+    e = _EYES.get(D)
+    if e is None:
+        e = _EYES[D] = mx.array(np.eye(D, dtype=np.float32))
+    return e
