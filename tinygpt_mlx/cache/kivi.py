@@ -338,8 +338,17 @@ class Residual(DenseStore):
         sized as the next append that did not fit would size them (`append`'s rule for a store
         that drops its front: the same shapes every time, so a compiled quiet step traces no new
         one, and reads no more slots than it needs), the live tokens moved in; nothing stored
-        changes. Buffers with `room` (a full KIVI cache's led sink) are left to `append`."""
-        if self.room or self.keys is None or not self.n:
+        changes. Buffers with `room` (a full KIVI cache's led sink) are made as `append` makes
+        them (`_remake`), for the live tokens and the `ahead` to come: else the next step that
+        did not fit would be eager only to make them (one in every G of a full int4 cache's
+        steps was), and the quiet steps after a prompt would read its chunk's buffers."""
+        if self.keys is None or not self.n:
+            return
+        if self.room:
+            size = self.room + -(-(self.n + ahead) // self.step) * self.step     # as `_remake`
+            if self.head + self.n + ahead <= self.keys.shape[2] <= size:
+                return
+            self._remake(self.n + ahead, self.keys, self.values)
             return
         size = -(-(self.n + 1) // self.step) * self.step + self.step     # as `append` with a head
         if self.head + self.n + ahead <= self.keys.shape[2] <= size:
