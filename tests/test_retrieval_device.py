@@ -515,6 +515,18 @@ def test_a_compiled_retrieval_step_attends_to_what_the_host_store_does(native, c
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=host_atol)
 
 
+def test_union_holds_each_page_once_in_order():
+    """`device_pages.union`: every page of the parts once, ascending; repeats and nones (-1, NONE)
+    are -1 holes; the size is the parts' sum."""
+    from tinygpt_mlx.cache.device_pages import NONE, union
+
+    got = np.asarray(union([mx.array([[5, 3, -1, 3], [0, 0, 0, 0]], mx.int32),
+                            mx.array([[NONE, 5, 9], [NONE, -1, 2]], mx.int32)]))
+    assert got.shape == (2, 7)
+    assert got[0][got[0] >= 0].tolist() == [3, 5, 9] and got[1][got[1] >= 0].tolist() == [0, 2]
+    assert (got[got < 0] == -1).all() and (got < 0).sum() == 4 + 5
+
+
 class _ScaledRope:
     """A RoPE that scales its input as some variants do (YaRN's mscale): not an `nn.RoPE`."""
 

@@ -201,7 +201,7 @@ class DeviceColdStore:
         return mx.full((self.G, 1), P, dtype=mx.int32) if self.n > P * self.page_size else None
 
     def pool(self, rows: mx.array) -> tuple[mx.array, mx.array]:
-        """The pages a forward pass fetches [G, K] (sorted, -1 padding at the end) for its query
+        """The pages a forward pass fetches [G, K] (ascending, -1: none, `union`) for its query
         rows [G, rep, R, D]: each row's `top_pages`, the unfinished page, the sticky pages of the
         last pass and the oracle's; and the last query's own pages [G, k] (telemetry)."""
         lists = self.coarse(rows)                                              # [G, R, k]
