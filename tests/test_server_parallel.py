@@ -161,7 +161,8 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
     lengths = [len(tok.encode(t)) for t in texts]
     assert lengths[0] > 256 > lengths[2] > 250 > 20 > lengths[1]
     ref, tokens = _prefilled(m, tok, cfg, texts)
-    paths = {"stacked": dict(compiled=False), "compiled": {}, "steady": dict(compiled="steady")}  # (steady: the bench's A/B)
+    # (steady: the compiled step as it was before windows filling were compiled, the bench's A/B)
+    paths = {"stacked": dict(compiled=False), "compiled": {}, "steady": dict(compiled="steady")}
     runs = {name: _prefilled(m, tok, cfg, texts)[0] for name in paths}
     counts = {}
     for _ in range(40):

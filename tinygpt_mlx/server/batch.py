@@ -897,8 +897,8 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache], steady
     cache writes, attention and MLP traced once per layout and replayed), where every sequence
     allows it (`_row`: a full exact cache with room in its buffers, a StreamingLLM ring, steady
     or filling its window, a retrieval cache filling its hot window; retrieval's steady steps
-    and KIVI's quiet ones are `_compiled_retrieval`'s and `_compiled_kivi`'s); the logits [B, 1, V], each cache advanced by one token as the eager step advances it;
-    None where it cannot run (nothing changed: the caller runs the eager batched call).
+    and KIVI's quiet ones are `_compiled_retrieval`'s and `_compiled_kivi`'s); the logits
+    [B, 1, V], each cache advanced by one token as the eager step advances it; None where it cannot run (nothing changed: the caller runs the eager batched call).
     `steady_only`: the step as it ran before 2026-12-05 15:00, for the benchmark's A/B: no window
     still filling compiled, and each row attending on its own within the trace."""
     if not batches(model) or any(not getattr(c, "compile_decode", False) for c in caches):
