@@ -509,6 +509,29 @@ def test_cli_errors_and_save_extended(native_path, tmp_path, tokenizer_json):
     assert r2.exit_code == 0, r2.output
 
 
+def test_positions_left_to_the_run_take_the_file_s(native_path, tmp_path):
+    """Retrieval flags without --streaming-llm-rope (`auto`: the run's choice) continue a file
+    made at either positions with the file's; a rule named on the command line must match it."""
+    from tinygpt_mlx.cache.persist import config_mismatch
+
+    auto = CacheConfig(hot_budget=16, rope_mode="auto")
+    for mode in ("absolute", "shifted"):
+        made = CacheConfig(hot_budget=16, rope_mode=mode)
+        assert config_mismatch(made, auto) is None
+    assert config_mismatch(CacheConfig(hot_budget=16, rope_mode="absolute"),
+                           CacheConfig(hot_budget=16, rope_mode="shifted")) == "rope_mode"
+    f, doc = tmp_path / "abs.ptc", tmp_path / "doc.txt"
+    doc.write_text("the word of the keeper and the number " * 2)
+    made = cli("cache-prompt", native_path, "--prompt-file", doc, "--kiv-hot-budget", "16",
+               "--streaming-llm-rope", "absolute", "--out", f)
+    assert made.exit_code == 0, made.output
+    r = cli("sample", native_path, "--prompt-cache", f, "--kiv-hot-budget", "16", "-n", "2", "--temperature", "0")
+    assert r.exit_code == 0, r.output
+    named = cli("sample", native_path, "--prompt-cache", f, "--kiv-hot-budget", "16", "--streaming-llm-rope",
+                "shifted", "-n", "2")
+    assert named.exit_code != 0 and "rope_mode='absolute'" in named.output
+
+
 def test_int4_default_tier_matches_whether_named_or_not():
     """int4's default near tier is 1/8 whether a config names it or not: a file made with plain
     int4 serves `--kv-near-share 8` and the reverse (prompt caches and the server's slots); a file

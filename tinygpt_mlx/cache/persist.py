@@ -374,10 +374,13 @@ PLACEMENT = ("cold_path", "cold_store", "cold_ram")
 def config_mismatch(saved: CacheConfig, given: CacheConfig) -> Optional[str]:
     """The first policy field that `given` sets (differs from the default) to another value in
     effect than the file's policy (`CacheConfig.in_effect`: int4's default tier is 1/8 whether
-    named or not), or None. Where the stores live (`PLACEMENT`) is not policy."""
+    named or not), or None. Where the stores live (`PLACEMENT`) is not policy, and positions
+    left to the run (`rope_auto`) take the file's."""
     default = CacheConfig()
     for f in dataclasses.fields(CacheConfig):
         if f.name in PLACEMENT or f.name in RUN_CHOICES:   # a run's choice is not the file's policy
+            continue
+        if f.name == "rope_mode" and given.rope_auto:
             continue
         if getattr(given, f.name) != getattr(default, f.name) and given.in_effect(f.name) != saved.in_effect(f.name):
             return f.name
