@@ -332,6 +332,10 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"cold_ram_mib":32}}'),
     'sink4/hot1024+spill1': ('fp32 + retrieval hot 1024 + top 32 pages',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4,"cold_ram_mib":1}}'),
+    'sink4/hot128': ('fp32 + retrieval hot 128 + top 8 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":128,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
+    'sink4/hot128:absolute': ('fp32 + retrieval hot 128 + top 8 pages (original positions)',
+        '{"storage":"fp32","retrieval":{"hot_budget":128,"sink":4,"retrieve_tokens":64,"page_size":8,"top_pages":64,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"absolute","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     # retrieval at original positions names them (needle_step_probe in docs/gguf.md)
     'sink4/hot1024:absolute': ('fp32 + retrieval hot 1024 + top 32 pages (original positions)',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"absolute","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
