@@ -275,12 +275,9 @@ class _TracedFull:
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.slot, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.slot, axes=(2,))
 
-    def attend(self, queries: mx.array, scale: float) -> mx.array:
-        k, v = self.kv()
-        return mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, mask=self.valid())
-
     def kv(self) -> tuple[mx.array, mx.array]:
-        """The buffers in the compute dtype (after this step's write)."""
+        """The buffers in the compute dtype (after this step's write); `_TracedRows.attend` reads
+        them with the row's mask (`valid`)."""
         k, v = self.keys, self.values
         if k.dtype != self.compute_dtype:
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
@@ -348,7 +345,7 @@ class _TracedRows:
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
         if window_size is not None:
             raise ValueError("a windowed mask is not traced")
-        return None     # each row masks itself (`_TracedFull.attend`)
+        return None     # each row masks itself (`valid`, read by `attend`)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         for i, r in enumerate(self.rows):
