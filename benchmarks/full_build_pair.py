@@ -1,10 +1,11 @@
 """The full exact cache's host work per decode step against mlx-lm's `KVCache` (issue #54), and its
 whole step, in four measures that a loaded machine moves less than bench's one median:
 
-1. `layer`: the calls an attention layer of an mlx-lm model makes on its cache per decode step
-   (`cache.offset` twice, `update_and_fetch` of one token), timed alone on one layer of each
-   cache after the same `--context` tokens, in blocks of `--calls` calls, the two alternating
-   block by block (nothing evaluated inside a block);
+1. `layer` (measured last, on the caches the rounds below have stepped: `--context` tokens and
+   every step since, the same on both): the calls an attention layer of an mlx-lm model makes
+   on its cache per decode step (`cache.offset` twice, `update_and_fetch` of one token), timed
+   alone on one layer of each cache, in blocks of `--calls` calls, the two alternating block by
+   block (nothing evaluated inside a block);
 2. `build`: the model's whole decode step built (`generate.forward` before evaluation, what
    `bench --parts` calls the build), the two caches stepped in an order shuffled every step
    after the same prefill, in `--rounds` rounds of `--steps` steps each; the ratio of the two
