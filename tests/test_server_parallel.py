@@ -82,6 +82,17 @@ def _serve_jobs(loaded, cfg, prompts, parallel, max_tokens=24, max_slots=2, **jo
         w.stop()
 
 
+def lockstep(m, tokens: list, together: list, solo: list, tag: str) -> list:
+    """One batched decode step of `together` held to each sequence's solo step on `solo` (within
+    1e-5, the same greedy token); the next greedy tokens."""
+    rows = batch.decode_step(m, tokens, together)
+    want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+    for row, w in zip(rows, want):
+        assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), tag
+        assert mx.argmax(row).item() == mx.argmax(w).item(), tag
+    return [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+
+
 # ----- the batched step on its own --------------------------------------------------------------
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
@@ -127,12 +138,7 @@ def test_windows_filling_step_compiled_as_each_sequence_alone(native32, policy):
         prefill(m, ids, b, 16)
     before = batch.taken.copy()
     for _ in range(40):
-        rows = batch.decode_step(m, tokens, together)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
-        for row, w in zip(rows, want):
-            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), policy
-            assert mx.argmax(row).item() == mx.argmax(w).item(), policy
-        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        tokens = lockstep(m, tokens, together, solo, policy)
     counts = batch.taken - before
     filling = counts["compiled_ring_filling" if policy == "sink+window" else "compiled_hot_filling"]
     assert filling >= WINDOW - max(len(p) for p in prompts) - 2, counts    # all but the first step or so
@@ -310,12 +316,7 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
     held = []       # the shapes each step's compiled function has traced
     for _ in range(96):
-        rows = batch.decode_step(m, tokens, together)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
-        for row, w in zip(rows, want):
-            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), case
-            assert mx.argmax(row).item() == mx.argmax(w).item(), case
-        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        tokens = lockstep(m, tokens, together, solo, case)
         held += [s.traces for s in batch._steps(m)[0].values() if isinstance(s, batch._Compiled)]
     done = batch.taken - before
     assert done["compiled_kivi"] >= 64, done
