@@ -66,14 +66,14 @@ def perplexity(
             raise ValueError("give --modes or cache flags, not both")
         if max_tokens is not None and max_tokens < 2:
             raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
-        policies = parse_policies(modes) if modes is not None else {config.label(): config}
+        policies = parse_policies(modes) if modes is not None else None   # (the flags': once the text is known)
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
         source = inputs.read_text(text or inputs.HELDOUT_KJV)
         loaded = c.load_model(model, weights)
         if text is None and max_tokens is None and loaded.context_length:
             max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
         ids = loaded.tokenizer.encode(source)[:max_tokens]
-        if modes is None:   # the flags' positions where they are the run's to choose (CacheConfig.for_run)
+        if policies is None:   # the flags' positions where they are the run's to choose (CacheConfig.for_run)
             config = config.for_run(loaded.context_length, len(ids))
             policies = {config.label(): config}
         err.print(f"[bold]perplexity[/bold] · model [cyan]{loaded.name}[/cyan] (context "
