@@ -160,13 +160,17 @@ def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
 
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
             prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None,
-            stages: bool = False, parts: bool = False) -> list[dict]:
+            stages: bool = False, parts: bool = False, seed: int = 0) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
     Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
     `next()` is one timed model call: all caches are filled side by side, each prefill chunk,
-    then each decode step, running for every policy in turn (order rotating), so load from
-    other processes on a shared machine falls on all policies alike. Prefill time is the sum
+    then each decode step, running for every policy in turn, so load from other processes on a
+    shared machine falls on all policies alike. The order is shuffled every round (`seed`), as
+    `step_parts` does: a rotating order made each policy always follow the same neighbour, and a
+    step that follows a long context's evaluation starts with the CPU's caches as that left them
+    (a small window after an 8K full cache: 0.62 of its peer, which followed a window; the same
+    two 1.21 alone, docs/results.md "The bench's order"). Prefill time is the sum
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
     `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`).
@@ -192,9 +196,12 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
             tick(policies[i].name)
         return dt
 
-    def rotated(k: int) -> list[int]:
-        n = len(policies)
-        return [(i + k) % n for i in range(n) if (i + k) % n not in failed]
+    rng = random.Random(seed)
+
+    def shuffled() -> list[int]:
+        order = [i for i in range(len(policies)) if i not in failed]
+        rng.shuffle(order)
+        return order
 
     def each(fn: Callable[[int], Any]) -> list:
         out = []
@@ -207,12 +214,12 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
         return out
 
     try:
-        for k in range(-(-len(tokens) // prefill_chunk)):
-            for i in rotated(k):
+        for _ in range(-(-len(tokens) // prefill_chunk)):
+            for i in shuffled():
                 prefill_s[i] += timed(i)
         prefill_stages = each(lambda i: stage_split(caches[i], prefill_s[i], len(tokens)))
-        for k in range(decode_steps):
-            for i in rotated(k):
+        for _ in range(decode_steps):
+            for i in shuffled():
                 step_s[i].append(timed(i))
         decode_stages = each(lambda i: stage_split(caches[i], sum(step_s[i]), len(step_s[i])))
         bytes_ = each(lambda i: int(caches[i].nbytes))
@@ -327,7 +334,7 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts)
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts, seed)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
             "skipped": skipped, "stages": stages, "parts": parts}
