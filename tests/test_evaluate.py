@@ -398,9 +398,9 @@ def test_bench_parts_builds_follow_every_other_cache(wide, monkeypatch):
 def test_bench_steps_follow_every_other_cache(wide, monkeypatch):
     """`measure` shuffles the policies' order every round of prefill chunks and decode steps:
     within a round each policy's step follows each other policy's (a rotating order made a
-    policy always follow the same neighbour: a 252-token window after an 8K full cache read
-    0.62 of RotatingKVCache, which always followed the window; docs/results.md "The bench's
-    order"); every policy still runs once per round, and the same seed gives the same order."""
+    policy always follow the same neighbour: the 8K window cells of docs/results.md's 7-policy
+    table followed the full caches' steps); every policy still runs once per round, and the same
+    seed gives the same order."""
     real = bench.steps
 
     def orders(seed):

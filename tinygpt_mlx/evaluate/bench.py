@@ -167,10 +167,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     `next()` is one timed model call: all caches are filled side by side, each prefill chunk,
     then each decode step, running for every policy in turn, so load from other processes on a
     shared machine falls on all policies alike. The order is shuffled every round (`seed`), as
-    `step_parts` does: a rotating order made each policy always follow the same neighbour, and a
-    step that follows a long context's evaluation starts with the CPU's caches as that left them
-    (a small window after an 8K full cache: 0.62 of its peer, which followed a window; the same
-    two 1.21 alone, docs/results.md "The bench's order"). Prefill time is the sum
+    `step_parts` does: a rotating order made each policy always follow the same neighbour within
+    a round, and a step that follows a long context's evaluation starts with the CPU's caches as
+    that left them (docs/results.md, "The bench's order"). Prefill time is the sum
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
     `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`).
