@@ -145,6 +145,50 @@ def test_windows_filling_step_compiled_as_each_sequence_alone(native32, policy):
     assert counts["compiled"] >= 40 - 8, counts     # and steady after (a few eager: rows filling at their own steps)
 
 
+@pytest.mark.parametrize("policy", ["sink+window", "retrieval"])
+def test_every_row_checked_before_any_rows_sink_is_placed(native32, policy, monkeypatch):
+    """A batch whose last row cannot step compiled (retrieval: two rows' hot windows filling, the
+    third steady, which `_hot_row` declines; StreamingLLM: two rings filling, the third not laid
+    out as a ring yet, before its first decode step) runs eager, and `compiled_decode` places no
+    row's sink before it knows that: the rows' eligibility is decided first, the sinks built only
+    once every row passed. The eager mixed steps still equal each sequence alone; the same rows
+    without the last one do place their sinks and step compiled (the spy sees the work)."""
+    m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
+    texts = [PROMPTS[0], PROMPTS[1], PROMPTS[3] * 3]
+    together, tokens = _prefilled(m, tok, cfg, texts)
+    solo, _ = _prefilled(m, tok, cfg, texts)
+    placed = []
+
+    def spy(layer):
+        if policy == "retrieval":
+            keep = layer.sink_store.segments
+            monkeypatch.setattr(layer.sink_store, "segments", lambda *a: placed.append(layer) or keep(*a))
+        else:
+            keep = layer.body.placed_sink
+            monkeypatch.setattr(layer.body, "placed_sink", lambda *a: placed.append(layer) or keep(*a))
+    if policy == "sink+window":       # the two short rings laid out as rings by a decode step each
+        tokens[:2] = lockstep(m, tokens[:2], together[:2], solo[:2], policy)
+    first, second, last = together
+    for c in (first, second):
+        assert batch._row(c) is not None                       # eligible on their own
+        for layer in c.owned:
+            spy(layer)
+    assert batch._row(last) is None, policy
+    if policy == "retrieval":
+        assert batch._retrieval_checked(last) is not None      # steady
+        assert batch._retrieval_checked(first) is None         # filling
+    ids = mx.array(tokens, dtype=mx.int32)[:, None]
+    for _ in range(3 if policy == "retrieval" else 1):      # (the eager step lays the third ring out)
+        assert batch.compiled_decode(m, ids, together) is None, policy
+        assert placed == [], policy                             # nothing built for a step that runs eager
+        tokens = lockstep(m, tokens, together, solo, policy)    # (eager: the mixed rows as each alone)
+        placed.clear()                                          # (the eager step reads the sinks itself)
+        ids = mx.array(tokens, dtype=mx.int32)[:, None]
+    before = batch.taken.copy()
+    tokens[:2] = lockstep(m, tokens[:2], together[:2], solo[:2], policy)
+    assert (batch.taken - before)["compiled"] == 1 and len(placed) == 2 * len(first.owned), policy
+
+
 def _prefilled(m, tok, cfg, texts):
     caches = [make_cache(m, cfg) for _ in texts]
     first = [int(mx.argmax(prefill(m, tok.encode(t), c, 64)).item()) for t, c in zip(texts, caches)]

@@ -486,8 +486,10 @@ def _trace_failed(model: Any, key: tuple, error: BaseException, what: str) -> No
 
 def _row(cache: KVCache, filling: bool = True) -> Optional[tuple]:
     """What the compiled batched step needs of one sequence's cache for its next token: (layout
-    key, slot, RoPE position, buffers per layer, sink rows per layer or None, the layers' plans,
-    the sink's slot), or None where this step cannot run compiled for it: a full exact cache
+    key, slot, RoPE position, buffers per layer, a function that places the sink rows of every
+    layer or None, the layers' plans, the sink's slot), or None where this step cannot run
+    compiled for it (the sinks are placed by `compiled_decode` once every row has been found
+    eligible: a later row that sends the step eager leaves none built): a full exact cache
     whose buffers have room for the token, or a StreamingLLM ring in its steady state (the
     compiled solo step's condition, cache/compiled.py) or filling its window (`_filling`), or
     a retrieval cache whose hot window is filling (`_hot_row`); every layer of it at one
@@ -522,7 +524,7 @@ def _row(cache: KVCache, filling: bool = True) -> Optional[tuple]:
     shifted = first.positions.frame and first.config.sink > 0
     first_slot = first.sink_slot_during(plans[0])
     buffers = [c.body.buffers() for c in layers]
-    sinks = [c.body.placed_sink(first_slot) for c in layers] if shifted else None
+    sinks = (lambda: [c.body.placed_sink(first_slot) for c in layers]) if shifted else None
     key = ("ring", buffers[0][0].shape[2], shifted, filling, buffers[0][0].dtype, first.dtype)
     return key, slot, plans[0].offset, buffers, sinks, plans, first_slot if shifted else None
 
@@ -547,10 +549,12 @@ def _hot_row(layers: list) -> Optional[tuple]:
                 and b.keys.shape[2] == size and c.seen == first.seen and c.dtype == first.dtype
                 and c.positions.base == first.positions.base and c.make_mask(1) is None):
             return None
-    sinks = []
-    for c, p in zip(layers, plans):
-        segments = c.sink_store.segments(Reading(c.dtype, c.positions, c.sink_slot_during(p)))
-        sinks.append((segments[0].keys, segments[0].values) if segments else ())
+    def sinks():
+        placed = []
+        for c, p in zip(layers, plans):
+            segments = c.sink_store.segments(Reading(c.dtype, c.positions, c.sink_slot_during(p)))
+            placed.append((segments[0].keys, segments[0].values) if segments else ())
+        return placed
     key = ("hot", size, n_sink, body.keys.dtype, first.dtype)
     return key, slot, plans[0].offset, [b.buffers() for b in (c.body for c in layers)], sinks, plans, None
 
@@ -920,8 +924,9 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache], steady
     for cache in caches:
         row = _row(cache, not steady_only)
         if row is None:
-            return None
+            return None         # (no row's sink placed yet: every row is checked before any is built)
         rows.append(row)
+    rows = [r[:4] + (r[4]() if r[4] is not None else None,) + r[5:] for r in rows]
     key = (owners, tuple(r[0] for r in rows), not steady_only)
     step = _compiled_step(model, key)
     if step is _FAILED:
