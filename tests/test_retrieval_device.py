@@ -434,7 +434,15 @@ def test_a_store_loaded_past_its_budget_spills_at_once():
 
 STEP_CASES = {"default": {}, "tokens": dict(retrieve_unit="tokens"), "mean": dict(summary="mean"),
               "hybrid": dict(summary="hybrid"), "no-index": dict(index_block=0), "not-sticky": dict(sticky=False),
-              "page": dict(retrieved_position="page"), "no-sink": dict(sink=0), "bf16": dict(storage="bf16")}
+              "page": dict(retrieved_position="page"), "no-sink": dict(sink=0), "bf16": dict(storage="bf16"),
+              # original positions (the default inside a model's context): keys as the model rotated them
+              "absolute": dict(rope_mode="absolute"),
+              "absolute-tokens": dict(rope_mode="absolute", retrieve_unit="tokens"),
+              "absolute-mean": dict(rope_mode="absolute", summary="mean"),
+              "absolute-no-index": dict(rope_mode="absolute", index_block=0),
+              "absolute-not-sticky": dict(rope_mode="absolute", sticky=False),
+              "absolute-no-sink": dict(rope_mode="absolute", sink=0),
+              "absolute-bf16": dict(rope_mode="absolute", storage="bf16")}
 
 
 def _stepped(model, cache, prompt, steps, record=True):
@@ -621,11 +629,14 @@ def test_retrievals_are_recorded_only_when_asked(native):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
 
 
-def test_a_compiled_retrieval_step_reads_nothing_back(native):
-    """The compiled step (the product's `forward`) builds its graph without a read back either."""
+@pytest.mark.parametrize("rope_mode", ["shifted", "absolute"])
+def test_a_compiled_retrieval_step_reads_nothing_back(native, rope_mode):
+    """The compiled step (the product's `forward`) builds its graph without a read back either,
+    on frame positions and at original positions."""
     from tinygpt_mlx.cache import compiled
 
-    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4, index_expand=2)
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4, index_expand=2,
+                      rope_mode=rope_mode)
     cache = make_cache(native.model, cfg)
     mx.eval(prefill(native.model, [int(x) for x in np.random.RandomState(0).randint(1, 300, size=1100)], cache, 256))
     real, ran = compiled._retrieval_decode, []

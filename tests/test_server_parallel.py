@@ -241,7 +241,7 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
 #: of min/max and mean, the two-level page index (blocks of 2 pages, engaged past 8 pages: every
 #: store here passes it), the retrieved keys at their page's slots ("page"), and rows of several
 #: layouts (one short store, every page of it in the pool, then scanned flat, beside three
-#: stores on the index: two groups every step).
+#: stores on the index: two groups every step), and at original positions (absolute), flat and indexed.
 #: Packed cold rows (`cold_bits`) are out: the solo compiled step declines them
 #: (cold_device.py `step_ready`), so the batched one does too.
 RETRIEVAL_STEPS = {
@@ -250,6 +250,9 @@ RETRIEVAL_STEPS = {
     "index": (dict(index_block=2, index_expand=1), (7, 9, 7, 7)),
     "page": (dict(retrieved_position="page"), (3, 4, 5, 6)),
     "layouts": (dict(index_block=2, index_expand=1, summary="hybrid"), (3, 9, 7, 7)),
+    # original positions (absolute): nothing turned, the cold rows as the model rotated them
+    "absolute": (dict(rope_mode="absolute"), (3, 4, 5, 6)),
+    "absolute-index": (dict(rope_mode="absolute", index_block=2, index_expand=1), (7, 9, 7, 7)),
 }
 
 
@@ -289,7 +292,7 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
         recording(b, ("batch", i))
     assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
     indexed = [c.owned[0].cold.index.uses_index() for c in together]
-    on_index = [False, True, True, True] if case == "layouts" else [case == "index"] * 4
+    on_index = [False, True, True, True] if case == "layouts" else [case in ("index", "absolute-index")] * 4
     assert indexed == on_index, indexed
     batch.forget(m)         # (traces of this file's other tests would not be made again)
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()

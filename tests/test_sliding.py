@@ -423,3 +423,43 @@ def test_serve_admission_counts_sliding_layers_at_their_window(gemma):
     a = Admission(gemma, CacheConfig())
     assert a.nbytes(10) == n * 10 * per_layer
     assert a.nbytes(1000) == (n - n_sliding) * 1000 * per_layer + n_sliding * W * per_layer
+
+
+@pytest.mark.parametrize("rope_mode", ["absolute", "shifted"])
+def test_compiled_retrieval_steps_sliding_rings_beside_global_layers(gemma, rope_mode):
+    """Retrieval on the global layers beside sliding-window rings (Gemma 3's layout): the compiled
+    retrieval step traces the rings too, each at its own position and pointer
+    (compiled_retrieval.py `_rings_ready`), at original positions (the default inside a model's
+    context) and shifted. Over 40 decode steps after a 240-token prompt of distinct tokens (hot
+    window 16: a page completed every 4 steps, evicted eagerly ahead; the index engaged; sticky
+    pages), every KV head of every global layer fetches the same cold tokens as the eager step
+    and the host store (cold.py, the reference), the logits agree (1e-5 with the eager step, 1e-4
+    with the host store) and most steps ran compiled."""
+    import dataclasses
+
+    from test_retrieval_device import _stepped
+    from tinygpt_mlx.cache import compiled
+
+    m = gemma.model
+    cfg = CacheConfig(sink=4, hot_budget=16, page_size=4, top_pages=2, retrieve_tokens=8, index_block=2,
+                      index_expand=1, rope_mode=rope_mode)
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 241))]
+    ran, real = [], compiled._retrieval_decode
+    compiled._retrieval_decode = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        fast = make_cache(m, cfg)
+        assert fast.compiled_step == "retrieval" and fast.kinds() == [f"sliding {W}", f"sliding {W}", "global"] * 2
+        got, got_picks = _stepped(m, fast, prompt, 40)
+    finally:
+        compiled._retrieval_decode = real
+    assert sum(r is not None for r in ran) >= 30 and not compiled.trace_failures
+    assert fast.global_layers[0].cold.index.uses_index()
+    eager = make_cache(m, cfg)
+    eager.compile_decode = False
+    want, want_picks = _stepped(m, eager, prompt, 40)
+    host, host_picks = _stepped(m, make_cache(m, dataclasses.replace(cfg, cold_store="disk")), prompt, 40)
+    assert len(got_picks) == 40 * (1 + 2)       # a pick per step and global layer
+    assert got_picks == want_picks == host_picks
+    for a, b, c in zip(got, want, host):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-4)

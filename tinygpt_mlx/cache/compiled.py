@@ -216,8 +216,9 @@ def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, first: 
 
 def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
                       ) -> Optional[mx.array]:
-    """`decode` for retrieval on the device (compiled_retrieval.py), with this module's failure rule."""
-    return compiled_retrieval.decode(model, tokens, layers, plans, owners, steps, _FAILED, _failed)
+    """`decode` for retrieval on the device (compiled_retrieval.py), with this module's failure rule
+    and its traced ring (sliding-window rings beside retrieval's layers: Gemma 3's local layers)."""
+    return compiled_retrieval.decode(model, tokens, layers, plans, owners, steps, _FAILED, _failed, _TracedRing)
 
 
 def _traceable(model: Any, steps: dict) -> bool:

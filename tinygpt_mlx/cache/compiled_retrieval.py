@@ -106,16 +106,22 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     sp, n = first.spec, len(rows)
     B, H = first.body[0].shape[:2]
     Hq, D = queries.shape[1], queries.shape[3]
-    q = queries.astype(mx.float32).reshape(n, -1, D)
-    # the queries turned to the retrieved slot (retrieved.py) and the leaving keys turned back
-    # before RoPE (positions.unrotate), each row by its own angles, as products with the
-    # rotations of the step's two angles (`Positions.rotations`: made once per step and RoPE)
-    turns = _turns(rows, D)
-    turned = (q @ turns[:, 1]).reshape(queries.shape)
+    frame = sp.positions.frame
+    if frame:
+        # the queries turned to the retrieved slot (retrieved.py) and the leaving keys turned back
+        # before RoPE (positions.unrotate), each row by its own angles, as products with the
+        # rotations of the step's two angles (`Positions.rotations`: made once per step and RoPE)
+        turns = _turns(rows, D)
+        turned = (queries.astype(mx.float32).reshape(n, -1, D) @ turns[:, 1]).reshape(queries.shape)
+    else:
+        # original positions (absolute): every key is kept as the model rotated it, the cold
+        # rows too (LayerCache._evict), so nothing is turned and the query scores them as it is
+        turned = queries.astype(mx.float32)
     for j, r in enumerate(rows):
         if r.leaving is not None:
             # [G, 1, D] (DeviceColdStore.append)
-            k = (r.leaving[0].astype(mx.float32).reshape(B * H, D) @ turns[j, 0])[:, None]
+            k = r.leaving[0].astype(mx.float32).reshape(B * H, D)
+            k = (k @ turns[j, 0] if frame else k)[:, None]
             v = r.leaving[1].astype(mx.float32).reshape(B * H, 1, -1)
             (ck,), (cv,) = r.keys, r.values
             row = r.at[AT_ROW:AT_ROW + 1]
@@ -153,20 +159,20 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         live = [b.astype(sp.compute) for b in live]
     segments.append(DenseSegment(*live))
     if mask is not None:
-        return attend(segments, 1, queries, scale, mask, turned, len(segments) - 1)
-    return _attend_one(segments, queries, scale, turned)
+        return attend(segments, 1, queries, scale, mask, turned if frame else None, len(segments) - 1 if frame else 0)
+    return _attend_one(segments, queries, scale, turned if frame else None)
 
 
-def _attend_one(segments: list, queries: mx.array, scale: float, turned: mx.array) -> mx.array:
+def _attend_one(segments: list, queries: mx.array, scale: float, turned: Optional[mx.array]) -> mx.array:
     """`segments.attend` of one query per row (L = 1) over a steady step's segments, unmasked
     (the picked tokens, the placed sink, the window: each exact, none in a rotated basis), the
-    window scored with `queries` and the rest with `turned`: the same products, softmax and sum
-    in the same order, with the query axis dropped (scores [B, Hkv, rep, T]) instead of
+    window scored with `queries` and the rest with `turned` (None at original positions: every
+    segment with `queries`): the same products, softmax and sum in the same order, with the query axis dropped (scores [B, Hkv, rep, T]) instead of
     reshaped into and out of every product: ~13 graph nodes fewer per layer and step."""
     B, Hq, _, D = queries.shape
     hkv = segments[-1].n_heads
     q = ((queries if queries.dtype == mx.float32 else queries.astype(mx.float32)) * scale).reshape(B, hkv, -1, D)
-    qt = (turned.astype(mx.float32) * scale).reshape(q.shape)
+    qt = q if turned is None else (turned.astype(mx.float32) * scale).reshape(q.shape)
     scores = []
     for i, sg in enumerate(segments):
         sc = (q if i == len(segments) - 1 else qt) @ sg.keys.swapaxes(-1, -2)
@@ -220,29 +226,69 @@ def layer_specs(layers: list, row: tuple) -> list:
                             compute=compute, evicts=evicts, records=records) for c in layers]
 
 
-def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list):
-    """The compiled steady step of retrieval for `key` = ("retrieval", owners, the compute dtype,
-    the layers' config, whether the trace evicts, the selection's `Static`, the summaries' widths
-    scanned, the hot window's length after the step, whether a sink is held, whether the telemetry
-    records), made once per model and key over these `layers`' position rules (their RoPE: the
-    model's)."""
+def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list, traced_ring: Any = None):
+    """The compiled steady step of retrieval for `key` = ("retrieval", owners, the sliding rings'
+    layout (`_rings_ready`'s key: () without them), the compute dtype, the layers' config, whether
+    the trace evicts, the selection's `Static`, the summaries' widths scanned, the hot window's
+    length after the step, whether a sink is held, whether the telemetry records), made once per
+    model and key over these retrieval `layers`' position rules (their RoPE: the model's). Beside
+    sliding-window rings (Gemma 3's local layers) the trace steps them as the ring's compiled step
+    does (`traced_ring`: compiled.py's `_TracedRing`), at their own position and pointer (`ring_at`)."""
     if key not in steps:
-        owners, specs = key[1], layer_specs(layers, key[:1] + key[2:])
+        owners, rings, specs = key[1], key[2], layer_specs(layers, key[:1] + key[3:])
 
-        def step(tokens, at, inputs):
+        def traced_retrieval(at, inputs):
             turns: dict = {}     # (the layers read one `at`: their turns are shared, `_turns`)
-            traced = [_TracedRetrieval(specs[i], at, inputs[i], turns) for i in range(len(inputs))]
-            logits = model(tokens, cache=[traced[i] for i in owners])
-            return logits, [t.outputs() for t in traced]
+            return [_TracedRetrieval(specs[i], at, inputs[i], turns) for i in range(len(inputs))]
+
+        if not rings:
+            def step(tokens, at, inputs):
+                traced = traced_retrieval(at, inputs)
+                logits = model(tokens, cache=[traced[i] for i in owners])
+                return logits, [t.outputs() for t in traced]
+        else:
+            ring_index, window, compute = rings
+
+            def step(tokens, at, inputs, ring_at, ring_buffers):
+                traced = traced_retrieval(at, inputs)
+                ring_layers = [traced_ring(k, v, None, ring_at[1:2], ring_at[0], compute, window)
+                               for k, v in ring_buffers]
+                owned = iter(traced)
+                ring_of = dict(zip(ring_index, ring_layers))
+                layer = [ring_of[i] if i in ring_of else next(owned) for i in range(len(traced) + len(ring_layers))]
+                logits = model(tokens, cache=[layer[i] for i in owners])
+                return logits, [t.outputs() for t in traced], [(t.keys, t.values) for t in ring_layers]
         steps[key] = mx.compile(step)
     return steps[key]
+
+
+def _rings_ready(rings: list, plans: list) -> Optional[tuple]:
+    """Beside retrieval's global layers, the sliding-window layers' rings (Gemma 3's local layers:
+    exact rings of the model's window, no sink), planned as `plans`: where every one is steady as
+    the ring's compiled step wants it (full, no re-base; compiled.py `_ready`), at one position
+    and pointer, holding one window that the model's own sliding mask then leaves whole for one
+    query (`RingLayer.sees_all`), (their window, the compute dtype, the write slot, their RoPE
+    position); else None."""
+    if any(c.compiles != "ring" for c in rings):
+        return None
+    first = rings[0]
+    window, slot = first.sliding, first.body.write_slot
+    for c, p in zip(rings, plans):
+        if not (c.sliding == window and c.config.sink == 0 and c.dtype is not None
+                and c.dtype == first.dtype and p.rebase == 0 and c.body.steady() and c.seen == first.seen
+                and c.positions.base == first.positions.base and c.body.write_slot == slot and c.sees_all(window)):
+            return None
+    return window, first.dtype, slot, plans[0].offset
 
 
 def steady(layers: list, plans: list) -> bool:
     """Whether the next decode step of these retrieval layers, planned as `plans`, is one the
     compiled step runs: every layer steady (`_retrieval_ready`) at one position, with one body
     layout, one cold count and one sticky state (one selection serves every layer), and no mask.
-    Nothing is changed. The solo step (`decode`) and serve's batched step (server/batch.py) ask it."""
+    Nothing is changed. The solo step (`decode`) and serve's batched step (server/batch.py) ask it;
+    a sliding-window ring among `layers` is not one (the solo step steps those apart, `decode`)."""
+    if any(c.sliding is not None for c in layers):
+        return False
     first = layers[0]
     body, cold = first.body, first.cold
     seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
@@ -279,36 +325,52 @@ def step_inputs(layers: list, plans: list) -> tuple:
     row = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
            len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]), any(c.telemetry.on for c in layers))
     head = body.head
+    # (the two angles turn keys and the query on frame positions; at original positions none)
+    turns = ([first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
+             if first.positions.frame else [0, 0])
     at = [plans[0].offset, head, head + len(body), head + (1 if evicts else 0), len(cold),
-          n_after, n_after // cold.page_size, cold.index.n_blocks,
-          first.positions.base - first.start, -(first.sink_slot_during(plans[0]) + slot)]
+          n_after, n_after // cold.page_size, cold.index.n_blocks, *turns]
     return row, at, inputs, plans
 
 
 def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict, failed_mark: Any,
-           failed: Callable[[dict, Any, BaseException], None]) -> Optional[mx.array]:
+           failed: Callable[[dict, Any, BaseException], None], traced_ring: Any = None) -> Optional[mx.array]:
     """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
     step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
     in, the written buffers and the picks come out, and each layer's commit, sticky pages and
     (where asked) telemetry follow eagerly (`commit`). `steps` holds the model's compiled
     steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
-    marks one."""
+    marks one; `traced_ring` steps sliding-window rings beside (compiled.py's `_TracedRing`)."""
+    ring_index = tuple(i for i, c in enumerate(layers) if c.sliding is not None)
+    rings, ring_plans, ring_state = [], [], None
+    if ring_index:      # sliding-window rings beside the retrieval layers (`_rings_ready`)
+        rings, ring_plans = [layers[i] for i in ring_index], [plans[i] for i in ring_index]
+        ring_state = _rings_ready(rings, ring_plans) if traced_ring is not None else None
+        if ring_state is None:
+            return None
+        kept = [i for i in range(len(layers)) if i not in ring_index]
+        layers, plans = [layers[i] for i in kept], [plans[i] for i in kept]
     if not steady(layers, plans):
         return None
     row, at, inputs, plans = step_inputs(layers, plans)
-    key = row[:1] + (owners,) + row[1:]
+    key = row[:1] + (owners, (ring_index, *ring_state[:2]) if ring_index else ()) + row[1:]
     step = steps.get(key)
     if step is failed_mark:
         return None
     if step is None:
-        step = _retrieval_step_fn(model, steps, key, layers)
+        step = _retrieval_step_fn(model, steps, key, layers, traced_ring)
+    args = (tokens, mx.array(at, mx.int32), inputs)
+    if ring_index:
+        args += (mx.array([ring_state[3], ring_state[2]], mx.int32), [c.body.buffers() for c in rings])
     try:
-        logits, outs = step(tokens, mx.array(at, mx.int32), inputs)
+        logits, outs, *ring_outs = step(*args)
     except Exception as e:     # as in `decode`: eager from now on for this layout (an eviction ahead is the eager one)
         failed(steps, key, e)
         return None
     for c, p, out in zip(layers, plans, outs):
         commit(c, p, out)
+    for c, p, (k, v) in zip(rings, ring_plans, ring_outs[0] if ring_outs else ()):
+        c.commit(p, None, None, written=(k, v, None))      # (the ring's compiled step's commit, compiled.py)
     return logits
 
 

@@ -65,9 +65,14 @@ class KVCache(list):
         #: the one switch, its default from the environment
         self.compile_decode = compile_by_default()
         kinds = {c.compiles for c in self._owned}
-        #: the compiled decode step every layer can run ("ring" or "kivi", cache/compiled.py), or
-        #: None (every step eager: a policy it does not cover, layers of two kinds, a model-owned
-        #: layer), decided once here, so an eager policy's step never asks
+        if kinds == {"ring", "retrieval"} and all(c.compiles == "ring" for c in self._owned if c.sliding is not None) \
+                and all(c.compiles == "retrieval" for c in self._owned if c.sliding is None):
+            kinds = {"retrieval"}    # retrieval's step traces sliding-window rings beside (compiled_retrieval.py)
+        #: the compiled decode step every layer can run ("ring", "kivi" or "retrieval",
+        #: cache/compiled.py; "retrieval" also for retrieval's global layers beside sliding-window
+        #: rings, which its step traces too), or None (every step eager: a policy it does not
+        #: cover, layers of other kinds, a model-owned layer), decided once here, so an eager
+        #: policy's step never asks
         self.compiled_step: Optional[str] = (kinds.pop() if len(kinds) == 1 and self._owned
                                              and len(self._owned) == len(self.distinct()) else None)
 

@@ -76,12 +76,14 @@ class LayerCache:
         #: the compiled decode step that can run this layer (cache/compiled.py), decided here once:
         #: "kivi" for KIVI under StreamingLLM on frame positions or a full KIVI cache on absolute
         #: positions (their quiet steps), "ring" for a ring (ring.py), "retrieval" for retrieval
-        #: over an exact hot window on frame positions with its cold store in RAM, exact rows and
-        #: no RAM budget (its steady steps), None for every other policy (its steps run eager)
+        #: over an exact hot window on frame positions or at original positions (absolute: keys
+        #: as the model rotated them, nothing placed or turned) with its cold store in RAM, exact
+        #: rows and no RAM budget (its steady steps), None for every other policy (its steps run eager)
         kivi = config.quantised and not config.exact_topk and not config.retrieval
         self.compiles: Optional[str] = ("kivi" if kivi and (positions.frame if config.streaming else not positions.shifted)
                                         else
-                                        "retrieval" if (config.retrieval and positions.frame and not config.quantised
+                                        "retrieval" if (config.retrieval and (positions.frame or not positions.shifted)
+                                                        and not config.quantised
                                                         and config.cold_store == "ram" and config.cold_bits is None
                                                         and config.cold_ram is None
                                                         and not config.retrieves_per_query) else None)
