@@ -158,36 +158,8 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
         live = [b.astype(sp.compute) for b in live]
     segments.append(DenseSegment(*live))
-    if mask is not None:
-        return attend(segments, 1, queries, scale, mask, turned if frame else None, len(segments) - 1 if frame else 0)
-    return _attend_one(segments, queries, scale, turned if frame else None)
-
-
-def _attend_one(segments: list, queries: mx.array, scale: float, turned: Optional[mx.array]) -> mx.array:
-    """`segments.attend` of one query per row (L = 1) over a steady step's segments, unmasked
-    (the picked tokens, the placed sink, the window: each exact, none in a rotated basis), the
-    window scored with `queries` and the rest with `turned` (None at original positions: every
-    segment with `queries`): the same products, softmax and sum in the same order, with the query axis dropped (scores [B, Hkv, rep, T]) instead of
-    reshaped into and out of every product: ~13 graph nodes fewer per layer and step."""
-    B, Hq, _, D = queries.shape
-    hkv = segments[-1].n_heads
-    q = ((queries if queries.dtype == mx.float32 else queries.astype(mx.float32)) * scale).reshape(B, hkv, -1, D)
-    qt = q if turned is None else (turned.astype(mx.float32) * scale).reshape(q.shape)
-    scores = []
-    for i, sg in enumerate(segments):
-        sc = (q if i == len(segments) - 1 else qt) @ sg.keys.swapaxes(-1, -2)
-        if isinstance(sg, PickedSegment):
-            sc = mx.where(sg.valid[:, :, None], sc, -mx.inf)
-        scores.append(sc)
-    sizes = [sc.shape[-1] for sc in scores]
-    probs = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1)    # (as `attend`: fp32, not `precise`)
-    out, start = None, 0
-    for sg, n in zip(segments, sizes):
-        part = probs[:, :, :, start:start + n] @ sg.values
-        out = part if out is None else out + part
-        start += n
-    out = out.reshape(B, Hq, 1, -1)
-    return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+    # (one unmasked query over exact segments: `attend` takes its one-query form, `_attend_one`)
+    return attend(segments, 1, queries, scale, mask, turned if frame else None, len(segments) - 1 if frame else 0)
 
 
 def _turns(rows: list, D: int) -> mx.array:
