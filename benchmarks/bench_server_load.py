@@ -1,7 +1,8 @@
 """A load run against `serve` (issue #56): rounds of --requests streamed requests from --clients
 client threads, about --cancel of them abandoned mid-stream, against a server in its own process
 (`--parallel` 4); after each round the server's resident memory (VmRSS) and its compiled steps'
-traces (made so far, and held: /api/slots `compiled`). Every reply that was not
+traces (made so far, and held: /api/slots `compiled`, with MLX's memory) and glibc's heap
+(/api/slots `heap_mib`: obtained, in use, free). Every reply that was not
 abandoned must end with a final line (done_reason stop or length) and no error line; the first
 round is the warm-up, and the RSS after the later rounds is compared with it.
 
@@ -75,7 +76,7 @@ def main() -> None:
             state = httpx.get(url + "/api/slots").json()
             row = {"round": k, "outcomes": counts, "server_rss_mib": server_rss_mib(proc.pid),
                    "batched_steps": state["batched_steps"], "queued_after": state["queued"], "busy_after": state["busy"],
-                   "compiled": state["compiled"]}
+                   "compiled": state["compiled"], "heap_mib": state.get("heap_mib")}
             out["rounds"].append(row)
             print(json.dumps(row), flush=True)
     finally:

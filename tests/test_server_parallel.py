@@ -520,6 +520,38 @@ def test_requests_past_parallel_wait_in_the_queue(native, caplog):
     assert [r.tokens for r in together] == [r.tokens for r in alone]
 
 
+def test_an_idle_worker_hands_the_freed_memory_back_once(native, monkeypatch):
+    """When nothing runs or waits, the worker empties MLX's cache of freed buffers and trims glibc's
+    heap (`Worker._idle`), once per busy spell: not during the steps, not again while it stays
+    idle, again after the next requests. Fails with the release left out, made at every loop, or
+    made while requests still run."""
+    from tinygpt_mlx.server import worker as worker_module
+    calls, running_then, workers = [], [], []
+    monkeypatch.setattr(worker_module.heap, "trim",
+                        lambda: calls.append("trim") or running_then.append(len(workers[0].running)))
+    monkeypatch.setattr(worker_module.mx, "clear_cache", lambda: calls.append("clear"))
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=2)
+    workers.append(w)
+
+    def settle(n):
+        deadline = time.time() + 30
+        while len(calls) < n and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)                   # (a second release would come now)
+        return list(calls)
+    try:
+        assert settle(0) == []                                   # idle from the start: nothing ran
+        _run_jobs(w, [Job(native.tokenizer.encode(p), 12, temperature=0) for p in PROMPTS])
+        assert settle(2) == ["clear", "trim"]
+        w.call(lambda: None)                                     # (the idle worker's loop runs again)
+        assert settle(2) == ["clear", "trim"]
+        _run_jobs(w, [Job(native.tokenizer.encode(PROMPTS[0]), 4, temperature=0)])
+        assert settle(4) == ["clear", "trim"] * 2
+    finally:
+        w.stop()
+    assert running_then == [0, 0] and w.steps > 12
+
+
 def test_a_request_past_the_memory_budget_waits(native, caplog):
     w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=2), 16, parallel=4)
     w.admission.available = lambda: w.admission.RESERVE + 10 * w.admission.per_token   # room for 10 tokens

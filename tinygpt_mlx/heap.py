@@ -50,3 +50,32 @@ def keep_large_blocks(environ: Mapping[str, str] = os.environ, platform: str = s
         return False
     return (bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
             and bool(libc.mallopt(_M_ARENA_MAX, 1)))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def usage() -> Optional[dict]:
+    """glibc's heap in MiB (`mallinfo2`): `heap` obtained from the OS for the main heap (arena),
+    `in_use` by live blocks, `free` held in free blocks (glibc's; some of it may already have been
+    handed back by `trim`), `mmapped` in blocks mapped on their own; None off glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallinfo2"):
+        return None
+    libc.mallinfo2.restype = _MallInfo2
+    m = libc.mallinfo2()
+    return {name: round(value / 2 ** 20, 1) for name, value in
+            (("heap", m.arena), ("in_use", m.uordblks), ("free", m.fordblks), ("mmapped", m.hblkhd))}
+
+
+def trim() -> bool:
+    """Hand the heap's free pages back to the OS (`malloc_trim(0)`: every whole free page, not only
+    those at the heap's top past the trim threshold); False off glibc. `serve`'s worker calls it,
+    after emptying MLX's cache of freed buffers, when it goes idle (server/worker.py)."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from .. import heap
 from . import logprobs as lp
 from . import ollama as ol
 from . import openai as oa
@@ -94,6 +95,7 @@ def register(app: FastAPI, models: Models) -> None:
         return {"slots": srv.pool.describe(), "queued": srv.worker.pending, "busy": srv.worker.busy,
                 "running": len(srv.worker.running), "parallel": srv.worker.parallel,
                 "batched_steps": srv.worker.batched_steps, "compiled": srv.worker.trace_counts(),
+                "heap_mib": heap.usage(),
                 "cache_policy": srv.cache_config.label(), "recent": list(srv.worker.recent),
                 "model": srv.names[1], "model_swaps": models.swaps}
 

@@ -49,7 +49,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-from .. import blas
+from .. import blas, heap
 from .. import generate as engine
 from ..config import CacheConfig
 from ..sampling import make_sampler
@@ -293,6 +293,7 @@ class Worker:
         self.blas = blas.Threads()
         self.admission = Admission(loaded, pool.cache_config)
         self._held: Any = _EMPTY          # an item taken off the queue to wait on, handled next
+        self._ran = False                 # a step ran since the worker was last idle (`_idle`)
         self._thread = threading.Thread(target=self._run, name="posttrainllm-generate", daemon=True)
         self._thread.start()
 
@@ -362,7 +363,7 @@ class Worker:
             # block for work only when nothing runs or waits; else take what arrived and step on
             item = self._next()
             if item is _EMPTY and not self.running and not self.waiting:
-                self.blas.for_prefill()     # idle: OpenBLAS back to its own count for the process
+                self._idle()
                 item = self.queue.get()
             while item is not _EMPTY:
                 if item is None:
@@ -386,6 +387,21 @@ class Worker:
             self._flush()
             if not ran and self.waiting:    # nothing could start (not expected): wait for the next arrival
                 self._held = self.queue.get()
+
+    def _idle(self) -> None:
+        """Nothing runs or waits: OpenBLAS back to its own count for the process, and, once per busy
+        spell, the memory the finished requests' steps left free handed back to the OS: MLX's cache
+        of freed buffers emptied (`mx.clear_cache`), then glibc's free heap pages (`heap.trim`),
+        which `heap.keep_large_blocks` keeps mapped up to 512 MiB for the next large temporary.
+        Without it the RSS of a busy server climbs to the largest mix of requests it has met and
+        stays there (docs/server.md: the retrieval load run); with it an idle server holds its
+        caches, slots and model, not that high-water mark. A request arriving at an idle server
+        faults its first temporaries in again (measured in docs/server.md)."""
+        self.blas.for_prefill()
+        if self._ran:
+            self._ran = False
+            mx.clear_cache()
+            heap.trim()
 
     def _next(self) -> Any:
         if self._held is not _EMPTY:
@@ -476,6 +492,7 @@ class Worker:
     # ----- one scheduler step -------------------------------------------------------------------
     def _step(self) -> None:
         self.steps += 1
+        self._ran = True
         for s in list(self.running):
             if s.job.cancelled.is_set():
                 self._retire(s, "cancel")
