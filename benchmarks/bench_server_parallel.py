@@ -105,6 +105,25 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds the server process's threads have used, by part: its worker thread (the model's
+    steps, sampling, detokenising, the events), its main thread (the event loop: HTTP, NDJSON
+    lines), the rest (MLX's stream threads, OpenBLAS's)."""
+    out = {"worker": 0.0, "loop": 0.0, "other": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                text = f.read()
+        except OSError:
+            continue                  # (a thread that ended)
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text.rsplit(")", 1)[1].split()
+        part = "loop" if int(tid) == pid else "worker" if comm.startswith("posttrainllm") else "other"
+        out[part] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
 def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid: int) -> dict:
     """Each prompt alone, then `rounds` runs of all `streams` at once, each round after the first
     preceded by one more solo run (the machine's load drifts: both rates are medians). Beside
@@ -112,10 +131,23 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
     other processes' load on a shared machine changes far less than the wall time."""
     prompts = PROMPTS[:streams]
 
+    # CPU ms per token by the server's parts and of this (client) process, one stream and N
+    parts = {"one": {k: 0.0 for k in ("worker", "loop", "other", "client")}, "n": None}
+    parts["n"] = dict(parts["one"])
+    counted = {"one": 0, "n": 0}
+
+    def account(which, t0, c0, n_tokens):
+        t1 = thread_cpu(pid)
+        for k in t1:
+            parts[which][k] += t1[k] - t0[k]
+        parts[which]["client"] += time.process_time() - c0
+        counted[which] += n_tokens
+
     def solo_run(p):
-        c0 = cpu_seconds(pid)
+        c0, t0, p0 = cpu_seconds(pid), thread_cpu(pid), time.process_time()
         r = generate(url, model, p, tokens)
         r["cpu_s"] = cpu_seconds(pid) - c0
+        account("one", t0, p0, r["tokens"])
         return r
 
     alone = [solo_run(p) for p in prompts]
@@ -127,10 +159,11 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
             r = solo_run(prompts[i % streams])
             solo.append(r["tokens"] / r["wall_s"])
             solo_cpu.append(r["tokens"] / r["cpu_s"])
-        c0 = cpu_seconds(pid)
+        c0, t0, p0 = cpu_seconds(pid), thread_cpu(pid), time.process_time()
         with concurrent.futures.ThreadPoolExecutor(streams) as ex:
             together = list(ex.map(lambda p: generate(url, model, p, tokens), prompts))
         cpu = cpu_seconds(pid) - c0
+        account("n", t0, p0, sum(r["tokens"] for r in together))
         wall = max(r["t1"] for r in together) - min(r["t0"] for r in together)
         together_rates.append(sum(r["tokens"] for r in together) / wall)
         together_cpu.append(sum(r["tokens"] for r in together) / cpu)
@@ -146,7 +179,11 @@ def throughput(url: str, model: str, streams: int, tokens: int, rounds: int, pid
             "n_streams_tok_s": round(n, 2), "n_streams_samples": [round(x, 1) for x in together_rates],
             "ratio": round(n / one, 2), "same_text": same,
             "one_stream_tok_per_cpu_s": round(one_cpu, 2), "n_streams_tok_per_cpu_s": round(n_cpu, 2),
-            "cpu_ratio": round(n_cpu / one_cpu, 2)}
+            "cpu_ratio": round(n_cpu / one_cpu, 2),
+            # CPU ms per token: the server's worker thread, its event loop, its other threads, and
+            # the client (this process: the streams' HTTP reads), one stream against N
+            "cpu_ms_per_token_one_stream": {k: round(1e3 * v / max(counted["one"], 1), 4) for k, v in parts["one"].items()},
+            "cpu_ms_per_token_n_streams": {k: round(1e3 * v / max(counted["n"], 1), 4) for k, v in parts["n"].items()}}
 
 
 #: the batched step's attention paths (`--engine-path`): server/batch.py's `decode_step` arguments

@@ -37,6 +37,12 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("pipeline", ["/no/model", "--rounds", "0"], "--rounds must be at least 1, got 0"),
     ("pipeline", ["/no/model", "--tokens", "1"], "--tokens must be at least 2, got 1"),
     ("distributed_table", ["--model", "/no/such/model.tinygpt"], "--model /no/such/model.tinygpt: no such file or directory"),
+    ("batch_ceiling", ["/no/model", "--rounds", "1"], "--rounds must be at least 2, got 1"),
+    ("batch_ceiling", ["/no/model", "--variants", "none,bogus"],
+     "--variants: unknown bogus; known: none, fixed, fixed-compiled, kvcache"),
+    ("batch_ceiling", ["/no/model"], "model /no/model: no such file or directory"),
+    ("idle_release", ["/no/model", "--requests", "0"], "--requests must be at least 1, got 0"),
+    ("idle_release", ["/no/model"], "model /no/model: no such file or directory"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
