@@ -28,6 +28,13 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
                 own KVCache, the prompts cut to the shortest one's length (no mask: its
                 best case), N calls of one row against one call of N rows
 
+  worker only:  (`--only worker`) the server's worker in this process, without HTTP: each prompt
+                alone, one after the other, against all at once (greedy, --tokens each, 2 x
+                --rounds rounds alternating), beside the engine-only part: what the scheduler
+                costs apart from the event loop and the client; the throughput part also records
+                the CPU per token of the server's threads (its worker side, its event loop) and
+                of the client
+
 Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
 non-empty text). The ratios are what count: each pair is measured in the same run, minutes
 apart at most. Beside the wall-clock ratio, the ratio of tokens per CPU-second of the server
@@ -277,6 +284,66 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     return out
 
 
+def worker_part(model_path: str, config: CacheConfig, streams: int, tokens: int, rounds: int) -> dict:
+    """The server's worker without HTTP, in this process (`--only worker`): the prompts each alone,
+    one after the other, against all at once, `rounds` rounds alternating (the order swapped every
+    other round), greedy, `tokens` tokens each; tokens/s by the wall clock and per CPU-second of
+    this process (every thread: the worker's, MLX's, OpenBLAS's; the main thread only polls), and
+    the engine part's model calls in the same process beside it (`engine`). What the scheduler
+    costs apart from HTTP, the event loop and the client."""
+    from tinygpt_mlx.server.slots import SlotPool
+    from tinygpt_mlx.server.worker import Job, Worker
+
+    loaded = _loaded(model_path)
+    tok = loaded.tokenizer
+    w = Worker(loaded, SlotPool(loaded.model, config, max_slots=streams), 512, parallel=streams)
+    prompts = [tok.encode(p) for p in PROMPTS[:streams]]
+
+    def run(batch_of: list) -> tuple[int, float, float, list]:
+        got = [[] for _ in batch_of]
+        jobs = []
+        for ids, g in zip(batch_of, got):
+            job = Job(list(ids), tokens, temperature=0)
+            job.emit = lambda kind, payload, g=g: g.append((kind, payload))
+            jobs.append(job)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for job in jobs:
+            w.submit(job)
+        while not all(g and g[-1][0] in ("done", "error") for g in got):
+            time.sleep(0.002)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if any(g[-1][0] == "error" for g in got):
+            raise RuntimeError(next(g[-1][1] for g in got if g[-1][0] == "error"))
+        return sum(len(g[-1][1].tokens) for g in got), wall, cpu, [g[-1][1].tokens for g in got]
+
+    solo, together, solo_cpu, together_cpu, same = [], [], [], [], True
+    try:
+        run(prompts)                                   # warm-up: the traces, the slots
+        for r in range(rounds):
+            for kind in (("solo", "together") if r % 2 == 0 else ("together", "solo")):
+                if kind == "solo":
+                    outs = [run([p]) for p in prompts]
+                    n, wall, cpu = sum(o[0] for o in outs), sum(o[1] for o in outs), sum(o[2] for o in outs)
+                    alone = [o[3][0] for o in outs]
+                    solo.append(n / wall)
+                    solo_cpu.append(n / cpu)
+                else:
+                    n, wall, cpu, texts = run(prompts)
+                    together.append(n / wall)
+                    together_cpu.append(n / cpu)
+            same = same and texts == alone
+    finally:
+        w.stop()
+    one, four = statistics.median(solo), statistics.median(together)
+    return {"worker_one_at_a_time_tok_s": round(one, 1), "worker_together_tok_s": round(four, 1),
+            "worker_ratio": round(four / one, 2), "worker_solo_samples": [round(x, 1) for x in solo],
+            "worker_together_samples": [round(x, 1) for x in together],
+            "worker_cpu_ratio": round(statistics.median(together_cpu) / statistics.median(solo_cpu), 2),
+            "worker_one_at_a_time_tok_per_cpu_s": round(statistics.median(solo_cpu), 1),
+            "worker_together_tok_per_cpu_s": round(statistics.median(together_cpu), 1),
+            "worker_same_tokens": same}
+
+
 _LOADED: dict = {}
 
 
@@ -360,9 +427,10 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=128, help="StreamingLLM window and retrieval hot budget")
     ap.add_argument("--policies", default=None, help="comma-separated labels to run (default: all four)")
     ap.add_argument("--engine-steps", type=int, default=32, help="decode steps per round of the engine-only part")
-    ap.add_argument("--only", choices=("throughput", "ttft", "engine"),
+    ap.add_argument("--only", choices=("throughput", "ttft", "engine", "worker"),
                     help="run one part (default: throughput and TTFT, each with the engine-only part); engine: "
-                         "only the engine-only part, no server")
+                         "only the engine-only part, no server; worker: the server's worker in this process "
+                         "without HTTP (--tokens each, --rounds rounds), with the engine-only part")
     ap.add_argument("--engine-path", choices=list(PATHS), default="compiled",
                     help="the engine-only part's batched step: compiled where the caches allow it, then attention "
                          "stacked across sequences (the server's, default); compiled-steady: the compiled step as it "
@@ -418,6 +486,17 @@ def main() -> None:
                                                     2 * args.rounds, args.engine_blas_threads, args.engine_path,
                                                     args.engine_vs, args.engine_prompt_tokens)
         row = {"policy": label}
+        if args.only == "worker":
+            row.update(worker_part(args.model, table[label], args.streams, args.tokens, 2 * args.rounds), **eng,
+                       load_average_before=before, load_average_after=list(os.getloadavg()))
+            results["rows"].append(row)
+            print(f"{label:<24} worker without HTTP: one at a time {row['worker_one_at_a_time_tok_s']:.1f} tok/s, "
+                  f"{args.streams} at once {row['worker_together_tok_s']:.1f} tok/s, x{row['worker_ratio']:.2f} "
+                  f"(per CPU-s x{row['worker_cpu_ratio']:.2f}), same tokens {row['worker_same_tokens']}  | engine "
+                  f"x{eng['engine_ratio']:.2f} (per CPU-s x{eng['engine_cpu_ratio']:.2f}); mlx-lm's KVCache "
+                  f"x{eng['engine_peer_ratio']:.2f}  | load average {before[0]:.1f} -> {row['load_average_after'][0]:.1f}",
+                  flush=True)
+            continue
         if args.only == "engine":
             row.update(eng, load_average_before=before, load_average_after=list(os.getloadavg()))
             results["rows"].append(row)
