@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,49 @@ def test_nothing_is_set_off_linux_or_when_turned_off():
     assert heap.keep_large_blocks({}, "darwin") is False
     for value in ("1", "true", " YES ", "on"):
         assert heap.keep_large_blocks({heap.OFF_VAR: value}, "linux") is False
+
+
+# a 64 MiB block written (resident), a small one after it (the large one is then not the heap's
+# top), the large one freed, then `heap.trim`: glibc's heap and the RSS after each
+RELEASE_PROBE = """
+import ctypes, json
+from tinygpt_mlx import heap
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.memset.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
+assert heap.keep_large_blocks()
+out = {"start": heap.usage()}
+big = libc.malloc(64 << 20)
+libc.memset(big, 1, 64 << 20)
+small = libc.malloc(1024)
+out["held"], out["rss_held"] = heap.usage(), rss()
+libc.free(big)
+out["freed"], out["rss_freed"] = heap.usage(), rss()
+out["trimmed_ok"] = heap.trim()
+out["trimmed"], out["rss_trimmed"] = heap.usage(), rss()
+libc.free(small)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc() is None
+                    or not hasattr(heap._libc(), "mallinfo2"), reason="glibc on Linux only")
+def test_usage_counts_the_heap_and_trim_hands_free_pages_back():
+    """`heap.usage` (serve's /api/slots `heap_mib`): a live 64 MiB block counts as in use, freed
+    it counts as free and stays resident (the heap kept, `keep_large_blocks`); `heap.trim`
+    (serve's idle worker) then hands its pages back though it is not the heap's top (a live block
+    after it). Fails with the fields mapped wrong or `trim` doing nothing."""
+    env = {k: v for k, v in os.environ.items() if k != heap.OFF_VAR}
+    run = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, env=env, check=True)
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(got["start"]) == {"heap", "in_use", "free", "mmapped"}
+    assert got["held"]["in_use"] - got["start"]["in_use"] >= 63.9, got
+    assert got["held"]["heap"] >= got["held"]["in_use"] and got["held"]["mmapped"] < 64, got   # on the heap
+    assert got["freed"]["free"] - got["held"]["free"] >= 63.9 and got["freed"]["in_use"] <= got["start"]["in_use"] + 1, got
+    assert got["rss_held"] - got["rss_freed"] < 16, got           # freed, still mapped: the heap kept
+    assert got["trimmed_ok"] is True
+    assert got["rss_freed"] - got["rss_trimmed"] >= 56, got       # trimmed: the pages handed back

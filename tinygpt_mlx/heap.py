@@ -1,7 +1,9 @@
 """glibc's heap kept for MLX's large temporaries on Linux, set by `posttrainllm` at its start.
 
-MLX's CPU backend allocates every array with `malloc` and, on Linux, keeps no cache of freed
-buffers (`mx.get_cache_memory()` stays 0). glibc serves a request above its mmap threshold
+MLX's CPU backend allocates every array with `malloc`; on Linux it keeps freed buffers in its
+cache only up to a size (MLX 0.32.4: a freed 8 MB array stayed in `mx.get_cache_memory()`, a
+71 MB one did not; serve's runs held 9.7-32 MiB there, docs/server.md, which its idle worker
+empties). glibc serves a request above its mmap threshold
 (dynamic, at most 32 MiB) with a fresh `mmap` and unmaps it on `free`, so every such temporary
 is faulted in again, a zeroed 4 KiB page at a time, each time it is made: a 71 MB
 `mx.zeros` took 45-50 ms here, 5-6 ms from the heap. A retrieval prefill chunk at
