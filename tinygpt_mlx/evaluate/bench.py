@@ -168,8 +168,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     then each decode step, running for every policy in turn, so load from other processes on a
     shared machine falls on all policies alike. The order is shuffled every round (`seed`), as
     `step_parts` does: a rotating order made each policy always follow the same neighbour within
-    a round, and a step that follows a long context's evaluation starts with the CPU's caches as
-    that left them (docs/results.md, "The bench's order"). Prefill time is the sum
+    a round (docs/results.md, "The bench's order": what that neighbour does to a policy's decode
+    number was not measured; a graph build after a long context's evaluation was up to a third
+    slower, "which step a build follows"). Prefill time is the sum
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
     `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`).
