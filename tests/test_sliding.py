@@ -463,3 +463,43 @@ def test_compiled_retrieval_steps_sliding_rings_beside_global_layers(gemma, rope
     for a, b, c in zip(got, want, host):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-4)
+
+
+def test_compiled_retrieval_steps_each_ring_at_its_own_position(gemma):
+    """The sliding rings beside retrieval's global layers step at their own RoPE position in the
+    compiled retrieval step, not the global layers' (compiled_retrieval.py `_rings_ready`): at
+    original positions the rings re-base (frame positions) and the global layers do not, so after
+    a re-base (every layer's `rebase_every` made 100 here) the two positions differ. Over 40
+    decode steps after a 240-token prompt, across re-bases, the compiled step fetches what the
+    eager step fetches and gives its logits (1e-5), most steps compiled. Fails with the rings
+    stepped at the global layers' position (the test above cannot tell: no re-base in it)."""
+    from test_retrieval_device import _stepped
+    from tinygpt_mlx.cache import compiled
+
+    m = gemma.model
+    cfg = CacheConfig(sink=4, hot_budget=16, page_size=4, top_pages=2, retrieve_tokens=8, index_block=2,
+                      index_expand=1, rope_mode="absolute")
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 241))]
+
+    def made():
+        cache = make_cache(m, cfg)
+        for c in cache.owned:
+            c.positions.rebase_every = 100
+        return cache
+    ran, real = [], compiled._retrieval_decode
+    compiled._retrieval_decode = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        fast = made()
+        assert fast.compiled_step == "retrieval"
+        got, got_picks = _stepped(m, fast, prompt, 40)
+    finally:
+        compiled._retrieval_decode = real
+    rings = [c for c in fast.owned if c.sliding is not None]
+    assert {c.positions.base for c in rings} == {200} and fast.global_layers[0].positions.base == 0   # re-based apart
+    assert sum(r is not None for r in ran) >= 30 and not compiled.trace_failures
+    eager = made()
+    eager.compile_decode = False
+    want, want_picks = _stepped(m, eager, prompt, 40)
+    assert len(got_picks) == 40 * (1 + 2) and got_picks == want_picks
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
