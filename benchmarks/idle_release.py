@@ -107,7 +107,11 @@ def main() -> None:
         if "--json" in sys.argv:
             j = sys.argv.index("--json")
             cmd = [sys.executable, "-m", "benchmarks.idle_release", *sys.argv[1:j], *sys.argv[j + 2:], "--mode", mode]
-        got = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:      # the mode's process failed: its last line (a bad model names itself)
+            last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            ap.error(f"the release-{mode} run failed: {last}")
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
         got["load_average"] = list(os.getloadavg())
         res["runs"].append(got)
         print(f"release {mode:<3}: RSS loaded {got['rss_mib_loaded']} MiB, after each request "

@@ -53,6 +53,18 @@ def test_benchmarks_refuse_bad_arguments(module, args, says):
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
+def test_idle_release_names_a_bad_model_its_mode_process_met(tmp_path):
+    """benchmarks/idle_release.py runs each mode in a process of its own: a path that exists but
+    holds no model fails there, and the parent says so in one line naming the path (it used to end
+    in a CalledProcessError traceback, the child's reason captured and dropped)."""
+    r = subprocess.run([sys.executable, "-m", "benchmarks.idle_release", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("idle_release.py: error: the release-off run failed: ") and f"{tmp_path}: not a model" in last
+
+
 def test_every_named_module_and_script_exists():
     """Each `python -m benchmarks.NAME`, `benchmarks/NAME` and `scripts/NAME` that README.md, a page
     of docs/ or the results index names is there (measurement code in benchmarks/, tools in scripts/)."""
