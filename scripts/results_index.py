@@ -74,9 +74,16 @@ def citations() -> dict[str, dict]:
                 for tok in tokens for pat in _expand(tok))
             if hit:
                 out[f]["pages"].append(name)
-                stem = base.rsplit(".", 1)[0]
-                out[f]["commands"] += [c for c in cmds if base in c or (len(stem) > 6 and stem in c)]
+                out[f]["commands"] += [c for c in cmds if _names(c, base)]
     return out
+
+
+def _names(command: str, base: str) -> bool:
+    """Whether `command` writes the result named `base`: it holds the whole name, or the name's
+    stem (7+ characters) not followed by more of a name, so that `a_448_r1.json` in a command
+    does not make it `a_448.json`'s."""
+    stem = base.rsplit(".", 1)[0]
+    return base in command or (len(stem) > 6 and re.search(rf"{re.escape(stem)}(?!\w)", command) is not None)
 
 
 def last_commit(path: Path) -> str:
