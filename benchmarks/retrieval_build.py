@@ -20,7 +20,10 @@ off by default since issue 53):
   builds at 32K.
 
     python -m benchmarks.retrieval_build [--contexts 4096,32768] [--full-contexts 4096,32768] [--steps 30]
-        [--real] [--model PATH] [--json PATH]
+        [--real] [--model PATH] [--ops N] [--json PATH]
+
+`--ops N`: each cache's graph nodes and kernels per decode step (`bench`'s `decode_ops` /
+`decode_kernels`, averaged over N steps) beside its build times.
 
 `--model`: another model than the shipped one (SmolLM2's GGUF, say); the neighbour stays the
 shipped model's 32K step.
@@ -67,6 +70,8 @@ def main() -> None:
     ap.add_argument("--full-contexts", default=None,
                     help="contexts of the full fp32 cache, prefilled for real (default: --prompt tokens)")
     ap.add_argument("--model", default=None, help="model name or path (default: the shipped model)")
+    ap.add_argument("--ops", type=int, default=0,
+                    help="also count each cache's graph nodes and kernels per decode step over this many steps")
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     contexts = token_counts(ap, "--contexts", a.contexts)
@@ -79,10 +84,12 @@ def main() -> None:
         ap.error(f"--contexts {a.contexts!r}: each at least --prompt ({a.prompt}) tokens")
     if a.steps < 1:
         ap.error(f"--steps {a.steps}: give at least 1")
+    if a.ops < 0:
+        ap.error(f"--ops {a.ops}: give 0 (not counted) or more steps")
 
     from tinygpt_mlx.cli.common import load_model, write_atomic
     from tinygpt_mlx.errors import PosttrainError
-    from tinygpt_mlx.evaluate.bench import make_policy
+    from tinygpt_mlx.evaluate.bench import make_policy, step_ops
     from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
     from tinygpt_mlx.generate import forward, prefill
 
@@ -105,6 +112,8 @@ def main() -> None:
             mx.eval(forward(model, mx.array([[7 + s]]), cache))
         caches[(name, ctx)] = cache
         print(f"  {name} at {ctx:,} tokens ready", file=sys.stderr, flush=True)
+    # graph nodes / kernels per decode step (load-independent), counted before the timed rounds
+    ops = {key: step_ops(model, cache, a.ops) for key, cache in caches.items()} if a.ops else {}
     neighbour = _stream_32k_full()
     pairs = [(k, c) for k in caches for c in CONDITIONS]
     build: dict = {p: [] for p in pairs}
@@ -129,7 +138,9 @@ def main() -> None:
             ref = statistics.median(build[(("fp32", ref_ctx), cond)]) * 1e6
             us = statistics.median(build[(key, cond)]) * 1e6
             rows.append({"policy": key[0], "context": key[1], "condition": cond, "build_us": round(us, 1),
-                         "vs_fp32": round(us / ref, 3), "fp32_context": ref_ctx})
+                         "vs_fp32": round(us / ref, 3), "fp32_context": ref_ctx,
+                         **({"decode_ops": ops[key]["ops"], "decode_kernels": ops[key]["kernels"],
+                             "decode_ops_by_primitive": ops[key]["by_primitive"]} if ops else {})})
             print(f"{cond:>15}  {key[0]:>24} {key[1]:>7,}  build {us:7.0f} us  ({us / ref:.2f}x fp32 at {ref_ctx:,})",
                   flush=True)
     if a.json is not None:

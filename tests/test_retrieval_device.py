@@ -662,20 +662,26 @@ def test_attention_softmax_without_precise_gives_the_same_bits_on_fp32():
         assert mx.array_equal(mx.softmax(x, axis=-1), mx.softmax(x, axis=-1, precise=True)).item()
 
 
+@pytest.mark.parametrize("scale, picked_mask", [(0.25, 3), (0.3, 3), (0.25, 4)])
 @pytest.mark.parametrize("n_turned", [0, 1, 2])
 @pytest.mark.parametrize("parts", ["picked+sink+window", "picked+window", "window"])
-def test_attend_one_query_form_equals_the_general_form(parts, n_turned, monkeypatch):
+def test_attend_one_query_form_equals_the_general_form(parts, n_turned, scale, picked_mask, monkeypatch):
     """`segments.attend` of one unmasked query over exact segments takes its one-query form
     (`_attend_one`: the query axis dropped; a decode step's picked cold tokens, sink and hot
     window, compiled or eager) and gives what its general form gives for the same call with a mask
     that hides nothing (which takes the general form): picked tokens not `valid` masked, the first
-    `n_turned` segments scored with the turned queries, a KV head's query group of 2."""
+    `n_turned` segments scored with the turned queries, a KV head's query group of 2. The one-query
+    form scales the joined scores (not the queries) and sums the values in one product over the
+    segments' values joined: within rounding at a scale that is not a power of two (0.3). The
+    picks' mask given [B, H, T] (the eager step's) or [B, H, 1, T] (the compiled step's:
+    `picked_mask` 4) is the same mask."""
     from tinygpt_mlx.cache import segments as seg
 
     rng = np.random.RandomState(5)
     arr = lambda *shape: mx.array(rng.randn(*shape).astype(np.float32))
-    made = {"picked": lambda: PickedSegment(arr(2, 2, 7, 16), arr(2, 2, 7, 16),
-                                            mx.array(rng.rand(2, 2, 7) < 0.6) | (mx.arange(7) == 0)),
+    valid = mx.array(rng.rand(2, 2, 7) < 0.6) | (mx.arange(7) == 0)
+    valid = valid if picked_mask == 3 else valid.reshape(2, 2, 1, 7)
+    made = {"picked": lambda: PickedSegment(arr(2, 2, 7, 16), arr(2, 2, 7, 16), valid),
             "sink": lambda: seg.DenseSegment(arr(2, 2, 4, 16), arr(2, 2, 4, 16)),
             "window": lambda: seg.DenseSegment(arr(2, 2, 9, 16), arr(2, 2, 9, 16))}
     segments = [made[p]() for p in parts.split("+")]
@@ -685,8 +691,8 @@ def test_attend_one_query_form_equals_the_general_form(parts, n_turned, monkeypa
     seen = sum(s.keys.shape[2] for s in segments[n_retrieved:])      # (a mask's columns: the stored tokens)
     ones, real = [], seg._attend_one
     monkeypatch.setattr(seg, "_attend_one", lambda *a: ones.append(1) or real(*a))
-    got = seg.attend(segments, n_retrieved, queries, 0.25, None, turned, n_turned)
-    want = seg.attend(segments, n_retrieved, queries, 0.25, mx.ones((1, seen), mx.bool_), turned,
+    got = seg.attend(segments, n_retrieved, queries, scale, None, turned, n_turned)
+    want = seg.attend(segments, n_retrieved, queries, scale, mx.ones((1, seen), mx.bool_), turned,
                       n_turned)
     assert len(ones) == 1       # the first call alone took the one-query form
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)

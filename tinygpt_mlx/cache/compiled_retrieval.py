@@ -111,17 +111,21 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         # the queries turned to the retrieved slot (retrieved.py) and the leaving keys turned back
         # before RoPE (positions.unrotate), each row by its own angles, as products with the
         # rotations of the step's two angles (`Positions.rotations`: made once per step and RoPE)
+        # (made in the query rows' shape [n B H, rep, D], in which `attend` reads them too)
         turns = _turns(rows, D)
-        turned = (queries.astype(mx.float32).reshape(n, -1, D) @ turns[:, 1]).reshape(queries.shape)
+        if n == 1:      # (one row: the turn's matrix as a batch of one, shared by the layers)
+            q_rows = queries.astype(mx.float32).reshape(B * H, Hq // H, D) @ turns[:, 1]
+        else:
+            q_rows = (queries.astype(mx.float32).reshape(n, -1, D) @ turns[:, 1]).reshape(n * B * H, Hq // H, D)
     else:
         # original positions (absolute): every key is kept as the model rotated it, the cold
         # rows too (LayerCache._evict), so nothing is turned and the query scores them as it is
-        turned = queries.astype(mx.float32)
+        q_rows = queries.astype(mx.float32).reshape(n * B * H, Hq // H, D)
     for j, r in enumerate(rows):
         if r.leaving is not None:
             # [G, 1, D] (DeviceColdStore.append)
-            k = r.leaving[0].astype(mx.float32).reshape(B * H, D)
-            k = (k @ turns[j, 0] if frame else k)[:, None]
+            k = r.leaving[0].astype(mx.float32).reshape(B * H, 1, D)
+            k = k @ turns[j:j + 1, 0] if frame else k     # (a batch of one: no flatten around the product)
             v = r.leaving[1].astype(mx.float32).reshape(B * H, 1, -1)
             (ck,), (cv,) = r.keys, r.values
             row = r.at[AT_ROW:AT_ROW + 1]
@@ -129,7 +133,6 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
             r.values = (mx.slice_update(cv, v.astype(cv.dtype), row, axes=(1,)),)
             r.evicted = (r.keys[0], r.values[0], k)
     stack = (lambda xs: mx.concatenate(xs, axis=0) if n > 1 else xs[0])
-    q_rows = turned.reshape(n * B * H, Hq // H, D)     # (the query rows `retrieve` takes: one query)
     if stacked:
         summaries = {name: stack([r.summaries[name][:, :sp.buckets[name]] for r in rows]) for name in first.summaries}
         counts = stack([mx.broadcast_to(r.at[AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for r in rows])
@@ -150,7 +153,8 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         first.picked = (idx, valid, last, scored, recent) if sp.records else (recent,)
     T = idx.shape[1]
     k = place(k.reshape(n * B, -1, T, D), idx, 0, sp.positions, sp.static.page_size)
-    segments = [PickedSegment(k, v.reshape(n * B, H, T, -1), valid.reshape(n * B, -1, T))]
+    # (the picks' mask as `_attend_one` reads it, [B, H, 1, T]: no axis added per layer)
+    segments = [PickedSegment(k, v.reshape(n * B, H, T, -1), valid.reshape(n * B, -1, 1, T))]
     if first.sink:
         segments.append(DenseSegment(*(stack([r.sink[x] for r in rows]) for x in (0, 1))))
     live = [stack([mx.slice(r.body[x], r.at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, r.body[x].shape[3]))
@@ -159,7 +163,7 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         live = [b.astype(sp.compute) for b in live]
     segments.append(DenseSegment(*live))
     # (one unmasked query over exact segments: `attend` takes its one-query form, `_attend_one`)
-    return attend(segments, 1, queries, scale, mask, turned if frame else None, len(segments) - 1 if frame else 0)
+    return attend(segments, 1, queries, scale, mask, q_rows if frame else None, len(segments) - 1 if frame else 0)
 
 
 def _turns(rows: list, D: int) -> mx.array:
