@@ -17,6 +17,10 @@ pre-warmed document (the other questions prefill it); the stacked attention with
 mask, the compiled full row's mask one slot short, a ring's stacked length taken as its whole
 buffer, a filling ring's compiled row unmasked, the compiled rows attending as one without their
 masks or in another order (the lockstep tests fail for the policies concerned);
+Gemma 3's sliding rings beside retrieval in the compiled batched step with a row's ring write
+slot one on (mod the window), the rows' rings handed over rotated (each row another's), the rings
+at the global layers' position, their commit skipped (the Gemma lockstep test fails at absolute);
+gemma3_text left out of BATCHED_MODEL_TYPES (the Gemma tests fail);
 the worker never switching OpenBLAS to one thread for decode; `render` not joining waiting text
 pieces.
 """
@@ -32,6 +36,7 @@ import threading
 import time
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from tinygpt_mlx import blas
@@ -324,6 +329,112 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
             assert len(got) == len(alone) == 48
             assert got == alone, (i, j)
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
+
+
+# ----- Gemma 3: sliding-window rings beside retrieval's global layers ---------------------------
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, tokenizer_json):
+    """test_sliding.py's tiny mlx-lm gemma3_text (sliding window 16, every third layer global)."""
+    from test_sliding import build_gemma3_dir
+    from tinygpt_mlx.loading import load
+    return load(build_gemma3_dir(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3", tokenizer_json))
+
+
+#: prompt lengths of distinct tokens: the rows sit at their own RoPE positions, their pages
+#: complete at their own steps
+GEMMA_LENGTHS = (58, 77, 96, 115)
+
+
+def _gemma_rows(m, cfg, rebase_every=None):
+    """Four caches of `cfg` on the tiny Gemma 3, prefilled with GEMMA_LENGTHS prompts, twice (the
+    batch's and the solo reference's), and each prompt's first greedy token."""
+    rs = np.random.RandomState(11)
+    prompts = [[int(x) for x in rs.permutation(np.arange(1, 300))[:n]] for n in GEMMA_LENGTHS]
+
+    def made():
+        cache = make_cache(m, cfg)
+        for c in cache.owned:
+            if rebase_every is not None:
+                c.positions.rebase_every = rebase_every
+        return cache
+    solo, together, tokens = [made() for _ in prompts], [made() for _ in prompts], []
+    for i, (ids, a, b) in enumerate(zip(prompts, solo, together)):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+        # row i steps 5 i tokens alone first: a ring laid out after a prompt starts at one
+        # pointer whatever the prompt's length, so these put the rows' pointers apart
+        for _ in range(5 * i):
+            logits = _call(m, [tokens[-1]], a)
+            assert mx.array_equal(logits, _call(m, [tokens[-1]], b)).item()
+            tokens[-1] = int(mx.argmax(logits).item())
+    return solo, together, tokens
+
+
+@pytest.mark.parametrize("rope_mode", ["absolute", "shifted"])
+def test_batched_retrieval_steps_gemma3_sliding_rings_as_each_alone(gemma, rope_mode):
+    """Retrieval on Gemma 3's global layers beside its sliding-window rings (the tiny gemma3_text:
+    two rings of 16 per global layer), four sequences at their own lengths in lockstep with each
+    stepped alone (its compiled solo step, which steps the rings in the retrieval trace) over 48
+    steps: the compiled batched retrieval step carries each row's rings (batch.py `_SlidingRows`:
+    each row its own ring buffers, write slot and RoPE position), every row's logits within 1e-5 of
+    its solo step's with the same greedy token at every step, most steps compiled with the rings
+    (`compiled_retrieval_rings`), no trace failed, a few traces. At original positions (absolute)
+    the layers re-base every 60 positions: the rings re-base (frame positions) and the global
+    layers do not, so a row's rings and its global layers sit at different positions, and rows
+    re-base at their own steps (those steps eager: `_rings_ready` declines a re-base)."""
+    from tinygpt_mlx.cache import compiled
+
+    m = gemma.model
+    cfg = CacheConfig(sink=4, hot_budget=16, page_size=4, top_pages=2, retrieve_tokens=8, index_block=2,
+                      index_expand=1, rope_mode=rope_mode)
+    solo, together, tokens = _gemma_rows(m, cfg, 60 if rope_mode == "absolute" else None)
+    assert all(c.compiled_step == "retrieval" for c in together)
+    rings = [[c for c in cache.owned if c.sliding is not None] for cache in together]
+    assert len(rings[0]) == 4 and all(r[0].sliding == 16 for r in rings)
+    batch.forget(m)
+    before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
+    for step in range(48):
+        tokens = lockstep(m, tokens, together, solo, rope_mode)
+        if step == 0:
+            assert len({r[0].body.write_slot for r in rings}) == 4      # each row's pointer its own
+    done = batch.taken - before
+    assert done["compiled_retrieval_rings"] == done["compiled_retrieval"] >= 40, done
+    assert batch._failed == failed and not compiled.trace_failures
+    assert 0 < (batch.traced - traced)["retrieval"] <= 12, batch.traced - traced
+    if rope_mode == "absolute":     # the rings re-based apart from the global layers
+        for cache in together:
+            ring = next(c for c in cache.owned if c.sliding is not None)
+            assert ring.positions.base > 0 and cache.global_layers[0].positions.base == 0
+        assert len({next(c for c in cache.owned if c.sliding).positions.base for cache in together}) > 1
+
+
+@pytest.mark.parametrize("policy", ["full", "int4", "streaming", "retrieval"])
+def test_batched_step_on_gemma3_equals_each_alone(gemma, policy):
+    """gemma3_text batches in serve (batch.BATCHED_MODEL_TYPES): its sliding layers ask the first
+    layer for a windowed mask, which the eager batched step hands each row from its own cache
+    (`BatchLayer.make_mask`). Four sequences of every policy, 24 lockstep steps: each row's logits
+    within 1e-5 of its solo step's, the same greedy token (the batched step compiled or eager,
+    as each policy's rows allow)."""
+    assert batch.batches(gemma.model)
+    cfg = {"full": CacheConfig(), "int4": CacheConfig(key_bits=4, value_bits=4),
+           "streaming": CacheConfig(sink=4, window=24),
+           "retrieval": CacheConfig(sink=4, hot_budget=24, retrieve_tokens=8, page_size=4)}[policy]
+    solo, together, tokens = _gemma_rows(gemma.model, cfg)
+    for _ in range(24):
+        tokens = lockstep(gemma.model, tokens, together, solo, policy)
+
+
+def test_gemma3_requests_with_retrieval_batch_compiled_in_serve(gemma):
+    """serve's worker on the tiny Gemma 3 with retrieval: four requests at once get the tokens
+    each gets alone, in batched steps, retrieval's steady steps compiled with the sliding rings
+    beside (`compiled_retrieval_rings`), no trace failed."""
+    cfg = CacheConfig(sink=4, hot_budget=16, page_size=4, top_pages=2, retrieve_tokens=8)
+    prompts = [p * 3 for p in PROMPTS]
+    alone, _ = _serve_jobs(gemma, cfg, prompts, parallel=1, max_tokens=32)
+    before, failed = batch.taken.copy(), dict(batch._failed)
+    together, batched = _serve_jobs(gemma, cfg, prompts, parallel=4, max_tokens=32)
+    assert batched > 10 and [r.tokens for r in together] == [r.tokens for r in alone]
+    assert (batch.taken - before)["compiled_retrieval_rings"] > 10 and batch._failed == failed
 
 
 #: KIVI's quiet steps batched: the full int4 cache, and int4 under StreamingLLM with a window

@@ -81,6 +81,12 @@ form a group of their own in the same call. The code is the solo step's own
 the tests hold each row's picks and tokens scored equal to its solo step's, its logits within
 1e-5. A step that completes a page in a row evicts it eagerly first, as the solo step does; the
 rows are traced in an order sorted by layout, so four rows at their own phases make few traces.
+Beside sliding-window rings (Gemma 3's local layers, exact rings of the model's window), the
+rows' rings step in the same trace, as the solo retrieval step steps them
+(cache/compiled_retrieval.py `_rings_ready`, each row checked so): each row its own ring buffers,
+write slot and RoPE position (the rings re-base apart from the global layers at original
+positions), rings of one window attending as one (`_SlidingRows`); a step where any row's rings
+are not steady (a re-base) runs eager for all.
 
 Where the time of a small model's batched step goes on this CPU (docs/server.md, "Several
 requests at once"): the B rows' matrix products cost about B times one row's (OpenBLAS's small
@@ -99,7 +105,8 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout, shape_key
-from ..cache.compiled_retrieval import _TracedRetrieval, attend_rows, commit, layer_specs, steady, step_inputs
+from ..cache.compiled_retrieval import (_TracedRetrieval, _rings_ready, attend_rows, commit, layer_specs, steady,
+                                          step_inputs)
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
 from ..cache.segments import Reading
@@ -230,9 +237,10 @@ def dense_kv(cache: Any, mask: Any) -> Optional[tuple[mx.array, mx.array, int, m
 
 
 #: model types whose code is known to batch this way (their layers read only `offset`, the mask
-#: and `update_and_fetch` of the cache, and attend through attention.py): the native TinyGPT and
-#: mlx-lm's Llama (SmolLM2); any other runs one call per sequence, still interleaved
-BATCHED_MODEL_TYPES = frozenset({"tinygpt", "llama"})
+#: and `update_and_fetch` of the cache, and attend through attention.py): the native TinyGPT,
+#: mlx-lm's Llama (SmolLM2) and Gemma 3 (gemma3_text: its sliding layers' windowed mask asked of
+#: the first layer, each row's from its own cache); any other runs one call per sequence, still interleaved
+BATCHED_MODEL_TYPES = frozenset({"tinygpt", "llama", "gemma3_text"})
 
 
 def batches(model: Any) -> bool:
@@ -805,17 +813,55 @@ class _RetrievalRows(_TracedRows):
         return self.rows[i].outputs()
 
 
-def _retrieval_checked(cache: KVCache) -> Optional[list]:
-    """The layers' plans of a retrieval cache whose next decode step is a steady one the compiled
-    solo step would run (cache/compiled_retrieval.py `steady`), or None; nothing changed."""
+class _SlidingRows(_TracedRows):
+    """One model layer's sliding-window rings of B sequences (Gemma 3's local layers beside
+    retrieval's global ones) during the trace of a batched retrieval step: each row the steady
+    ring's traced layer (`_TracedRing`: its token written at its own pointer), at each row's own
+    RoPE position (`offset`, [B]); rings of one window attend as one (`_TracedRows`). The model's
+    sliding mask at least as wide as the rings' window masks nothing for one query (the solo
+    step's rule, cache/compiled.py `_TracedRing.unmasked_within`, checked before the step:
+    `RingLayer.sees_all`)."""
+
+    def __init__(self, rows: list, offset: mx.array, window: int):
+        super().__init__(rows, offset, stack=True)
+        self.window = window
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None) -> None:
+        if window_size is not None and window_size < self.window:
+            raise ValueError("a windowed mask is not traced")
+        return None
+
+
+def _retrieval_checked(cache: KVCache) -> Optional[tuple]:
+    """(the global layers' plans, the sliding rings' state) of a retrieval cache whose next decode
+    step is a steady one the compiled solo step would run (cache/compiled_retrieval.py `steady`;
+    beside sliding-window rings, Gemma 3's, those steady at their own position and pointer,
+    `_rings_ready`: (the rings' indices among the cache's layers, their plans, (window, compute
+    dtype, write slot, RoPE position)), else None), or None; nothing changed."""
     if cache.compiled_step != "retrieval":
         return None
-    plans = [c.plan() for c in cache.owned]
-    return plans if steady(cache.owned, plans) else None
+    layers = cache.owned
+    plans = [c.plan() for c in layers]
+    ring_index = tuple(i for i, c in enumerate(layers) if c.sliding is not None)
+    rings = None
+    if ring_index:
+        state = _rings_ready([layers[i] for i in ring_index], [plans[i] for i in ring_index])
+        if state is None:
+            return None
+        rings = (ring_index, [plans[i] for i in ring_index], state)
+        plans = [p for i, p in enumerate(plans) if i not in ring_index]
+    globals_ = [c for i, c in enumerate(layers) if i not in ring_index]
+    return (plans, rings) if steady(globals_, plans) else None
+
+
+def _global_layers(cache: KVCache) -> list:
+    """A retrieval cache's layers but its sliding-window rings (its retrieval layers)."""
+    return [c for c in cache.owned if c.sliding is None]
 
 
 def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
-    """The compiled batched retrieval step for `key` = ("retrieval", owners, the rows' keys),
+    """The compiled batched retrieval step for `key` = ("retrieval", owners, the rows' keys, the
+    sliding rings' layout: (their indices among the layers, window, compute dtype), () without),
     made once per model and layout over these `caches`' position rules (their RoPE: the model's,
     as the solo step's, cache/compiled_retrieval.py `_retrieval_step_fn`): (the compiled
     function, how many groups it runs), or `_FAILED`. Rows whose keys share their selection's
@@ -823,16 +869,25 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
     known = _cached(model, key)
     if known is not None:
         return known
-    _, owners, rows = key
+    _, owners, rows, rings = key
     groups = _groups(rows)
-    specs = [layer_specs(cache.owned, row) for cache, row in zip(caches, rows)]
+    specs = [layer_specs(_global_layers(cache), row) for cache, row in zip(caches, rows)]
 
-    def step(tokens, offsets, at, inputs):
+    def step(tokens, offsets, at, inputs, ring_at, ring_buffers):
         traced["retrieval"] += 1
         layers = [_RetrievalRows([specs[i][j] for i in range(len(rows))], at, [x[j] for x in inputs], offsets,
                                  tuple(groups)) for j in range(len(inputs[0]))]
+        sliding = []
+        if rings:       # the sliding-window rings beside (Gemma 3): each row at its own position and pointer
+            ring_index, window, compute = rings
+            sliding = [_SlidingRows([_TracedRing(ring_buffers[i][j][0], ring_buffers[i][j][1], ring_at[i, 1:2],
+                                                 compute, None) for i in range(len(rows))], ring_at[:, 0], window)
+                       for j in range(len(ring_index))]
+            owned, ring_of = iter(layers), dict(zip(ring_index, sliding))
+            layers = [ring_of[i] if i in ring_of else next(owned) for i in range(len(layers) + len(sliding))]
         logits = model(tokens, cache=[layers[i] for i in owners])
-        return logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers]
+        return (logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers if layer not in sliding],
+                [[(r.keys, r.values) for r in layer.rows] for layer in sliding])
     return _keep(model, key, (_Compiled(lambda: mx.compile(step), "retrieval"), len(groups)))
 
 
@@ -859,31 +914,45 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     (`_RetrievalRows`); each layer's commit and telemetry follow eagerly, as after the solo step.
     The rows are traced in an order sorted by their layout (a step completing a page, a store's
     widths), so B rows at their own phases make few layouts; None where a row is not steady."""
-    plans = [_retrieval_checked(c) for c in caches]
-    if any(p is None for p in plans):
+    checked = [_retrieval_checked(c) for c in caches]
+    if any(p is None for p in checked):
         return None                 # nothing changed yet
-    made = [step_inputs(c.owned, p) for c, p in zip(caches, plans)]   # (row key, at, inputs, plans) each
+    rings = [r for _, r in checked]
+    layouts = {None if r is None else (r[0], *r[2][:2]) for r in rings}
+    if len(layouts) != 1:
+        return None                 # (rows of one model: their rings differ only in state)
+    ring_layout = layouts.pop() or ()
+    made = [step_inputs(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
     order = sorted(range(len(caches)), key=lambda i: (hash(_group(made[i][0])), hash(made[i][0])))
-    key = ("retrieval", owners, tuple(made[i][0] for i in order))
+    key = ("retrieval", owners, tuple(made[i][0] for i in order), ring_layout)
     made_step = _retrieval_step(model, key, [caches[i] for i in order])
     if made_step is _FAILED:
         return None                 # (an eviction ahead is the eager step's own)
     step, n_groups = made_step
     in_order = order == sorted(order)
+    ring_at, ring_buffers = mx.zeros((len(order), 2), mx.int32), []
+    if ring_layout:     # each row's rings: their RoPE position and write slot, their buffers
+        ring_at = mx.array([[rings[i][2][3], rings[i][2][2]] for i in order], dtype=mx.int32)
+        ring_buffers = [[caches[i].owned[r].body.buffers() for r in ring_layout[0]] for i in order]
     try:
-        logits, outs = step(ids if in_order else ids[mx.array(order)],
-                            mx.array([made[i][1][0] for i in order], dtype=mx.int32),
-                            [mx.array(made[i][1], mx.int32) for i in order], [made[i][2] for i in order])
+        logits, outs, ring_outs = step(ids if in_order else ids[mx.array(order)],
+                                       mx.array([made[i][1][0] for i in order], dtype=mx.int32),
+                                       [mx.array(made[i][1], mx.int32) for i in order], [made[i][2] for i in order],
+                                       ring_at, ring_buffers)
     except Exception as e:
         _trace_failed(model, key, e, "compiled batched retrieval step")
         return None
     taken["compiled"] += 1
     taken["compiled_retrieval"] += 1
     taken["retrieval_groups"] += n_groups
+    taken["compiled_retrieval_rings"] += bool(ring_layout)
     for j, i in enumerate(order):
         # (as after the solo step: the commit, the sticky pages, the telemetry where asked)
-        for c, p, out in zip(caches[i].owned, made[i][3], [layer[j] for layer in outs]):
+        for c, p, out in zip(_global_layers(caches[i]), made[i][3], [layer[j] for layer in outs]):
             commit(c, p, out)
+        if ring_layout:     # (the ring's compiled step's commit, cache/compiled.py)
+            for r, p, layer in zip(ring_layout[0], rings[i][1], ring_outs):
+                caches[i].owned[r].commit(p, None, None, written=(*layer[j], None))
     if in_order:
         return logits
     back = [0] * len(order)
