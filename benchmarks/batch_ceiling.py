@@ -46,6 +46,7 @@ import mlx.core as mx
 
 from tinygpt_mlx import blas
 from tinygpt_mlx.loading import load
+from tinygpt_mlx.cli.common import write_atomic
 
 VARIANTS = ("none", "fixed", "fixed-compiled", "kvcache")
 
@@ -334,9 +335,7 @@ def main() -> None:
     print("server work per token (us): " + ", ".join(f"{k} {v}" for k, v in work.items()))
     print(f"load average {start_load[0]:.2f} -> {res['load_average_at_end'][0]:.2f}")
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_atomic(args.json, json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.bench_server_parallel import PROMPTS, policies, server_rss_mib, start_server
+from tinygpt_mlx.cli.common import write_atomic
 
 
 def ask(url: str, model: str, prompt: str, tokens: int, cancel_after) -> str:
@@ -87,9 +88,7 @@ def main() -> None:
     print(f"{'errors in ' + str(len(bad)) + ' round(s)' if bad else 'no error'}; RSS after the warm-up {warm} MiB, "
           f"after the later rounds {', '.join(str(r['server_rss_mib']) for r in out['rounds'][1:])} MiB")
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(out, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_atomic(args.json, json.dumps(out, indent=1) + "\n")
     sys.exit(1 if bad else 0)
 
 

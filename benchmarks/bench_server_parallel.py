@@ -66,6 +66,7 @@ import httpx
 from tinygpt_mlx import blas
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.loading import load
+from tinygpt_mlx.cli.common import write_atomic
 
 #: the streams' prompts, then the TTFT part's two (the last two). Each stream's prompt must run its
 #: --tokens tokens on the models measured (SmolLM2 greedy: all 256): a stream that stops early
@@ -533,9 +534,7 @@ def main() -> None:
                      f"(x{t['ratio']:.2f}, {t['busy_samples']} samples)")
         print(line + f"  | server RSS {row['server_rss_mib']} MiB  | load average {before[0]:.1f} -> {row['load_average_after'][0]:.1f}", flush=True)
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(results, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_atomic(args.json, json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from benchmarks.bench_server_parallel import PROMPTS, policies
+from tinygpt_mlx.cli.common import write_atomic
 
 TEXT = " ".join(PROMPTS) + " "
 
@@ -119,9 +120,7 @@ def main() -> None:
               f"{', '.join(str(r['prefill_s']) for r in got['requests'])} s  | load average {got['load_average'][0]:.1f}",
               flush=True)
     if args.json:
-        tmp = args.json.with_suffix(args.json.suffix + ".tmp")
-        tmp.write_text(json.dumps(res, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_atomic(args.json, json.dumps(res, indent=1) + "\n")
 
 
 if __name__ == "__main__":
