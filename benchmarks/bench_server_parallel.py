@@ -32,8 +32,8 @@ interpreter) and talks to it over HTTP with ollama's /api/generate, streamed, gr
                 alone, one after the other, against all at once (greedy, --tokens each, 2 x
                 --rounds rounds alternating), beside the engine-only part: what the scheduler
                 costs apart from the event loop and the client; the throughput part also records
-                the CPU per token of the server's threads (its worker side, its event loop) and
-                of the client
+                the CPU per token of the server's threads (`thread_cpu`: its worker thread, its
+                event loop, its other threads: MLX's and OpenBLAS's) and of the client
 
 Wall times are measured at the client (request sent -> last NDJSON line; TTFT: -> first
 non-empty text). The ratios are what count: each pair is measured in the same run, minutes
@@ -115,8 +115,11 @@ def cpu_seconds(pid: int) -> float:
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds the server process's threads have used, by part: its worker thread (the model's
-    steps, sampling, detokenising, the events), its main thread (the event loop: HTTP, NDJSON
-    lines), the rest (MLX's stream threads, OpenBLAS's)."""
+    steps as Python issues them, sampling, detokenising, the events; found by its OS-level name,
+    which the server sets since 2026-12-06, server/worker.py `name_os_thread`: before, the name
+    stayed in Python, this entry was 0 and the worker's CPU was counted in "other"), its main
+    thread (the event loop: HTTP, NDJSON lines), the rest (MLX's stream threads, OpenBLAS's:
+    the matrix products and kernels the worker's steps hand them)."""
     out = {"worker": 0.0, "loop": 0.0, "other": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     for tid in os.listdir(f"/proc/{pid}/task"):

@@ -31,7 +31,9 @@ import asyncio
 import concurrent.futures
 import json
 import logging
+import os
 import random
+import sys
 import threading
 import time
 
@@ -788,6 +790,43 @@ def test_decode_steps_run_openblas_on_one_thread_and_prefill_on_its_own_count(na
     assert lib.calls and set(lib.calls) == {1, 2} and 1 in lib.calls[lib.calls.index(2):]   # back and forth
     assert all(a != b for a, b in zip(lib.calls, lib.calls[1:]))    # set only when it changes
     assert lib.threads == 2              # the stopped worker left OpenBLAS at its own count
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc and prctl: Linux")
+def test_the_worker_thread_is_named_at_the_os_level_and_the_bench_counts_its_cpu(native):
+    """The worker's thread carries its name at the OS level (worker.name_os_thread: Python 3.11
+    keeps thread names to itself, /proc showed "python"), so bench_server_parallel's per-thread
+    CPU (`thread_cpu`, read from /proc/<pid>/task/<tid>/stat) counts it as "worker": a thread named
+    so that burns 0.3 s of CPU is counted there, not in "other". Fails with the name left unset
+    (the bench's "worker" entry was always 0)."""
+    from benchmarks.bench_server_parallel import thread_cpu
+    from tinygpt_mlx.server.worker import name_os_thread
+
+    w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=1), 16)
+    try:
+        tid = w._thread.native_id
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            assert f.read().strip() == "posttrainllm-generate"[:15]
+    finally:
+        w.stop()
+    burnt, release = threading.Event(), threading.Event()
+
+    def burn():
+        name_os_thread("posttrainllm-probe")
+        while time.thread_time() < 0.3:
+            pass
+        burnt.set()
+        release.wait()
+    before = thread_cpu(os.getpid())
+    t = threading.Thread(target=burn)
+    t.start()
+    try:
+        assert burnt.wait(60)
+        after = thread_cpu(os.getpid())
+    finally:
+        release.set()
+        t.join()
+    assert after["worker"] - before["worker"] >= 0.25, (before, after)
 
 
 def test_text_pieces_that_arrived_together_go_out_as_one_chunk():

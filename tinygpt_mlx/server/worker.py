@@ -40,8 +40,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import ctypes
 import logging
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -157,6 +159,20 @@ def looping(tokens: list[int], span: int, max_period: int = 64) -> bool:
         return False
     tail = tokens[-span:]
     return any(tail[p:] == tail[:-p] for p in range(1, min(max_period, span // 2) + 1))
+
+
+def name_os_thread(name: str) -> bool:
+    """Give the calling thread `name` (its first 15 bytes: the kernel's limit) at the OS level, as
+    `top -H`, `ps -L` and /proc/<pid>/task/<tid>/comm show it: Python 3.11's thread names stay
+    in Python (every thread of the process is "python" there). Linux only (`prctl(PR_SET_NAME)`);
+    False where it was not set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        return libc.prctl(15, name.encode()[:15], 0, 0, 0) == 0     # PR_SET_NAME (truncates at 15)
+    except (OSError, AttributeError):
+        return False
 
 
 def available_memory() -> Optional[int]:
@@ -353,6 +369,7 @@ class Worker:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)      # (top -H, /proc/<pid>/task/<tid>/comm: the bench's per-thread CPU)
         # MLX streams are thread-local (mlx >= 0.31.2): the main thread's default GPU stream does
         # not exist here, so this thread makes its own and runs every job on it.
         with mx.stream(mx.new_stream(mx.default_device())):
