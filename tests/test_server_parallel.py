@@ -804,6 +804,7 @@ def test_the_worker_thread_is_named_at_the_os_level_and_the_bench_counts_its_cpu
 
     w = Worker(native, SlotPool(native.model, CacheConfig(), max_slots=1), 16)
     try:
+        _run_jobs(w, [Job(native.tokenizer.encode(PROMPTS[0]), 2, temperature=0)])    # (it has started)
         tid = w._thread.native_id
         with open(f"/proc/self/task/{tid}/comm") as f:
             assert f.read().strip() == "posttrainllm-generate"[:15]
