@@ -152,6 +152,40 @@ def test_windows_filling_step_compiled_as_each_sequence_alone(native32, policy):
     assert counts["compiled"] >= 40 - 8, counts     # and steady after (a few eager: rows filling at their own steps)
 
 
+def test_compiled_full_rows_attend_over_their_span_not_the_whole_warm_buffer(native32, monkeypatch):
+    """Full caches trimmed back after a long request (a warm slot rolled back to a short prompt
+    keeps its 512-slot buffers): the compiled batched step reads only each buffer's first
+    `attention_span` slots (the power of two above the furthest row's write slot, at least
+    MIN_SPAN), not all 512, and each row stays within 1e-5 of its solo step with the same greedy
+    token while the furthest row passes 64 (the span goes 64 -> 128). Checked to fail: the span
+    ending at the write slot (the new token unread: the lockstep fails), the span left out of the
+    step (the spy reads 512), the row's mask one slot short (the lockstep fails)."""
+    m, tok = native32.model, native32.tokenizer
+    batch.forget(m)                           # traced here: the spy sees each layout's keys
+    read = []
+    real_kv = batch._TracedFull.kv
+    monkeypatch.setattr(batch._TracedFull, "kv", lambda self: read.append(real_kv(self)[0].shape[2]) or real_kv(self))
+    prompts = [tok.encode(p * 4)[:n] for p, n in zip(PROMPTS, (20, 33, 47, 55))]
+    assert [len(p) for p in prompts] == [20, 33, 47, 55]
+    long = tok.encode(" ".join(PROMPTS) * 12)[:300]
+    assert len(long) == 300
+    solo, together = [make_cache(m, CacheConfig()) for _ in prompts], [make_cache(m, CacheConfig()) for _ in prompts]
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids + long, b, 64)         # the buffers grow to 512 slots,
+        assert b.trim(len(long)) == len(long)  # then the long tail goes: the prompt alone again
+        assert b.current_length == len(ids)
+    sizes = {c.owned[0].body.keys.shape[2] for c in together}
+    assert sizes == {512}, sizes
+    before = batch.taken.copy()
+    for _ in range(16):
+        tokens = lockstep(m, tokens, together, solo, "full")
+    assert (batch.taken - before)["compiled"] == 16
+    assert set(read) == {64, 128}, sorted(set(read))     # the spans, never the 512-slot buffer
+    assert [batch.attention_span(s) for s in (0, 63, 64, 127, 128, 300)] == [64, 64, 128, 128, 256, 512]
+
+
 @pytest.mark.parametrize("policy", ["sink+window", "retrieval"])
 def test_every_row_checked_before_any_rows_sink_is_placed(native32, policy, monkeypatch):
     """A batch whose last row cannot step compiled (retrieval: two rows' hot windows filling, the

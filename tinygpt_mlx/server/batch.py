@@ -274,26 +274,38 @@ def batch_layers(caches: Sequence[KVCache], dense: bool = True) -> list[BatchLay
 class _TracedFull:
     """One sequence's full exact layer during the trace of a batched step: its buffers (capacity
     C), the new token written at `slot` (an array), one query over the buffer's first `slot + 1`
-    tokens (a mask over the rest, which hold zeros or older tokens: finite)."""
+    tokens (a mask over the rest, which hold zeros or older tokens: finite). `span`: the query
+    reads only the buffer's first `span` slots (`attention_span`: every row's `slot + 1` at most),
+    not all C; None: all C (the step as it ran before 2026-12-06)."""
 
-    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype):
+    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype,
+                 span: Optional[int] = None):
         self.keys, self.values, self.slot, self.compute_dtype = keys, values, slot, compute_dtype
+        self.span = span
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> None:
         self.keys = mx.slice_update(self.keys, keys.astype(self.keys.dtype), self.slot, axes=(2,))
         self.values = mx.slice_update(self.values, values.astype(self.values.dtype), self.slot, axes=(2,))
 
+    def _read(self) -> int:
+        """How many of the buffer's slots the query reads: `span`, or the whole buffer."""
+        size = self.keys.shape[2]
+        return size if self.span is None else min(self.span, size)
+
     def kv(self) -> tuple[mx.array, mx.array]:
-        """The buffers in the compute dtype (after this step's write); `_TracedRows.attend` reads
-        them with the row's mask (`valid`)."""
+        """The buffers' first `_read()` slots in the compute dtype (after this step's write);
+        `_TracedRows.attend` reads them with the row's mask (`valid`)."""
         k, v = self.keys, self.values
+        n = self._read()
+        if n < k.shape[2]:
+            k, v = k[..., :n, :], v[..., :n, :]
         if k.dtype != self.compute_dtype:
             k, v = k.astype(self.compute_dtype), v.astype(self.compute_dtype)
         return k, v
 
     def valid(self) -> Optional[mx.array]:
-        """The slots this row's query sees, [1, 1, 1, capacity] (None: all of them)."""
-        return (mx.arange(self.keys.shape[2]) <= self.slot)[None, None, None, :]
+        """The slots this row's query sees, [1, 1, 1, read slots] (None: all of them)."""
+        return (mx.arange(self._read()) <= self.slot)[None, None, None, :]
 
 
 class _TracedRing(_TracedFull):
@@ -323,8 +335,9 @@ class _TracedHot(_TracedFull):
     query over the sink (placed where the eager step reads it: `sink`, keys and values in the
     compute dtype, or () without one) and the buffer's first `slot + 1` slots, the rest masked."""
 
-    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype, sink: tuple):
-        super().__init__(keys, values, slot, compute_dtype)
+    def __init__(self, keys: mx.array, values: mx.array, slot: mx.array, compute_dtype: mx.Dtype, sink: tuple,
+                 span: Optional[int] = None):
+        super().__init__(keys, values, slot, compute_dtype, span)
         self.sink = sink
 
     def kv(self) -> tuple[mx.array, mx.array]:
@@ -335,7 +348,7 @@ class _TracedHot(_TracedFull):
 
     def valid(self) -> Optional[mx.array]:
         n = self.sink[0].shape[2] if self.sink else 0
-        return (mx.arange(n + self.keys.shape[2]) <= self.slot + n)[None, None, None, :]
+        return (mx.arange(n + self._read()) <= self.slot + n)[None, None, None, :]
 
 
 class _TracedRows:
@@ -574,13 +587,31 @@ def _filling(ring: Any, plan: Any) -> bool:
     return ring.ring and ring.n_sink == ring.sink and ring.ptr == ring.n < ring.window and plan.drop == 0
 
 
+#: the fewest buffer slots a compiled batched step's full or hot-window rows attend over
+#: (`attention_span`)
+MIN_SPAN = 64
+
+
+def attention_span(slot: int) -> int:
+    """How many of their buffers' first slots the compiled batched step's full and hot-window rows
+    attend over when the furthest row writes its token at `slot`: the power of two above `slot`
+    (at least MIN_SPAN; capped at each row's capacity in the trace). A full cache's buffer grows
+    in 256-token steps and a warm slot rolled back keeps its capacity (a 512-slot buffer under
+    a 9-token prompt), so reading the whole buffer, masked, cost the shipped model's four-row step
+    a third of its time (docs/server.md, 2026-12-06); a power of two keeps the step's layouts
+    few (one more trace each time the furthest row passes one) and reads at most about twice
+    the live tokens."""
+    return max(MIN_SPAN, 1 << slot.bit_length())
+
+
 def _compiled_step(model: Any, key: tuple):
-    """The compiled batched step for `key` = (owners, the rows' layout keys), made once per model
-    and layout (the newest KEEP_TRACES kept), or `_FAILED`."""
+    """The compiled batched step for `key` = (owners, the rows' layout keys, whether rows stack,
+    the full and hot-window rows' attention span or None), made once per model and layout (the
+    newest KEEP_TRACES kept), or `_FAILED`."""
     known = _cached(model, key)
     if known is not None:
         return known
-    owners, rows, stack = key
+    owners, rows, stack, span = key
 
     def step(tokens, offsets, slots, buffers, sinks):
         traced["compiled"] += 1
@@ -590,9 +621,9 @@ def _compiled_step(model: Any, key: tuple):
             for i, row in enumerate(rows):
                 k, v = buffers[i][j]
                 if row[0] == "full":
-                    made.append(_TracedFull(k, v, slots[i:i + 1], row[-1]))
+                    made.append(_TracedFull(k, v, slots[i:i + 1], row[-1], span))
                 elif row[0] == "hot":
-                    made.append(_TracedHot(k, v, slots[i:i + 1], row[-1], sinks[i][j]))
+                    made.append(_TracedHot(k, v, slots[i:i + 1], row[-1], sinks[i][j], span))
                 else:
                     made.append(_TracedRing(k, v, slots[i:i + 1], row[-1], sinks[i][j] if row[2] else None, row[3]))
             layers.append(_TracedRows(made, offsets, stack))
@@ -996,7 +1027,9 @@ def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache], steady
             return None         # (no row's sink placed yet: every row is checked before any is built)
         rows.append(row)
     rows = [r[:4] + (r[4]() if r[4] is not None else None,) + r[5:] for r in rows]
-    key = (owners, tuple(r[0] for r in rows), not steady_only)
+    reach = max((r[1] for r in rows if r[0][0] in ("full", "hot")), default=None)
+    span = None if steady_only or reach is None else attention_span(reach)
+    key = (owners, tuple(r[0] for r in rows), not steady_only, span)
     step = _compiled_step(model, key)
     if step is _FAILED:
         return None
