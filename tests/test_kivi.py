@@ -1150,3 +1150,35 @@ def test_kivi_through_the_dequantise_path_equals_the_packed_path(native32, monke
             logits.append(forward(native32.model, mx.array([[7 + t]]), cache)[0, -1])
         out[path] = mx.stack(logits)
     assert float(mx.abs(out["packed"] - out["dequantise"]).max()) < 2e-4
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(residual=64, kivi_sink=31)], ids=["int4", "R64-sink31"])
+def test_ready_next_then_the_eager_step_is_the_eager_step(native32, kw):
+    """`KiviStore.ready_next` (serve's batched step, server/batch.py: what a full cache's next
+    one-token append does to the stored tokens, done before the step: a freeze due, buffers too
+    small) followed by the eager step gives what the eager step alone gives: the same logits to
+    the last bit, and the same stored state after every step (blocks frozen, the residual, its
+    buffers' head and shapes), over 120 steps from a 10-token prompt (freezes and growths both
+    happen: counted). R 64 with a 31-token exact sink leaves 33 exact tokens after a freeze,
+    where buffers fitted without the pending token would be a size smaller (fails so)."""
+    from tinygpt_mlx.cache import make_cache as make_kv
+    from tinygpt_mlx.generate import _call, prefill
+
+    m = native32.model
+    cfg = CacheConfig(key_bits=4, value_bits=4, **kw)
+    ahead, alone = make_kv(m, cfg), make_kv(m, cfg)
+    ahead.compile_decode = alone.compile_decode = False
+    ids = tokens(10)[0].tolist()
+    token = int(mx.argmax(prefill(m, ids, ahead, 16)).item())
+    prefill(m, ids, alone, 16)
+    done = []
+    for _ in range(120):
+        done += [c.body.ready_next() for c in ahead.owned if c.body.can_ready()]
+        got, want = _call(m, [token], ahead), _call(m, [token], alone)
+        assert mx.array_equal(got, want)
+        for x, y in zip(ahead.owned, alone.owned):
+            rx, ry = x.body.residual, y.body.residual
+            assert (x.body.n_packed, x.body.held, rx.n, rx.head, rx.keys is None or rx.keys.shape) == \
+                   (y.body.n_packed, y.body.held, ry.n, ry.head, ry.keys is None or ry.keys.shape)
+        token = int(mx.argmax(want).item())
+    assert done.count("froze") >= 2 * len(ahead.owned) and done.count("grew") >= len(ahead.owned), done

@@ -267,14 +267,18 @@ def test_attention_across_sequences_equals_the_per_sequence_path(native32, polic
         tokens = [int(t) for t in mx.argmax(want, axis=-1).tolist()]
     dense = policy in ("full", "sink+window")
     assert (counts["stacked"]["stacked"] > 0) == dense, counts       # one fused call per layer
-    compiles = dense or policy == "retrieval"
+    # (a full int4 cache's steps all run compiled since 2026-12-06: its first steps before any
+    # block froze, its freezes and buffer growths done ahead, batch.py `_compiled_kivi`)
+    compiles = dense or policy in ("retrieval", "int4")
     assert (counts["compiled"]["compiled"] > 0) == compiles, counts  # the compiled batched step
+    assert (counts["compiled"]["compiled_kivi"] == 40) == (policy == "int4"), counts
     assert (counts["compiled"]["compiled_retrieval"] > 0) == (policy == "retrieval"), counts
     # a ring whose window is still filling (the short prompt's) steps compiled too
     assert (counts["compiled"]["compiled_ring_filling"] > 0) == (policy == "sink+window"), counts
     assert counts["steady"]["compiled_ring_filling"] == 0 and counts["steady"]["compiled_hot_filling"] == 0, counts
     if not dense:      # packed or retrieved data: each sequence attends on its own, as before
-        assert counts["stacked"]["per_sequence"] > 0 and counts["compiled"]["per_sequence"] > 0
+        assert counts["stacked"]["per_sequence"] > 0
+        assert (counts["compiled"]["per_sequence"] > 0) == (policy != "int4"), counts
 
 
 #: the batched retrieval step's configurations (`select_rows` over rows of one layout, and of
@@ -521,6 +525,54 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
     assert 0 < (batch.traced - traced)["kivi"] <= 24, batch.traced - traced
     assert held and max(held) <= batch.KEEP_SHAPES
     assert len({c.current_length for c in together}) == 4
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-row"])
+def test_int4_first_steps_and_freezes_run_compiled_as_each_sequence_alone(native32, stacked, monkeypatch):
+    """A full int4 cache's steps before its first block froze, its freezes and its buffers'
+    growths run in the compiled batched step too (batch.py `_compiled_kivi`: a row's freeze or
+    growth due is done ahead, `KiviStore.ready_next`, then its step is a quiet one; a row with
+    nothing frozen yet attends in the eager step's exact form, `_TracedKivi._attend_exact`, and
+    stacks only with such rows). Four rows from short prompts of their own lengths, 96 steps in
+    lockstep with each sequence alone (its solo step: eager until its first block froze, then
+    compiled where quiet): every step compiled, every row's logits within 1e-5 of its solo step
+    with the same greedy token (to the last bit with MLX's reference BLAS), each row's cache
+    holding what its solo cache holds (blocks frozen, residual, the buffers' shapes), steps with
+    rows before their first block, freezes and growths ahead all seen."""
+    if not stacked:
+        monkeypatch.setattr(batch, "STACK_TOKENS", 0)
+    m, tok, cfg = native32.model, native32.tokenizer, KIVI_STEPS["int4"]
+    exact = blas.loaded_openblas() is None
+    prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS, (5, 9, 14, 20))]
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    assert all(c.owned[0].body.n_packed == 0 for c in together)         # nothing frozen yet
+    batch.forget(m)
+    before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
+    for _ in range(96):
+        rows = batch.decode_step(m, tokens, together)
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            if exact:
+                assert mx.array_equal(row, w)
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
+            assert mx.argmax(row).item() == mx.argmax(w).item()
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        for a, b in zip(solo, together):
+            for x, y in zip(a.owned, b.owned):
+                rx, ry = x.body.residual, y.body.residual
+                assert (x.body.n_packed, x.body.held, rx.n, rx.head, rx.keys.shape) == \
+                       (y.body.n_packed, y.body.held, ry.n, ry.head, ry.keys.shape)
+    done = batch.taken - before
+    assert done["compiled_kivi"] == 96, done                                 # every step
+    assert done["compiled_kivi_unpacked"] >= 30, done                        # rows before their first block
+    assert done["kivi_frozen_ahead"] >= 8 and done["kivi_grown_ahead"] >= 4, done
+    assert (done["compiled_kivi_stacked"] > 0) == stacked, done
+    assert batch._failed == failed and 0 < (batch.traced - traced)["kivi"] <= 40, batch.traced - traced
+    assert min(c.owned[0].body.n_packed for c in together) >= 64             # every row froze twice or more
 
 
 def test_a_compiled_batched_step_is_made_anew_past_its_traces(native32, monkeypatch):

@@ -151,7 +151,7 @@ class _TracedKivi:
         group kept as rows [B, Hkv, rep, D] throughout (no reshape per segment: a fifth fewer
         nodes for the trace to replay every step)."""
         cfg = self.config
-        runs = [PackedRun.of(*self.packed, cfg)]
+        runs = [PackedRun.of(*self.packed, cfg)] if self.packed else []    # (none before a block froze: serve's batch)
         if self.near:     # the near tier, as the eager step reads it (packed.FrozenTiers.segments)
             runs.append(PackedRun.of(*self.near, cfg, near=True))
         dt, f32 = self.compute_dtype, mx.float32
@@ -159,6 +159,8 @@ class _TracedKivi:
         sink_k, sink_v = (a.astype(f32) for a in self.sink) if self.sink else (None, None)
         B, Hq, L, D = queries.shape
         hkv = res_k.shape[1]
+        if not runs:        # nothing frozen yet: exact segments only, as the eager step reads them
+            return self._attend_exact(queries, scale, (sink_k, sink_v), (res_k, res_v))
         rows = ((queries if queries.dtype == f32 else queries.astype(f32)) * scale).reshape(B, hkv, Hq // hkv * L, D)
         turned = rows @ rotation(D) if any(r.rotate and r.key_bits for r in runs) else None
         scores = [rows @ sink_k.swapaxes(-1, -2)] if self.sink else []
@@ -194,6 +196,23 @@ class _TracedKivi:
         return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
+    def _attend_exact(self, queries: mx.array, scale: float, sink: tuple, res: tuple) -> mx.array:
+        """`attend` before any block froze (a full KIVI cache's first steps, in serve's batched
+        step): the sink (if any) and the residual's buffers, exact, in the eager step's one-query
+        form over exact segments (segments.py `_attend_one`: the scale applied to the joined
+        scores, the values joined and one product), the buffers' dead slots masked, so the row
+        agrees with its eager step to the last bit."""
+        B, Hq, _, D = queries.shape
+        res_k, res_v = res
+        q = (queries if queries.dtype == mx.float32 else queries.astype(mx.float32)).reshape(B, res_k.shape[1], -1, D)
+        scores = ([q @ sink[0].swapaxes(-1, -2)] if self.sink else []) + [q @ res_k.swapaxes(-1, -2)]
+        scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+        probs = mx.softmax(mx.where(self.mask, scores, -mx.inf) * scale, axis=-1)
+        values = mx.concatenate([sink[1], res_v], axis=2) if self.sink else res_v
+        out = (probs @ values).reshape(B, Hq, 1, -1)
+        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+
+
 def _tokens(side: tuple) -> int:
     """Tokens a packed run holds, from its arrays' shapes: its values keep one row per token
     (packed per token, or exact), along their next-to-last axis."""
@@ -208,7 +227,7 @@ def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, first: 
     (its live tokens the window still shows, then the new one's; `_kivi_decode`), no other.
     Every number that moves between traces comes in as an array: a Python number here would be
     a constant of MLX's fused kernel, compiled anew (g++ on a CPU, about a second) for each value."""
-    frozen = _tokens(packed) + (_tokens(near) if near else 0)
+    frozen = (_tokens(packed) if packed else 0) + (_tokens(near) if near else 0)
     slots = mx.arange(buffers[0].shape[2], dtype=mx.int32)
     live = (slots >= first) & (slots <= last)
     return mx.concatenate([mx.ones((n_sink,), mx.bool_), mx.arange(frozen, dtype=mx.int32) >= cut, live])[None]
@@ -236,19 +255,20 @@ def _ready(layer: Any, plan: Any) -> bool:
     return layer.dtype is not None and plan.rebase == 0 and layer.body.steady()
 
 
-def _kivi_ready(layer: Any, plan: Any) -> bool:
+def _kivi_ready(layer: Any, plan: Any, unpacked: bool = False) -> bool:
     """Whether this layer's next decode step (KIVI under StreamingLLM on frame positions, or a
     full KIVI cache: the layer's `compiles`), planned as `plan`, is a quiet step: under
     StreamingLLM the window full (blocks evicted before) and the sink full, in a full cache its
     exact first tokens all held (`exact_prefix`); and neither a block to evict before the token
     (`plan.drop`) nor one to freeze after it, nor a residual buffer to grow (`KiviStore.quiet`),
-    nor a re-base."""
+    nor a re-base. `unpacked`: also before any block froze (a full cache's first steps: serve's
+    batched step, server/batch.py; the solo step runs those eager)."""
     if plan.drop or plan.rebase or layer.dtype is None or len(layer.sink_store) != layer.config.held_sink:
         return False
     # under StreamingLLM only once the window is full and blocks are evicted: then the step's
     # shapes come back every G steps and each trace is reused; while the body grows every step
     # would be a new trace. A full cache's packed run grows by G every G steps (`_kivi_decode`)
-    return (not layer.config.streaming or layer.start > layer.config.sink) and layer.body.quiet()
+    return (not layer.config.streaming or layer.start > layer.config.sink) and layer.body.quiet(unpacked)
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):

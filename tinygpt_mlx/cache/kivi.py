@@ -122,12 +122,46 @@ class KiviStore:
         self.residual.took(keys, values)
 
     # ----- what a compiled quiet step reads (compiled.py) -------------------------------------
-    def quiet(self) -> bool:
-        """Whether the next token's append is quiet: packed blocks held, the token fits the
-        residual's buffer and freezes no block (G - 1 of every G decode steps)."""
+    def quiet(self, unpacked: bool = False) -> bool:
+        """Whether the next token's append is quiet: packed blocks held (`unpacked`: or nothing
+        frozen yet, serve's batched step, server/batch.py), the token fits the residual's buffer
+        and freezes no block (G - 1 of every G decode steps)."""
         res = self.residual
-        return (self.tiers.packed.n > 0 and res.keys is not None
+        return ((self.tiers.packed.n > 0 or unpacked and self.tiers.n == 0) and res.keys is not None
                 and len(res) + 1 < max(self.keep, 1) + self.group and res.head + res.n + 1 <= res.keys.shape[2])
+
+    def freezes_next(self) -> int:
+        """Tokens the next one-token `append` freezes (its rule, `keep` counted with that token stored)."""
+        n = len(self.residual) + 1
+        keep = max(0, self.config.exact_residual(self.config.held_sink + self.frozen + n) - self.exact_before)
+        return max(0, (n - max(keep, 1)) // self.group * self.group)
+
+    def can_ready(self) -> bool:
+        """Whether `ready_next` can make the next token's append quiet: exact tokens held in buffers
+        with room before them (a full KIVI cache's, `Residual.room`), its token then fitting them."""
+        res = self.residual
+        return res.keys is not None and res.room > 0 and bool(res.n)
+
+    def ready_next(self) -> Optional[str]:
+        """What the next one-token `append` does to the tokens already stored, done now, before a
+        compiled step writes that token into the residual's buffers (serve's batched step,
+        server/batch.py): its oldest full groups frozen (`freezes_next`: never the new token,
+        the newest max(keep, 1) stay exact), the buffers then fitted for it and G after it, as
+        the eager step's freeze leaves them (`fit_ahead` with the token pending); or, where the
+        token would not fit the buffers, the buffers made anew for it (`Residual.append`'s rule).
+        Then its append is quiet (`took`), and the step reads what the eager step reads after
+        its own freeze: the same blocks packed, the same exact tokens. An eager step after this
+        one freezes nothing more (the same state). Only where `can_ready`; "froze", "grew" or None
+        (nothing to do)."""
+        n = self.freezes_next()
+        if n > 0:
+            self._freeze(n, pending=1)
+            return "froze"
+        res = self.residual
+        if res.head + res.n + 1 > res.keys.shape[2]:
+            res._remake(res.n + 1, res.keys, res.values)
+            return "grew"
+        return None
 
     def layout(self, lead: Optional[DenseStore] = None) -> Optional[tuple[int, int, int, int]]:
         """(tokens in the packed run, frozen tokens held in all, the first buffer slot a quiet
@@ -149,13 +183,18 @@ class KiviStore:
         if lead is not None and len(lead):
             res.led(lead)
         near = (tiers.near.keys, tiers.near.values) if tiers.n > tiers.packed.n else ()
-        return (tiers.packed.keys, tiers.packed.values), near, (res.keys, res.values)
+        packed = (tiers.packed.keys, tiers.packed.values) if tiers.packed.n else ()    # (() before a block froze)
+        return packed, near, (res.keys, res.values)
 
-    def _freeze(self, n: int) -> None:
+    def _freeze(self, n: int, pending: int = 0) -> None:
         k, v = self.residual.drop_front(n)
         # the buffers moved now, in this step (eager: it freezes), where the next G tokens would
-        # not fit after the live ones: else the next step would move them, eagerly (not quiet)
-        self.residual.fit_ahead(self.group)
+        # not fit after the live ones: else the next step would move them, eagerly (not quiet).
+        # (`pending`: a token still to come in this step, `ready_next`: the same buffers as after)
+        if pending:
+            self.residual.fit_ahead(self.group, pending)
+        else:
+            self.residual.fit_ahead(self.group)
         if self.positions.pre_rope:
             k = self.positions.place(k.astype(mx.float32), self.positions.kivi_slot(self.frozen))
         self.shadow.append(k, v)
@@ -332,7 +371,7 @@ class Residual(DenseStore):
             self._remake(self.n + L, keys, values)
         super().append(keys, values)
 
-    def fit_ahead(self, ahead: int) -> None:
+    def fit_ahead(self, ahead: int, pending: int = 0) -> None:
         """After a freeze (the front dropped): where `ahead` more tokens would not fit after the
         live ones, or the buffers are larger than that size (a prefill chunk's), new buffers now,
         sized as the next append that did not fit would size them (`append`'s rule for a store
@@ -342,16 +381,17 @@ class Residual(DenseStore):
         them (`_remake`), for the live tokens and the `ahead` to come: else the next step that
         did not fit would be eager only to make them (one in every G of a full int4 cache's
         steps was), and the quiet steps after a prompt would read its chunk's buffers."""
-        if self.keys is None or not self.n:
+        n = self.n + pending    # (`pending`: a token of this step not written yet, `KiviStore.ready_next`)
+        if self.keys is None or not n:
             return
         if self.room:
-            size = self.room + -(-(self.n + ahead) // self.step) * self.step     # as `_remake`
-            if self.head + self.n + ahead <= self.keys.shape[2] <= size:
+            size = self.room + -(-(n + ahead) // self.step) * self.step     # as `_remake`
+            if self.head + n + ahead <= self.keys.shape[2] <= size:
                 return
-            self._remake(self.n + ahead, self.keys, self.values)
+            self._remake(n + ahead, self.keys, self.values)
             return
-        size = -(-(self.n + 1) // self.step) * self.step + self.step     # as `append` with a head
-        if self.head + self.n + ahead <= self.keys.shape[2] <= size:
+        size = -(-(n + 1) // self.step) * self.step + self.step     # as `append` with a head
+        if self.head + n + ahead <= self.keys.shape[2] <= size:
             return
         B, H, _, Dk = self.keys.shape
         new_k = mx.zeros((B, H, size, Dk), self.dtype)

@@ -61,8 +61,14 @@ their segments stacked along the rows, each padded with zeros to the longest row
 [B, 1, 1, slots] showing each row its own slots, built from arrays) up to `STACK_TOKENS`, each
 on its own past it (`_KiviRows`). MLX traces the function again for each new set of the rows'
 shapes (a row's packed run grows by a block every G tokens); every compiled batched step holds
-at most `KEEP_SHAPES` traces, then is made anew (`_Compiled`). A step where any row freezes or
-evicts a block runs eager for all (about one step in G per row).
+at most `KEEP_SHAPES` traces, then is made anew (`_Compiled`). A full cache's row whose step
+would freeze a block or outgrow its buffers has that done ahead, before the step
+(`KiviStore.ready_next`: the same blocks frozen, the same buffers, as after its eager step), once
+every row is found able to step so; its step is then a quiet one. A full cache's row with no
+block frozen yet (its first R + G or so tokens) steps compiled too, attending over its exact
+tokens in the eager step's exact form (`_TracedKivi._attend_exact`: the same bits), stacked only
+with rows like it. Under StreamingLLM a step where any row freezes or evicts a block runs eager
+for all (about one step in G per row).
 
 Retrieval in the batch (`_compiled_retrieval`): where every sequence's retrieval cache is in
 the steady state of the compiled solo step (cache/compiled_retrieval.py: hot window full, cold
@@ -689,6 +695,8 @@ def _padded(runs: list) -> tuple:
     array's token axis (packed.py `_axes`: a quantised key side, three arrays of K^T, along its
     last axis; values and exact keys along the next-to-last), as many entries as the longest's."""
     lengths = [run[1][0].shape[-2] if run else 0 for run in runs]
+    if not max(lengths):
+        return ()           # (no row holds a packed run yet: a full cache's first steps)
     like = runs[lengths.index(max(lengths))]
     out = []
     for side in (0, 1):
@@ -707,13 +715,27 @@ def _padded(runs: list) -> tuple:
 def _kivi_quiet(cache: KVCache) -> Optional[tuple]:
     """(the layers' plans, their layout) of a KIVI cache whose next step is a quiet one in every
     layer at one position, as the solo quiet step requires (cache/compiled.py `_kivi_ready`,
-    `kivi_layout`), or None (then the whole batch runs eager); nothing changed."""
+    `kivi_layout`; a full cache also before its first block froze), or None (then the whole
+    batch runs eager); nothing changed."""
     layers = cache.owned
     plans = [c.plan() for c in layers]
-    if not all(_kivi_ready(c, p) for c, p in zip(layers, plans)):
+    if not all(_kivi_ready(c, p, unpacked=not c.config.streaming) for c, p in zip(layers, plans)):
         return None
     layout = kivi_layout(layers)
     return None if layout is None else (plans, layout)
+
+
+def _readies(cache: KVCache) -> bool:
+    """Whether a full KIVI cache's next step, not a quiet one as it stands, can be made one by
+    `KiviStore.ready_next` in every layer (its block freezing or its buffers too small, done
+    before the step): nothing to evict or re-base, its exact first tokens held, its exact tokens
+    in buffers with room before them (`can_ready`). Nothing changed."""
+    for c in cache.owned:
+        p = c.plan()
+        if (c.compiles != "kivi" or c.config.streaming or p.drop or p.rebase or c.dtype is None
+                or len(c.sink_store) != c.config.held_sink or not c.body.can_ready()):
+            return False
+    return True
 
 
 def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
@@ -724,7 +746,7 @@ def _kivi_row(cache: KVCache, plans: list, layout: tuple) -> tuple:
     shows)."""
     first = cache.owned[0]
     n_packed, held = layout[:2]
-    key = ("kivi", first.dtype, first.body.storage, first.config, held > n_packed)
+    key = ("kivi", first.dtype, first.body.storage, first.config, held > n_packed, n_packed > 0)
     return (key, *kivi_inputs(cache.owned, plans, layout))
 
 
@@ -765,7 +787,8 @@ def _kivi_step(model: Any, key: tuple):
         traced["kivi"] += 1
         B, n_sink = len(rows), sinks[0][0][0].shape[2] if sinks[0][0] else 0
         if stacked:
-            shapes = (max(p[0][1][0].shape[2] for p in packed), max((n[0][1][0].shape[2] for n in nears if n[0]), default=0),
+            shapes = (max((p[0][1][0].shape[2] for p in packed if p[0]), default=0),
+                      max((n[0][1][0].shape[2] for n in nears if n[0]), default=0),
                       max(b[0][0].shape[2] for b in buffers))
             masks = [_stacked_mask(n_sink, shapes, counts, firsts, slots, cuts)] * B
         else:
@@ -790,12 +813,27 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     written into its residual's buffers and joins it by the eager step's commit. None where a
     row is not quiet (a block freezing or evicted, a buffer growing: the eager batched call)."""
     quiet = [_kivi_quiet(c) for c in caches]
-    if any(q is None for q in quiet):
-        return None                 # nothing changed yet
+    late = [i for i, q in enumerate(quiet) if q is None]
+    if late:
+        # a full cache whose step freezes a block or outgrows its buffers: what its append would
+        # do first is done now (`KiviStore.ready_next`), once every such row can (nothing changed
+        # before), then its step is a quiet one. (Should a row still not be quiet, the eager step
+        # follows and freezes nothing more: it finds the state its own append would have made.)
+        if not all(_readies(caches[i]) for i in late):
+            return None             # nothing changed yet
+        for i in late:
+            done = {c.body.ready_next() for c in caches[i].owned}
+            taken["kivi_frozen_ahead"] += "froze" in done
+            taken["kivi_grown_ahead"] += "grew" in done
+            quiet[i] = _kivi_quiet(caches[i])
+        if any(q is None for q in quiet):
+            return None
     rows = [_kivi_row(c, *q) for c, q in zip(caches, quiet)]
     # one attention for all rows where they share a layer's kind and their caches are short
     # (the stacking copies every row: `STACK_TOKENS`, as for dense layers)
-    stacked = (len({r[0][:4] for r in rows}) == 1
+    # (rows with no block frozen yet attend in the eager step's exact form, `_TracedKivi._attend_exact`:
+    # they stack with each other, not with rows holding packed blocks)
+    stacked = (len({r[0][:4] + r[0][5:] for r in rows}) == 1
                and max(q[1][1] + r[5][0][0].shape[2] for q, r in zip(quiet, rows)) <= STACK_TOKENS)
     key = ("kivi", owners, tuple(r[0] for r in rows), stacked)
     step = _kivi_step(model, key)
@@ -812,6 +850,7 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     taken["compiled"] += 1
     taken["compiled_kivi"] += 1
     taken["compiled_kivi_stacked"] += stacked
+    taken["compiled_kivi_unpacked"] += any(not r[0][5] for r in rows)     # (a row with no block frozen yet)
     for i, (cache, (plans, _)) in enumerate(zip(caches, quiet)):
         for j, (c, p) in enumerate(zip(cache.owned, plans)):
             c.commit(p, None, None, written=new[j][i])
