@@ -503,3 +503,55 @@ def test_compiled_retrieval_steps_each_ring_at_its_own_position(gemma):
     assert len(got_picks) == 40 * (1 + 2) and got_picks == want_picks
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_the_rings_verdict_is_checked_again_when_a_ring_changes(gemma):
+    """What compiled_retrieval.py `rings_ready` decides of the sliding rings as one (each ready,
+    at one position, base and pointer) is decided once per change of the rings' layout
+    (`RingStore.changes`, one count the cache's rings share: `KVCache.rings_checked`), not per
+    step; per step only the re-base due, the first ring's fullness, its write slot and position.
+    The rings' indices are decided when the cache is made (`KVCache.ring_layout`). After compiled
+    steps, one ring re-based apart from the others (its base 8 on: no longer at the rings'
+    position) makes the verdict stale: the next steps must run eager, each ring at its own
+    position, equal (1e-5) to the same cache stepped eager. Fails with the verdict kept past the
+    change (the re-based ring would be stepped at the first ring's position)."""
+    from tinygpt_mlx.cache import compiled
+    from tinygpt_mlx.generate import forward
+
+    m = gemma.model
+    cfg = CacheConfig(sink=4, hot_budget=16, page_size=4, top_pages=2, retrieve_tokens=8, rope_mode="absolute")
+    prompt = [int(x) for x in np.random.RandomState(7).permutation(np.arange(1, 241))]
+    fast, eager = make_cache(m, cfg), make_cache(m, cfg)
+    eager.compile_decode = False
+    ring_index, kept = fast.ring_layout
+    assert [fast.owned[i].sliding for i in ring_index] == [W] * 4 and len(kept) == 2
+    ran, real = [], compiled._retrieval_decode
+    compiled._retrieval_decode = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        for cache in (fast, eager):
+            mx.eval(forward(m, mx.array([prompt]), cache))
+        step = 0
+
+        def both(n):
+            nonlocal step
+            for _ in range(n):
+                ids = mx.array([[3 + (7 * step) % 250]])
+                got, want = forward(m, ids, fast)[0, -1], forward(m, ids, eager)[0, -1]
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+                step += 1
+        both(12)
+        assert sum(r is not None for r in ran) >= 10 and fast.rings_checked[1]
+        checked, done = fast.rings_checked, len(ran)
+        both(4)
+        assert fast.rings_checked is checked       # decided once: steps do not check again
+        for cache in (fast, eager):                # one ring re-based apart from the others
+            ring = cache.owned[ring_index[1]]
+            ring.body.rebase(8)
+            ring.positions.base += 8
+            ring._planned = None
+        both(6)
+        assert all(r is None for r in ran[done + 4:]), ran[done:]     # eager: the rings are not at one position
+        assert fast.rings_checked[0] != checked[0] and not fast.rings_checked[1]
+    finally:
+        compiled._retrieval_decode = real
+    assert not compiled.trace_failures

@@ -233,11 +233,11 @@ def _quiet_mask(n_sink: int, packed: tuple, near: tuple, buffers: tuple, first: 
     return mx.concatenate([mx.ones((n_sink,), mx.bool_), mx.arange(frozen, dtype=mx.int32) >= cut, live])[None]
 
 
-def _retrieval_decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict
+def _retrieval_decode(model: Any, tokens: mx.array, cache: Any, plans: list, owners: tuple, steps: dict
                       ) -> Optional[mx.array]:
     """`decode` for retrieval on the device (compiled_retrieval.py), with this module's failure rule
     and its traced ring (sliding-window rings beside retrieval's layers: Gemma 3's local layers)."""
-    return compiled_retrieval.decode(model, tokens, layers, plans, owners, steps, _FAILED, _failed, _TracedRing)
+    return compiled_retrieval.decode(model, tokens, cache, plans, owners, steps, _FAILED, _failed, _TracedRing)
 
 
 def _traceable(model: Any, steps: dict) -> bool:
@@ -341,7 +341,7 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
             return _kivi_decode(model, tokens, layers, plans, owners, steps)
         return None
     if kind == "retrieval":
-        return _retrieval_decode(model, tokens, layers, plans, owners, steps)
+        return _retrieval_decode(model, tokens, cache, plans, owners, steps)
     if not all(_ready(c, p) for c, p in zip(layers, plans)):
         return None
     first = layers[0]

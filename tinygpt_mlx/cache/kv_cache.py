@@ -75,6 +75,20 @@ class KVCache(list):
         #: policy's step never asks
         self.compiled_step: Optional[str] = (kinds.pop() if len(kinds) == 1 and self._owned
                                              and len(self._owned) == len(self.distinct()) else None)
+        #: the sliding-window rings' indices among `owned` and the other layers', decided once
+        #: here (the layers never change); None without sliding rings (compiled_retrieval.py
+        #: `rings_ready`, server/batch.py). The rings share one count of their changes
+        #: (`RingStore.changes`), by which `rings_checked` (that function's check of them as one,
+        #: made when the count last moved) is known to hold
+        rings = tuple(i for i, c in enumerate(self._owned) if getattr(c, "sliding", None) is not None)
+        self.ring_layout: Optional[tuple] = None
+        if rings:
+            self.ring_layout = (rings, tuple(i for i in range(len(self._owned)) if i not in rings))
+            shared = [0]
+            for i in rings:
+                if hasattr(self._owned[i].body, "changes"):     # (a ring's: `rings_ready` declines others)
+                    self._owned[i].body.changes = shared
+        self.rings_checked: Optional[tuple] = None
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
     @staticmethod

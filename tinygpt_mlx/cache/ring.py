@@ -55,6 +55,11 @@ class RingStore:
         self.head = 0     # linear: body tokens dropped from the front of keys[..., n_sink:]
         self.ptr = 0      # ring: the window slot the next token is written to
         self._sink_in_buffer: Optional[int] = None  # ring: the first_slot the buffer's sink has
+        #: a count of the changes to the ring's layout other than a decode step's token (a chunk
+        #: appended, laid out as a ring, cut back, re-based, loaded), in a cell a cache's sliding
+        #: rings share (kv_cache.py): what compiled_retrieval.py `rings_ready` decided of them
+        #: holds until it moves
+        self.changes = [0]
 
     def __len__(self) -> int:
         return self.n_sink + self.n
@@ -74,6 +79,7 @@ class RingStore:
             self._to_ring(keys)
             self.write_one(keys, values)
             return
+        self.changes[0] += 1
         k, v = self._ordered()
         new_k, new_v = keys.astype(self.dtype), values.astype(self.dtype)
         self.keys = new_k if k is None else mx.concatenate([k, new_k], axis=2)
@@ -120,6 +126,7 @@ class RingStore:
             raise ValueError(f"the window is full ({self.n} of {self.window}): evict before appending")
         if self.ring:
             return
+        self.changes[0] += 1
         k, v = self._ordered()
         B, H, _, Dk = like.shape
         pad = self.sink + self.window - len(self)
@@ -163,6 +170,7 @@ class RingStore:
         to the slot after the kept ones."""
         if length < self.n_sink or length > len(self):
             raise ValueError(f"cannot cut {len(self)} ring tokens back to {length} (sink {self.n_sink})")
+        self.changes[0] += 1
         self.n = length - self.n_sink
         if self.ring:
             self.ptr = self.n % self.window
@@ -178,6 +186,7 @@ class RingStore:
 
     def rebase(self, by: int) -> None:
         """Turn every stored window key back by `by` positions (the base grows by `by`)."""
+        self.changes[0] += 1
         if self.keys is None:
             return
         S = self.n_sink
@@ -234,6 +243,7 @@ class RingStore:
         return sum(self.nbytes_breakdown().values())
 
     def close(self) -> None:
+        self.changes[0] += 1
         self.keys = self.values = None
         self.sink_block = SinkBlock(self.dtype, self.positions)
         self._sink_in_buffer = None
@@ -254,6 +264,7 @@ class RingStore:
 
     def load_state(self, arrays: Any, meta: dict) -> None:
         self.close()
+        self.changes[0] += 1
         n_sink, n = int(meta["n_sink"]), int(meta["n"])
         if not n_sink + n:
             return

@@ -89,7 +89,7 @@ the tests hold each row's picks and tokens scored equal to its solo step's, its 
 rows are traced in an order sorted by layout, so four rows at their own phases make few traces.
 Beside sliding-window rings (Gemma 3's local layers, exact rings of the model's window), the
 rows' rings step in the same trace, as the solo retrieval step steps them
-(cache/compiled_retrieval.py `_rings_ready`, each row checked so): each row its own ring buffers,
+(cache/compiled_retrieval.py `rings_ready`, each row checked so): each row its own ring buffers,
 write slot and RoPE position (the rings re-base apart from the global layers at original
 positions), rings of one window attending as one (`_SlidingRows`); a step where any row's rings
 are not steady (a re-base) runs eager for all.
@@ -111,7 +111,7 @@ import numpy as np
 
 from ..cache import KVCache
 from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout, shape_key
-from ..cache.compiled_retrieval import (_TracedRetrieval, _rings_ready, attend_rows, commit, layer_specs, steady,
+from ..cache.compiled_retrieval import (_TracedRetrieval, attend_rows, commit, layer_specs, rings_ready, steady,
                                           step_inputs)
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
@@ -906,27 +906,27 @@ def _retrieval_checked(cache: KVCache) -> Optional[tuple]:
     """(the global layers' plans, the sliding rings' state) of a retrieval cache whose next decode
     step is a steady one the compiled solo step would run (cache/compiled_retrieval.py `steady`;
     beside sliding-window rings, Gemma 3's, those steady at their own position and pointer,
-    `_rings_ready`: (the rings' indices among the cache's layers, their plans, (window, compute
+    `rings_ready`: (the rings' indices among the cache's layers, their plans, (window, compute
     dtype, write slot, RoPE position)), else None), or None; nothing changed."""
     if cache.compiled_step != "retrieval":
         return None
     layers = cache.owned
     plans = [c.plan() for c in layers]
-    ring_index = tuple(i for i, c in enumerate(layers) if c.sliding is not None)
     rings = None
-    if ring_index:
-        state = _rings_ready([layers[i] for i in ring_index], [plans[i] for i in ring_index])
+    if cache.ring_layout is not None:      # (the rings' indices decided once, `KVCache.ring_layout`)
+        state = rings_ready(cache, plans)
         if state is None:
             return None
+        ring_index, kept = cache.ring_layout
         rings = (ring_index, [plans[i] for i in ring_index], state)
-        plans = [p for i, p in enumerate(plans) if i not in ring_index]
-    globals_ = [c for i, c in enumerate(layers) if i not in ring_index]
-    return (plans, rings) if steady(globals_, plans) else None
+        layers, plans = [layers[i] for i in kept], [plans[i] for i in kept]
+    return (plans, rings) if steady(layers, plans) else None
 
 
 def _global_layers(cache: KVCache) -> list:
-    """A retrieval cache's layers but its sliding-window rings (its retrieval layers)."""
-    return [c for c in cache.owned if c.sliding is None]
+    """A retrieval cache's layers but its sliding-window rings (its retrieval layers: the list
+    `KVCache.global_layers` keeps, made once)."""
+    return cache.global_layers
 
 
 def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
