@@ -697,3 +697,88 @@ def test_attend_one_query_form_equals_the_general_form(parts, n_turned, scale, p
     assert len(ones) == 1       # the first call alone took the one-query form
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6)
     assert got.shape == want.shape == (2, 4, 1, 16)
+
+
+class _TwoRopes(nn.Module):
+    """A module holding RoPEs the way a model's attention does (`self.rope`), one nested."""
+
+    def __init__(self, rope):
+        super().__init__()
+        self.rope = rope
+        self.inner = nn.Module()
+        self.inner.rope = nn.RoPE(16, base=77.0)
+
+
+@pytest.mark.parametrize("rope", [nn.RoPE(16), nn.RoPE(16, traditional=True, base=77.0), nn.RoPE(8, base=9.0),
+                                  nn.RoPE(16, scale=0.25)], ids=["rope", "traditional", "partial", "scale"])
+def test_rope_products_turn_as_the_rope_does(rope):
+    """`rope_products.products` (a compiled retrieval step's trace): one fp32 token at the shared
+    offset is turned by a product with the RoPE's matrix at that offset (`rope_matrix`), equal to
+    the RoPE within the last bit at every offset, the matrix made once per setting; another
+    offset, several tokens or another dtype is the RoPE's own result, bit for bit; the modules
+    are put back after the block, also after an error."""
+    from tinygpt_mlx.cache import rope_products
+
+    m = _TwoRopes(rope)
+    x = mx.array(np.random.RandomState(3).randn(2, 3, 1, 16).astype(np.float32))
+    for o in (0, 5, 1000, 70000):
+        offset = mx.array(o, mx.int32)
+        made = []
+        real = rope_products.rope_matrix
+        rope_products.rope_matrix = lambda *a: made.append(a) or real(*a)
+        try:
+            with rope_products.products(m, offset):
+                assert type(m.rope) is not nn.RoPE and type(m.inner.rope) is not nn.RoPE
+                got = [m.rope(x, offset=offset), m.rope(x[:, :2], offset=offset), m.inner.rope(x, offset=offset)]
+                other = m.rope(x, offset=mx.array(o, mx.int32))               # not the shared offset
+                long = m.rope(mx.concatenate([x, x], axis=2), offset=offset)   # two tokens
+                half = m.rope(x.astype(mx.bfloat16), offset=offset)
+        finally:
+            rope_products.rope_matrix = real
+        assert len(made) == 2       # one matrix per setting (the two heads' calls share one)
+        assert m.rope is rope and type(m.inner.rope) is nn.RoPE
+        np.testing.assert_allclose(np.asarray(got[0]), np.asarray(rope(x, offset=o)), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(rope(x[:, :2], offset=o)), rtol=0, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(got[2]), np.asarray(m.inner.rope(x, offset=o)), rtol=0, atol=2e-6)
+        assert np.array_equal(np.asarray(other), np.asarray(rope(x, offset=o)))
+        assert np.array_equal(np.asarray(long), np.asarray(rope(mx.concatenate([x, x], axis=2), offset=o)))
+        assert np.array_equal(np.asarray(half.astype(mx.float32)),
+                              np.asarray(rope(x.astype(mx.bfloat16), offset=o).astype(mx.float32)))
+    with pytest.raises(RuntimeError):
+        with rope_products.products(m, mx.array(0, mx.int32)):
+            raise RuntimeError("in the trace")
+    assert m.rope is rope and type(m.inner.rope) is nn.RoPE
+
+
+def test_a_compiled_retrieval_step_turns_by_one_rope_matrix(native):
+    """The compiled step's trace turns every layer's query and key by products with one RoPE
+    matrix of the step (`rope_products`): its graph computes the angles' cosines twice per step
+    (that matrix and the retrieved slot's turns, `Positions.rotations`), not once per layer and
+    call, and its logits are the eager step's (within 1e-5; the picks: the tests above)."""
+    from tinygpt_mlx.cache import compiled
+    from tinygpt_mlx.evaluate.opcount import graph_ops
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=16, index_block=4, index_expand=2)
+    prompt = [int(x) for x in np.random.RandomState(0).randint(1, 300, size=400)]
+    fast, eager = make_cache(native.model, cfg), make_cache(native.model, cfg)
+    eager.compile_decode = False
+    real, ran, steady = compiled._retrieval_decode, [], 0
+    compiled._retrieval_decode = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        mx.eval(prefill(native.model, prompt, fast, 256), prefill(native.model, prompt, eager, 256))
+        for t in range(10):
+            ran.clear()
+            # (a step that completes a page evicts eagerly first, turning keys back; so does the
+            # first after the prompt, whose chunk left the window one token long)
+            ahead = fast.owned[0].cold.completes_page(1) or t == 0
+            got = forward(native.model, mx.array([[5 + t]]), fast)
+            cos = graph_ops(got).get("Cos", 0)
+            want = forward(native.model, mx.array([[5 + t]]), eager)
+            mx.eval(got, want)
+            steady += ran[0] is not None and not ahead
+            if ran[0] is not None and not ahead:
+                assert cos == 2, cos
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+    finally:
+        compiled._retrieval_decode = real
+    assert steady >= 6

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from . import rope_products
 from .cold_device import place
 from .device_select import select_in_trace, select_rows
 from .segments import DenseSegment, PickedSegment, attend
@@ -62,7 +63,9 @@ class _TracedRetrieval:
 
     @property
     def offset(self) -> mx.array:
-        return self.at[AT_OFFSET]
+        # (one array shared by the layers of a solo step's trace: `rope_products` keys on it)
+        held = self.turns.get("offset")
+        return self.at[AT_OFFSET] if held is None else held
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         if window_size is not None:
@@ -214,13 +217,15 @@ def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list, traced
         owners, rings, specs = key[1], key[2], layer_specs(layers, key[:1] + key[3:])
 
         def traced_retrieval(at, inputs):
-            turns: dict = {}     # (the layers read one `at`: their turns are shared, `_turns`)
+            # (the layers read one `at`: their turns are shared, `_turns`, and so is their offset)
+            turns: dict = {"offset": at[AT_OFFSET]}
             return [_TracedRetrieval(specs[i], at, inputs[i], turns) for i in range(len(inputs))]
 
         if not rings:
             def step(tokens, at, inputs):
                 traced = traced_retrieval(at, inputs)
-                logits = model(tokens, cache=[traced[i] for i in owners])
+                with rope_products.products(model, traced[0].offset):    # (the model's RoPE: products)
+                    logits = model(tokens, cache=[traced[i] for i in owners])
                 return logits, [t.outputs() for t in traced]
         else:
             ring_index, window, compute = rings
@@ -232,7 +237,8 @@ def _retrieval_step_fn(model: Any, steps: dict, key: tuple, layers: list, traced
                 owned = iter(traced)
                 ring_of = dict(zip(ring_index, ring_layers))
                 layer = [ring_of[i] if i in ring_of else next(owned) for i in range(len(traced) + len(ring_layers))]
-                logits = model(tokens, cache=[layer[i] for i in owners])
+                with rope_products.products(model, traced[0].offset):
+                    logits = model(tokens, cache=[layer[i] for i in owners])
                 return logits, [t.outputs() for t in traced], [(t.keys, t.values) for t in ring_layers]
         steps[key] = mx.compile(step)
     return steps[key]
@@ -255,32 +261,6 @@ def _rings_ready(rings: list, plans: list) -> Optional[tuple]:
                 and c.positions.base == first.positions.base and c.body.write_slot == slot and c.sees_all(window)):
             return None
     return window, first.dtype, slot, plans[0].offset
-
-
-def rings_ready(cache: Any, plans: list) -> Optional[tuple]:
-    """`_rings_ready` of a cache's sliding-window rings (`KVCache.ring_layout`), planned as
-    `plans` (every owned layer's), split by what changes when: whether the rings are ready as one
-    (each a ring of one window with no sink, which the model's mask leaves whole, holding a
-    compute dtype, at one position, base and pointer) is decided by the full check only when the
-    rings' shared count of changes has moved since it last ran (`RingStore.changes`: a chunk,
-    a layout, a cut, a re-base, a load; the count and the verdict kept in `KVCache.rings_checked`),
-    and kept while only decode steps' tokens come (every ring of the cache takes each alike);
-    per step only what a step changes: the re-base due, whether the ring is full, its write slot,
-    its RoPE position, read off the first ring. (window, compute dtype, write slot, RoPE position)
-    or None."""
-    index = cache.ring_layout[0]
-    layers = cache.owned
-    first, plan = layers[index[0]], plans[index[0]]
-    if plan.rebase or not first.body.steady():
-        return None
-    mark = first.body.changes[0] if hasattr(first.body, "changes") else None
-    checked = cache.rings_checked
-    if checked is None or checked[0] != mark or mark is None:
-        ready = _rings_ready([layers[i] for i in index], [plans[i] for i in index]) is not None
-        checked = cache.rings_checked = (mark, ready)
-    if not checked[1]:
-        return None
-    return first.sliding, first.dtype, first.body.write_slot, plan.offset
 
 
 def steady(layers: list, plans: list) -> bool:
@@ -335,24 +315,22 @@ def step_inputs(layers: list, plans: list) -> tuple:
     return row, at, inputs, plans
 
 
-def decode(model: Any, tokens: mx.array, cache: Any, plans: list, owners: tuple, steps: dict, failed_mark: Any,
+def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict, failed_mark: Any,
            failed: Callable[[dict, Any, BaseException], None], traced_ring: Any = None) -> Optional[mx.array]:
     """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
     step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
     in, the written buffers and the picks come out, and each layer's commit, sticky pages and
     (where asked) telemetry follow eagerly (`commit`). `steps` holds the model's compiled
     steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
-    marks one; `traced_ring` steps sliding-window rings beside (compiled.py's `_TracedRing`);
-    `cache` the `KVCache` (its owned layers, planned as `plans`)."""
-    layers = cache.owned
-    ring_index = ()
+    marks one; `traced_ring` steps sliding-window rings beside (compiled.py's `_TracedRing`)."""
+    ring_index = tuple(i for i, c in enumerate(layers) if c.sliding is not None)
     rings, ring_plans, ring_state = [], [], None
-    if cache.ring_layout is not None:      # sliding-window rings beside the retrieval layers (`rings_ready`)
-        ring_index, kept = cache.ring_layout
-        ring_state = rings_ready(cache, plans) if traced_ring is not None else None
+    if ring_index:      # sliding-window rings beside the retrieval layers (`_rings_ready`)
+        rings, ring_plans = [layers[i] for i in ring_index], [plans[i] for i in ring_index]
+        ring_state = _rings_ready(rings, ring_plans) if traced_ring is not None else None
         if ring_state is None:
             return None
-        rings, ring_plans = [layers[i] for i in ring_index], [plans[i] for i in ring_index]
+        kept = [i for i in range(len(layers)) if i not in ring_index]
         layers, plans = [layers[i] for i in kept], [plans[i] for i in kept]
     if not steady(layers, plans):
         return None
