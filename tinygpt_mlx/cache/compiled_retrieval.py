@@ -263,6 +263,32 @@ def _rings_ready(rings: list, plans: list) -> Optional[tuple]:
     return window, first.dtype, slot, plans[0].offset
 
 
+def rings_ready(cache: Any, plans: list) -> Optional[tuple]:
+    """`_rings_ready` of a cache's sliding-window rings (`KVCache.ring_layout`), planned as
+    `plans` (every owned layer's), split by what changes when: whether the rings are ready as one
+    (each a ring of one window with no sink, which the model's mask leaves whole, holding a
+    compute dtype, at one position, base and pointer) is decided by the full check only when the
+    rings' shared count of changes has moved since it last ran (`RingStore.changes`: a chunk,
+    a layout, a cut, a re-base, a load; the count and the verdict kept in `KVCache.rings_checked`),
+    and kept while only decode steps' tokens come (every ring of the cache takes each alike);
+    per step only what a step changes: the re-base due, whether the ring is full, its write slot,
+    its RoPE position, read off the first ring. (window, compute dtype, write slot, RoPE position)
+    or None."""
+    index = cache.ring_layout[0]
+    layers = cache.owned
+    first, plan = layers[index[0]], plans[index[0]]
+    if plan.rebase or not first.body.steady():
+        return None
+    mark = first.body.changes[0] if hasattr(first.body, "changes") else None
+    checked = cache.rings_checked
+    if checked is None or checked[0] != mark or mark is None:
+        ready = _rings_ready([layers[i] for i in index], [plans[i] for i in index]) is not None
+        checked = cache.rings_checked = (mark, ready)
+    if not checked[1]:
+        return None
+    return first.sliding, first.dtype, first.body.write_slot, plan.offset
+
+
 def steady(layers: list, plans: list) -> bool:
     """Whether the next decode step of these retrieval layers, planned as `plans`, is one the
     compiled step runs: every layer steady (`_retrieval_ready`) at one position, with one body
@@ -315,22 +341,24 @@ def step_inputs(layers: list, plans: list) -> tuple:
     return row, at, inputs, plans
 
 
-def decode(model: Any, tokens: mx.array, layers: list, plans: list, owners: tuple, steps: dict, failed_mark: Any,
+def decode(model: Any, tokens: mx.array, cache: Any, plans: list, owners: tuple, steps: dict, failed_mark: Any,
            failed: Callable[[dict, Any, BaseException], None], traced_ring: Any = None) -> Optional[mx.array]:
     """compiled.py's `decode` for retrieval on the device (`_retrieval_ready`), or None where the
     step cannot run compiled: the body's buffers, the placed sink and the cold store's arrays go
     in, the written buffers and the picks come out, and each layer's commit, sticky pages and
     (where asked) telemetry follow eagerly (`commit`). `steps` holds the model's compiled
     steps; an entry `failed_mark` is a layout whose trace failed, `failed(steps, key, error)`
-    marks one; `traced_ring` steps sliding-window rings beside (compiled.py's `_TracedRing`)."""
-    ring_index = tuple(i for i, c in enumerate(layers) if c.sliding is not None)
+    marks one; `traced_ring` steps sliding-window rings beside (compiled.py's `_TracedRing`);
+    `cache` the `KVCache` (its owned layers, planned as `plans`)."""
+    layers = cache.owned
+    ring_index = ()
     rings, ring_plans, ring_state = [], [], None
-    if ring_index:      # sliding-window rings beside the retrieval layers (`_rings_ready`)
-        rings, ring_plans = [layers[i] for i in ring_index], [plans[i] for i in ring_index]
-        ring_state = _rings_ready(rings, ring_plans) if traced_ring is not None else None
+    if cache.ring_layout is not None:      # sliding-window rings beside the retrieval layers (`rings_ready`)
+        ring_index, kept = cache.ring_layout
+        ring_state = rings_ready(cache, plans) if traced_ring is not None else None
         if ring_state is None:
             return None
-        kept = [i for i in range(len(layers)) if i not in ring_index]
+        rings, ring_plans = [layers[i] for i in ring_index], [plans[i] for i in ring_index]
         layers, plans = [layers[i] for i in kept], [plans[i] for i in kept]
     if not steady(layers, plans):
         return None
