@@ -49,6 +49,7 @@ shared machine disturbs far less than the wall time. Run it with `nice` on a sha
 from __future__ import annotations
 
 import argparse
+import collections
 import concurrent.futures
 import json
 import os
@@ -295,6 +296,7 @@ def worker_part(model_path: str, config: CacheConfig, streams: int, tokens: int,
     this process (every thread: the worker's, MLX's, OpenBLAS's; the main thread only polls), and
     the engine part's model calls in the same process beside it (`engine`). What the scheduler
     costs apart from HTTP, the event loop and the client."""
+    from tinygpt_mlx.server import batch
     from tinygpt_mlx.server.slots import SlotPool
     from tinygpt_mlx.server.worker import Job, Worker
 
@@ -321,6 +323,7 @@ def worker_part(model_path: str, config: CacheConfig, streams: int, tokens: int,
         return sum(len(g[-1][1].tokens) for g in got), wall, cpu, [g[-1][1].tokens for g in got]
 
     solo, together, solo_cpu, together_cpu, same = [], [], [], [], True
+    paths = collections.Counter()      # how the together runs' batched steps ran (batch.taken)
     try:
         run(prompts)                                   # warm-up: the traces, the slots
         for r in range(rounds):
@@ -332,7 +335,10 @@ def worker_part(model_path: str, config: CacheConfig, streams: int, tokens: int,
                     solo.append(n / wall)
                     solo_cpu.append(n / cpu)
                 else:
+                    taken, stepped = batch.taken.copy(), w.batched_steps
                     n, wall, cpu, texts = run(prompts)
+                    paths.update(batch.taken - taken)
+                    paths["batched_steps"] += w.batched_steps - stepped
                     together.append(n / wall)
                     together_cpu.append(n / cpu)
             same = same and texts == alone
@@ -345,7 +351,10 @@ def worker_part(model_path: str, config: CacheConfig, streams: int, tokens: int,
             "worker_cpu_ratio": round(statistics.median(together_cpu) / statistics.median(solo_cpu), 2),
             "worker_one_at_a_time_tok_per_cpu_s": round(statistics.median(solo_cpu), 1),
             "worker_together_tok_per_cpu_s": round(statistics.median(together_cpu), 1),
-            "worker_same_tokens": same}
+            "worker_same_tokens": same,
+            # the together runs' batched steps (`batched_steps`: those of several rows) and how they
+            # ran (batch.taken: compiled, compiled_kivi, ...; the rest eager)
+            "worker_together_paths": dict(paths)}
 
 
 _LOADED: dict = {}

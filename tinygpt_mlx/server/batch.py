@@ -64,7 +64,9 @@ shapes (a row's packed run grows by a block every G tokens); every compiled batc
 at most `KEEP_SHAPES` traces, then is made anew (`_Compiled`). A full cache's row whose step
 would freeze a block or outgrow its buffers has that done ahead, before the step
 (`KiviStore.ready_next`: the same blocks frozen, the same buffers, as after its eager step), once
-every row is found able to step so; its step is then a quiet one. A full cache's row with no
+every row is found able to step so; its step is then a quiet one, compiled where the step's
+function has traced its shapes, else eager (`KIVI_AHEAD_TRACES`: a trace costs more than the
+eager step; the eager step then freezes nothing more). A full cache's row with no
 block frozen yet (its first R + G or so tokens) steps compiled too, attending over its exact
 tokens in the eager step's exact form (`_TracedKivi._attend_exact`: the same bits), stacked only
 with rows like it. Under StreamingLLM a step where any row freezes or evicts a block runs eager
@@ -414,6 +416,15 @@ KEEP_TRACES = 32
 traced: Counter = Counter()
 
 
+#: whether a KIVI step whose freeze or buffer growth was done ahead (`_compiled_kivi`) runs
+#: compiled when its shapes are new to the step's function, so that MLX traces it there. False:
+#: such a step runs eager (it freezes nothing more: the state its own append would have made),
+#: and the next quiet step traces the shapes, as before; only one whose shapes are traced already
+#: replays. Measured (docs/server.md, 2026-12-06): four rows from prompts of like lengths freeze
+#: within a few steps of each other, and a trace at each freeze (32-42 ms a step on the shipped
+#: model, load ~7) cost more than the eager freeze steps (15-27 ms) and one trace after them
+KIVI_AHEAD_TRACES = False
+
 #: traces one compiled batched step holds before it is made anew. MLX keeps a compiled
 #: function's trace of every set of input shapes it has seen while the function lives, and the
 #: shapes under one layout key keep changing: a full KIVI cache's packed run grows by a block
@@ -432,6 +443,10 @@ class _Compiled:
     def __init__(self, make: Any, kind: str):
         self.make, self.kind = make, kind
         self.fn, self.traces, self.made, self.seen = make(), 0, 1, set()
+
+    def holds(self, args: tuple) -> bool:
+        """Whether a call with `args` replays a trace this function holds (no trace to make)."""
+        return shape_key(args) in self.seen
 
     def __call__(self, *args):
         # (the shapes are read only where they decide something: reading them costs ~0.6 ms a step
@@ -840,10 +855,13 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     if step is _FAILED:
         return None
     ints = (lambda n: mx.array([r[n] for r in rows], dtype=mx.int32))
+    args = (ids, ints(1), [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows],
+            ints(6), ints(7), ints(8), mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
+    if late and not KIVI_AHEAD_TRACES and not step.holds(args):
+        taken["kivi_ahead_eager"] += 1
+        return None     # new shapes (a trace): the eager step, which freezes nothing more (module doc)
     try:
-        logits, new = step(ids, ints(1), [r[2] for r in rows], [r[3] for r in rows],
-                           [r[4] for r in rows], [r[5] for r in rows], ints(6), ints(7), ints(8),
-                           mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
+        logits, new = step(*args)
     except Exception as e:      # as `compiled_decode`: eager from now on for this layout, nothing moved
         _trace_failed(model, key, e, "compiled batched KIVI step")
         return None
