@@ -1182,3 +1182,38 @@ def test_ready_next_then_the_eager_step_is_the_eager_step(native32, kw):
                    (y.body.n_packed, y.body.held, ry.n, ry.head, ry.keys is None or ry.keys.shape)
         token = int(mx.argmax(want).item())
     assert done.count("froze") >= 2 * len(ahead.owned) and done.count("grew") >= len(ahead.owned), done
+
+
+def test_ready_next_on_the_step_where_the_residual_grows(native32):
+    """`KiviStore.freezes_next` counts R (`exact_residual`) with the pending token stored, as the
+    eager append does after storing it: R 0 growing to 64 at 1,024 stored tokens (`long_residual`,
+    16 x 64) with a 31-token exact sink puts a step that would freeze a block under the old R
+    (33 tokens in the residual) on exactly the token that grows R (then nothing freezes).
+    ready_next then the eager step equals the eager step alone, to the last bit and in the stored
+    state, across that step (seen: asserted). Fails with R counted without the pending token
+    (a block frozen that the eager step keeps exact: the logits differ)."""
+    from tinygpt_mlx.cache import make_cache as make_kv
+    from tinygpt_mlx.generate import _call, prefill
+
+    m = native32.model
+    cfg = CacheConfig(key_bits=4, value_bits=4, residual=0, long_residual=64, kivi_sink=31)
+    ahead, alone = make_kv(m, cfg), make_kv(m, cfg)
+    ahead.compile_decode = alone.compile_decode = False
+    ids = tokens(990)[0].tolist()
+    token = int(mx.argmax(prefill(m, ids, ahead, 64)).item())
+    prefill(m, ids, alone, 64)
+    crossed = False
+    for _ in range(40):
+        b = ahead.owned[0].body
+        crossed |= (cfg.held_sink + b.frozen + len(b.residual) + 1, len(b.residual) + 1) == (1024, 33)
+        for c in ahead.owned:
+            if c.body.can_ready():
+                c.body.ready_next()
+        got, want = _call(m, [token], ahead), _call(m, [token], alone)
+        assert mx.array_equal(got, want)
+        for x, y in zip(ahead.owned, alone.owned):
+            rx, ry = x.body.residual, y.body.residual
+            assert (x.body.n_packed, x.body.held, rx.n, rx.head, rx.keys.shape) == \
+                   (y.body.n_packed, y.body.held, ry.n, ry.head, ry.keys.shape)
+        token = int(mx.argmax(want).item())
+    assert crossed
