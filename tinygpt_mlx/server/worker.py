@@ -371,13 +371,13 @@ class Worker:
     def _run(self) -> None:
         # MLX streams are thread-local (mlx >= 0.31.2): the main thread's default GPU stream does
         # not exist here, so this thread makes its own and runs every job on it.
-        # The OS-level name (top -H, /proc/<pid>/task/<tid>/comm: the bench's per-thread CPU) is
-        # set once both streams this thread uses (its default one, its own) have run something:
-        # MLX starts a CPU stream's thread at its first use, and a new thread takes the OS name of
-        # the thread that starts it, so named first, the stream's thread (where the CPU kernels
-        # run) carried the worker's name and the bench counted it as the worker.
-        mx.eval(mx.zeros((1,), mx.int32) + 1)
         with mx.stream(mx.new_stream(mx.default_device())):
+            # The OS-level name (top -H, /proc/<pid>/task/<tid>/comm: the bench's per-thread CPU)
+            # is set once this stream has run something: MLX starts a CPU stream's thread, where
+            # its kernels run, at its first use, and a new thread takes the OS name of the thread
+            # that starts it. Named first, that thread carried the worker's name and the bench
+            # counted MLX's kernels as the worker's CPU. (Nothing runs outside this stream: on a
+            # GPU this thread has no default stream of its own.)
             mx.eval(mx.zeros((1,), mx.int32) + 1)
             name_os_thread(self._thread.name)
             self._loop()
