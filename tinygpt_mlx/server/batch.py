@@ -420,9 +420,10 @@ traced: Counter = Counter()
 #: compiled when its shapes are new to the step's function, so that MLX traces it there. False:
 #: such a step runs eager (it freezes nothing more: the state its own append would have made),
 #: and the next quiet step traces the shapes, as before; only one whose shapes are traced already
-#: replays. Measured (docs/server.md, 2026-12-06): four rows from prompts of like lengths freeze
-#: within a few steps of each other, and a trace at each freeze (32-42 ms a step on the shipped
-#: model, load ~7) cost more than the eager freeze steps (15-27 ms) and one trace after them
+#: replays. Measured (a probe in commit 5927810's message; not in docs/ nor docs/results/): four
+#: rows from prompts of like lengths freeze within a few steps of each other, and a trace at each
+#: freeze (32-42 ms a step on the shipped model, load ~7) cost more than the eager freeze steps
+#: (15-27 ms) and one trace after them
 KIVI_AHEAD_TRACES = False
 
 #: traces one compiled batched step holds before it is made anew. MLX keeps a compiled
