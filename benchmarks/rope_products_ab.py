@@ -32,9 +32,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if a.prompt <= 1028:
-        ap.error(f"--prompt {a.prompt}: more than the hot window and sink (1,028 tokens)")
+        ap.error(f"--prompt {a.prompt}: must be more than the hot window and sink (1,028 tokens)")
     if a.context < a.prompt:
-        ap.error(f"--context {a.context}: at least --prompt ({a.prompt}) tokens")
+        ap.error(f"--context {a.context}: must be at least --prompt ({a.prompt} tokens)")
     if a.rounds < 1:
         ap.error(f"--rounds {a.rounds}: give at least 1")
 

@@ -48,8 +48,8 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("idle_release", ["/no/model", "--requests", "0"], "--requests must be at least 1, got 0"),
     ("idle_release", ["/no/model"], "model /no/model: no such file or directory"),
     ("rope_products_ab", ["--rounds", "0"], "--rounds 0: give at least 1"),
-    ("rope_products_ab", ["--prompt", "500"], "--prompt 500: more than the hot window and sink (1,028 tokens)"),
-    ("rope_products_ab", ["--context", "2000"], "--context 2000: at least --prompt (2048) tokens"),
+    ("rope_products_ab", ["--prompt", "500"], "--prompt 500: must be more than the hot window and sink (1,028 tokens)"),
+    ("rope_products_ab", ["--context", "2000"], "--context 2000: must be at least --prompt (2048 tokens)"),
     ("rope_products_ab", ["--model", "/no/model"], "--model '/no/model': /no/model: no such file or directory"),
 ])
 @pytest.mark.slow
