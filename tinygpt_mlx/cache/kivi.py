@@ -157,11 +157,7 @@ class KiviStore:
         if n > 0:
             self._freeze(n, pending=1)
             return "froze"
-        res = self.residual
-        if res.head + res.n + 1 > res.keys.shape[2]:
-            res._remake(res.n + 1, res.keys, res.values)
-            return "grew"
-        return None
+        return "grew" if self.residual.fit_next() else None
 
     def layout(self, lead: Optional[DenseStore] = None) -> Optional[tuple[int, int, int, int]]:
         """(tokens in the packed run, frozen tokens held in all, the first buffer slot a quiet
@@ -370,6 +366,14 @@ class Residual(DenseStore):
         if self.room and L and (self.keys is None or self.head + self.n + L > self.keys.shape[2]):
             self._remake(self.n + L, keys, values)
         super().append(keys, values)
+
+    def fit_next(self) -> bool:
+        """Where the next token would not fit the buffers (with `room`), new buffers for it now,
+        as `append` would make them (`KiviStore.ready_next`); True where it made them."""
+        if not self.room or self.keys is None or self.head + self.n + 1 <= self.keys.shape[2]:
+            return False
+        self._remake(self.n + 1, self.keys, self.values)
+        return True
 
     def fit_ahead(self, ahead: int, pending: int = 0) -> None:
         """After a freeze (the front dropped): where `ahead` more tokens would not fit after the
