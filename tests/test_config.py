@@ -423,6 +423,13 @@ def test_needle_and_bench_build_on_the_parser():
                        "streaming": CacheConfig.from_spec("bf16+sink4/window64"),
                        "retrieval": retrieval}
     assert configs["streaming"] == CacheConfig(storage="bf16", sink=4, window=64)
+    # under --kv-quantize the grid's full cache and window are quantised as retrieval's hot window
+    # is (they stayed exact before 2026-12-06, so an "int4" full column was the fp32 cache)
+    quantised = CacheConfig.from_flags(kv_quantize="int4", sink=4, hot_budget=64)
+    configs = needle.policy_configs(quantised, ["full", "streaming"])
+    assert configs == {"full": CacheConfig.from_spec("int4"),
+                       "streaming": CacheConfig.from_spec("int4+sink4/window64")}
+    assert configs["full"].quantised and configs["streaming"].quantised
     policy = bench.make_policy("int4+sink4/window64:absolute", model=None)   # ours: no model needed
     assert policy.label == "int4 + StreamingLLM sink 4 + window 64 (absolute RoPE)"
     with pytest.raises(ValueError, match="policy 'int4\\+hot64\\+top8': rope_mode must be absolute"):

@@ -56,17 +56,26 @@ def policy_specs(retrieval: CacheConfig) -> dict[str, str]:
             "streaming": f"{retrieval.storage}+sink{retrieval.sink}/window{retrieval.hot_budget}"}
 
 
+#: the fields of a retrieval config's storage that "full" and "streaming" share with it: its
+#: precision and its KIVI settings (`--kv-quantize int4` quantises all three policies' caches)
+STORAGE_FIELDS = ("storage", "key_bits", "value_bits", "group_size", "value_group", "residual",
+                  "long_residual", "exact_topk", "kivi_sink", "rotate", "near", "near_bits", "near_share")
+
+
 def policy_configs(retrieval: CacheConfig, names: list[str]) -> dict[str, CacheConfig]:
-    """The cache configs of the grid's policies, built around one retrieval config."""
+    """The cache configs of the grid's policies, built around one retrieval config: "full" and
+    "streaming" take its storage and its KIVI settings (`STORAGE_FIELDS`), so under
+    `--kv-quantize int4` the full cache is int4 too (before 2026-12-06 it stayed exact)."""
     if not retrieval.retrieval:
         raise ValueError("the needle grid needs a retrieval policy: give --kiv-hot-budget")
     specs = policy_specs(retrieval)
+    storage = {name: getattr(retrieval, name) for name in STORAGE_FIELDS}
     out = {}
     for name in names:
         if name == "retrieval":
             out[name] = retrieval
         elif name in specs:
-            out[name] = CacheConfig.from_spec(specs[name])
+            out[name] = dataclasses.replace(CacheConfig.from_spec(specs[name]), **storage)
         else:
             raise ValueError(f"unknown needle policy {name!r}; choose from {', '.join(POLICIES)}")
     return out
