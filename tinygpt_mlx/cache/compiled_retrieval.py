@@ -273,13 +273,15 @@ def rings_ready(cache: Any, plans: list) -> Optional[tuple]:
     and kept while only decode steps' tokens come (every ring of the cache takes each alike);
     per step only what a step changes: the re-base due, whether the ring is full, its write slot,
     its RoPE position, read off the first ring. (window, compute dtype, write slot, RoPE position)
-    or None."""
+    or None. Whether the rings share a count at all is decided once (`KVCache.ring_changes`);
+    without one the check runs every step."""
     index = cache.ring_layout[0]
     layers = cache.owned
     first, plan = layers[index[0]], plans[index[0]]
     if plan.rebase or not first.body.steady():
         return None
-    mark = first.body.changes[0] if hasattr(first.body, "changes") else None
+    counter = cache.ring_changes     # (decided when the cache was made)
+    mark = counter[0] if counter is not None else None
     checked = cache.rings_checked
     if checked is None or checked[0] != mark or mark is None:
         ready = _rings_ready([layers[i] for i in index], [plans[i] for i in index]) is not None

@@ -82,12 +82,17 @@ class KVCache(list):
         #: made when the count last moved) is known to hold
         rings = tuple(i for i, c in enumerate(self._owned) if getattr(c, "sliding", None) is not None)
         self.ring_layout: Optional[tuple] = None
+        #: that shared count (a one-item list), decided here: None where a sliding layer's body is
+        #: not a ring (`rings_ready` then checks every step, and declines such layers)
+        self.ring_changes: Optional[list] = None
         if rings:
             self.ring_layout = (rings, tuple(i for i in range(len(self._owned)) if i not in rings))
             shared = [0]
             for i in rings:
                 if hasattr(self._owned[i].body, "changes"):     # (a ring's: `rings_ready` declines others)
                     self._owned[i].body.changes = shared
+            if all(hasattr(self._owned[i].body, "changes") for i in rings):
+                self.ring_changes = shared
         self.rings_checked: Optional[tuple] = None
 
     # ----- the KIVI codec (the design card's names; quant.py holds the packing primitives) ----
