@@ -4,7 +4,8 @@ two copies of the model, one whose traces keep its RoPE, each with a `sink4/hot1
 cold store is grown to the context, beside the full fp32 cache's eager build; every round times
 one build of each in a shuffled order, each right after the cache's own evaluated step (a
 decode loop's order), so load moves the three alike. Medians, the paired ratio of each round,
-and each trace's graph nodes / kernels per step.
+and each trace's graph nodes / kernels per step; the JSON also holds the command, the
+LD_PRELOAD it ran under and the load average at its start and end.
 
     python -m benchmarks.rope_products_ab [--model PATH] [--context 4096] [--rounds 40] [--json PATH]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -53,6 +55,7 @@ def main() -> None:
     # the "rope" copy's traces keep the model's RoPE (what the trace held before rope_products)
     compiled_retrieval.rope_products = type("P", (), {"products": staticmethod(
         lambda model, offset: nullcontext() if model is models["rope"] else real(model, offset))})
+    load_at_start = list(os.getloadavg())
     prompt = mx.random.randint(0, 1000, (a.prompt,), key=mx.random.key(0)).tolist()
     caches = {}
     for name, spec, model in (("fp32", "fp32", models["products"]), ("products", "sink4/hot1024", models["products"]),
@@ -80,7 +83,10 @@ def main() -> None:
             mx.eval(logits)
     med = {name: statistics.median(v) * 1e6 for name, v in build.items()}
     paired = {name: statistics.median(x / f for x, f in zip(build[name], build["fp32"])) for name in build}
-    out = {"model": a.model, "context": a.context, "prompt": a.prompt, "rounds": a.rounds,
+    out = {"command": " ".join(["python -m benchmarks.rope_products_ab", *sys.argv[1:]]),
+           "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
+           "load_average_at_start": load_at_start, "load_average_at_end": list(os.getloadavg()),
+           "model": a.model, "context": a.context, "prompt": a.prompt, "rounds": a.rounds,
            "rows": [{"cache": name, "build_us": round(med[name], 1), "vs_fp32": round(med[name] / med["fp32"], 3),
                      "vs_fp32_paired": round(paired[name], 3), "decode_ops": ops[name]["ops"],
                      "decode_kernels": ops[name]["kernels"]} for name in caches],
@@ -88,7 +94,8 @@ def main() -> None:
     for row in out["rows"]:
         print(f"{row['cache']:>9}  build {row['build_us']:8.0f} us  {row['vs_fp32']:.2f}x fp32 (paired {row['vs_fp32_paired']:.2f}x)"
               f"  nodes {row['decode_ops']:.0f} kernels {row['decode_kernels']:.0f}")
-    print(f"products / rope, paired: {out['products_vs_rope_paired']:.3f}")
+    print(f"products / rope, paired: {out['products_vs_rope_paired']:.3f}"
+          f"  (load average {load_at_start[0]:.1f} -> {out['load_average_at_end'][0]:.1f})")
     if a.json is not None:
         write_atomic(a.json, json.dumps(out, indent=2))
 

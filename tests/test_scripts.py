@@ -2,6 +2,7 @@
 refuse bad arguments before any work: exit 2, the flag and the value named in the last line
 (argparse's usage line above it); and every module or script the docs name exists."""
 
+import json
 import re
 import subprocess
 import sys
@@ -59,6 +60,24 @@ def test_benchmarks_refuse_bad_arguments(module, args, says):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.strip().splitlines()[-1] == f"{module}.py: error: {says}"
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_rope_products_ab_writes_its_command_and_load(tmp_path):
+    """benchmarks/rope_products_ab.py's JSON says how it was run (docs cite it: the command, the
+    LD_PRELOAD, the load average at its start and end) beside its rows (a short run on the shipped
+    model: one round, a 1,100-token prompt)."""
+    out = tmp_path / "ab.json"
+    args = ["--prompt", "1100", "--context", "1100", "--rounds", "1", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.rope_products_ab", *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["command"] == " ".join(["python -m benchmarks.rope_products_ab", *args])
+    assert "LD_PRELOAD" in got
+    for key in ("load_average_at_start", "load_average_at_end"):
+        assert len(got[key]) == 3 and all(x >= 0 for x in got[key])
+    assert [row["cache"] for row in got["rows"]] == ["fp32", "products", "rope"]
 
 
 @pytest.mark.slow
