@@ -52,6 +52,10 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("rope_products_ab", ["--prompt", "500"], "--prompt 500: must be more than the hot window and sink (1,028 tokens)"),
     ("rope_products_ab", ["--context", "2000"], "--context 2000: must be at least --prompt (2048 tokens)"),
     ("rope_products_ab", ["--model", "/no/model"], "--model '/no/model': /no/model: no such file or directory"),
+    ("retrieval_parting", ["--steps", "0"], "--steps 0: give at least 1"),
+    ("retrieval_parting", ["--policy", "fp32"], "--policy 'fp32': not a retrieval policy"),
+    ("retrieval_parting", ["--prompt", "50"], "--prompt 50: must be more than the hot window and a page"),
+    ("retrieval_parting", ["--model", "/no/model"], "--model '/no/model': /no/model: no such file or directory"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
