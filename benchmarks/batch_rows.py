@@ -14,6 +14,14 @@ the wall clock. --warm-slot first grows every cache's buffers as a warm slot's (
 prefilled, then trimmed back to the prompt: the buffers keep their capacity), for the caches that
 can be trimmed (full).
 
+--nodes also counts the graph nodes of one step (evaluate/opcount.py: what evaluating the step's
+logits runs; a compiled step's outputs carry its replayed trace, so these are the trace's nodes,
+after `mx.compile` merged and fused what it could): the lone step's (generate.forward) and the
+batched step's of 1 to --rows rows, means over 4 steps each at the measured state, and a row's
+marginal nodes (the slope from 1 to --rows rows). It runs first, not timed. To count a tree
+without the flag, run this file in it (its package on the path: `cd TREE && python -m
+benchmarks.batch_rows` after copying the file there).
+
 On one OpenBLAS thread, as `serve` runs its decode steps (blas.Threads).
 
   LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 python -m benchmarks.batch_rows \\
@@ -30,6 +38,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -38,7 +47,8 @@ from benchmarks.bench_server_parallel import PROMPTS, policies
 from tinygpt_mlx import blas
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cli.common import write_atomic
-from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.evaluate.opcount import graph_ops, summary
+from tinygpt_mlx.generate import _call, forward, prefill
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
 
@@ -104,6 +114,36 @@ def measure(loaded, config, rows: int, warm: int, steps: int, rounds: int, warm_
             "ratio_cpu": round(rows * cpu["lone"] / cpu[R], 2), "ratio_wall": round(rows * wall["lone"] / wall[R], 2)}
 
 
+def nodes(loaded, config, rows: int, warm: int, warm_slot: int, steps: int = 4) -> dict:
+    """Graph nodes of one step (`summary` of `graph_ops`, means over `steps` steps): the lone
+    step's (the first cache alone, `forward`) and the batched step's of 1 to `rows` rows (the
+    compiled one where the rows allow it, else the eager batched call), each from a fresh
+    `setup`; and a row's marginal nodes from 1 to `rows` rows."""
+    m = loaded.model
+    out = {}
+    for case in ["lone"] + list(range(1, rows + 1)):
+        caches, tokens = setup(loaded, config, rows, warm, warm_slot)
+        cs, ts = (caches[:1], tokens[:1]) if case == "lone" else (caches[:case], tokens[:case])
+        total: Counter = Counter()
+        for _ in range(steps):
+            ids = mx.array(ts, dtype=mx.int32)[:, None]
+            if case == "lone":
+                logits = forward(m, ids, cs[0])
+            else:
+                logits = batch.compiled_decode(m, ids, cs)
+                if logits is None:
+                    logits = m(ids, cache=batch.batch_layers(cs))
+            total += graph_ops(logits)
+            best = mx.argmax(logits[:, -1], axis=-1)
+            mx.eval(logits, best)
+            ts = best.tolist()
+        s = summary(total)
+        out[str(case)] = {"nodes": s["ops"] / steps, "kernels": s["kernels"] / steps,
+                          "by_primitive": {p: n / steps for p, n in s["by_primitive"].items()}}
+    R = str(rows)
+    return {"per_step": out, "marginal_row_nodes": round((out[R]["nodes"] - out["1"]["nodes"]) / (rows - 1), 1)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a .tinygpt, GGUF or model directory")
@@ -116,6 +156,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16, help="timed steps per case and round")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0, help="the rounds' shuffles")
+    ap.add_argument("--nodes", action="store_true", help="also count each step's graph nodes (not timed)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     for name, value, least in (("--rows", args.rows, 2), ("--warm", args.warm, 0), ("--warm-slot", args.warm_slot, 0),
@@ -136,9 +177,17 @@ def main() -> None:
            "warm_slot": args.warm_slot, "steps": args.steps, "rounds": args.rounds,
            "load_average_at_start": list(os.getloadavg()), "policies": {}}
     for label in chosen:
+        counted = nodes(loaded, table[label], args.rows, args.warm, args.warm_slot) if args.nodes else None
+        if counted:
+            per = counted["per_step"]
+            print(f"{label:<24} graph nodes per step: lone {per['lone']['nodes']:.0f}, batched "
+                  + ", ".join(f"{n} rows {per[str(n)]['nodes']:.0f}" for n in range(1, args.rows + 1))
+                  + f"; a row's marginal {counted['marginal_row_nodes']:.0f}", flush=True)
         before = batch.taken.copy()
         row = measure(loaded, table[label], args.rows, args.warm, args.steps, args.rounds, args.warm_slot, args.seed)
         row["taken"] = dict(batch.taken - before)
+        if counted:
+            row["graph_nodes"] = counted
         res["policies"][label] = row
         print(f"{label:<24} CPU ms per step: lone {row['cpu_ms_per_step']['lone']:.2f}, batched "
               + ", ".join(f"{n} rows {row['cpu_ms_per_step'][str(n)]:.2f}" for n in range(1, args.rows + 1))
