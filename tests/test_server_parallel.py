@@ -372,6 +372,71 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+def test_stacked_gather_takes_each_rows_tokens_from_its_own_store():
+    """serve's batched selection gathers each sequence's picked tokens from its own cold store
+    (device_select.select_rows): the stacked gather (`_gather_stacked`: the indices of every
+    store's rows expanded to the gather's shape once) against `_gather` per store, the path it
+    replaced (kept: the packed stores' and one store's): stores of three capacities, one of
+    them bf16, each row of a store its own indices; bit-equal values, in the stores' order, fp32.
+    Stores of several widths take the per-store path. (Fails with every store gathering at the
+    first store's indices, and with a store's indices one row on.)"""
+    from tinygpt_mlx.cache.device_select import _gather, _gather_stacked
+
+    rs = np.random.RandomState(5)
+    g, U, D = 4, 6, 8
+    caps = (16, 32, 32, 64)
+    stores = [mx.array(rs.randn(g, cap, D).astype(np.float32)) for cap in caps]
+    stores[2] = stores[2].astype(mx.bfloat16)
+    idx = mx.array(np.concatenate([rs.randint(0, cap, size=(g, U)) for cap in caps]).astype(np.int32))
+    want = [_gather(None, None, (a,), idx[i * g:(i + 1) * g]) for i, a in enumerate(stores)]
+    got = _gather_stacked(stores, idx, g)
+    assert len(got) == len(want) == 4
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == mx.float32 and a.shape == b.shape == (g, U, D)
+        assert mx.array_equal(a, b).item()
+    wide = stores[:3] + [mx.array(rs.randn(g, 16, 2 * D).astype(np.float32))]
+    for a, w in zip(_gather_stacked(wide, idx, g), [_gather(None, None, (x,), idx[i * g:(i + 1) * g])
+                                                    for i, x in enumerate(wide)]):
+        assert mx.array_equal(a, w).item()
+
+
+@pytest.mark.parametrize("rope", ["rope", "traditional"])
+def test_rope_products_turn_each_row_at_its_own_position(rope):
+    """serve's batched retrieval step turns each row's query and key by a product with its own
+    RoPE matrix (rope_products with the rows' offsets [B], batch.py `_retrieval_step`): each
+    row's result is bit-equal to the product with the matrix its position gives alone (the solo
+    step's, `rope_matrix` of a scalar offset), and within 2e-6 of the RoPE at the rows' offsets;
+    one matrix per setting and step; a call at other offsets, or of two tokens a row, is the
+    RoPE's own result bit for bit. (Fails with every row turned at the first row's position.)"""
+    import mlx.nn as nn
+    from tinygpt_mlx.cache import rope_products
+
+    r = nn.RoPE(16) if rope == "rope" else nn.RoPE(16, traditional=True, base=77.0)
+    holder = nn.Module()
+    holder.rope = r
+    offsets = mx.array([0, 5, 1000, 70000], mx.int32)
+    x = mx.array(np.random.RandomState(3).randn(4, 3, 1, 16).astype(np.float32))
+    made = []
+    real = rope_products.rope_matrix
+    rope_products.rope_matrix = lambda *a: made.append(a) or real(*a)
+    try:
+        with rope_products.products(holder, offsets):
+            got = holder.rope(x, offset=offsets)
+            again = holder.rope(x * 2, offset=offsets)
+            fewer = holder.rope(x[:2], offset=offsets[:2])                  # not the shared offsets
+            two = holder.rope(mx.concatenate([x, x], axis=2), offset=offsets)  # two tokens a row
+    finally:
+        rope_products.rope_matrix = real
+    assert len(made) == 1 and holder.rope is r
+    for b in range(4):
+        alone = x[b:b + 1] @ real(r, offsets[b], 16)
+        assert mx.array_equal(got[b:b + 1], alone).item(), b
+        assert mx.array_equal(again[b:b + 1], (x[b:b + 1] * 2) @ real(r, offsets[b], 16)).item(), b
+    np.testing.assert_allclose(np.asarray(got), np.asarray(r(x, offset=offsets)), rtol=0, atol=2e-6)
+    assert mx.array_equal(fewer, r(x[:2], offset=offsets[:2])).item()
+    assert mx.array_equal(two, r(mx.concatenate([x, x], axis=2), offset=offsets)).item()
+
+
 # ----- Gemma 3: sliding-window rings beside retrieval's global layers ---------------------------
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory, tokenizer_json):

@@ -172,13 +172,21 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
 def _turns(rows: list, D: int) -> mx.array:
     """The RoPE matrices [n, 2, D, D] of `rows`' step (`Positions.rotations` of each row's angles
     `at[AT_FIRST]`, `at[AT_TURN]`: the leaving key's turn back, the query's turn), in one RoPE
-    call; one row's (the solo step's layer) made once per trace and rotation key, shared by
-    the layers that read the same `at` (`_TracedRetrieval.turns`)."""
+    call, made once per trace, rotation key and rows (their `at` arrays), shared by the layers
+    that read the same `at` (`_TracedRetrieval.turns`: the solo step's layers share one dict, and
+    so do all the layers and rows of serve's batched step, each group its own matrices)."""
     pos = rows[0].spec.positions
     if len(rows) > 1:
-        return pos.rotations(mx.concatenate([r.at[AT_FIRST:AT_TURN + 1] for r in rows]), D).reshape(len(rows), 2, D, D)
+        # (serve's rows of one group: made once per trace, shared by the layers through the rows'
+        # `turns`, which every layer's rows of the step share: keyed by the rows' own `at`)
+        key = (pos.rotation_key(), D, tuple(id(r.at) for r in rows))
+        m = rows[0].turns.get(key)
+        if m is None:
+            m = rows[0].turns[key] = pos.rotations(mx.concatenate([r.at[AT_FIRST:AT_TURN + 1] for r in rows]),
+                                                   D).reshape(len(rows), 2, D, D)
+        return m
     row = rows[0]
-    key = (pos.rotation_key(), D)
+    key = (pos.rotation_key(), D, id(row.at))      # (serve's groups of one row share `turns` too)
     m = row.turns.get(key)
     if m is None:
         m = row.turns[key] = pos.rotations(row.at[AT_FIRST:AT_TURN + 1], D)[None]

@@ -89,7 +89,10 @@ def select_rows(static: Static, codec: Any, rope: Optional[Callable], rows: mx.a
     g = rows.shape[0] // S
 
     def gather(stores: list, idx: mx.array) -> mx.array:
-        got = [_gather(codec, static.packed, parts, idx[i * g:(i + 1) * g]) for i, parts in enumerate(stores)]
+        if static.packed is not None or S == 1:
+            got = [_gather(codec, static.packed, parts, idx[i * g:(i + 1) * g]) for i, parts in enumerate(stores)]
+        else:
+            got = _gather_stacked([parts[0] for parts in stores], idx, g)
         return mx.concatenate(got, axis=0) if S > 1 else got[0]
     return _select(static, codec, rope, rows, counts, summaries, keys, values,
                    recent if recent is not None else mx.zeros((1,), mx.int32), gather=gather, per_row=True)
@@ -195,6 +198,20 @@ def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx
     def score(x: mx.array, name: str) -> mx.array:
         return mx.take_along_axis(summaries["s" + name], pages[..., None], axis=1) @ x.swapaxes(1, 2)   # [G, C, rep]
     return bound(q, summary, score).max(axis=2)
+
+
+def _gather_stacked(stores: list, idx: mx.array, g: int) -> list:
+    """`_gather` of exact stores (fp32 or another float, not packed), each of `g` rows
+    [g, cap_i, D], at their rows' indices stacked in `idx` [S g, U]: the indices made the
+    gather's shape [S g, U, D] once (one expansion and broadcast for all the stores, not one per
+    store), then each store's rows taken with its own slice of them: the same values as
+    `_gather` per store ([g, U, D] each, fp32)."""
+    widths = {a.shape[2:] for a in stores}
+    if len(widths) != 1 or len(widths.pop()) != 1:
+        return [_gather(None, None, (a,), idx[i * g:(i + 1) * g]) for i, a in enumerate(stores)]
+    at = mx.broadcast_to(idx[..., None], idx.shape + stores[0].shape[2:])
+    got = [mx.take_along_axis(a, at[i * g:(i + 1) * g], axis=1) for i, a in enumerate(stores)]
+    return [x if x.dtype == mx.float32 else x.astype(mx.float32) for x in got]
 
 
 def _gather(codec: Any, packed: Optional[tuple], parts: tuple, idx: mx.array) -> mx.array:

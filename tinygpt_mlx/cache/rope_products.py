@@ -1,5 +1,6 @@
 """The model's own RoPE of a compiled retrieval decode step as products with one matrix per step
-(cache/compiled_retrieval.py, issue 53: the host's graph build of `sink4/hot1024` on SmolLM2).
+(cache/compiled_retrieval.py, issue 53: the host's graph build of `sink4/hot1024` on SmolLM2;
+serve's batched retrieval step too, server/batch.py, one matrix per row at its own position).
 
 In a decode step every layer turns its one query and its one key by RoPE at the same position,
 the step's offset. MLX's CPU RoPE falls back to ~12 graph nodes per call (its angles made
@@ -31,20 +32,29 @@ __all__ = ["products", "rope_matrix"]
 
 def rope_matrix(rope: Any, offset: mx.array, D: int) -> mx.array:
     """RoPE at `offset` (a scalar array) as a matrix [D, D]: x [.., 1, D] times it is
-    `rope(x, offset=offset)` (row i: the RoPE of the i-th unit vector, each a sequence of one)."""
+    `rope(x, offset=offset)` (row i: the RoPE of the i-th unit vector, each a sequence of one).
+    With `offset` a vector of B positions (serve's batched step, each row at its own), the B
+    matrices [B, 1, D, D] in one RoPE call: x [B, H, 1, D] times them is `rope(x, offset=offset)`,
+    each row's matrix the one its position gives alone."""
+    if offset.ndim == 1:
+        B = offset.shape[0]
+        eye = mx.broadcast_to(_eye(D).reshape(1, D, 1, D), (B, D, 1, D))
+        return rope(eye, offset=offset).reshape(B, 1, D, D)
     return rope(_eye(D).reshape(D, 1, D), offset=offset).reshape(D, D)
 
 
 class _RopeProduct:
     """An `nn.RoPE` during the trace of a compiled retrieval step: one fp32 token at the step's
     `offset` turned by the matrix of its settings (made once per trace, shared by the layers
-    through `shared`); anything else by the RoPE itself."""
+    through `shared`; a vector `offset` of B rows' positions: each row by its own matrix); anything
+    else by the RoPE itself."""
 
     def __init__(self, rope: nn.RoPE, offset: mx.array, shared: dict):
         self.rope, self.offset, self.shared = rope, offset, shared
 
     def __call__(self, x: mx.array, offset: Any = 0) -> mx.array:
-        if offset is not self.offset or x.dtype != mx.float32 or x.ndim < 2 or x.shape[-2] != 1:
+        if (offset is not self.offset or x.dtype != mx.float32 or x.ndim < 2 or x.shape[-2] != 1
+                or (offset.ndim == 1 and (x.ndim != 4 or x.shape[0] != offset.shape[0]))):
             return self.rope(x, offset=offset)
         r, D = self.rope, x.shape[-1]
         key = (r.dims, r.traditional, r.base, r.scale, D)

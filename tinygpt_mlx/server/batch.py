@@ -77,7 +77,9 @@ the steady state of the compiled solo step (cache/compiled_retrieval.py: hot win
 store on the device, exact rows), the B rows' whole step is one compiled function too. Each
 row's writes stay its own (the hot window's oldest token turned back and written into its cold
 store, the new token into its hot window, at its own slots); the queries and leaving keys turn
-in one RoPE call; the selection (`select_rows`: the coarse pass over the page summaries, the
+in one RoPE call (made once per step and group, shared by the layers), and the model's own RoPE
+turns each row's query and key by a product with its position's matrix (cache/rope_products.py, as the
+solo step's: one RoPE call per step for all rows' matrices); the selection (`select_rows`: the coarse pass over the page summaries, the
 pool's union with the unfinished and sticky pages, the fine pick) runs **once over the rows
 stacked** (their summaries, counts and sticky pages stacked along the rows, each row gathering
 its pool's keys and values from its own store: no copy of the cold stores), and so does the one
@@ -111,7 +113,7 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
-from ..cache import KVCache
+from ..cache import KVCache, rope_products
 from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout, shape_key
 from ..cache.compiled_retrieval import (_TracedRetrieval, attend_rows, commit, layer_specs, rings_ready, steady,
                                           step_inputs)
@@ -889,8 +891,9 @@ class _RetrievalRows(_TracedRows):
     gathering from its own store, one softmax). The rows' writes and the mask protocol (one
     query sees every stored token, checked before the step) are `_TracedRows`'."""
 
-    def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple):
-        super().__init__([_TracedRetrieval(sp, a, x) for sp, a, x in zip(specs, at, inputs)], offset)
+    def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple, turns: dict):
+        # (`turns`: one dict for every layer of the step, so a group's RoPE turns are made once)
+        super().__init__([_TracedRetrieval(sp, a, x, turns) for sp, a, x in zip(specs, at, inputs)], offset)
         self.groups = groups
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
@@ -964,8 +967,9 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
 
     def step(tokens, offsets, at, inputs, ring_at, ring_buffers):
         traced["retrieval"] += 1
+        turns: dict = {}
         layers = [_RetrievalRows([specs[i][j] for i in range(len(rows))], at, [x[j] for x in inputs], offsets,
-                                 tuple(groups)) for j in range(len(inputs[0]))]
+                                 tuple(groups), turns) for j in range(len(inputs[0]))]
         sliding = []
         if rings:       # the sliding-window rings beside (Gemma 3): each row at its own position and pointer
             ring_index, window, compute = rings
@@ -974,7 +978,8 @@ def _retrieval_step(model: Any, key: tuple, caches: Sequence[KVCache]):
                        for j in range(len(ring_index))]
             owned, ring_of = iter(layers), dict(zip(ring_index, sliding))
             layers = [ring_of[i] if i in ring_of else next(owned) for i in range(len(layers) + len(sliding))]
-        logits = model(tokens, cache=[layers[i] for i in owners])
+        with rope_products.products(model, offsets):    # (the model's RoPE: a product per row, as the solo step's)
+            logits = model(tokens, cache=[layers[i] for i in owners])
         return (logits, [[layer.outputs(i) for i in range(len(rows))] for layer in layers if layer not in sliding],
                 [[(r.keys, r.values) for r in layer.rows] for layer in sliding])
     return _keep(model, key, (_Compiled(lambda: mx.compile(step), "retrieval"), len(groups)))
