@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import ctypes
 import logging
+import os
 import queue
 import sys
 import threading
@@ -159,6 +160,28 @@ def looping(tokens: list[int], span: int, max_period: int = 64) -> bool:
         return False
     tail = tokens[-span:]
     return any(tail[p:] == tail[:-p] for p in range(1, min(max_period, span // 2) + 1))
+
+
+def wait_os_thread(tid: Optional[int], timeout: float) -> bool:
+    """Wait until the OS thread `tid` of this process has ended, at most `timeout` seconds
+    (Linux: while /proc/self/task/`tid` exists; elsewhere not waited for). Whether it ended.
+
+    `Thread.join` returns once the thread's Python state is gone; the thread's C++ thread-local
+    objects are destroyed after that, MLX's compile cache among them (each thread its own), whose
+    entries take the GIL to drop their Python objects. An interpreter that starts finalizing
+    meanwhile ends the thread inside that destructor, and the process aborts ("terminate called
+    without an active exception", exit status 134: every bench_server_parallel run did so after
+    writing its JSON, as a server's shutdown could). Waited for here (the GIL released while
+    sleeping), the worker's caches are gone before `stop` returns."""
+    path = f"/proc/self/task/{tid}"
+    if tid is None or not os.path.isdir("/proc/self/task"):
+        return False
+    deadline = time.monotonic() + timeout
+    while os.path.exists(path):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 def name_os_thread(name: str) -> bool:
@@ -367,6 +390,7 @@ class Worker:
                     job.cancel()
         self.queue.put(None)
         self._thread.join(timeout=10)
+        wait_os_thread(self._thread.native_id, 10)
 
     def _run(self) -> None:
         # MLX streams are thread-local (mlx >= 0.31.2): the main thread's default GPU stream does
