@@ -560,6 +560,25 @@ def test_rotations_are_the_ropes_turns(rope):
     assert Positions(CacheConfig(hot_budget=8), _ScaledRope()).rotation_key() != pos.rotation_key()
 
 
+@pytest.mark.parametrize("rope", [nn.RoPE(16), nn.RoPE(16, traditional=True, base=77.0), nn.RoPE(8, base=9.0),
+                                  nn.RoPE(16, scale=0.25)], ids=["rope", "traditional", "partial", "scale"])
+def test_the_turns_and_the_products_are_one_rule(rope):
+    """A compiled retrieval step's turns (`Positions.rotations`, offsets [k]) and its products with
+    the model's RoPE (rope_products.py `rope_matrix`: one offset, or serve's B rows' offsets) are
+    one rule, positions.py `identity_rope`: at each offset the same matrix, bit for bit, whichever
+    form made it (the solo step and serve's batched step must turn alike: tests/test_server_parallel.py)."""
+    from tinygpt_mlx.cache import rope_products
+
+    pos = Positions(CacheConfig(hot_budget=8), rope)
+    offsets = [-37, 0, 5, 1000, 70000]
+    turns = np.asarray(pos.rotations(mx.array(offsets, mx.int32), 16))
+    rows = np.asarray(rope_products.rope_matrix(rope, mx.array(offsets, mx.int32), 16))
+    assert turns.shape == (5, 16, 16) and rows.shape == (5, 1, 16, 16)
+    for i, o in enumerate(offsets):
+        one = np.asarray(rope_products.rope_matrix(rope, mx.array(o, mx.int32), 16))
+        assert np.array_equal(one, turns[i]) and np.array_equal(one, rows[i, 0]), o
+
+
 def test_a_compiled_retrieval_step_turns_each_layer_by_its_own_rope(native_path):
     """A model whose layers hold other RoPE bases (Gemma 3's local and global layers): the
     compiled step, which turns the queries and leaving keys by matrices made once per step and

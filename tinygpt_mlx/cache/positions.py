@@ -148,16 +148,14 @@ class Positions:
 
     def rotations(self, offsets: mx.array, D: int) -> mx.array:
         """RoPE to each of `offsets` (an int32 array [k], e.g. a compiled step's angles) as
-        matrices [k, D, D]: RoPE is linear in x, so rope(x, offset=o) is x @ M with row i of M
-        the rotation of the i-th unit vector, made by the same RoPE call (the same cosines and
-        sines, bit for bit). A compiled retrieval step turns every layer's query and leaving
+        matrices [k, D, D] (`identity_rope`): RoPE is linear in x, so rope(x, offset=o) is x @ M
+        with row i of M the rotation of the i-th unit vector, made by the same RoPE call (the same
+        cosines and sines, bit for bit). A compiled retrieval step turns every layer's query and leaving
         key by one step's two angles (cache/compiled_retrieval.py): one RoPE call per step and
         `rotation_key`, and a small matmul per layer, where a RoPE call per layer replays the
         angles' whole computation (MLX's CPU RoPE falls back to ~12 ops: its `arange`s are
         not merged across calls by `mx.compile`)."""
-        k = offsets.shape[0]
-        eye = mx.broadcast_to(_eye(D), (k, D, D)).reshape(k * D, 1, D)
-        return self.rope(eye, offset=mx.repeat(offsets, D)).reshape(k, D, D)
+        return identity_rope(self.rope, offsets, D)
 
     def rotation_key(self) -> Any:
         """What makes two layers' `rotations` the same: an MLX `nn.RoPE`'s settings (a model's
@@ -196,6 +194,20 @@ class PureRotation:
             self._inverse[D] = None if bool(mx.all(diag == 1.0)) else (1.0 / diag).astype(mx.float32)
         inverse = self._inverse[D]
         return self.rope(x if inverse is None else (x * inverse).astype(x.dtype), offset=offset)
+
+
+def identity_rope(rope: Callable, offset: mx.array, D: int) -> mx.array:
+    """The RoPE of the identity [D, D] at `offset`, in one call of `rope`: a scalar array gives
+    one matrix [D, D], a vector of k positions k matrices [k, D, D], each at its own. RoPE is
+    linear in x, so x [.., 1, D] at that position times the matrix is `rope(x, offset=offset)`
+    (row i: the RoPE of the i-th unit vector, each a sequence of one). The one rule behind
+    `Positions.rotations` (a compiled retrieval step's turns) and rope_products.py's matrices
+    (the model's own RoPE in that step); both forms give the same bits per position (checked
+    against the scalar form at offsets -1,000 to 123,457)."""
+    if offset.ndim == 0:
+        return rope(_eye(D).reshape(D, 1, D), offset=offset).reshape(D, D)
+    k = offset.shape[0]
+    return rope(mx.broadcast_to(_eye(D).reshape(1, D, 1, D), (k, D, 1, D)), offset=offset).reshape(k, D, D)
 
 
 _EYES: dict[int, mx.array] = {}

@@ -8,8 +8,8 @@ again from `arange`s, cos and sin, the halves sliced, turned and joined), and a 
 replays every node of its trace: 25 nodes per layer and step for the query and the key, 750
 per step on SmolLM2's 30 layers, about an eighth of the retrieval step's trace. RoPE is linear in
 its input, so at one position it is a product with a [D, D] matrix, the RoPE of the identity at
-that position (`Positions.rotations`' rule: the same cosines and sines, made by the same RoPE
-call). `products(model, offset)` swaps each `nn.RoPE` of the model for `_RopeProduct` while a
+that position (positions.py `identity_rope`, which `Positions.rotations` also makes its
+matrices with: the same cosines and sines, made by the same RoPE call). `products(model, offset)` swaps each `nn.RoPE` of the model for `_RopeProduct` while a
 compiled step is traced (trace time only; the modules are put back after it): a call at the
 step's shared `offset` array with one fp32 token becomes one matmul with the matrix, made once
 per trace and RoPE setting and shared by every layer; any other call (another offset, several
@@ -25,7 +25,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from .positions import _eye
+from .positions import identity_rope
 
 __all__ = ["products", "rope_matrix"]
 
@@ -36,11 +36,8 @@ def rope_matrix(rope: Any, offset: mx.array, D: int) -> mx.array:
     With `offset` a vector of B positions (serve's batched step, each row at its own), the B
     matrices [B, 1, D, D] in one RoPE call: x [B, H, 1, D] times them is `rope(x, offset=offset)`,
     each row's matrix the one its position gives alone."""
-    if offset.ndim == 1:
-        B = offset.shape[0]
-        eye = mx.broadcast_to(_eye(D).reshape(1, D, 1, D), (B, D, 1, D))
-        return rope(eye, offset=offset).reshape(B, 1, D, D)
-    return rope(_eye(D).reshape(D, 1, D), offset=offset).reshape(D, D)
+    m = identity_rope(rope, offset, D)     # (positions.py: the rule `Positions.rotations` uses too)
+    return m if offset.ndim == 0 else m.reshape(offset.shape[0], 1, D, D)
 
 
 class _RopeProduct:
