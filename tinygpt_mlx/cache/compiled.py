@@ -61,6 +61,7 @@ from .. import attention, quant
 from ..model import Model
 from . import compiled_retrieval
 from .packed import PackedRun, rotation, rotation_back
+from .segments import attend_exact_one
 
 #: the compiled steps of a model, by the layout of the caches they trace (see `_step_fn`)
 _ATTR = "_posttrainllm_compiled_steps"
@@ -199,18 +200,11 @@ class _TracedKivi:
     def _attend_exact(self, queries: mx.array, scale: float, sink: tuple, res: tuple) -> mx.array:
         """`attend` before any block froze (a full KIVI cache's first steps, in serve's batched
         step): the sink (if any) and the residual's buffers, exact, in the eager step's one-query
-        form over exact segments (segments.py `_attend_one`: the scale applied to the joined
-        scores, the values joined and one product), the buffers' dead slots masked, so the row
-        agrees with its eager step to the last bit."""
-        B, Hq, _, D = queries.shape
-        res_k, res_v = res
-        q = (queries if queries.dtype == mx.float32 else queries.astype(mx.float32)).reshape(B, res_k.shape[1], -1, D)
-        scores = ([q @ sink[0].swapaxes(-1, -2)] if self.sink else []) + [q @ res_k.swapaxes(-1, -2)]
-        scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-        probs = mx.softmax(mx.where(self.mask, scores, -mx.inf) * scale, axis=-1)
-        values = mx.concatenate([sink[1], res_v], axis=2) if self.sink else res_v
-        out = (probs @ values).reshape(B, Hq, 1, -1)
-        return out if out.dtype == queries.dtype else out.astype(queries.dtype)
+        form over exact segments (segments.py `attend_exact_one`, which `_attend_one` runs too:
+        the scale applied to the joined scores, the values joined and one product), the buffers'
+        dead slots masked, so the row agrees with its eager step to the last bit."""
+        parts = [sink, res] if self.sink else [res]
+        return attend_exact_one([k for k, _ in parts], [v for _, v in parts], queries, scale, self.mask)
 
 
 def _tokens(side: tuple) -> int:

@@ -237,29 +237,48 @@ def _attend_one(segments: list, queries: mx.array, scale: float, turned: Optiona
                 n_turned: int) -> mx.array:
     """`attend` of one query per row (L = 1), unmasked, over exact segments (`_EXACT`: a decode
     step's picked cold tokens, sink and hot window, each in no rotated basis), the first
-    `n_turned` scored with `turned`: the same products and softmax, the values' sum as one
-    product over the segments' values joined (the same sum, rounded in another order), with
-    the query axis dropped (scores [B, Hkv, rep, T]) instead of reshaped into and out of every
-    product: ~13 graph nodes fewer per retrieval layer and step (a compiled retrieval step's
-    attention, compiled_retrieval.py, and the eager decode step's)."""
+    `n_turned` scored with `turned`: `attend_exact_one` over their keys and values, each picked
+    segment's own mask applied to its scores. The query axis is dropped (scores [B, Hkv, rep, T])
+    instead of reshaped into and out of every product: ~13 graph nodes fewer per retrieval layer
+    and step (a compiled retrieval step's attention, compiled_retrieval.py, and the eager decode
+    step's)."""
+    return attend_exact_one([sg.keys for sg in segments], [sg.values for sg in segments], queries, scale,
+                            turned=turned, n_turned=n_turned,
+                            masks=[sg.mask() if type(sg) is PickedSegment else None for sg in segments])
+
+
+def attend_exact_one(keys: list, values: list, queries: mx.array, scale: float, mask: Optional[mx.array] = None,
+                     turned: Optional[mx.array] = None, n_turned: int = 0,
+                     masks: Optional[list] = None) -> mx.array:
+    """One query per row (queries [B, Hq, 1, D]) over exact keys and values [B, Hkv, T_i, D] in key
+    order, in no rotated basis: the one-query form that `_attend_one` (retrieval's exact
+    segments) and a KIVI step with nothing frozen yet (compiled.py `_TracedKivi`, serve's batched
+    step) share. Each part scored with the queries (the first `n_turned` with `turned`) with a
+    KV head's query group as rows, masked by its own mask (`masks[i]`, [B, Hkv, 1, T_i], where
+    not None), the scores joined, masked by `mask` over the joined columns (where given),
+    scaled, one softmax; the values joined in key order and one product (the same sum as a
+    product per part, rounded once), the query axis dropped throughout."""
     B, Hq, _, D = queries.shape
-    hkv = segments[-1].n_heads
+    hkv = keys[-1].shape[1]
     # (the scale applied once to the joined scores, not to each query: exact where it is a power
     # of two, as 1 / sqrt(64) is; else within a rounding of the scaled queries' products)
     q = (queries if queries.dtype == mx.float32 else queries.astype(mx.float32)).reshape(B, hkv, -1, D)
     qt = turned.astype(mx.float32).reshape(q.shape) if n_turned else q
     scores = []
-    for i, sg in enumerate(segments):
-        sc = (qt if i < n_turned else q) @ sg.keys.swapaxes(-1, -2)
-        if type(sg) is PickedSegment:
-            sc = mx.where(sg.mask(), sc, -mx.inf)
+    for i, k in enumerate(keys):
+        sc = (qt if i < n_turned else q) @ k.swapaxes(-1, -2)
+        if masks is not None and masks[i] is not None:
+            sc = mx.where(masks[i], sc, -mx.inf)
         scores.append(sc)
-    probs = mx.softmax((mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]) * scale, axis=-1)
-    # the segments' values joined in key order and one product (a concatenation and a matmul
-    # per layer where a slice of the probabilities, a matmul and a sum per segment took 8 nodes
-    # at three segments; the same sum, rounded once)
-    values = mx.concatenate([sg.values for sg in segments], axis=2) if len(segments) > 1 else segments[0].values
-    out = (probs @ values).reshape(B, Hq, 1, -1)
+    scores = mx.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+    if mask is not None:
+        scores = mx.where(mask, scores, -mx.inf)
+    probs = mx.softmax(scores * scale, axis=-1)
+    # the values joined in key order and one product (a concatenation and a matmul per layer
+    # where a slice of the probabilities, a matmul and a sum per part took 8 nodes at three
+    # parts; the same sum, rounded once)
+    joined = mx.concatenate(values, axis=2) if len(values) > 1 else values[0]
+    out = (probs @ joined).reshape(B, Hq, 1, -1)
     return out if out.dtype == queries.dtype else out.astype(queries.dtype)
 
 
