@@ -372,6 +372,41 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32):
+    """Four retrieval caches prefilled with prompts of 60 to 101 random tokens: their first passes
+    picked sticky pages of several widths (a short store's pool holds fewer pages), which do not
+    stack; each width selects as a group of its own (`_group`: the row key holds the width). In
+    lockstep with each sequence alone over 24 steps: the same logits within 1e-5 and greedy
+    tokens, no trace failed, the compiled batched retrieval step ran. (Fails without the width in
+    the row key: the trace's concatenation of the sticky pages fails, the layout runs eager.)"""
+    m = native32.model
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    rs = np.random.RandomState(0)
+    prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in (60, 77, 90, 101)]
+    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    batch.forget(m)
+    widths = set()
+    real = batch.step_inputs
+
+    def spy(layers, plans):
+        out = real(layers, plans)
+        widths.add(out[2][0]["recent"].shape)
+        return out
+    before, failed = batch.taken.copy(), dict(batch._failed)
+    batch.step_inputs = spy
+    try:
+        for _ in range(24):
+            tokens = lockstep(m, tokens, together, solo, "widths")
+    finally:
+        batch.step_inputs = real
+    assert len(widths) > 1, widths              # (the case: rows of several sticky widths)
+    assert batch._failed == failed
+    assert (batch.taken - before)["compiled_retrieval"] >= 12, batch.taken - before
+
+
 def test_stacked_gather_takes_each_rows_tokens_from_its_own_store():
     """serve's batched selection gathers each sequence's picked tokens from its own cold store
     (device_select.select_rows): the stacked gather (`_gather_stacked`: the indices of every

@@ -997,7 +997,8 @@ def _groups(rows: tuple) -> list[tuple[int, int]]:
 
 def _group(row_key: tuple) -> tuple:
     """What rows must share to select and attend as one group: the row key but whether the step
-    evicts (the compute dtype, config, `Static`, summary widths, hot window, sink)."""
+    evicts (the compute dtype, config, `Static`, summary widths, hot window, sink, telemetry and
+    the sticky pages' width)."""
     return row_key[:3] + row_key[4:]
 
 
@@ -1017,6 +1018,9 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
         return None                 # (rows of one model: their rings differ only in state)
     ring_layout = layouts.pop() or ()
     made = [step_inputs(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
+    # each row's key with its sticky pages' width (`recent` [G, S]: S the pages its last pass
+    # picked, fewer in a short store), which rows must share to select as one group
+    made = [(m[0] + (m[2][0]["recent"].shape,),) + m[1:] for m in made]
     order = sorted(range(len(caches)), key=lambda i: (hash(_group(made[i][0])), hash(made[i][0])))
     key = ("retrieval", owners, tuple(made[i][0] for i in order), ring_layout)
     made_step = _retrieval_step(model, key, [caches[i] for i in order])
