@@ -535,6 +535,62 @@ def test_union_holds_each_page_once_in_order():
     assert (got[got < 0] == -1).all() and (got < 0).sum() == 4 + 5
 
 
+def _union_before(parts):
+    """`union` as it was before 2026-12-06 (the reference): each sorted id compared with the next
+    through two slices, a column of falses joined in front."""
+    from tinygpt_mlx.cache.device_pages import NONE
+
+    s = mx.sort(mx.concatenate(parts, axis=-1).astype(mx.int32), axis=-1)
+    repeat = mx.concatenate([mx.zeros(s.shape[:-1] + (1,), dtype=mx.bool_), s[..., 1:] == s[..., :-1]], axis=-1)
+    return mx.where(repeat | (s < 0) | (s == NONE), -1, s)
+
+
+def _bound_before(q, summary, summaries, level):
+    """`device_select._bound` as it was before 2026-12-06 (the reference): the rows turned for
+    each summary's product."""
+    from tinygpt_mlx.cache.device_pages import bound
+
+    return bound(q, summary, lambda x, name: summaries[level + name] @ x.swapaxes(1, 2)).max(axis=2)
+
+
+def test_the_selections_fewer_nodes_give_the_same_bits():
+    """The forms that cut graph nodes from every layer's selection (issue 53: the build follows
+    the nodes) against the ones they replaced, kept above: `union` (each id against the one
+    before it, -2 in front) on random page lists with repeats, nones (-1, NONE) and page 0, and
+    `_bound` (the rows turned once) on random rows and summaries, both equal bit for bit, built
+    op by op and compiled; the sticky pages of `pick_spans` (a page's first token real, from the
+    page ids) equal `pool_tokens`' validity of each page's first token."""
+    from tinygpt_mlx.cache import device_select as ds
+    from tinygpt_mlx.cache.device_pages import NONE, pool_tokens, union
+
+    rng = np.random.RandomState(0)
+    for trial in range(20):
+        G = 1 + trial % 4
+        parts = [mx.array(rng.randint(-1, 12, size=(G, k)).astype(np.int32)) for k in (5, 1, 3)]
+        parts.append(mx.array(np.where(rng.rand(G, 2) < 0.5, NONE, rng.randint(0, 12, size=(G, 2))).astype(np.int32)))
+        assert np.array_equal(np.asarray(union(parts)), np.asarray(_union_before(parts)))
+        assert np.array_equal(np.asarray(mx.compile(union)(parts)), np.asarray(_union_before(parts)))
+        rep, D, cap = 1 + trial % 3, 16 * (1 + trial % 4), 16 << (trial % 5)
+        q = mx.array(rng.randn(G, rep, D).astype(np.float32))
+        summaries = {"smin": mx.array(rng.randn(G, cap, D).astype(np.float32)),
+                     "smax": mx.array(rng.randn(G, cap, D).astype(np.float32))}
+        want = np.asarray(_bound_before(q, "minmax", summaries, "s"))
+        assert np.array_equal(np.asarray(ds._bound(q, "minmax", summaries, "s")), want)
+        traced = mx.compile(lambda q, a, b: ds._bound(q, "minmax", {"smin": a, "smax": b}, "s"))
+        assert np.array_equal(np.asarray(traced(q, summaries["smin"], summaries["smax"])), want)
+        # pick_spans' sticky pages: page ids (-1: none) of a store of n tokens, pages of 8
+        n = int(rng.randint(1, 90)) if trial % 2 else 8 * int(rng.randint(1, 12))
+        pool = rng.randint(-1, 13, size=(G, 6)).astype(np.int32)
+        pool[:, 0] = n // 8        # (a page that starts at n, where n is a page's end, holds no token)
+        pool = mx.array(pool)
+        idx, valid = pool_tokens(pool, mx.array([n], mx.int32), 8)
+        keys = mx.array(rng.randn(G, 48, D).astype(np.float32))
+        # (every page picked: the sticky pages are the pool's own, where its first token is real)
+        _, _, recent = ds.pick_spans(q, pool, mx.array([n], mx.int32), idx, keys, valid, 6, 8, "max", 8)
+        first = np.asarray(valid).reshape(G, 6, 8)[:, :, 0]
+        assert np.array_equal(np.sort(np.asarray(recent), axis=1), np.sort(np.where(first, np.asarray(pool), -1), axis=1))
+
+
 class _ScaledRope:
     """A RoPE that scales its input as some variants do (YaRN's mscale): not an `nn.RoPE`."""
 

@@ -40,10 +40,11 @@ def iota(n: int) -> mx.array:
     return a
 
 
-def _falses(shape: tuple) -> mx.array:
-    a = _CONSTANTS.get(shape)
+def _below(shape: tuple) -> mx.array:
+    """-2 (int32) in `shape`: less than every page id and the nones (`union`)."""
+    a = _CONSTANTS.get(("below", shape))
     if a is None:
-        a = _CONSTANTS[shape] = mx.array(np.zeros(shape, dtype=bool))
+        a = _CONSTANTS[("below", shape)] = mx.array(np.full(shape, -2, dtype=np.int32))
     return a
 
 
@@ -378,8 +379,10 @@ def union(parts: list) -> mx.array:
     and decode step; the pages and their order are the same.)"""
     cat = (mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]).astype(mx.int32)
     s = mx.sort(cat, axis=-1)
-    repeat = mx.concatenate([_falses(s.shape[:-1] + (1,)), s[..., 1:] == s[..., :-1]], axis=-1)
-    return mx.where(repeat | (s < 0) | (s == NONE), -1, s)
+    # each id against the one before it (-2 before the first: no page, and below every id and
+    # the -1 nones): one slice and one concatenation, the comparison fused into the select
+    before = mx.concatenate([_below(s.shape[:-1] + (1,)), s[..., :-1]], axis=-1)
+    return mx.where((s == before) | (s < 0) | (s == NONE), -1, s)
 
 
 def pool_tokens(pool: mx.array, n: Any, page_size: int) -> tuple[mx.array, mx.array]:

@@ -174,7 +174,8 @@ def _bound(q: mx.array, summary: str, summaries: dict, level: str) -> mx.array:
     (The summaries [G, cap, D] times the rows, not the rows times the summaries turned: the
     same products, read in the summaries' own layout; about half the time of a scan of 16K
     blocks under OpenBLAS, where a long context's decode step spent most of its growth.)"""
-    return bound(q, summary, lambda x, name: summaries[level + name] @ x.swapaxes(1, 2)).max(axis=2)
+    # (the rows turned once, [G, D, rep], then split by sign: one transpose per level, not one per summary)
+    return bound(q.swapaxes(1, 2), summary, lambda x, name: summaries[level + name] @ x).max(axis=2)
 
 
 def _bound_blocks(q: mx.array, summary: str, summaries: dict, blocks: mx.array, Bp: int) -> mx.array:
@@ -240,12 +241,16 @@ def _span_scores(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, un
     return exact.reshape(G, -1, unit).max(axis=-1) if unit > 1 else exact
 
 
-def _best(exact: mx.array, units: int) -> mx.array:
-    """The positions [G, k] of the `units` best scores of `exact` [G, K] (all of them if fewer)."""
+def _best(exact: mx.array, units: int, int32: bool = True) -> mx.array:
+    """The positions [G, k] of the `units` best scores of `exact` [G, K] (all of them if fewer),
+    int32, or (`int32` False: positions only gathered with, `pick_spans`) argpartition's own
+    unsigned ints, without a cast."""
     G, K = exact.shape
     k = min(units, K)
-    return (mx.argpartition(-exact, k - 1, axis=-1)[:, :k] if k < K
-            else mx.broadcast_to(iota(k), (G, k))).astype(mx.int32)
+    if k == K:
+        return mx.broadcast_to(iota(k), (G, k))
+    pick = mx.argpartition(-exact, k - 1, axis=-1)[:, :k]
+    return pick.astype(mx.int32) if int32 else pick
 
 
 def pick_spans(q: mx.array, pool: mx.array, n: Any, idx: mx.array, keys: mx.array, valid: mx.array, units: int,
@@ -257,10 +262,14 @@ def pick_spans(q: mx.array, pool: mx.array, n: Any, idx: mx.array, keys: mx.arra
     The picked pages' tokens are made again from their ids (`pool_tokens` of the picked pages),
     not taken from the pool's: fewer nodes for a compiled step to replay. (A page `fine_pick`
     marks not `ok` holds no real token, so its tokens are not real here either.)"""
-    pick = _best(_span_scores(q, idx, keys, valid, unit, span_score, page_size, rope), units)
+    pick = _best(_span_scores(q, idx, keys, valid, unit, span_score, page_size, rope), units, int32=False)
     pages = mx.take_along_axis(pool, pick, axis=-1)                                  # [G, k]
     idx, valid = pool_tokens(pages, n, page_size)
-    return idx, valid, mx.where(valid[:, ::unit], pages, -1)
+    # (a page's first token is real where the page is one and starts below n: `valid[:, ::unit]`
+    # without the strided slice, a node per layer; fused into the select)
+    # (`n` as pool_tokens reads it, [1] or [G, 1, 1] (several stores' rows): as a column here)
+    last = n if isinstance(n, int) else n.reshape(-1, 1)
+    return idx, valid, mx.where((pages >= 0) & (pages * page_size < last), pages, -1)
 
 
 def fine_pick(q: mx.array, idx: mx.array, keys: mx.array, valid: mx.array, units: int, unit: int,
