@@ -124,11 +124,13 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         # original positions (absolute): every key is kept as the model rotated it, the cold
         # rows too (LayerCache._evict), so nothing is turned and the query scores them as it is
         q_rows = queries.astype(mx.float32).reshape(n * B * H, Hq // H, D)
+    # (each row's turn back, [1, D, D]: the rows' matrices split once, not sliced row by row)
+    back = (mx.split(turns[:, 0], n, axis=0) if n > 1 else [turns[:, 0]]) if frame else None
     for j, r in enumerate(rows):
         if r.leaving is not None:
             # [G, 1, D] (DeviceColdStore.append)
             k = r.leaving[0].astype(mx.float32).reshape(B * H, 1, D)
-            k = k @ turns[j:j + 1, 0] if frame else k     # (a batch of one: no flatten around the product)
+            k = k @ back[j] if frame else k     # (a batch of one: no flatten around the product)
             v = r.leaving[1].astype(mx.float32).reshape(B * H, 1, -1)
             (ck,), (cv,) = r.keys, r.values
             row = r.at[AT_ROW:AT_ROW + 1]
@@ -143,11 +145,14 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         idx, k, v, valid, last, scored, recent = select_rows(
             sp.static, sp.codec, sp.rope, q_rows, counts.swapaxes(0, 1), summaries,
             [r.keys for r in rows], [r.values for r in rows], recent)
+        # each row's parts (its H query rows): every output split once along the rows (one node
+        # for all the rows, not a slice per row; the telemetry's parts only where it records:
+        # `commit` then reads the sticky pages alone)
+        outs = (idx, valid, last, scored, recent) if sp.records else (recent,)
+        parts = [mx.split(a, n, axis=0) if n > 1 else [a] for a in outs]
         for j, r in enumerate(rows):
-            part = slice(j * H, (j + 1) * H)
-            # (the telemetry's parts only where it records: `commit` then reads the sticky pages alone)
-            r.picked = ((idx[part], valid[part], last[part], scored[part].max(), recent[part]) if sp.records
-                        else (recent[part],))
+            got = tuple(p[j] for p in parts)
+            r.picked = got[:3] + (got[3].max(),) + got[4:] if sp.records else got
     else:
         summaries = {name: a[:, :sp.buckets[name]] for name, a in first.summaries.items()}
         idx, k, v, valid, last, scored, recent = select_in_trace(

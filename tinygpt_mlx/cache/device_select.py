@@ -204,14 +204,15 @@ def _bound_at(q: mx.array, summary: str, summaries: dict, pages: mx.array) -> mx
 def _gather_stacked(stores: list, idx: mx.array, g: int) -> list:
     """`_gather` of exact stores (fp32 or another float, not packed), each of `g` rows
     [g, cap_i, D], at their rows' indices stacked in `idx` [S g, U]: the indices made the
-    gather's shape [S g, U, D] once (one expansion and broadcast for all the stores, not one per
-    store), then each store's rows taken with its own slice of them: the same values as
+    gather's shape [S g, U, D] once (one expansion, broadcast and split for all the stores, not
+    one per store), then each store's rows taken with its own part of them: the same values as
     `_gather` per store ([g, U, D] each, fp32)."""
     widths = {a.shape[2:] for a in stores}
     if len(widths) != 1 or len(widths.pop()) != 1:
         return [_gather(None, None, (a,), idx[i * g:(i + 1) * g]) for i, a in enumerate(stores)]
     at = mx.broadcast_to(idx[..., None], idx.shape + stores[0].shape[2:])
-    got = [mx.take_along_axis(a, at[i * g:(i + 1) * g], axis=1) for i, a in enumerate(stores)]
+    at = mx.split(at, len(stores), axis=0) if len(stores) > 1 else [at]     # (one node for every store's part)
+    got = [mx.take_along_axis(a, part, axis=1) for a, part in zip(stores, at)]
     return [x if x.dtype == mx.float32 else x.astype(mx.float32) for x in got]
 
 

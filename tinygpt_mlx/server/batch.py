@@ -379,8 +379,10 @@ class _TracedRows:
         return None     # each row masks itself (`valid`, read by `attend`)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        for i, r in enumerate(self.rows):
-            r.update_and_fetch(keys[i:i + 1], values[i:i + 1])
+        n = len(self.rows)      # (each row its own key and value: split once, not sliced row by row)
+        ks, vs = (mx.split(keys, n, axis=0), mx.split(values, n, axis=0)) if n > 1 else ([keys], [values])
+        for r, k, v in zip(self.rows, ks, vs):
+            r.update_and_fetch(k, v)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
