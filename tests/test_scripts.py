@@ -56,6 +56,10 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("retrieval_parting", ["--policy", "fp32"], "--policy 'fp32': not a retrieval policy"),
     ("retrieval_parting", ["--prompt", "50"], "--prompt 50: must be more than the hot window and a page"),
     ("retrieval_parting", ["--model", "/no/model"], "--model '/no/model': /no/model: no such file or directory"),
+    ("kivi_window_attend_parts", ["/no/model", "--rounds", "2"], "--rounds 2: must be at least 3"),
+    ("kivi_window_attend_parts", ["/no/model", "--policy", "int4"],
+     "--policy 'int4': not a KIVI policy (rotated) under a StreamingLLM window"),
+    ("kivi_window_attend_parts", ["/no/model"], "model /no/model: no such file or directory"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
