@@ -104,6 +104,8 @@ def main() -> None:
         ap.error(f"--rounds {a.rounds}: must be at least 3")
     if a.after < 0:
         ap.error(f"--after {a.after}: must be 0 or more")
+    if a.peer_window < 1:
+        ap.error(f"--peer-window {a.peer_window}: must be at least 1")
     if a.context < 2 * a.peer_window:
         ap.error(f"--context {a.context}: must be at least twice --peer-window ({2 * a.peer_window})")
     try:
@@ -230,7 +232,7 @@ def main() -> None:
 
     cases = {
         "ours: the whole attention (_TracedKivi.attend)": (ours, (queries,)),
-        "peer: mx.fast.scaled_dot_product_attention over 256": (peer, (queries, peer_kv)),
+        f"peer: mx.fast.scaled_dot_product_attention over {a.peer_window}": (peer, (queries, peer_kv)),
         "ours: query scaled, turned into the keys' basis": (lambda qs: [rows_of(q) @ R for q in qs], (queries,)),
         "ours: key quantized_matmul (packed runs)": (lambda ts: [key_scores(i, t) for i, t in enumerate(ts)], (turned,)),
         "ours: exact scores (sink, residual buffer)": (
@@ -249,7 +251,7 @@ def main() -> None:
             lambda qs: [held_variant(i, q) for i, q in enumerate(qs)], (queries,)),
         "variant: packed runs dequantised, then plain products": (
             lambda qs: [dequantised_variant(i, q) for i, q in enumerate(qs)], (queries,)),
-        "peer: scores (q.k over 256, query group as rows)": (
+        f"peer: scores (q.k over {a.peer_window}, query group as rows)": (
             lambda qs, kv: [(q * scale).reshape(1, hkv, hq // hkv, d) @ k.swapaxes(-1, -2) for q, (k, _) in zip(qs, kv)],
             (queries, peer_kv)),
         "peer: softmax": (lambda ss_: [mx.softmax(s, axis=-1) for s in ss_], (peer_scores,)),
@@ -283,11 +285,12 @@ def main() -> None:
         rows_out[name] = {"median_us": med, "per_layer_us": med / n_layers, "rounds_us": ts}
         print(f"{name:58s} {med:10.1f} {med / n_layers:10.2f}")
     whole = rows_out["ours: the whole attention (_TracedKivi.attend)"]["median_us"]
-    fused = rows_out["peer: mx.fast.scaled_dot_product_attention over 256"]["median_us"]
+    fused = rows_out[f"peer: mx.fast.scaled_dot_product_attention over {a.peer_window}"]["median_us"]
     print(f"ours / peer: {whole / fused:.2f}; largest difference from ours: {differences}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": " ".join(["python -m benchmarks.kivi_window_attend_parts", *sys.argv[1:]]),
+                       "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
                        "load_average_at_start": load_at_start, "model": a.model, "policy": a.policy, "context": a.context, "after": a.after, "rounds": a.rounds,
                        "seed": a.seed, "shapes": shapes, "load_average_at_end": load_avg, "parts": rows_out,
                        "ours_over_peer": whole / fused,

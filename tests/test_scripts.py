@@ -60,6 +60,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("kivi_window_attend_parts", ["/no/model", "--policy", "int4"],
      "--policy 'int4': not a KIVI policy (rotated) under a StreamingLLM window"),
     ("kivi_window_attend_parts", ["/no/model"], "model /no/model: no such file or directory"),
+    ("kivi_window_attend_parts", ["/no/model", "--peer-window", "0"], "--peer-window 0: must be at least 1"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
