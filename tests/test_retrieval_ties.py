@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import openblas
+from benchmarks.retrieval_parting import _gap, _scores
 from tinygpt_mlx.cache.cold_device import DeviceColdStore
 from tinygpt_mlx.generate import forward, prefill
 
@@ -18,26 +19,12 @@ def _cut_gaps(sel):
     """The gaps at a decode step's two cuts (device_select's chain, flat coarse pass) for the
     selection inputs `sel` of one layer (query rows, store, counts): per KV-head row the coarse
     pass's k-th best page bound less the (k+1)-th (None while every page is taken) and the fine
-    pass's `units`-th best span score of the pool less the next."""
-    from tinygpt_mlx.cache import device_select as ds
-    from tinygpt_mlx.cache.device_pages import iota, pool_tokens, union
-
-    st, q, (n, P, NB) = sel["static"], sel["q"], sel["counts"]
+    pass's `units`-th best span score of the pool less the next (benchmarks/retrieval_parting.py's
+    scores and gaps, one code for the probe and this test)."""
+    st = sel["static"]
     assert not st.index and not st.few and st.summary == "minmax"     # (the cases the test builds)
-    G = q.shape[0]
-    Pa = mx.array([P], mx.int32)
-    sc = ds._bound(q, st.summary, sel["summaries"], "s")
-    sc = np.asarray(mx.where(iota(sc.shape[-1]) < Pa, sc, -mx.inf))
-    last = ds._ranked(st, q, st.summary, sel["summaries"], Pa, mx.array([NB], mx.int32))
-    parts = [last, mx.broadcast_to(Pa, (G, 1))] + ([sel["recent"]] if st.sticky else [])
-    idx, valid = pool_tokens(union(parts), mx.array([n], mx.int32), st.page_size)
-    k = ds._gather(sel["codec"], st.packed, sel["keys"], idx)
-    fine = np.asarray(ds._span_scores(q, idx, k, valid, st.unit, st.span_score, st.page_size, sel["rope"]))
-
-    def gap(s, k):
-        s = np.sort(s[np.isfinite(s)])[::-1]
-        return float(s[k - 1] - s[k]) if len(s) > k else None
-    return [(gap(sc[g], st.top_pages), gap(fine[g], st.units)) for g in range(G)]
+    coarse, _, fine, _ = _scores(sel)
+    return [(_gap(coarse[g], st.top_pages), _gap(fine[g], st.units)) for g in range(fine.shape[0])]
 
 
 @pytest.mark.slow
