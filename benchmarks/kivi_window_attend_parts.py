@@ -43,6 +43,7 @@ import mlx.core as mx
 
 from tinygpt_mlx import quant
 from tinygpt_mlx.cache import compiled, make_cache
+from tinygpt_mlx.cli.common import write_atomic
 from tinygpt_mlx.cache.packed import PackedRun, rotation, rotation_back
 from tinygpt_mlx.evaluate.modes import parse_policies
 from tinygpt_mlx.generate import forward, prefill
@@ -288,13 +289,12 @@ def main() -> None:
     fused = rows_out[f"peer: mx.fast.scaled_dot_product_attention over {a.peer_window}"]["median_us"]
     print(f"ours / peer: {whole / fused:.2f}; largest difference from ours: {differences}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"command": " ".join(["python -m benchmarks.kivi_window_attend_parts", *sys.argv[1:]]),
+        write_atomic(a.json, json.dumps({"command": " ".join(["python -m benchmarks.kivi_window_attend_parts", *sys.argv[1:]]),
                        "LD_PRELOAD": os.environ.get("LD_PRELOAD"),
                        "load_average_at_start": load_at_start, "model": a.model, "policy": a.policy, "context": a.context, "after": a.after, "rounds": a.rounds,
                        "seed": a.seed, "shapes": shapes, "load_average_at_end": load_avg, "parts": rows_out,
                        "ours_over_peer": whole / fused,
-                       "variant_max_abs_difference": differences}, f, indent=1)
+                       "variant_max_abs_difference": differences}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
