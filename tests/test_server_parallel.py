@@ -407,6 +407,42 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32)
     assert (batch.taken - before)["compiled_retrieval"] >= 12, batch.taken - before
 
 
+
+def test_batched_retrieval_step_turns_with_the_rope_products(native32):
+    """serve's compiled batched retrieval step traces the model's RoPE as products, each row by
+    the matrix of its own position (rope_products with the rows' offsets [B], batch.py
+    `_retrieval_step`), as the solo step does with its one offset: while four steady rows step
+    compiled, `rope_matrix` is asked for the rows' matrices (a vector of offsets, one per row), and
+    the rows keep each one's solo logits (`lockstep`). (Fails with the step traced outside
+    `rope_products.products`: every call is then the RoPE's own, no matrix is made; the logits
+    agree either way, so only this test sees it.)"""
+    from tinygpt_mlx.cache import rope_products
+
+    m = native32.model
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    rs = np.random.RandomState(1)
+    prompts = [[int(x) for x in rs.randint(1, 300, size=90)] for _ in range(4)]
+    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    batch.forget(m)         # (a trace kept from another test would not be made again)
+    rows_asked = []
+    real = rope_products.rope_matrix
+
+    def spy(rope, offset, D):
+        rows_asked.append(offset.shape[0] if offset.ndim == 1 else 0)
+        return real(rope, offset, D)
+    before = batch.taken.copy()
+    rope_products.rope_matrix = spy
+    try:
+        for _ in range(8):
+            tokens = lockstep(m, tokens, together, solo, "rope products")
+    finally:
+        rope_products.rope_matrix = real
+    assert (batch.taken - before)["compiled_retrieval"] >= 4, batch.taken - before
+    assert any(n > 1 for n in rows_asked), rows_asked       # a batched trace's rows' matrices
+
 def test_stacked_gather_takes_each_rows_tokens_from_its_own_store():
     """serve's batched selection gathers each sequence's picked tokens from its own cold store
     (device_select.select_rows): the stacked gather (`_gather_stacked`: the indices of every
