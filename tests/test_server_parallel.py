@@ -372,6 +372,18 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+def _solo_and_together(m, cfg, prompts):
+    """Two caches of `cfg` per prompt, each prefilled with it (chunks of 16): one to step alone,
+    one to step batched; the first greedy tokens; the model's batched traces forgotten (a trace
+    kept from another test would not be made again)."""
+    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    batch.forget(m)
+    return solo, together, tokens
+
+
 def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32):
     """Four retrieval caches prefilled with prompts of 60 to 101 random tokens: their first passes
     picked sticky pages of several widths (a short store's pool holds fewer pages), which do not
@@ -383,11 +395,7 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32)
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     rs = np.random.RandomState(0)
     prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in (60, 77, 90, 101)]
-    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
     widths = set()
     real = batch.step_inputs
 
@@ -422,11 +430,7 @@ def test_batched_retrieval_step_turns_with_the_rope_products(native32):
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     rs = np.random.RandomState(1)
     prompts = [[int(x) for x in rs.randint(1, 300, size=90)] for _ in range(4)]
-    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)         # (a trace kept from another test would not be made again)
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
     rows_asked = []
     real = rope_products.rope_matrix
 
