@@ -12,3 +12,15 @@ def token_counts(ap: argparse.ArgumentParser, flag: str, text: str) -> list[int]
         return [int(c) for c in text.split(",")]
     except ValueError:
         ap.error(f"{flag} {text!r}: give a comma list of token counts")
+
+
+def model_or_exit(ap: argparse.ArgumentParser, name):
+    """The model `name` (a path or name `load_model` takes; None: the shipped model) loaded, its
+    `.model`; else one line naming what the user typed (`ap.error`: exit 2)."""
+    from tinygpt_mlx.cli.common import load_model
+    from tinygpt_mlx.errors import PosttrainError
+
+    try:
+        return load_model(name).model
+    except (OSError, ValueError, PosttrainError) as e:
+        ap.error(f"--model {name!r}: {e}")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from benchmarks._args import token_counts
+from benchmarks._args import model_or_exit, token_counts
 
 CONDITIONS = ("own", "after_32k_full")
 
@@ -87,16 +87,12 @@ def main() -> None:
     if a.ops < 0:
         ap.error(f"--ops {a.ops}: give 0 (not counted) or more steps")
 
-    from tinygpt_mlx.cli.common import load_model, write_atomic
-    from tinygpt_mlx.errors import PosttrainError
+    from tinygpt_mlx.cli.common import write_atomic
     from tinygpt_mlx.evaluate.bench import make_policy, step_ops
     from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
     from tinygpt_mlx.generate import forward, prefill
 
-    try:
-        model = load_model(a.model).model
-    except (OSError, ValueError, PosttrainError) as e:
-        ap.error(f"--model {a.model!r}: {e}")
+    model = model_or_exit(ap, a.model)
     caches: dict = {}
     made = ([("fp32", "fp32", c) for c in full] + [("sink4/hot1024", "sink4/hot1024", c) for c in contexts]
             + [("sink4/hot1024 recording", "sink4/hot1024", contexts[0])])

@@ -31,6 +31,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from benchmarks._args import model_or_exit
+
 
 def _instrument(cap: dict) -> None:
     """Wrap the eager selection (`DeviceColdStore._compiled_pick`) and the compiled step (its
@@ -158,15 +160,11 @@ def main() -> None:
         ap.error(f"--steps {a.steps}: give at least 1")
 
     from tinygpt_mlx.cache import compiled_retrieval
-    from tinygpt_mlx.cli.common import load_model, write_atomic
-    from tinygpt_mlx.errors import PosttrainError
+    from tinygpt_mlx.cli.common import write_atomic
     from tinygpt_mlx.evaluate.bench import make_policy
     from tinygpt_mlx.generate import forward, prefill
 
-    try:
-        m = load_model(a.model).model
-    except (OSError, ValueError, PosttrainError) as e:
-        ap.error(f"--model {a.model!r}: {e}")
+    m = model_or_exit(ap, a.model)
     try:
         policy = make_policy(a.policy, m)
         if not policy.make().config.retrieval:

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks._args import model_or_exit
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,16 +43,12 @@ def main() -> None:
         ap.error(f"--rounds {a.rounds}: give at least 1")
 
     from tinygpt_mlx.cache import compiled_retrieval, rope_products
-    from tinygpt_mlx.cli.common import load_model, write_atomic
-    from tinygpt_mlx.errors import PosttrainError
+    from tinygpt_mlx.cli.common import write_atomic
     from tinygpt_mlx.evaluate.bench import make_policy, step_ops
     from tinygpt_mlx.evaluate.retrieval_bench import grow_cold
     from tinygpt_mlx.generate import forward, prefill
 
-    try:
-        models = {"products": load_model(a.model).model, "rope": load_model(a.model).model}
-    except (OSError, ValueError, PosttrainError) as e:
-        ap.error(f"--model {a.model!r}: {e}")
+    models = {"products": model_or_exit(ap, a.model), "rope": model_or_exit(ap, a.model)}
     real = rope_products.products
     # the "rope" copy's traces keep the model's RoPE (what the trace held before rope_products)
     compiled_retrieval.rope_products = type("P", (), {"products": staticmethod(
