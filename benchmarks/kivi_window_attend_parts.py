@@ -21,6 +21,14 @@ over `--rounds` rounds, the order shuffled each round):
   the step, then plain products (`quant.matmul_path`'s "dequantise", MLX's CUDA backend's);
   and a bound: the sink's rows already in the residual's buffers (joined before the timing,
   as a store that kept them there would hold them), one product each way and no join;
+- three more candidates (session 39): the mask as an additive bias built once per step for all
+  the layers (`softmax(scores + bias)` where each layer ran `where(mask, scores, -inf)`); the
+  softmax written per part without the join (flash-style: each part's scores biased, their
+  maxima combined, each part's exponentials summed and multiplied by its values, the sums
+  divided once: no concatenation of scores); and the query left unscaled, the scale applied
+  to the joined scores in the mask's select (one element-wise kernel fewer per layer under
+  `mx.compile`), the outputs summed by `mx.addmm` (a product and its sum in one kernel); and
+  that last one over the bound's held sink;
 - `peer`: `mx.fast.scaled_dot_product_attention` over 256 exact keys, what mlx-lm's
   RotatingKVCache(256) hands the model (its parts: the scores, softmax, output products).
 
@@ -38,13 +46,16 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 
 from tinygpt_mlx import quant
 from tinygpt_mlx.cache import compiled, make_cache
 from tinygpt_mlx.cli.common import write_atomic
 from tinygpt_mlx.cache.packed import PackedRun, rotation, rotation_back
+from tinygpt_mlx.evaluate import opcount
 from tinygpt_mlx.evaluate.modes import parse_policies
 from tinygpt_mlx.generate import forward, prefill
 from tinygpt_mlx.loading import load
@@ -99,7 +110,7 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=8, help="decode steps after the prompt before the state is taken")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json")
+    ap.add_argument("--json", type=Path)
     a = ap.parse_args()
     if a.rounds < 3:
         ap.error(f"--rounds {a.rounds}: must be at least 3")
@@ -200,6 +211,65 @@ def main() -> None:
             start += x.shape[-1]
         return (probs[..., :ne] @ v + value_out(i, pieces)).reshape(1, hq, 1, d)
 
+    def bias_variant(qs):
+        # the mask as an additive bias, made once for every layer of the step
+        bias = mx.where(mask, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+        out = []
+        for i, q in enumerate(qs):
+            r = rows_of(q)
+            sc = [r @ sinks[i][0].swapaxes(-1, -2)] + key_scores(i, r @ R) + [r @ buffers[i][0].swapaxes(-1, -2)]
+            p = mx.softmax(mx.concatenate(sc, axis=-1) + bias, axis=-1)
+            o = p[..., :ns] @ sinks[i][1] + p[..., -nr:] @ buffers[i][1]
+            out.append((o + value_out(i, [p[..., bounds[j]:bounds[j + 1]] for j in range(len(sizes))])).reshape(1, hq, 1, d))
+        return out
+
+    def flash_variant(qs):
+        # one softmax per part, combined (flash-style): no join of the scores
+        bias = mx.where(mask, mx.array(0.0, mx.float32), mx.array(-mx.inf, mx.float32))
+        cuts = [0, *bounds, bounds[-1] + nr]
+        out = []
+        for i, q in enumerate(qs):
+            r = rows_of(q)
+            sc = [r @ sinks[i][0].swapaxes(-1, -2)] + key_scores(i, r @ R) + [r @ buffers[i][0].swapaxes(-1, -2)]
+            sc = [s + bias[..., cuts[j]:cuts[j + 1]] for j, s in enumerate(sc)]
+            top = sc[0].max(axis=-1, keepdims=True)
+            for s in sc[1:]:
+                top = mx.maximum(top, s.max(axis=-1, keepdims=True))
+            e = [mx.exp(s - top) for s in sc]
+            den = e[0].sum(axis=-1, keepdims=True)
+            for x in e[1:]:
+                den = den + x.sum(axis=-1, keepdims=True)
+            o = e[0] @ sinks[i][1] + e[-1] @ buffers[i][1] + value_out(i, e[1:-1])
+            out.append((o / den).reshape(1, hq, 1, d))
+        return out
+
+    def late_scale_variant(qs, held_sink=False):
+        # the query unscaled, the scale applied in the mask's select; outputs summed by addmm
+        out = []
+        for i, q in enumerate(qs):
+            r = q.reshape(1, hkv, hq // hkv, d)
+            if held_sink:
+                k, v = held[i]
+                sc = [r @ k.swapaxes(-1, -2)] + key_scores(i, r @ R)
+                p = mx.softmax(mx.where(perm, mx.concatenate(sc, axis=-1) * scale, -mx.inf), axis=-1)
+                ne = k.shape[2]
+                exact, parts_ = p[..., :ne] @ v, []
+                start = ne
+                for x in sc[1:]:
+                    parts_.append(p[..., start:start + x.shape[-1]])
+                    start += x.shape[-1]
+            else:
+                sc = [r @ sinks[i][0].swapaxes(-1, -2)] + key_scores(i, r @ R) + [r @ buffers[i][0].swapaxes(-1, -2)]
+                p = mx.softmax(mx.where(mask, mx.concatenate(sc, axis=-1) * scale, -mx.inf), axis=-1)
+                exact = mx.addmm(p[..., :ns] @ sinks[i][1], p[..., -nr:], buffers[i][1])
+                parts_ = [p[..., bounds[j]:bounds[j + 1]] for j in range(len(sizes))]
+            in_basis = None
+            for run, x in zip(runs[i], parts_):
+                part = quant.quantised_matmul(x, *run.values, bits=run.value_bits, group=run.value_group, path=run.path)
+                in_basis = part if in_basis is None else in_basis + part
+            out.append(mx.addmm(exact, in_basis, Rb).reshape(1, hq, 1, d))
+        return out
+
     def dequantised_variant(i, q):
         # the packed runs dequantised in the step (`quant.matmul_path` "dequantise"), then the products
         r = rows_of(q)
@@ -252,6 +322,11 @@ def main() -> None:
             lambda qs: [held_variant(i, q) for i, q in enumerate(qs)], (queries,)),
         "variant: packed runs dequantised, then plain products": (
             lambda qs: [dequantised_variant(i, q) for i, q in enumerate(qs)], (queries,)),
+        "variant: the mask as an additive bias made once per step": (bias_variant, (queries,)),
+        "variant: one softmax per part, combined (flash-style, no join)": (flash_variant, (queries,)),
+        "variant: scale in the mask's select, outputs summed by addmm": (late_scale_variant, (queries,)),
+        "bound: the held sink, with the scale in the select and addmm": (
+            lambda qs: late_scale_variant(qs, held_sink=True), (queries,)),
         f"peer: scores (q.k over {a.peer_window}, query group as rows)": (
             lambda qs, kv: [(q * scale).reshape(1, hkv, hq // hkv, d) @ k.swapaxes(-1, -2) for q, (k, _) in zip(qs, kv)],
             (queries, peer_kv)),
@@ -259,6 +334,11 @@ def main() -> None:
         "peer: output product": (lambda ps, kv: [p @ v for p, (_, v) in zip(ps, kv)], (peer_probs, peer_kv)),
     }
     fns = {name: (mx.compile(fn), args) for name, (fn, args) in cases.items()}
+    # kernels per layer: the graph's nodes that are not views, as written and as compiled (where
+    # mx.compile fuses element-wise chains into one kernel), `evaluate.opcount`'s count
+    kernels = {name: {how: opcount.summary(opcount.graph_ops(*[x for _, x in tree_flatten(f(*args))]))["kernels"] / n_layers
+                      for how, f in (("as written", cases[name][0]), ("compiled", fns[name][0]))}
+               for name, (_, args) in cases.items()}
     reference = mx.stack(ours(queries))
     differences = {name: mx.abs(mx.stack(fn(*args)) - reference).max().item()
                    for name, (fn, args) in fns.items() if name.startswith(("variant", "bound"))}
@@ -279,12 +359,13 @@ def main() -> None:
               "peer keys": a.peer_window}
     load_avg = list(os.getloadavg())
     print(f"{a.policy} at {a.context} tokens, {n_layers} layers: {shapes}; load {load_avg[0]:.2f}")
-    print(f"{'part (all layers, one compiled call)':58s} {'median us':>10s} {'per layer':>10s}")
+    print(f"{'part (all layers, one compiled call)':58s} {'median us':>10s} {'per layer':>10s} {'kernels/layer':>14s}")
     rows_out = {}
     for name, ts in times.items():
         med = statistics.median(ts)
-        rows_out[name] = {"median_us": med, "per_layer_us": med / n_layers, "rounds_us": ts}
-        print(f"{name:58s} {med:10.1f} {med / n_layers:10.2f}")
+        rows_out[name] = {"median_us": med, "per_layer_us": med / n_layers, "kernels_per_layer": kernels[name],
+                          "rounds_us": ts}
+        print(f"{name:58s} {med:10.1f} {med / n_layers:10.2f} {kernels[name]['as written']:6.1f} {kernels[name]['compiled']:6.1f}")
     whole = rows_out["ours: the whole attention (_TracedKivi.attend)"]["median_us"]
     fused = rows_out[f"peer: mx.fast.scaled_dot_product_attention over {a.peer_window}"]["median_us"]
     print(f"ours / peer: {whole / fused:.2f}; largest difference from ours: {differences}")

@@ -90,6 +90,28 @@ def test_rope_products_ab_writes_its_command_and_load(tmp_path):
 
 
 @pytest.mark.slow
+def test_kivi_window_attend_parts_writes_its_json_and_its_candidates_agree(tmp_path):
+    """benchmarks/kivi_window_attend_parts.py writes its JSON (its --json once reached
+    `write_atomic` as a str and failed there, after the timing) with each part's kernels per
+    layer, and every candidate evaluation of the int4 window's attention it times computes what
+    the step's own `_TracedKivi.attend` does (largest difference below 1e-5 on the shipped model:
+    a candidate is timed only as a replacement of that path); the addmm candidate, compiled,
+    runs fewer kernels per layer than ours."""
+    out = tmp_path / "parts.json"
+    args = [str(ROOT / "models" / "tinygpt-base.tinygpt"), "--context", "1024", "--rounds", "3", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.kivi_window_attend_parts", *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["command"] == " ".join(["python -m benchmarks.kivi_window_attend_parts", *args])
+    diffs = got["variant_max_abs_difference"]
+    assert len(diffs) == 7 and all(0 <= d < 1e-5 for d in diffs.values()), diffs
+    kernels = {name: row["kernels_per_layer"]["compiled"] for name, row in got["parts"].items()}
+    assert kernels["variant: scale in the mask's select, outputs summed by addmm"] < kernels[
+        "ours: the whole attention (_TracedKivi.attend)"]
+
+
+@pytest.mark.slow
 def test_idle_release_names_a_bad_model_its_mode_process_met(tmp_path):
     """benchmarks/idle_release.py runs each mode in a process of its own: a path that exists but
     holds no model fails there, and the parent says so in one line naming the path (it used to end
