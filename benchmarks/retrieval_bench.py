@@ -42,6 +42,11 @@ def main() -> None:
     ap.add_argument("--recall-tokens", type=int, default=2048, help="0 = skip the summary recall run")
     ap.add_argument("--filler", help="haystack text (default data/heldout.txt, which the docs' numbers "
                     "used: scripts/fetch_corpus.sh; the package ships tinygpt_mlx/data/heldout_kjv.txt)")
+    ap.add_argument("--full", action="store_true",
+                    help="also time a full cache at each context (same storage), grown by copies of the "
+                         "prompt's rows (grow_full), in the same interleaved rounds")
+    ap.add_argument("--no-telemetry", action="store_true",
+                    help="decode without recording retrievals (the default decode path; rows without telemetry)")
     ap.add_argument("--json")
     a = ap.parse_args()
     try:
@@ -68,14 +73,20 @@ def main() -> None:
             with open(a.json, "w") as f:
                 json.dump(out, f, indent=1)
         return
-    print(f"{'context':>9} {'decode ms/tok':>13} {'hot MiB':>8} {'cold MiB':>9} {'summary MiB':>11}", flush=True)
+    print(f"{'context':>9} {'cache':>9} {'decode ms/tok':>13} {'cpu ms/tok':>10} {'hot MiB':>8} {'cold MiB':>9} "
+          f"{'summary MiB':>11}", flush=True)
 
     def show(r: dict) -> None:
-        print(f"{r['context']:>9} {r['decode_ms_per_token']:>13.1f} {r['hot_bytes'] / 2**20:>8.2f} "
-              f"{r['cold_bytes'] / 2**20:>9.1f} {r['summary_bytes'] / 2**20:>11.2f}", flush=True)
-    out["rows"] = rb.decode_scaling(loaded.model, cfg, ids, ctx, a.decode_steps, progress=show)
-    base = out["rows"][0]["decode_ms_per_token"]
-    print("decode time ratio largest/smallest:", round(out["rows"][-1]["decode_ms_per_token"] / base, 2))
+        print(f"{r['context']:>9} {r['cache']:>9} {r['decode_ms_per_token']:>13.1f} {r['decode_cpu_ms_per_token']:>10.1f} "
+              f"{r['hot_bytes'] / 2**20:>8.2f} {r['cold_bytes'] / 2**20:>9.1f} {r['summary_bytes'] / 2**20:>11.2f}",
+              flush=True)
+    out["no_telemetry"] = a.no_telemetry
+    out["rows"] = rb.decode_scaling(loaded.model, cfg, ids, ctx, a.decode_steps, progress=show, full=a.full,
+                                    record=not a.no_telemetry)
+    retrieval = [r for r in out["rows"] if r["cache"] == "retrieval"]
+    for key in ("decode_ms_per_token", "decode_cpu_ms_per_token"):
+        print(f"retrieval's {key} largest/smallest context:",
+              round(retrieval[-1][key] / retrieval[0][key], 2))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -502,6 +502,38 @@ def test_decode_scaling_grows_the_cold_store_and_engages_the_index(native):
     assert rows[0]["telemetry"]["indexed"] == 0 and rows[1]["telemetry"]["indexed"] == 1
 
 
+def test_grow_full_tiles_the_prompts_rows_and_the_bench_steps_the_full_cache_beside(native, monkeypatch):
+    """`grow_full` (the scaling bench's full cache at a long context, `--full`): every layer
+    holds the prompt's rows tiled to the target, counts them as seen (the next token's position
+    follows them) and decodes; `decode_scaling(full=True)` gives each context a full-cache row
+    after the retrieval one, stepped in the same rounds, and `record=False` keeps no telemetry."""
+    from tinygpt_mlx.cache import make_cache as plain_cache
+    from tinygpt_mlx.evaluate.retrieval_bench import decode_scaling, grow_full
+
+    cache = plain_cache(native.model, CacheConfig())
+    prefill(native.model, TOKENS[:100], cache, 32)
+    first = [tuple(np.array(x) for x in layer.body.fetch()) for layer in cache.owned]
+    grow_full(cache, 250, block=16)
+    tiled = np.arange(250) % 100
+    for layer, (k0, v0) in zip(cache.owned, first):
+        k, v = (np.array(x) for x in layer.body.fetch())
+        assert layer.current_length == layer.offset == 250
+        assert (k == k0[..., tiled, :]).all() and (v == v0[..., tiled, :]).all()
+    logits = forward(native.model, mx.array([[TOKENS[100]]]), cache)
+    assert cache.owned[0].current_length == 251 and bool(mx.isfinite(logits).all())
+
+    cfg = CacheConfig(hot_budget=32, sink=4, page_size=8, top_pages=2, retrieve_tokens=8, index_block=4)
+    asked = []
+    monkeypatch.setattr(KVCache, "record_retrievals", lambda self: asked.append(self))
+    rows = decode_scaling(native.model, cfg, TOKENS, [150, 600], decode_steps=2, chunk=32, full=True, record=False)
+    assert not asked
+    assert [(r["context"], r["cache"]) for r in rows] == [(153, "retrieval"), (153, "full"),
+                                                          (603, "retrieval"), (603, "full")]
+    assert rows[3]["hot_bytes"] > 3 * rows[1]["hot_bytes"] and rows[3]["cold_bytes"] == 0
+    assert rows[0]["hot_bytes"] == rows[2]["hot_bytes"] and rows[2]["cold_bytes"] > rows[0]["cold_bytes"]
+    assert all("telemetry" not in r and r["decode_cpu_ms_per_token"] > 0 for r in rows)
+
+
 def test_summary_recall_reads_the_decode_steps_coarse_passes(native):
     """The recall bench records the query rows of every decode step's coarse pass (the pool's
     ranking) and scores each summary on them: until the pools it spied on the per-query search,

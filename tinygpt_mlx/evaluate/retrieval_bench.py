@@ -59,34 +59,66 @@ def _token_major(rows: Any) -> mx.array:
     return rows.swapaxes(0, 1) if isinstance(rows, mx.array) else mx.array(rows)
 
 
+def grow_full(cache, target_tokens: int, block: int = 4096) -> None:
+    """A full cache's layers grown to `target_tokens` tokens by appending copies of their own
+    rows (as stored: the keys keep the positions the model gave them), as `grow_cold` grows a
+    retrieval cache's cold stores: a full cache's decode step reads every stored row, whatever it
+    holds, so its cost at a context is measured without prefilling the model over it."""
+    for lc in cache.owned:
+        body = lc.body
+        base = len(body)
+        if base == 0:
+            raise ValueError("the full cache holds nothing yet: prefill a prompt first")
+        src_k, src_v = body.fetch()
+        i = 0
+        while lc.seen < target_tokens:
+            j = i % base
+            n = min(block, target_tokens - lc.seen, base - j)
+            body.append(src_k[..., j:j + n, :], src_v[..., j:j + n, :])
+            lc.seen += n
+            mx.eval(body.keys, body.values)     # (each block's append evaluated: no ever longer graph)
+            i += n
+
+
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
                    decode_steps: int = 16, chunk: int = 128,
-                   progress: Optional[Callable[[dict], None]] = None) -> list[dict]:
-    """One row per context: decode ms/token and the cache's hot/cold bytes.
+                   progress: Optional[Callable[[dict], None]] = None, full: bool = False,
+                   record: bool = True) -> list[dict]:
+    """One row per context: decode ms/token (wall and this process's CPU time) and the cache's
+    hot/cold bytes.
 
     Every context's cache is built first (the prompt prefilled once, then copied cold pages);
     then decode steps run interleaved, one step per context in turn, so that load from other
     processes hits every context alike and the ratios against the smallest stay meaningful.
-    Each is a greedy generation (`generate.steps`): one untimed warm-up step, then the timed ones."""
+    Each is a greedy generation (`generate.steps`): one untimed warm-up step, then the timed ones.
+    `full`: each context also gets a full cache (`CacheConfig(storage=config.storage)`, no
+    eviction) grown to it by copies of its prompt's rows (`grow_full`), its row after the
+    retrieval cache's, stepped in the same rounds. `record` False: the retrieval caches keep no
+    telemetry (a decode step as it runs by default; rows without "telemetry")."""
+    kinds = [(context, kind) for context in contexts for kind in (("retrieval", "full") if full else ("retrieval",))]
     caches, runs, prefill_s = [], [], []
     try:
-        for context in contexts:
-            caches.append(make_cache(model, config))
-            caches[-1].record_retrievals()      # (each row's telemetry: `_row`)
+        for context, kind in kinds:
+            caches.append(make_cache(model, config if kind == "retrieval" else CacheConfig(storage=config.storage)))
+            if record and kind == "retrieval":
+                caches[-1].record_retrievals()      # (each row's telemetry: `_row`)
             runs.append(steps(model, prompt, caches[-1], make_sampler(0.0), decode_steps + 2, chunk))
             t0 = time.perf_counter()
             _prefill(runs[-1])
             prefill_s.append(time.perf_counter() - t0)
             if context > len(prompt):
-                grow_cold(caches[-1], context)
+                (grow_cold if kind == "retrieval" else grow_full)(caches[-1], context)
             next(runs[-1])  # warm-up step
-        times: list[list[float]] = [[] for _ in contexts]
+        times: list[list[float]] = [[] for _ in kinds]
+        cpu: list[list[float]] = [[] for _ in kinds]
         for _ in range(decode_steps):
             for i, run in enumerate(runs):
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 next(run)
                 times[i].append(time.perf_counter() - t0)
-        return [_row(cache, len(prompt), prefill_s[i], times[i], decode_steps, progress)
+                cpu[i].append(time.process_time() - c0)
+        return [_row(cache, len(prompt), prefill_s[i], times[i], decode_steps, progress, cpu[i],
+                     kinds[i][1], record and kinds[i][1] == "retrieval")
                 for i, cache in enumerate(caches)]
     finally:
         for run, cache in zip(runs, caches):
@@ -102,17 +134,21 @@ def _prefill(run: Iterator[Step]) -> None:
 
 
 def _row(cache: KVCache, prompt_tokens: int, prefill_s: float, times: list[float], decode_steps: int,
-         progress: Optional[Callable[[dict], None]]) -> dict:
+         progress: Optional[Callable[[dict], None]], cpu: Optional[list[float]] = None,
+         kind: str = "retrieval", telemetry: bool = True) -> dict:
     parts = cache.nbytes_breakdown()
     hot = parts.get("sink", 0) + parts.get("body", 0)
     cold = sum(v for k, v in parts.items() if k.startswith("cold") and not k.startswith(("cold_summary", "cold_positions")))
-    row = {"context": cache.current_length, "prompt_tokens": prompt_tokens,
+    row = {"context": cache.current_length, "cache": kind, "prompt_tokens": prompt_tokens,
            "prefill_s": round(prefill_s, 2),
            "decode_ms_per_token": round(1000 * float(np.median(times)), 2),
            "decode_ms_min": round(1000 * float(np.min(times)), 2),
+           **({"decode_cpu_ms_per_token": round(1000 * float(np.median(cpu)), 2)} if cpu else {}),
            "hot_bytes": hot, "cold_bytes": cold,
            "summary_bytes": parts.get("cold_summary", 0) + parts.get("cold_summary_disk", 0),
-           "bytes": parts, "telemetry": cache.retrieval_report(last_steps=decode_steps)}
+           "bytes": parts}
+    if telemetry:
+        row["telemetry"] = cache.retrieval_report(last_steps=decode_steps)
     if progress is not None:
         progress(row)
     return row
