@@ -513,7 +513,7 @@ def test_grow_full_tiles_the_prompts_rows_and_the_bench_steps_the_full_cache_bes
     cache = plain_cache(native.model, CacheConfig())
     prefill(native.model, TOKENS[:100], cache, 32)
     first = [tuple(np.array(x) for x in layer.body.fetch()) for layer in cache.owned]
-    grow_full(cache, 250, block=16)
+    grow_full(cache, 250)
     tiled = np.arange(250) % 100
     for layer, (k0, v0) in zip(cache.owned, first):
         k, v = (np.array(x) for x in layer.body.fetch())

@@ -59,25 +59,25 @@ def _token_major(rows: Any) -> mx.array:
     return rows.swapaxes(0, 1) if isinstance(rows, mx.array) else mx.array(rows)
 
 
-def grow_full(cache, target_tokens: int, block: int = 4096) -> None:
+def grow_full(cache, target_tokens: int) -> None:
     """A full cache's layers grown to `target_tokens` tokens by appending copies of their own
     rows (as stored: the keys keep the positions the model gave them), as `grow_cold` grows a
     retrieval cache's cold stores: a full cache's decode step reads every stored row, whatever it
-    holds, so its cost at a context is measured without prefilling the model over it."""
+    holds, so its cost at a context is measured without prefilling the model over it. One append
+    per layer (its buffer grown once, not once per block)."""
     for lc in cache.owned:
         body = lc.body
         base = len(body)
         if base == 0:
             raise ValueError("the full cache holds nothing yet: prefill a prompt first")
+        n = target_tokens - lc.seen
+        if n <= 0:
+            continue
         src_k, src_v = body.fetch()
-        i = 0
-        while lc.seen < target_tokens:
-            j = i % base
-            n = min(block, target_tokens - lc.seen, base - j)
-            body.append(src_k[..., j:j + n, :], src_v[..., j:j + n, :])
-            lc.seen += n
-            mx.eval(body.keys, body.values)     # (each block's append evaluated: no ever longer graph)
-            i += n
+        tiled = mx.array(np.arange(n, dtype=np.int32) % base)
+        body.append(mx.take(src_k, tiled, axis=2), mx.take(src_v, tiled, axis=2))
+        lc.seen += n
+        mx.eval(body.keys, body.values)
 
 
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
