@@ -12,11 +12,17 @@ import random
 import sys
 from pathlib import Path
 
-from tinygpt_mlx.config import CacheConfig, field_default
+from tinygpt_mlx.config import CacheConfig, ConfigError, field_default
 from tinygpt_mlx.corpus import make_needle_doc_tokens
 from tinygpt_mlx.evaluate import retrieval_bench as rb
 from tinygpt_mlx.evaluate.inputs import CORPUS_HELDOUT, read_text
 from tinygpt_mlx.loading import load
+
+
+#: the cache's fields as this bench's flags (a bad value is refused naming the flag)
+_FLAGS = {"storage": "--storage", "hot_budget": "--hot", "sink": "--sink", "retrieve_tokens": "--top-p",
+          "page_size": "--page-size", "top_pages": "--top-pages", "cold_store": "--cold-store", "summary": "--summary",
+          "index_block": "--index-block", "retrieve_unit": "--unit", "index_expand": "--index-expand"}
 
 
 def main() -> None:
@@ -33,6 +39,8 @@ def main() -> None:
     ap.add_argument("--summary", default=field_default(CacheConfig, "summary"))
     ap.add_argument("--index-block", type=int, default=field_default(CacheConfig, "index_block"),
                     help="pages per block of the two-level index (0 = flat scan)")
+    ap.add_argument("--index-expand", type=int, default=field_default(CacheConfig, "index_expand"),
+                    help="a decode step's index expands this many x top-pages blocks")
     ap.add_argument("--recall-variants", default="minmax:0,mean:0,hybrid:0",
                     help="summary:index_block pairs compared on the same keys and queries")
     ap.add_argument("--unit", choices=("tokens", "spans"), default=None,
@@ -49,14 +57,20 @@ def main() -> None:
                     help="decode without recording retrievals (the default decode path; rows without telemetry)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    try:    # (every bad value of the cache's flags: one line naming it, before the model loads)
+        cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
+                          page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
+                          summary=a.summary, index_block=a.index_block, retrieve_unit=a.unit,
+                          index_expand=a.index_expand)
+    except ConfigError as e:
+        flag = lambda field: _FLAGS.get(field, field)
+        ap.error(f"{flag(e.field)} {getattr(a, _FLAGS.get(e.field, '--' + e.field)[2:].replace('-', '_'), '')!r}: "
+                 f"{e.describe(flag)}")
     try:
         filler = read_text(a.filler or Path(__file__).resolve().parents[1] / CORPUS_HELDOUT)
     except (FileNotFoundError, ValueError) as e:
         sys.exit(f"error: {e}")
     loaded = load(a.model)
-    cfg = CacheConfig(storage=a.storage, hot_budget=a.hot, sink=a.sink, retrieve_tokens=a.top_p,
-                      page_size=a.page_size, top_pages=a.top_pages, cold_store=a.cold_store,
-                      summary=a.summary, index_block=a.index_block, retrieve_unit=a.unit)
     prompt, _ = make_needle_doc_tokens(random.Random(0), filler, loaded.tokenizer.encode, a.prompt_tokens, 0.5)
     ids = loaded.tokenizer.encode(prompt)
     out = {"model": loaded.name, "policy": cfg.describe()}

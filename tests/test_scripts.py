@@ -61,6 +61,10 @@ def test_decode_costs_refuses_bad_arguments(args, says):
      "--policy 'int4': not a KIVI policy (rotated) under a StreamingLLM window"),
     ("kivi_window_attend_parts", ["/no/model"], "model /no/model: no such file or directory"),
     ("kivi_window_attend_parts", ["/no/model", "--peer-window", "0"], "--peer-window 0: must be at least 1"),
+    ("retrieval_bench", ["/no/model", "--index-expand", "0"], "--index-expand 0: must be an integer >= 1, got 0"),
+    ("retrieval_bench", ["/no/model", "--summary", "bogus"],
+     "--summary 'bogus': must be one of minmax, mean, hybrid, got 'bogus'"),
+    ("coarse_scan", ["--top-pages", "2"], "--top-pages 2: give at least 4 (the pages a query picks)"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
