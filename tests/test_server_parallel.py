@@ -416,6 +416,70 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32)
 
 
 
+def _recording_picks(cache, name, picks: dict) -> None:
+    """Record every retrieval pick of `cache`'s layers under (name, layer) in `picks`: the cold
+    rows fetched and the tokens scored (the telemetry's records, on for this)."""
+    cache.record_retrievals()
+    for j, layer in enumerate(cache.owned):
+        def record(s, j=j, keep=layer.telemetry.record):
+            picks.setdefault((name, j), []).append(([r.tolist() for r in s.fetched()], int(s.tokens_scored)))
+            keep(s)
+        layer.telemetry.record = record
+
+
+@pytest.mark.parametrize("case", ["first eviction", "body moved", "cold rows grown"])
+def test_batched_retrieval_steps_ahead_compiled_as_each_alone(native32, case):
+    """Three steps of a retrieval row that the solo step runs eager, and that sent the whole batched
+    step eager (most of bench_server_parallel's 24 eager batched retrieval steps in 1,020, session 38): the first
+    eviction into a still empty cold store ("first eviction": four short prompts whose hot windows
+    fill at their own steps), a step whose hot window's buffers have no room for the token (the
+    live tokens moved to the front of new buffers: "body moved", prompts that leave the window near
+    its buffer's end) and one whose cold rows' arrays are full (their capacity doubled: "cold rows
+    grown", prompts that leave the cold stores near their 256 rows). Serve's batched step now does
+    that eagerly first (compiled_retrieval.py `ready_ahead`) and runs the step compiled: every step where no row's
+    hot window is still filling runs the compiled batched retrieval step, the case occurred in
+    it, and in lockstep with each sequence alone every row's logits are within 1e-5 with the same
+    greedy token, and every layer picks the same cold tokens and scores as many. (Fails without
+    `ready_ahead`: those steps eager; with the first eviction evicted again in the trace, the
+    moved body's tokens not copied, or the rows grown ahead not copied: the logits part; without the
+    cold rows grown ahead the process crashes, the trace writing past the arrays.)"""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    if case == "first eviction":
+        prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS, (6, 9, 12, 15))]
+        assert max(len(p) for p in prompts) < HOT
+        steps = 40
+    else:       # (the body's buffers fill at 256 slots, the cold rows' arrays at 256 rows)
+        rs = np.random.RandomState(2)
+        sizes = (236, 241, 246, 250) if case == "body moved" else (262, 266, 270, 274)
+        prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in sizes]
+        steps = 40
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    picks: dict = {}
+    for i, (a, b) in enumerate(zip(solo, together)):
+        _recording_picks(a, ("solo", i), picks)
+        _recording_picks(b, ("batch", i), picks)
+    seen = {"first eviction": 0, "body moved": 0, "cold rows grown": 0}
+    failed = dict(batch._failed)
+    for _ in range(steps):
+        filling = any(batch._hot_row(c.owned) is not None or len(c.owned[0].body) < HOT for c in together)
+        for c in together:
+            first = c.owned[0]
+            if first.plan().drop == 1 and len(first.body) == HOT:
+                seen["first eviction"] += len(first.cold) == 0
+                seen["body moved"] += not first.body.fits(1)
+                seen["cold rows grown"] += first.cold.keys is not None and len(first.cold) == first.cold.keys.capacity
+        was = batch.taken.copy()
+        tokens = lockstep(m, tokens, together, solo, case)
+        if not filling:
+            assert (batch.taken - was)["compiled_retrieval"] == 1, (case, batch.taken - was)
+    assert seen[case] >= 4, seen           # (every row passed it during the steps)
+    assert batch._failed == failed
+    for i in range(len(prompts)):
+        for j in range(len(together[i].owned)):
+            assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
+
+
 def test_batched_retrieval_step_turns_with_the_rope_products(native32):
     """serve's compiled batched retrieval step traces the model's RoPE as products, each row by
     the matrix of its own position (rope_products with the rows' offsets [B], batch.py

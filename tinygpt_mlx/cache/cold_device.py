@@ -345,15 +345,27 @@ class DeviceColdStore:
         return self.config.sticky and self._recent is not None
 
     # ----- a compiled decode step of the whole model (cache/compiled.py) ------------------------
-    def step_ready(self) -> bool:
+    def step_ready(self, ahead: bool = False) -> bool:
         """Whether the next decode step can evict into and search this store inside a compiled
         step of the whole model: it holds tokens, in RAM (nothing spilled, no budget to spill
         to), exact rows (not packed), no oracle's pages pinned, stages not timed, and room for one
-        more row (a growth runs eager). (The `slots` rule never asks: its layers do not compile.)"""
+        more row (a growth runs eager). (The `slots` rule never asks: its layers do not compile.)
+        `ahead`: also a store that is still empty or has no room for one more row, which serve's
+        batched step readies before the step (its first token evicted eagerly, its rows' capacity
+        grown: compiled_retrieval.py `ready_ahead`, `make_room`)."""
         keys, values = self.keys, self.values
-        return (self.n > 0 and self.pinned is None and self.config.cold_ram is None
+        if self.n == 0 and not ahead:
+            return False
+        return (self.pinned is None and self.config.cold_ram is None
                 and self.config.cold_bits is None and not self.stages.enabled
-                and keys.n < keys.capacity and values.n < values.capacity)
+                and (ahead or (keys.n < keys.capacity and values.n < values.capacity)))
+
+    def make_room(self) -> None:
+        """Room for one more row in the rows' arrays (`DeviceRows.make_room`: the growth `append`
+        would make; exact rows, nothing spilled: `step_ready`), made ahead of a compiled step."""
+        if self.keys is not None:
+            self.keys.make_room(1)
+            self.values.make_room(1)
 
     def completes_page(self, n: int = 1) -> bool:
         """Whether `n` more evicted tokens complete a page (whose summaries a compiled step does

@@ -198,12 +198,35 @@ def _turns(rows: list, D: int) -> mx.array:
     return m
 
 
-def _retrieval_ready(layer: Any, plan: Any) -> bool:
+def _retrieval_ready(layer: Any, plan: Any, ahead: bool = False) -> bool:
     """Whether this retrieval layer's next decode step, planned as `plan`, is a steady one: the
     hot window full (one token evicted), the sink full, no re-base, room in the body's buffers,
-    and a cold store the step can search and write in a trace (`DeviceColdStore.step_ready`)."""
+    and a cold store the step can search and write in a trace (`DeviceColdStore.step_ready`).
+    `ahead`: also where what is missing can be done before the step (`ready_ahead`): the body's
+    buffers without room for the token, the cold store still empty (its first eviction) or its
+    rows' arrays full."""
     return (layer.dtype is not None and plan.rebase == 0 and plan.drop == 1
-            and len(layer.sink_store) == layer.config.held_sink and layer.body.fits(1) and layer.cold.step_ready())
+            and len(layer.sink_store) == layer.config.held_sink
+            and (layer.body.fits(1) or (ahead and layer.body.keys is not None))
+            and layer.cold.step_ready(ahead))
+
+
+def ready_ahead(layers: list, plans: list) -> list:
+    """Make the next step of retrieval layers that `steady(..., ahead=True)` accepts a steady one
+    the compiled trace runs, doing eagerly first what the eager step would do in it, with the same
+    values: the first eviction into a still empty cold store (`LayerCache.evict_ahead`, as a step
+    completing a page does: the trace then only reads the store), the growth of a cold store's
+    full rows (`DeviceColdStore.make_room`) and, where the body's buffers have no room for the
+    token, the move of its live tokens to the front of the buffers the eager step's append would
+    make (`DenseStore.make_room`). The plans left to commit (`step_inputs` takes them). Serve's
+    batched step (server/batch.py) calls it once every row was found able to step so; the solo
+    step runs these steps eager."""
+    if len(layers[0].cold) == 0:
+        plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
+    for c in layers:
+        c.cold.make_room()
+        c.body.make_room(1)
+    return plans
 
 
 def layer_specs(layers: list, row: tuple) -> list:
@@ -304,12 +327,13 @@ def rings_ready(cache: Any, plans: list) -> Optional[tuple]:
     return first.sliding, first.dtype, first.body.write_slot, plan.offset
 
 
-def steady(layers: list, plans: list) -> bool:
+def steady(layers: list, plans: list, ahead: bool = False) -> bool:
     """Whether the next decode step of these retrieval layers, planned as `plans`, is one the
     compiled step runs: every layer steady (`_retrieval_ready`) at one position, with one body
     layout, one cold count and one sticky state (one selection serves every layer), and no mask.
     Nothing is changed. The solo step (`decode`) and serve's batched step (server/batch.py) ask it;
-    a sliding-window ring among `layers` is not one (the solo step steps those apart, `decode`)."""
+    a sliding-window ring among `layers` is not one (the solo step steps those apart, `decode`).
+    `ahead`: also a step `ready_ahead` makes steady (serve's batched step)."""
     if any(c.sliding is not None for c in layers):
         return False
     first = layers[0]
@@ -317,7 +341,7 @@ def steady(layers: list, plans: list) -> bool:
     seen, base, start, head, n_body, n_cold, sticky = (first.seen, first.positions.base, first.start, body.head,
                                                        len(body), len(cold), cold.has_sticky())
     for c, p in zip(layers, plans):
-        if not (_retrieval_ready(c, p) and c.seen == seen and c.positions.base == base and c.start == start
+        if not (_retrieval_ready(c, p, ahead) and c.seen == seen and c.positions.base == base and c.start == start
                 and c.body.head == head and len(c.body) == n_body and len(c.cold) == n_cold
                 and c.cold.has_sticky() == sticky):
             return False
@@ -327,13 +351,14 @@ def steady(layers: list, plans: list) -> bool:
 def step_inputs(layers: list, plans: list) -> tuple:
     """(the step's key without the owners, the step numbers `at`, each layer's input arrays, the
     plans to commit) of layers `steady` says are ready; a step that completes a page evicts
-    eagerly first (`evict_ahead`, what the eager step does too), so its trace only reads the store.
+    eagerly first (`evict_ahead`, what the eager step does too), so its trace only reads the store;
+    so does one whose plans evict nothing more (`ready_ahead` evicted already).
     The key: ("retrieval", the compute dtype, the layers' config, whether the trace evicts, the
     selection's `Static`, the summaries' widths scanned, the hot window's length after the step,
     whether a sink is held, whether the telemetry records)."""
     first = layers[0]
     body, cold = first.body, first.cold
-    evicts = not cold.completes_page(plans[0].drop)
+    evicts = plans[0].drop > 0 and not cold.completes_page(plans[0].drop)
     if not evicts:      # the page's summaries are made eagerly, then the trace only reads the store
         plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
     n_after = len(cold) + (1 if evicts else 0)

@@ -81,6 +81,15 @@ class DeviceRows:
     def append(self, rows: mx.array) -> None:
         """Rows [G, n, *shape] after the live ones."""
         n, r = rows.shape[1], self.resident
+        self.make_room(n)
+        self.array[:, r: r + n] = rows.astype(self.dtype)
+        self.n += n
+
+    def make_room(self, n: int) -> None:
+        """Where `n` more rows do not fit, the capacity doubled until they do (the live rows copied
+        once): `append`'s growth, also done ahead of a compiled step that then writes in place
+        (compiled_retrieval.py `ready_ahead`); nothing where they fit."""
+        r = self.resident
         if r + n > self.capacity:
             cap = self.capacity
             while cap < r + n:
@@ -89,8 +98,6 @@ class DeviceRows:
             grown[:, :r] = self.array[:, :r]
             self.array = grown
             self.growths += 1
-        self.array[:, r: r + n] = rows.astype(self.dtype)
-        self.n += n
 
     def took(self, array: mx.array, n: int) -> None:
         """`append`'s bookkeeping for `n` rows a compiled step already wrote after the live ones

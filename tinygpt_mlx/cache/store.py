@@ -102,20 +102,34 @@ class DenseStore:
         if L == 0:
             return
         if self.keys is None or self.head + self.n + L > self.keys.shape[2]:
-            B, H, _, Dk = keys.shape
-            size = ((self.n + L + self.step - 1) // self.step) * self.step
-            if self.head:   # a window that evicts from the front: a step of room, or every step would move it
-                size += self.step
-            new_k = mx.zeros((B, H, size, Dk), self.dtype)
-            new_v = mx.zeros((B, H, size, values.shape[3]), self.dtype)
-            if self.n:
-                new_k[..., : self.n, :], new_v[..., : self.n, :] = self.fetch()
-            self.keys, self.values, self.head = new_k, new_v, 0
+            self._regrow(*keys.shape[:2], keys.shape[3], values.shape[3], L)
         end = self.head + self.n
         dtype = self.dtype
         self.keys[..., end : end + L, :] = keys if keys.dtype == dtype else keys.astype(dtype)
         self.values[..., end : end + L, :] = values if values.dtype == dtype else values.astype(dtype)
         self.n += L
+        self.version += 1
+
+    def _regrow(self, B: int, H: int, Dk: int, Dv: int, L: int) -> None:
+        """New buffers with room for `L` more tokens, the live ones moved to their front (`append`)."""
+        size = ((self.n + L + self.step - 1) // self.step) * self.step
+        if self.head:   # a window that evicts from the front: a step of room, or every step would move it
+            size += self.step
+        new_k = mx.zeros((B, H, size, Dk), self.dtype)
+        new_v = mx.zeros((B, H, size, Dv), self.dtype)
+        if self.n:
+            new_k[..., : self.n, :], new_v[..., : self.n, :] = self.fetch()
+        self.keys, self.values, self.head = new_k, new_v, 0
+
+    def make_room(self, L: int) -> None:
+        """Where `L` more tokens do not fit after the live ones (`fits`), the buffers `append`
+        would make for them now, the live tokens moved to their front: the same tokens, only
+        where they lie (serve's batched retrieval step does it before a step that a compiled
+        trace then writes in place, server/batch.py); nothing where they fit."""
+        if self.keys is None or self.fits(L):
+            return
+        B, H, _, Dk = self.keys.shape
+        self._regrow(B, H, Dk, self.values.shape[3], L)
         self.version += 1
 
     def append_fetch(self, keys: mx.array, values: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:

@@ -89,7 +89,10 @@ form a group of their own in the same call. The code is the solo step's own
 (compiled_retrieval.py `attend_rows`, in its per-row form; each row's layer its `_TracedRetrieval`,
 `_RetrievalRows`). Every row's ops are the solo chain's on that row:
 the tests hold each row's picks and tokens scored equal to its solo step's, its logits within
-1e-5. A step that completes a page in a row evicts it eagerly first, as the solo step does; the
+1e-5. A step that completes a page in a row evicts it eagerly first, as the solo step does, and
+so does a row's first eviction into its empty cold store, the growth of its full cold rows and the
+move of its hot window's live tokens to new buffers (`ready_ahead`: the solo step runs those steps
+eager; here the batch steps compiled, the row within 1e-5 of its solo step's logits); the
 rows are traced in an order sorted by layout, so four rows at their own phases make few traces.
 Beside sliding-window rings (Gemma 3's local layers, exact rings of the model's window), the
 rows' rings step in the same trace, as the solo retrieval step steps them
@@ -115,8 +118,8 @@ import numpy as np
 
 from ..cache import KVCache, rope_products
 from ..cache.compiled import _ATTR as _SOLO_STEPS, _TracedKivi, _kivi_ready, _quiet_mask, kivi_inputs, kivi_layout, shape_key
-from ..cache.compiled_retrieval import (_TracedRetrieval, attend_rows, commit, layer_specs, rings_ready, steady,
-                                          step_inputs)
+from ..cache.compiled_retrieval import (_TracedRetrieval, attend_rows, commit, layer_specs, ready_ahead, rings_ready,
+                                          steady, step_inputs)
 from ..cache.layer import FullLayer, LayerCache
 from ..cache.ring import RingLayer
 from ..cache.segments import Reading
@@ -926,12 +929,14 @@ class _SlidingRows(_TracedRows):
         return None
 
 
-def _retrieval_checked(cache: KVCache) -> Optional[tuple]:
+def _retrieval_checked(cache: KVCache, ahead: bool = False) -> Optional[tuple]:
     """(the global layers' plans, the sliding rings' state) of a retrieval cache whose next decode
     step is a steady one the compiled solo step would run (cache/compiled_retrieval.py `steady`;
     beside sliding-window rings, Gemma 3's, those steady at their own position and pointer,
     `rings_ready`: (the rings' indices among the cache's layers, their plans, (window, compute
-    dtype, write slot, RoPE position)), else None), or None; nothing changed."""
+    dtype, write slot, RoPE position)), else None), or None; nothing changed. `ahead`: also a step
+    that `ready_ahead` makes a steady one (a still empty cold store, cold rows or a body without
+    room for the token: cache/compiled_retrieval.py `steady`)."""
     if cache.compiled_step != "retrieval":
         return None
     layers = cache.owned
@@ -944,7 +949,7 @@ def _retrieval_checked(cache: KVCache) -> Optional[tuple]:
         ring_index, kept = cache.ring_layout
         rings = (ring_index, [plans[i] for i in ring_index], state)
         layers, plans = [layers[i] for i in kept], [plans[i] for i in kept]
-    return (plans, rings) if steady(layers, plans) else None
+    return (plans, rings) if steady(layers, plans, ahead) else None
 
 
 def _global_layers(cache: KVCache) -> list:
@@ -1011,7 +1016,11 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     (`_RetrievalRows`); each layer's commit and telemetry follow eagerly, as after the solo step.
     The rows are traced in an order sorted by their layout (a step completing a page, a store's
     widths), so B rows at their own phases make few layouts; None where a row is not steady."""
-    checked = [_retrieval_checked(c) for c in caches]
+    # (a row whose cold store is still empty, or whose cold rows or body have no room for the
+    # token, steps compiled too: its first eviction, its rows' growth or its body's move done
+    # ahead, once every row is found able to step so: `ready_ahead`; the solo step runs those
+    # steps eager and so, before 2026-12-06 evening, did the whole batch)
+    checked = [_retrieval_checked(c, ahead=True) for c in caches]
     if any(p is None for p in checked):
         return None                 # nothing changed yet
     rings = [r for _, r in checked]
@@ -1019,6 +1028,7 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     if len(layouts) != 1:
         return None                 # (rows of one model: their rings differ only in state)
     ring_layout = layouts.pop() or ()
+    checked = [(ready_ahead(_global_layers(c), p), r) for c, (p, r) in zip(caches, checked)]
     made = [step_inputs(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
     # each row's key with its sticky pages' width (`recent` [G, S]: S the pages its last pass
     # picked, fewer in a short store), which rows must share to select as one group
