@@ -162,6 +162,20 @@ def looping(tokens: list[int], span: int, max_period: int = 64) -> bool:
     return any(tail[p:] == tail[:-p] for p in range(1, min(max_period, span // 2) + 1))
 
 
+def release_thread_state() -> None:
+    """Drop the calling thread's MLX state while it still runs Python: its compile cache (every
+    trace it made, each entry holding Python objects: the output structure), its random key and
+    its streams (`mx.clear_streams`). The worker's thread calls it as its last act (`Worker._run`).
+
+    Those are C++ thread-locals, destroyed after the thread's Python state is gone, and each takes
+    the GIL to drop its Python objects; an interpreter finalizing meanwhile ended the thread
+    inside that destructor and the process aborted ("terminate called without an active
+    exception", exit status 134: most bench_server_parallel runs after writing their JSON, and a
+    server's shutdown could). Emptied here, nothing is left for them to drop, on any OS; the
+    compiled functions themselves stay valid (a call on another thread traces anew there)."""
+    mx.clear_streams()
+
+
 def wait_os_thread(tid: Optional[int], timeout: float) -> bool:
     """Wait until the OS thread `tid` of this process has ended, at most `timeout` seconds
     (Linux: while /proc/self/task/`tid` exists; elsewhere not waited for). Whether it ended.
@@ -172,7 +186,9 @@ def wait_os_thread(tid: Optional[int], timeout: float) -> bool:
     meanwhile ends the thread inside that destructor, and the process aborts ("terminate called
     without an active exception", exit status 134: every bench_server_parallel run did so after
     writing its JSON, as a server's shutdown could). Waited for here (the GIL released while
-    sleeping), the worker's caches are gone before `stop` returns."""
+    sleeping), the worker's caches are gone before `stop` returns. (The portable guard is
+    `release_thread_state`, which empties them on the thread before it ends; this wait, Linux
+    only, is kept beside it.)"""
     path = f"/proc/self/task/{tid}"
     if tid is None or not os.path.isdir("/proc/self/task"):
         return False
@@ -395,16 +411,21 @@ class Worker:
     def _run(self) -> None:
         # MLX streams are thread-local (mlx >= 0.31.2): the main thread's default GPU stream does
         # not exist here, so this thread makes its own and runs every job on it.
-        with mx.stream(mx.new_stream(mx.default_device())):
-            # The OS-level name (top -H, /proc/<pid>/task/<tid>/comm: the bench's per-thread CPU)
-            # is set once this stream has run something: MLX starts a CPU stream's thread, where
-            # its kernels run, at its first use, and a new thread takes the OS name of the thread
-            # that starts it. Named first, that thread carried the worker's name and the bench
-            # counted MLX's kernels as the worker's CPU. (Nothing runs outside this stream: on a
-            # GPU this thread has no default stream of its own.)
-            mx.eval(mx.zeros((1,), mx.int32) + 1)
-            name_os_thread(self._thread.name)
-            self._loop()
+        try:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                # The OS-level name (top -H, /proc/<pid>/task/<tid>/comm: the bench's per-thread CPU)
+                # is set once this stream has run something: MLX starts a CPU stream's thread, where
+                # its kernels run, at its first use, and a new thread takes the OS name of the thread
+                # that starts it. Named first, that thread carried the worker's name and the bench
+                # counted MLX's kernels as the worker's CPU. (Nothing runs outside this stream: on a
+                # GPU this thread has no default stream of its own.)
+                mx.eval(mx.zeros((1,), mx.int32) + 1)
+                name_os_thread(self._thread.name)
+                self._loop()
+        finally:
+            # (this thread's compile cache, random key and streams dropped while it runs Python:
+            # their destructors at its end then have nothing to take the GIL for, on any OS)
+            release_thread_state()
 
     def _loop(self) -> None:
         while True:
