@@ -395,6 +395,44 @@ def test_bench_parts_builds_follow_every_other_cache(wide, monkeypatch):
     assert all(len(v) == 2 for v in before.values()), before     # each followed both others
 
 
+def test_bench_parts_own_times_each_build_after_its_own_step(wide, monkeypatch):
+    """`step_parts(after_own=True)` (`bench --parts-own`): each cache's timed build follows an
+    untimed step of its own (a decode loop's order), the caches still shuffled every round, so
+    the untimed steps follow every other cache; `bench` says which order its parts measured."""
+    calls, timed = [], []
+    real = bench.forward
+    monkeypatch.setattr(bench, "forward", lambda m, t, c: calls.append(id(c)) or real(m, t, c))
+    clock = bench.time.perf_counter
+    caches = [bench.make_policy(s, wide.model).make() for s in ("fp32", "sink2/window8", "int8")]
+    for cache in caches:
+        mx.eval(wide.model(mx.array([list(range(1, 21))]), cache=cache))
+
+    def perf_counter():     # the call a timed build starts after: the last one made
+        timed.append(len(calls))
+        return clock()
+    monkeypatch.setattr(bench.time, "perf_counter", perf_counter)
+    bench.step_parts(wide.model, caches, steps=10, warmup=2, after_own=True)
+    monkeypatch.setattr(bench.time, "perf_counter", clock)
+    assert [c.current_length for c in caches] == [44, 44, 44]       # two steps per cache and round
+    starts = timed[0::3]      # (three clock reads per timed step: before, after the build, after eval)
+    assert len(starts) == 12 * 3 and all(calls[k - 1] == calls[k] for k in starts)   # after its own step
+    pairs = [calls[k:k + 2] for k in range(0, len(calls), 2)]
+    assert all(a == b for a, b in pairs)
+    firsts = [a for a, _ in pairs]
+    before = {id(c): set() for c in caches}
+    for a, b in zip(firsts, firsts[1:]):
+        if a != b:
+            before[b].add(a)
+    assert all(len(v) == 2 for v in before.values()), before     # the untimed steps follow every other
+    asked = []
+    real_parts = bench.step_parts
+    monkeypatch.setattr(bench, "step_parts", lambda *a, **k: asked.append(k.get("after_own")) or real_parts(*a, **k))
+    r = bench.bench(wide.model, ["int8"], [24], decode_steps=2, prefill_chunk=16, parts_own=True)
+    assert r["parts"] and r["parts_order"] == "own" and all("decode_step_us" in x for x in r["rows"])
+    assert bench.bench(wide.model, ["int8"], [24], decode_steps=2, prefill_chunk=16, parts=True)["parts_order"] == "shuffled"
+    assert asked == [True, False]
+
+
 def test_bench_steps_follow_every_other_cache(wide, monkeypatch):
     """`measure` shuffles the policies' order every round of prefill chunks and decode steps:
     within a round each policy's step follows each other policy's (a rotating order made a
@@ -439,6 +477,18 @@ def test_cli_bench_parts_table_and_json(wide_path, tmp_path):
     assert "decode step parts" in r.output and "graph build" in r.output
     d = json.loads(out.read_text())
     assert d["parts"] and all(set(x["decode_step_us"]) == {"build", "eval", "whole"} for x in d["rows"])
+
+
+def test_cli_bench_parts_own_says_its_order(wide_path, tmp_path):
+    """`bench --parts-own`: the parts measured after each policy's own step, and said so in the
+    table and the JSON (plain --parts: after whichever policy ran before)."""
+    out = tmp_path / "b.json"
+    r = _run("bench", wide_path, "--contexts", "16", "--policies", "int8", "--decode-steps", 2, "--parts-own",
+             "--json", out)
+    assert r.exit_code == 0, r.output
+    assert "each build after its own step" in " ".join(r.output.split())
+    d = json.loads(out.read_text())
+    assert d["parts"] and d["parts_order"] == "own" and all("decode_step_us" in x for x in d["rows"])
 
 
 def test_cli_bench_json_and_plot(wide_path, tmp_path):

@@ -70,7 +70,9 @@ def print_table(result: dict) -> None:
         Console(highlight=False, width=112).print(split)
     parted = [r for r in result["rows"] if "decode_step_us" in r]
     if parted:
-        split = Table(title="decode step parts, median us (--parts: graph build on the host, then its evaluation)")
+        split = Table(title="decode step parts, median us (--parts: graph build on the host, then its evaluation; "
+                      + ("each build after its own step)" if result.get("parts_order") == "own"
+                         else "each build after whichever policy ran before it)"))
         for col in ("policy", "context", "graph build", "evaluation", "whole step", "build share"):
             split.add_column(col, justify="left" if col == "policy" else "right")
         for r in sorted(parted, key=lambda r: r["context"]):
@@ -114,6 +116,10 @@ def bench(
         "and evaluating it (the kernels): median microseconds of each. A step mostly build is bound by the "
         "host (not so for a retrieval policy with its cold store on disk, colddisk, whose build reads the "
         "query on the host and so waits for the layers before it).")] = False,
+    parts_own: Annotated[bool, typer.Option(
+        "--parts-own", help="--parts with each policy's build timed right after that policy's own step (a "
+        "decode loop's order), not after whichever policy the shuffle put before it; the policies still "
+        "shuffled every round. The JSON's parts_order says which.")] = False,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
@@ -139,7 +145,8 @@ def bench(
             def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell
                 bar.update(done, total, f"bench · {what}" if bar.live else None)
             result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
-                             progress=advance, reference=reference, stages=stages, parts=parts)
+                             progress=advance, reference=reference, stages=stages, parts=parts,
+                             parts_own=parts_own)
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)

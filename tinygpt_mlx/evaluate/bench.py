@@ -160,7 +160,7 @@ def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
 
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
             prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None,
-            stages: bool = False, parts: bool = False, seed: int = 0) -> list[dict]:
+            stages: bool = False, parts: bool = False, seed: int = 0, parts_own: bool = False) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
     Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
@@ -173,7 +173,8 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     slower, "which step a build follows"). Prefill time is the sum
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
-    `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`).
+    `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`;
+    `parts_own`: each build timed right after the same cache's own step, `after_own`).
     """
     caches = [p.make() for p in policies]
     for cache in caches:    # retrieval's stage times (each stage then ends in a sync)
@@ -231,7 +232,8 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 for store in _cold_stores(cache):
                     store.stages.enabled = False
             live = [i for i in range(len(caches)) if i not in failed]
-            for i, us in zip(live, step_parts(model, [caches[i] for i in live], decode_steps)):
+            for i, us in zip(live, step_parts(model, [caches[i] for i in live], decode_steps,
+                                                     after_own=parts_own)):
                 split[i] = us
         # the median step: robust to the scheduler pausing us on a shared machine
         return [{"policy": p.name, "label": p.label, "context": len(tokens), "error": failed[i]} if i in failed else
@@ -250,7 +252,8 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 cache.close()
 
 
-def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int = 0) -> list[dict]:
+def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int = 0,
+               after_own: bool = False) -> list[dict]:
     """Median microseconds of one decode step on each of `caches`, split into building its graph
     (`build`: the engine's model call, `generate.forward`, before evaluation) and evaluating it
     (`eval`), and the `whole`; the caches stepped in turn (interleaved), `warmup` untimed steps
@@ -259,7 +262,10 @@ def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int 
     The order of the caches is shuffled every round (`seed`): a build that always followed the
     same neighbour's evaluation started as warm or as cold as that neighbour left the CPU's
     caches (after a long context's evaluation, a third slower here: docs/results.md, "which
-    step a build follows"), so two policies compared by their builds each follow every other."""
+    step a build follows"), so two policies compared by their builds each follow every other.
+    `after_own` (`bench --parts-own`): each cache's timed step comes right after an untimed step
+    of its own, so its build follows its own evaluation, as in a decode loop (the caches still
+    shuffled every round; two steps per cache and round)."""
     build: list[list[float]] = [[] for _ in caches]
     whole: list[list[float]] = [[] for _ in caches]
     rng = random.Random(seed)
@@ -268,6 +274,8 @@ def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int 
         rng.shuffle(order)
         for i in order:
             cache = caches[i]
+            if after_own:   # (its own step evaluated first: the timed build follows it)
+                mx.eval(forward(model, mx.array([[7 + step % 50]]), cache))
             t0 = time.perf_counter()
             logits = forward(model, mx.array([[7 + step % 50]]), cache)
             t1 = time.perf_counter()
@@ -299,7 +307,7 @@ def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
           progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE,
-          stages: bool = False, parts: bool = False) -> dict:
+          stages: bool = False, parts: bool = False, parts_own: bool = False) -> dict:
     """Rows for every (context, policy), with ratios against `reference` (which always runs;
     fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
     too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
@@ -334,10 +342,12 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts, seed)
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts or parts_own, seed,
+                        parts_own)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
-            "skipped": skipped, "stages": stages, "parts": parts}
+            "skipped": skipped, "stages": stages, "parts": parts or parts_own,
+            **({"parts_order": "own" if parts_own else "shuffled"} if parts or parts_own else {})}
 
 
 def failure(e: BaseException) -> str:
