@@ -196,6 +196,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","kivi":{"key_bits":3,"value_bits":2,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'k5v4': ('K int5 / V int4',
         '{"storage":"fp32","kivi":{"key_bits":5,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
+    'k4v8': ('K int4 / V int8',
+        '{"storage":"fp32","kivi":{"key_bits":4,"value_bits":8,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'k8v4': ('K int8 / V int4',
         '{"storage":"fp32","kivi":{"key_bits":8,"value_bits":4,"group_size":32,"residual":32,"rotate":true,"exact_sink":4}}'),
     'int2+g64+r0': ('int2, G 64, R 0',
