@@ -188,3 +188,21 @@ def test_retrieval_scaling_bench_grows_the_global_layers(gemma3):
     # three global layers' cold stores: 4096 - 260 hot tokens each, fp32 K and V of one head of 256
     assert row["cold_bytes"] == 3 * (4096 - 260 + 3) * 2 * 256 * 4, row["bytes"]
     assert row["bytes"]["sliding"] == 15 * 512 * 2 * 256 * 4
+
+
+def test_retrieval_scaling_bench_grows_the_full_caches_global_layers(gemma3):
+    """The scaling bench's full cache (`--full`, `grow_full`) on Gemma 3: its three global layers
+    grown to 4K tokens by copies of a 600-token prefill, the sliding rings left at their window of
+    512 (as `grow_cold` leaves them), and the retrieval and full rows stepped side by side. (Fails
+    with `grow_full` growing every layer: a ring has no `fetch`, the bench stopped on a traceback.)"""
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.evaluate.inputs import HELDOUT_KJV
+    from tinygpt_mlx.evaluate.retrieval_bench import decode_scaling
+
+    ids = gemma3.tokenizer.encode(HELDOUT_KJV.read_text(encoding="utf-8")[:3000])[:600]
+    rows = decode_scaling(gemma3.model, CacheConfig(sink=4, hot_budget=256), ids, [4096], decode_steps=2,
+                          chunk=512, full=True, record=False)
+    assert [(r["cache"], r["context"]) for r in rows] == [("retrieval", 4096 + 3), ("full", 4096 + 3)]
+    full = rows[1]["bytes"]
+    assert full["body"] == 3 * (4096 + 3) * 2 * 256 * 4, full     # three global layers, fp32 K and V
+    assert full["sliding"] == rows[0]["bytes"]["sliding"] == 15 * 512 * 2 * 256 * 4

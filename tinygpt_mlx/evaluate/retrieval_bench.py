@@ -64,8 +64,9 @@ def grow_full(cache, target_tokens: int) -> None:
     rows (as stored: the keys keep the positions the model gave them), as `grow_cold` grows a
     retrieval cache's cold stores: a full cache's decode step reads every stored row, whatever it
     holds, so its cost at a context is measured without prefilling the model over it. One append
-    per layer (its buffer grown once, not once per block)."""
-    for lc in cache.owned:
+    per layer (its buffer grown once, not once per block). Only the global layers grow, as in
+    `grow_cold` (a sliding-window layer's ring keeps its own window: Gemma 3's local layers)."""
+    for lc in cache.global_layers:
         body = lc.body
         base = len(body)
         if base == 0:
