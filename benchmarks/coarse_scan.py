@@ -125,8 +125,8 @@ def main() -> None:
         ap.error(f"--contexts {a.contexts!r}: each at least {PAGE * BLOCK} tokens")
     if a.reps < 1:
         ap.error(f"--reps {a.reps}: give at least 1")
-    if a.top_pages < UNITS:
-        ap.error(f"--top-pages {a.top_pages}: give at least {UNITS} (the pages a query picks)")
+    if a.top_pages < UNITS * PAGE:   # fewer would pick top // PAGE = no span at all (or fewer than the default's 4)
+        ap.error(f"--top-pages {a.top_pages}: give at least {UNITS * PAGE} ({UNITS} spans of {PAGE} pages, what a query picks)")
     rng = np.random.RandomState(0)
     rows = []
     for tokens in contexts:

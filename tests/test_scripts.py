@@ -64,7 +64,8 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("retrieval_bench", ["/no/model", "--index-expand", "0"], "--index-expand 0: must be an integer >= 1, got 0"),
     ("retrieval_bench", ["/no/model", "--summary", "bogus"],
      "--summary 'bogus': must be one of minmax, mean, hybrid, got 'bogus'"),
-    ("coarse_scan", ["--top-pages", "2"], "--top-pages 2: give at least 4 (the pages a query picks)"),
+    ("coarse_scan", ["--top-pages", "2"], "--top-pages 2: give at least 32 (4 spans of 8 pages, what a query picks)"),
+    ("coarse_scan", ["--top-pages", "5"], "--top-pages 5: give at least 32 (4 spans of 8 pages, what a query picks)"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):

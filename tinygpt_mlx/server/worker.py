@@ -172,7 +172,10 @@ def release_thread_state() -> None:
     inside that destructor and the process aborted ("terminate called without an active
     exception", exit status 134: most bench_server_parallel runs after writing their JSON, and a
     server's shutdown could). Emptied here, nothing is left for them to drop, on any OS; the
-    compiled functions themselves stay valid (a call on another thread traces anew there)."""
+    compiled functions themselves stay valid (a call on another thread traces anew there). The
+    thread's queued work is waited for first (`mx.synchronize`), so no stream is ended with work
+    still on it (on a GPU the last step may still be running)."""
+    mx.synchronize()
     mx.clear_streams()
 
 
