@@ -384,7 +384,7 @@ def _solo_and_together(m, cfg, prompts):
     return solo, together, tokens
 
 
-def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32):
+def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32, monkeypatch):
     """Four retrieval caches prefilled with prompts of 60 to 101 random tokens: their first passes
     picked sticky pages of several widths (a short store's pool holds fewer pages), which do not
     stack; each width selects as a group of its own (`_group`: the row key holds the width). In
@@ -404,12 +404,9 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32)
         widths.add(out[2][0]["recent"].shape)
         return out
     before, failed = batch.taken.copy(), dict(batch._failed)
-    batch.step_inputs = spy
-    try:
-        for _ in range(24):
-            tokens = lockstep(m, tokens, together, solo, "widths")
-    finally:
-        batch.step_inputs = real
+    monkeypatch.setattr(batch, "step_inputs", spy)
+    for _ in range(24):
+        tokens = lockstep(m, tokens, together, solo, "widths")
     assert len(widths) > 1, widths              # (the case: rows of several sticky widths)
     assert batch._failed == failed
     assert (batch.taken - before)["compiled_retrieval"] >= 12, batch.taken - before
@@ -480,7 +477,7 @@ def test_batched_retrieval_steps_ahead_compiled_as_each_alone(native32, case):
             assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
 
 
-def test_batched_retrieval_step_turns_with_the_rope_products(native32):
+def test_batched_retrieval_step_turns_with_the_rope_products(native32, monkeypatch):
     """serve's compiled batched retrieval step traces the model's RoPE as products, each row by
     the matrix of its own position (rope_products with the rows' offsets [B], batch.py
     `_retrieval_step`), as the solo step does with its one offset: while four steady rows step
@@ -502,12 +499,9 @@ def test_batched_retrieval_step_turns_with_the_rope_products(native32):
         rows_asked.append(offset.shape[0] if offset.ndim == 1 else 0)
         return real(rope, offset, D)
     before = batch.taken.copy()
-    rope_products.rope_matrix = spy
-    try:
-        for _ in range(8):
-            tokens = lockstep(m, tokens, together, solo, "rope products")
-    finally:
-        rope_products.rope_matrix = real
+    monkeypatch.setattr(rope_products, "rope_matrix", spy)
+    for _ in range(8):
+        tokens = lockstep(m, tokens, together, solo, "rope products")
     assert (batch.taken - before)["compiled_retrieval"] >= 4, batch.taken - before
     assert any(n > 1 for n in rows_asked), rows_asked       # a batched trace's rows' matrices
 
