@@ -311,7 +311,8 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
     """Rows for every (context, policy), with ratios against `reference` (which always runs;
     fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
     too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
-    the timed work."""
+    the timed work. `parts_own` implies `parts` (`measure`)."""
+    parts = parts or parts_own
     if not contexts or min(contexts) < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
     if decode_steps < 1:
@@ -342,12 +343,11 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
         tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts or parts_own, seed,
-                        parts_own)
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts, seed, parts_own)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
-            "skipped": skipped, "stages": stages, "parts": parts or parts_own,
-            **({"parts_order": "own" if parts_own else "shuffled"} if parts or parts_own else {})}
+            "skipped": skipped, "stages": stages, "parts": parts,
+            **({"parts_order": "own" if parts_own else "shuffled"} if parts else {})}
 
 
 def failure(e: BaseException) -> str:
