@@ -20,6 +20,14 @@ top-R principal directions of the layer's first `--fit` cold keys, Loki; the pag
 token), "intB" (every token scored against its key quantised to B bits per channel in groups of
 32 tokens; the page takes its best token).
 
+`--fetched` prints, at every answer step, which of the needle's tokens each retrieval layer's
+fine pass fetched for each KV head (of those that are cold): the step that reads the first
+digit is the one fed the space before it. `--decode-fetch N,M,..` prefills once and feeds the
+answer once per fine-pass budget (tokens per query at the decode steps only; the prompt's chunks
+keep the policy's own), the cache put back to its state after prefill (`KVCache.checkpoint`)
+before each: whether a larger fine pass at the answer's steps would read what the policy's does
+not. `--json` writes every number printed, with the command and the load average.
+
     python -m benchmarks.needle_step_probe MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
 """
@@ -27,8 +35,13 @@ token), "intB" (every token scored against its key quantised to B bits per chann
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
-from typing import Any
+import shlex
+import sys
+import time
+from typing import Any, Callable, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -37,7 +50,7 @@ from tinygpt_mlx import loading
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.cold import ColdStore
 from tinygpt_mlx.chat_template import encode_fragment
-from tinygpt_mlx.cache.telemetry import pages_holding
+from tinygpt_mlx.cache.telemetry import cold_indices, pages_holding
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, as_chat, cell_document, needle_positions, with_lead_in
 from tinygpt_mlx.generate import forward, prefill
@@ -120,6 +133,122 @@ def print_ranks(last: dict, truth: Any, rankers: tuple = (), fit: int = 2048) ->
           ", ".join(f"{n} {w}" for n, w in zip(names, fetched)))
 
 
+class NeedleFetch:
+    """What each retrieval layer's fine pass fetched of the needle, per forward pass (`step`):
+    {layer: [(fetched needle positions, cold needle positions) per KV head]}, read from the
+    `Selection` every retrieval hands its telemetry (recording is turned on here)."""
+
+    def __init__(self, cache: Any, truth: Any):
+        self.truth = np.asarray(truth, dtype=np.int64)
+        self.current: dict = {}
+        cache.record_retrievals(True)
+        cache.set_truth(self.truth)     # (the telemetry's own recall beside: the test compares them)
+        for c in cache.owned:
+            if c.telemetry is not None:
+                c.telemetry.record = self._wrap(c.telemetry.record)
+
+    def _wrap(self, plain):
+        def record(s):
+            plain(s)
+            cold = cold_indices(s.positions, s.cold_tokens, self.truth)
+            self.current[s.layer] = [(s.positions[np.intersect1d(row, cold)], s.positions[cold])
+                                     for row in s.fetched()]
+        return record
+
+    def step(self) -> dict:
+        """The fetches recorded since the last call (one forward pass's, one per retrieval layer)."""
+        out, self.current = self.current, {}
+        return out
+
+
+def set_fetch(cache: Any, tokens: int) -> None:
+    """Every cold store's fine-pass budget from now on: `tokens` per query (spans: whole pages,
+    tokens // page_size of them), as `fetchN` sets it for the whole run."""
+    for c in cache.owned:
+        if c.config.retrieval:
+            c.cold.retrieve_tokens = tokens
+
+
+def answer(model: Any, cache: Any, logits: mx.array, target: list, fetch: Optional[NeedleFetch] = None) -> list:
+    """Feed `target` token by token after `logits` (teacher forcing): per answer token (token,
+    p, rank, the model's top token, ms of the forward pass that made these logits, the needle
+    fetched by that pass: {} where not recorded or for the prefill's logits)."""
+    rows, fetched, ms = [], {}, None
+    for i, t in enumerate(target):
+        p = mx.softmax(logits.astype(mx.float32))
+        rows.append((t, float(p[t]), int((p > p[t]).sum()), int(mx.argmax(p)), ms, fetched))
+        if i + 1 == len(target):
+            break
+        t0 = time.perf_counter()
+        logits = forward(model, mx.array([[t]]), cache)[0, -1]
+        mx.eval(logits)
+        ms = (time.perf_counter() - t0) * 1e3
+        fetched = fetch.step() if fetch is not None else {}
+    return rows
+
+
+def probe_policy(model: Any, ids: list, target: list, truth: Any, config: CacheConfig, chunk: int,
+                 oracle: bool = False, fetches: Sequence[Optional[int]] = (None,), fetched: bool = False,
+                 on_prefill: Optional[Callable[[Any], None]] = None) -> dict:
+    """One policy: prefill `ids` once, then per budget in `fetches` (None: the policy's own) the
+    answer fed token by token (`answer`), the cache restored to its state after prefill before
+    each. Returns {budget: answer rows}."""
+    if any(f is not None for f in fetches) and (not config.retrieval or config.retrieves_per_query):
+        raise ValueError("a fine-pass budget needs a retrieval policy whose slots do not depend on it (not 'slots')")
+    with make_cache(model, config) as cache:
+        if oracle:
+            cache.pin(truth)
+        logits = prefill(model, ids, cache, chunk)
+        if on_prefill is not None:
+            on_prefill(cache)
+        mx.eval(logits)
+        held = cache.checkpoint() if len(fetches) > 1 else None
+        rec = NeedleFetch(cache, truth) if fetched and config.retrieval else None
+        own = config.retrieve_tokens
+        out = {}
+        for n in fetches:
+            if held is not None and out:
+                cache.restore(held)
+            if config.retrieval:
+                set_fetch(cache, own if n is None else n)
+            out[n] = answer(model, cache, logits, target, rec)
+        return out
+
+
+def print_rows(tok: Any, label: str, rows: list, fetched: bool) -> None:
+    print(f"{label}: " + " | ".join(f"{tok.decode([t])!r} p={p:.2f} rank {r} top {tok.decode([top])!r}"
+                                   for t, p, r, top, _, _ in rows), flush=True)
+    steps = [ms for *_, ms, _ in rows if ms is not None]
+    if steps:
+        print(f"  decode step ms (median of {len(steps)}): {float(np.median(steps)):.0f}", flush=True)
+    if fetched and any(got for *_, got in rows):     # (a policy without retrieval records nothing)
+        for t, *_, got in rows[1:]:
+            print(f"  needle fetched by the step that reads {tok.decode([t])!r}: " + "; ".join(
+                f"layer {layer} " + ", ".join(f"{len(f)}/{len(c)}" + (f" (missing {_spans(np.setdiff1d(c, f))})"
+                                                                     if len(f) < len(c) else "")
+                                              for f, c in heads)
+                for layer, heads in sorted(got.items())), flush=True)
+
+
+def _spans(pos: np.ndarray) -> str:
+    """Positions as runs: 9800-9803, 9806."""
+    runs, start = [], None
+    for i, p in enumerate(pos):
+        if start is None:
+            start = p
+        if i + 1 == len(pos) or pos[i + 1] != p + 1:
+            runs.append(f"{start}" if start == p else f"{start}-{p}")
+            start = None
+    return ", ".join(runs)
+
+
+def _as_json(tok: Any, rows: list) -> list:
+    return [dict(token=tok.decode([t]), p=p, rank=r, top=tok.decode([top]), step_ms=ms,
+                 fetched={str(layer): [dict(fetched=f.tolist(), cold=c.tolist()) for f, c in heads]
+                          for layer, heads in got.items()})
+            for t, p, r, top, ms, got in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None)
@@ -135,11 +264,23 @@ def main() -> None:
     ap.add_argument("--fit", type=int, default=2048, help="cold keys the lowrank basis is fitted on (the first)")
     ap.add_argument("--chunk", type=int, default=128)
     ap.add_argument("--policies", default="sink4/hot256,oracle:sink4/hot256")
+    ap.add_argument("--fetched", action="store_true",
+                    help="print which needle tokens each retrieval layer fetched at each answer step (above)")
+    ap.add_argument("--decode-fetch", default="",
+                    help="fine-pass budgets (tokens per query) to feed the answer with after one prefill, "
+                         "comma-separated; 'own' is the policy's (above)")
+    ap.add_argument("--json", default=None, help="write the results here, with the command and the load average")
     a = ap.parse_args()
     try:
         configs = [(spec, CacheConfig.from_spec(spec.removeprefix("oracle:"))) for spec in a.policies.split(",")]
     except ValueError as e:
         ap.error(f"--policies: {e}")
+    try:
+        fetches = [None if f.strip() == "own" else int(f) for f in a.decode_fetch.split(",")] if a.decode_fetch else [None]
+    except ValueError:
+        ap.error(f"--decode-fetch {a.decode_fetch!r}: give token counts (or 'own'), comma-separated")
+    if any(f is not None and f < 1 for f in fetches):
+        ap.error(f"--decode-fetch {a.decode_fetch!r}: each budget must be at least 1 token")
     rankers = tuple(filter(None, a.rankers.split(",")))
     bad = [r for r in rankers if not re.fullmatch(r"mean|lowrank\d+|int\d+", r)]
     if bad:
@@ -147,35 +288,41 @@ def main() -> None:
     loaded = loading.load(a.model)
     tok = loaded.tokenizer
     filler = open(a.filler, encoding="utf-8").read()
-    prompt, answer = cell_document(tok, filler, a.context, a.depth, a.seed)
+    prompt, answer_text = cell_document(tok, filler, a.context, a.depth, a.seed)
     prompt = as_chat(tok, prompt, a.lead_in) if a.chat else with_lead_in(prompt, a.lead_in)
     ids = list(tok.encode(prompt))
-    truth = np.asarray(needle_positions(tok.encode, prompt, answer))
-    target = encode_fragment(tok, " " + answer + ".")   # no BOS: the answer continues the prompt
-    print(f"cell: context {a.context}, depth {a.depth}, seed {a.seed}: {len(ids)} tokens, answer {answer!r}, "
+    truth = np.asarray(needle_positions(tok.encode, prompt, answer_text))
+    target = encode_fragment(tok, " " + answer_text + ".")   # no BOS: the answer continues the prompt
+    print(f"cell: context {a.context}, depth {a.depth}, seed {a.seed}: {len(ids)} tokens, answer {answer_text!r}, "
           f"needle at positions {truth.min()}-{truth.max()}", flush=True)
     plain = ColdStore.pool
+    results = {}
+    load_start = os.getloadavg()
     for spec, config in configs:
         last: dict = {}
         oracle = spec.startswith("oracle:")
         ColdStore.pool = recording_pool(last) if a.ranks and not oracle else plain
+
+        def after_prefill(cache):
+            if last:
+                ColdStore.pool = plain      # the answer's steps are not recorded
+                print_ranks(last, truth, rankers, a.fit)
         try:
-            with make_cache(loaded.model, config) as cache:
-                if oracle:
-                    cache.pin(truth)
-                logits = prefill(loaded.model, ids, cache, a.chunk)
-                if last:
-                    ColdStore.pool = plain      # the answer's steps are not recorded
-                    print_ranks(last, truth, rankers, a.fit)
-                steps = []
-                for t in target:
-                    p = mx.softmax(logits.astype(mx.float32))
-                    rank, top = int((p > p[t]).sum()), int(mx.argmax(p))
-                    steps.append(f"{tok.decode([t])!r} p={float(p[t]):.2f} rank {rank} top {tok.decode([top])!r}")
-                    logits = forward(loaded.model, mx.array([[t]]), cache)[0, -1]
+            runs = probe_policy(loaded.model, ids, target, truth, config, a.chunk, oracle,
+                                fetches if config.retrieval else [None], a.fetched, after_prefill)
         finally:
             ColdStore.pool = plain
-        print(f"{spec}: " + " | ".join(steps), flush=True)
+        for n, rows in runs.items():
+            label = spec if n is None else f"{spec} (fine pass {n} tokens at the answer's steps)"
+            print_rows(tok, label, rows, a.fetched)
+            results[label] = _as_json(tok, rows)
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as f:
+            json.dump(dict(command="python -m benchmarks.needle_step_probe " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+                           LD_PRELOAD=os.environ.get("LD_PRELOAD", ""), load_average_at_start=list(load_start),
+                           load_average_at_end=list(os.getloadavg()), context=a.context, depth=a.depth, seed=a.seed,
+                           prompt_tokens=len(ids), answer=answer_text, needle_positions=truth.tolist(),
+                           results=results), f, indent=1)
 
 
 if __name__ == "__main__":
