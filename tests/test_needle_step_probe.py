@@ -23,14 +23,25 @@ from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, cell_document, needle_po
 EVERYTHING = "sink4/hot32:absolute+fetch256"
 
 
+@pytest.fixture(scope="module", params=["native", "gemma3"])
+def model(request, native, tmp_path_factory, tokenizer_json):
+    """The tiny native TinyGPT, and a tiny gemma3_text (tests/test_sliding.py's: sliding-window
+    layers of 16, every third layer global, which alone retrieve)."""
+    if request.param == "native":
+        return native
+    from test_sliding import build_gemma3_dir
+    from tinygpt_mlx.loading import load
+    return load(build_gemma3_dir(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3", tokenizer_json))
+
+
 @pytest.fixture(scope="module")
-def cell(native):
-    tok = native.tokenizer
+def cell(model):
+    tok = model.tokenizer
     prompt, answer = cell_document(tok, DEFAULT_FILLER.read_text(encoding="utf-8"), 240, 0.3, 0)
     ids = list(tok.encode(prompt))
     truth = np.asarray(needle_positions(tok.encode, prompt, answer))
     target = encode_fragment(tok, " " + answer + ".")
-    assert len(ids) < native.context_length and truth.max() < len(ids) - 36   # the needle goes cold
+    assert len(ids) < model.context_length and truth.max() < len(ids) - 36   # the needle goes cold
     return ids, target, truth
 
 
@@ -38,11 +49,11 @@ def _probs(rows):
     return np.array([p for _, p, *_ in rows])
 
 
-def test_decode_fetch_reads_everything_as_the_full_cache_and_one_page_not(native, cell):
+def test_decode_fetch_reads_everything_as_the_full_cache_and_one_page_not(model, cell):
     ids, target, truth = cell
-    full = probe_policy(native.model, ids, target, truth, CacheConfig.from_spec("full"), 64)[None]
+    full = probe_policy(model.model, ids, target, truth, CacheConfig.from_spec("full"), 64)[None]
     caches = []
-    runs = probe_policy(native.model, ids, target, truth, CacheConfig.from_spec(EVERYTHING), 64,
+    runs = probe_policy(model.model, ids, target, truth, CacheConfig.from_spec(EVERYTHING), 64,
                         fetches=(8, 256, None, 64), fetched=True, on_prefill=caches.append)
     assert [t for t, *_ in runs[256]] == target
     # every cold token at the answer's steps (after a run with one page, restored): the full cache
@@ -52,13 +63,14 @@ def test_decode_fetch_reads_everything_as_the_full_cache_and_one_page_not(native
     assert np.abs(_probs(runs[8]) - _probs(full))[1:].max() > 1e-3
     assert _probs(runs[8])[0] == _probs(runs[256])[0]    # the prefill's logits: one prefill for all
 
-    layers = [c for c in caches[0].owned if c.telemetry is not None]
+    layers = [c for c in caches[0].owned if c.telemetry is not None]   # the global layers (gemma3)
+    assert layers and all(c.config.retrieval == (c.telemetry is not None) for c in caches[0].owned)
     for n, rows in runs.items():
         assert rows[0][-1] == {}     # the prefill's logits: nothing recorded
         for _, _, _, _, ms, got in rows[1:]:
             assert ms > 0 and sorted(got) == [c.cold.layer_index for c in layers]
             for heads in got.values():
-                assert len(heads) == native.model.config.n_kv_heads
+                assert len(heads) == 2      # KV heads (both tiny models)
                 for fetched, cold in heads:
                     assert np.array_equal(cold, truth)           # the whole needle is cold
                     assert set(fetched.tolist()) <= set(truth.tolist())
@@ -75,8 +87,8 @@ def test_decode_fetch_reads_everything_as_the_full_cache_and_one_page_not(native
         np.testing.assert_allclose(recall[c.cold.layer_index], [r["token_recall"] for r in c.telemetry.records])
 
 
-def test_decode_fetch_refuses_the_slots_rule(native, cell):
+def test_decode_fetch_refuses_the_slots_rule(model, cell):
     ids, target, truth = cell
     with pytest.raises(ValueError, match="not 'slots'"):
-        probe_policy(native.model, ids, target, truth, CacheConfig(
+        probe_policy(model.model, ids, target, truth, CacheConfig(
             hot_budget=32, sink=4, rope_mode="shifted", retrieved_position="slots"), 64, fetches=(8,))
