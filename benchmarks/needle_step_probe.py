@@ -24,9 +24,11 @@ token), "intB" (every token scored against its key quantised to B bits per chann
 fine pass fetched for each KV head (of those that are cold): the step that reads the first
 digit is the one fed the space before it. `--decode-fetch N,M,..` prefills once and feeds the
 answer once per fine-pass budget (tokens per query at the decode steps only; the prompt's chunks
-keep the policy's own), the cache put back to its state after prefill (`KVCache.checkpoint`)
-before each: whether a larger fine pass at the answer's steps would read what the policy's does
-not. `--json` writes every number printed, with the command and the load average.
+keep the policy's own; `all`: every cold token, the coarse pass keeping every page), the cache
+put back to its state after prefill (`KVCache.checkpoint`) before each: whether a larger fine
+pass at the answer's steps would read what the policy's does not, and (`all`, at original
+positions: the full cache's attention at those steps over the prompt as retrieval prefilled it)
+whether the answer's steps or the prefill lose it. `--json` writes every number printed, with the command and the load average.
 
     python -m benchmarks.needle_step_probe MODEL --context 16384 --depth 0.5 --seed 2 \
         --policies sink4/hot256+hybrid+nosticky,oracle:sink4/hot256+hybrid+nosticky,sink4/hot256
@@ -161,12 +163,19 @@ class NeedleFetch:
         return out
 
 
-def set_fetch(cache: Any, tokens: int) -> None:
+#: `--decode-fetch all`: every cold token (every page in the coarse pass's pool, all picked)
+ALL = "all"
+
+
+def set_fetch(cache: Any, tokens: Any) -> None:
     """Every cold store's fine-pass budget from now on: `tokens` per query (spans: whole pages,
-    tokens // page_size of them), as `fetchN` sets it for the whole run."""
+    tokens // page_size of them), as `fetchN` sets it for the whole run; `ALL`: every cold page
+    in the pool (the coarse pass keeps them all, as `pagesN` would) and every one of them picked."""
     for c in cache.owned:
         if c.config.retrieval:
-            c.cold.retrieve_tokens = tokens
+            every = tokens == ALL
+            c.cold.retrieve_tokens = 1 << 40 if every else tokens
+            c.cold.top_pages = 1 << 40 if every else c.config.top_pages
 
 
 def answer(model: Any, cache: Any, logits: mx.array, target: list, fetch: Optional[NeedleFetch] = None) -> list:
@@ -188,10 +197,10 @@ def answer(model: Any, cache: Any, logits: mx.array, target: list, fetch: Option
 
 
 def probe_policy(model: Any, ids: list, target: list, truth: Any, config: CacheConfig, chunk: int,
-                 oracle: bool = False, fetches: Sequence[Optional[int]] = (None,), fetched: bool = False,
+                 oracle: bool = False, fetches: Sequence[Any] = (None,), fetched: bool = False,
                  on_prefill: Optional[Callable[[Any], None]] = None) -> dict:
-    """One policy: prefill `ids` once, then per budget in `fetches` (None: the policy's own) the
-    answer fed token by token (`answer`), the cache restored to its state after prefill before
+    """One policy: prefill `ids` once, then per budget in `fetches` (None: the policy's own; `ALL`:
+    every cold token) the answer fed token by token (`answer`), the cache restored to its state after prefill before
     each. Returns {budget: answer rows}."""
     if any(f is not None for f in fetches) and (not config.retrieval or config.retrieves_per_query):
         raise ValueError("a fine-pass budget needs a retrieval policy whose slots do not depend on it (not 'slots')")
@@ -268,7 +277,7 @@ def main() -> None:
                     help="print which needle tokens each retrieval layer fetched at each answer step (above)")
     ap.add_argument("--decode-fetch", default="",
                     help="fine-pass budgets (tokens per query) to feed the answer with after one prefill, "
-                         "comma-separated; 'own' is the policy's (above)")
+                         "comma-separated; 'own' is the policy's, 'all' every cold token (above)")
     ap.add_argument("--json", default=None, help="write the results here, with the command and the load average")
     a = ap.parse_args()
     try:
@@ -276,10 +285,11 @@ def main() -> None:
     except ValueError as e:
         ap.error(f"--policies: {e}")
     try:
-        fetches = [None if f.strip() == "own" else int(f) for f in a.decode_fetch.split(",")] if a.decode_fetch else [None]
+        fetches = ([None if f.strip() == "own" else ALL if f.strip() == ALL else int(f) for f in a.decode_fetch.split(",")]
+                   if a.decode_fetch else [None])
     except ValueError:
-        ap.error(f"--decode-fetch {a.decode_fetch!r}: give token counts (or 'own'), comma-separated")
-    if any(f is not None and f < 1 for f in fetches):
+        ap.error(f"--decode-fetch {a.decode_fetch!r}: give token counts (or 'own', 'all'), comma-separated")
+    if any(isinstance(f, int) and f < 1 for f in fetches):
         ap.error(f"--decode-fetch {a.decode_fetch!r}: each budget must be at least 1 token")
     rankers = tuple(filter(None, a.rankers.split(",")))
     bad = [r for r in rankers if not re.fullmatch(r"mean|lowrank\d+|int\d+", r)]
@@ -313,7 +323,8 @@ def main() -> None:
         finally:
             ColdStore.pool = plain
         for n, rows in runs.items():
-            label = spec if n is None else f"{spec} (fine pass {n} tokens at the answer's steps)"
+            label = (spec if n is None else f"{spec} (every cold token at the answer's steps)" if n == ALL
+                     else f"{spec} (fine pass {n} tokens at the answer's steps)")
             print_rows(tok, label, rows, a.fetched)
             results[label] = _as_json(tok, rows)
     if a.json:

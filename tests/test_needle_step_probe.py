@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks.needle_step_probe import probe_policy
+from benchmarks.needle_step_probe import ALL, probe_policy
 from tinygpt_mlx.chat_template import encode_fragment
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, cell_document, needle_positions
@@ -54,11 +54,12 @@ def test_decode_fetch_reads_everything_as_the_full_cache_and_one_page_not(model,
     full = probe_policy(model.model, ids, target, truth, CacheConfig.from_spec("full"), 64)[None]
     caches = []
     runs = probe_policy(model.model, ids, target, truth, CacheConfig.from_spec(EVERYTHING), 64,
-                        fetches=(8, 256, None, 64), fetched=True, on_prefill=caches.append)
+                        fetches=(8, 256, None, ALL, 64), fetched=True, on_prefill=caches.append)
     assert [t for t, *_ in runs[256]] == target
     # every cold token at the answer's steps (after a run with one page, restored): the full cache
     np.testing.assert_allclose(_probs(runs[256]), _probs(full), atol=1e-4)
     np.testing.assert_allclose(_probs(runs[None]), _probs(full), atol=1e-4)   # the policy's own: 256
+    np.testing.assert_allclose(_probs(runs[ALL]), _probs(full), atol=1e-4)
     # one page of 8 tokens at the answer's steps reads something else
     assert np.abs(_probs(runs[8]) - _probs(full))[1:].max() > 1e-3
     assert _probs(runs[8])[0] == _probs(runs[256])[0]    # the prefill's logits: one prefill for all
@@ -92,3 +93,16 @@ def test_decode_fetch_refuses_the_slots_rule(model, cell):
     with pytest.raises(ValueError, match="not 'slots'"):
         probe_policy(model.model, ids, target, truth, CacheConfig(
             hot_budget=32, sink=4, rope_mode="shifted", retrieved_position="slots"), 64, fetches=(8,))
+
+
+def test_decode_fetch_all_reaches_past_the_coarse_pool(model, cell):
+    """A pool of 2 pages (+ the unfinished and the sticky ones) misses the needle at some answer
+    step, however large the fine pass; `all` keeps every page and fetches the whole needle at
+    every step. `all` first: the budgets after it are the pool's again."""
+    ids, target, truth = cell
+    runs = probe_policy(model.model, ids, target, truth, CacheConfig.from_spec("sink4/hot32:absolute+fetch16+pages2"),
+                        64, fetches=(ALL, 4096, None), fetched=True)
+    heads = {n: [h for *_, got in rows[1:] for per_layer in got.values() for h in per_layer] for n, rows in runs.items()}
+    assert all(np.array_equal(f, truth) and np.array_equal(c, truth) for f, c in heads[ALL])
+    for n in (4096, None):
+        assert any(len(f) < len(truth) for f, _ in heads[n])

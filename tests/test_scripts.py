@@ -34,7 +34,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
      "--policies: policy 'sink4/hot256+expand0': index_expand must be an integer >= 1, got 0"),
     ("needle_step_probe", ["--rankers", "mean,bogus"], "--rankers: unknown ranker 'bogus' (mean, lowrankR, intB)"),
     ("needle_step_probe", ["--decode-fetch", "256,abc"],
-     "--decode-fetch '256,abc': give token counts (or 'own'), comma-separated"),
+     "--decode-fetch '256,abc': give token counts (or 'own', 'all'), comma-separated"),
     ("needle_step_probe", ["--decode-fetch", "own,0"], "--decode-fetch 'own,0': each budget must be at least 1 token"),
     ("chat_reach_grid", ["--policies", "retrieval,foo"],
      "--policies 'retrieval,foo': unknown foo (choose from full cache, streaming, retrieval)"),
