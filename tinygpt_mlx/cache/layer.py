@@ -61,6 +61,11 @@ class LayerCache:
         self.body = body
         self.cold = cold
         self.telemetry = RetrievalTelemetry() if config.retrieval else None
+        #: the policy's two per-call facts, decided here once (`_make_plan` runs per call):
+        #: how many body tokens a call may keep (the window, retrieval's hot window, None: all)
+        #: and whether evicted tokens go to a cold store
+        self._limit: Optional[int] = config.window if config.streaming else config.hot_budget
+        self._retrieves: bool = bool(config.retrieval)
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
@@ -102,7 +107,7 @@ class LayerCache:
         """Body tokens to evict so that the next call's tokens each see exactly `window` (with
         `pending`: keep `window - 1`), or, between calls, so that exactly `window` are held
         (retrieval: the hot window `hot_budget` plays the window's part, also during prefill)."""
-        limit = self.config.window if self.config.streaming else self.config.hot_budget
+        limit = self._limit
         if limit is None:
             return 0
         limit -= 1 if pending else 0
@@ -128,7 +133,7 @@ class LayerCache:
 
     def _cold_after(self, drop: int) -> int:
         """Tokens in the cold store once `drop` more are evicted to it."""
-        return len(self.cold) + drop if self.config.retrieval else 0
+        return len(self.cold) + drop if self._retrieves else 0
 
     def commit(self, plan: Plan, keys: Optional[mx.array], values: Optional[mx.array],
                written: Optional[tuple] = None) -> None:
