@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
+from . import cpu_softmax
 from .positions import Positions
 
 
@@ -206,7 +207,10 @@ def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, ma
     mask = mask_array(mask, L, sum(sizes), sum(sizes[:n_retrieved]))
     if mask is not None:
         scores = mx.where(mask, scores, -mx.inf)
-    probs = mx.softmax(scores, axis=-1)    # (fp32 scores: `precise` gives the same bits, ~2x slower on a CPU)
+    if L > 1 and _pool_over_exact(segments, n_retrieved) and cpu_softmax.use_here():
+        probs = cpu_softmax.softmax_rows(scores)     # a retrieval chunk on an x86 CPU (cpu_softmax.py)
+    else:
+        probs = mx.softmax(scores, axis=-1)    # (fp32 scores: `precise` gives the same bits, ~2x slower on a CPU)
     pieces, start = [], 0
     for n in sizes:     # (indexed on every axis: half the build time of probs[..., a:b])
         pieces.append(probs[:, :, :, :, start:start + n] if len(sizes) > 1 else probs)
@@ -231,6 +235,15 @@ def attend(segments: list, n_retrieved: int, queries: mx.array, scale: float, ma
 #: segments whose keys and values are exact and in no rotated basis: one unmasked query over
 #: nothing else takes `_attend_one`
 _EXACT = (DenseSegment, PickedSegment)
+
+
+def _pool_over_exact(segments: list, n_retrieved: int) -> bool:
+    """A retrieval chunk's pool before exact segments only (a sink and an exact hot window): where
+    `attend` may take cpu_softmax's softmax. Not over a KIVI-packed window: the next layer's
+    values are quantised there, and a rounding's difference can flip a code (the full KIVI cache,
+    on `mx.softmax`, is what tests/test_retrieval.py compares such a cache with)."""
+    return (n_retrieved == 1 and type(segments[0]) is PoolSegment
+            and all(type(sg) is DenseSegment for sg in segments[1:]))
 
 
 def _attend_one(segments: list, queries: mx.array, scale: float, turned: Optional[mx.array],
