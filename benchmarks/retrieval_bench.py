@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -83,9 +84,7 @@ def main() -> None:
     ctx = [int(x) for x in a.contexts.split(",") if x]
     if not ctx:
         print(json.dumps(out.get("summary_recall"), indent=1))
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(out, f, indent=1)
+        save(a.json, out)
         return
     print(f"{'context':>9} {'cache':>9} {'decode ms/tok':>13} {'cpu ms/tok':>10} {'hot MiB':>8} {'cold MiB':>9} "
           f"{'summary MiB':>11}", flush=True)
@@ -101,9 +100,18 @@ def main() -> None:
     for key in ("decode_ms_per_token", "decode_cpu_ms_per_token"):
         print(f"retrieval's {key} largest/smallest context:",
               round(retrieval[-1][key] / retrieval[0][key], 2))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+    save(a.json, out)
+
+
+def save(path: str | None, out: dict) -> None:
+    """The run's JSON, written atomically, with the command that made it and the load average
+    at its end (the 1, 5 and 15 minute ones: the machine's business beside the run)."""
+    if not path:
+        return
+    from tinygpt_mlx.cli.common import write_atomic
+    out = {"command": " ".join(["python -m benchmarks.retrieval_bench", *sys.argv[1:]]),
+           "load_average": [round(x, 2) for x in os.getloadavg()], **out}
+    write_atomic(Path(path), json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
