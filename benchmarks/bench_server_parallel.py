@@ -459,6 +459,10 @@ def main() -> None:
     ap.add_argument("--engine-blas-threads", type=int, default=1,
                     help="OpenBLAS threads for the engine-only part's decode steps (default 1, as the server "
                          "runs them; 0: OpenBLAS's own count)")
+    ap.add_argument("--mixed-evictions", action="store_true",
+                    help="the batched retrieval step as before 2026-12-06 (session 40): rows that evict in the "
+                         "trace beside rows that evicted ahead, a layout per mix (server/batch.py ONE_EVICTION_KIND "
+                         "False); the in-process parts only (--only worker or engine), for an A/B in one process kind")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", metavar="POLICY", help=argparse.SUPPRESS)   # the server process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -473,6 +477,11 @@ def main() -> None:
                                ("--engine-prompt-tokens", args.engine_prompt_tokens, 0)):
         if value < least:
             ap.error(f"{name} must be at least {least}, got {value}")
+    if args.mixed_evictions:
+        if args.only not in ("worker", "engine"):
+            ap.error("--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
+        from tinygpt_mlx.server import batch
+        batch.ONE_EVICTION_KIND = False
     if args.streams > len(PROMPTS) - 2:
         ap.error(f"--streams must be at most {len(PROMPTS) - 2}, got {args.streams}")
     if not Path(args.model).expanduser().exists():
@@ -487,7 +496,7 @@ def main() -> None:
     results = {"model": name, "streams": args.streams, "tokens": args.tokens, "command": " ".join(sys.argv),
                "openblas_threads": threads.default if threads.available else None,
                "engine_path": args.engine_path, "engine_vs": args.engine_vs,
-               "engine_prompt_tokens": args.engine_prompt_tokens,
+               "engine_prompt_tokens": args.engine_prompt_tokens, "mixed_evictions": args.mixed_evictions,
                "engine_decode_openblas_threads": (args.engine_blas_threads or threads.default) if threads.available
                else None,
                "load_average_at_start": list(os.getloadavg()), "rows": []}

@@ -372,6 +372,57 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch):
+    """A row's eviction in the trace is part of the batched retrieval step's layout (the row key),
+    so four rows whose pages complete at their own steps (a page-completing row evicts ahead, the
+    others in the trace) made a layout, and a trace held, per mix of kinds (`_one_eviction_kind`).
+    Now a step where any row evicts ahead evicts ahead for every row: in lockstep with each
+    sequence alone over 48 steps, the same logits within 1e-5 and greedy tokens, every layer's
+    picks and scored count equal to its solo step's, and every layout traced has rows of one
+    eviction kind (8 layouts here, both kinds). (Fails with `ONE_EVICTION_KIND` False: layouts of
+    mixed kinds.)"""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
+    picks: dict = {}
+    for i, (a, b) in enumerate(zip(solo, together)):
+        _recording_picks(a, ("solo", i), picks)
+        _recording_picks(b, ("batch", i), picks)
+    layouts = []
+    make = batch._retrieval_step
+
+    def spy(model, key, caches):
+        if batch._cached(model, key) is None:
+            layouts.append(key)
+        return make(model, key, caches)
+    monkeypatch.setattr(batch, "_retrieval_step", spy)
+    before, failed = batch.taken.copy(), dict(batch._failed)
+    for _ in range(48):
+        tokens = lockstep(m, tokens, together, solo, "one eviction kind")
+    assert (batch.taken - before)["compiled_retrieval"] >= 40, batch.taken - before
+    assert batch._failed == failed
+    kinds = [tuple(row[3] for row in key[2]) for key in layouts]
+    assert {True, False} <= {k for ks in kinds for k in ks}, kinds       # both kinds occurred
+    assert all(len(set(ks)) == 1 for ks in kinds), kinds
+    for i in range(len(prompts)):
+        for j in range(len(together[i].owned)):
+            assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
+
+
+def test_bench_mixed_evictions_only_in_process(native32_path):
+    """bench_server_parallel --mixed-evictions (the A/B of `ONE_EVICTION_KIND`) sets the batched
+    step's rule in the bench's own process only: with an HTTP part it is refused in one line naming
+    it, before any server starts. (Fails without the check: the server would run the new rule.)"""
+    import subprocess
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_server_parallel", str(native32_path),
+                        "--mixed-evictions"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r
+    assert r.stderr.strip().splitlines()[-1].endswith(
+        "--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
+
+
 def _solo_and_together(m, cfg, prompts):
     """Two caches of `cfg` per prompt, each prefilled with it (chunks of 16): one to step alone,
     one to step batched; the first greedy tokens; the model's batched traces forgotten (a trace

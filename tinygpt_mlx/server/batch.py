@@ -1029,6 +1029,7 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
         return None                 # (rows of one model: their rings differ only in state)
     ring_layout = layouts.pop() or ()
     checked = [(ready_ahead(_global_layers(c), p), r) for c, (p, r) in zip(caches, checked)]
+    checked = _one_eviction_kind(caches, checked)
     made = [step_inputs(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
     # each row's key with its sticky pages' width (`recent` [G, S]: S the pages its last pass
     # picked, fewer in a short store), which rows must share to select as one group
@@ -1069,6 +1070,34 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
     for j, i in enumerate(order):
         back[i] = j
     return logits[mx.array(back)]
+
+
+#: a batched retrieval step's rows all evict in the trace, or none does (`_one_eviction_kind`):
+#: False, each row as its own step would (the layouts before 2026-12-06, session 40)
+ONE_EVICTION_KIND = True
+
+
+def _evicts_in_trace(layers: list, plans: list) -> bool:
+    """Whether a retrieval row's trace evicts its token (`step_inputs`' rule): not where a page
+    completes or the eviction was done ahead (`ready_ahead`'s first one)."""
+    return plans[0].drop > 0 and not layers[0].cold.completes_page(plans[0].drop)
+
+
+def _one_eviction_kind(caches: Sequence[KVCache], checked: list) -> list:
+    """The rows' (plans, rings) with one eviction kind for the step: where some rows' traces evict
+    and others' do not (a page completing, a first eviction done ahead), the evicting rows' token
+    is evicted ahead too (`LayerCache.evict_ahead`: the eager step's own eviction, the same
+    values), so no row's trace evicts. A row's eviction in the trace is part of the layout
+    (`step_inputs`' row key), so four rows at their own phases made a layout per mix of kinds:
+    each a trace held (about 0.8 MiB of the heap each, docs/server.md), made as new mixes met,
+    round after round of a load run. With one kind per step the mixes are halved."""
+    if not ONE_EVICTION_KIND:
+        return checked
+    evicting = [_evicts_in_trace(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]
+    if all(evicting) or not any(evicting):
+        return checked
+    return [([layer.evict_ahead(q) for layer, q in zip(_global_layers(c), p)] if e else p, r)
+            for c, (p, r), e in zip(caches, checked, evicting)]
 
 
 def compiled_decode(model: Any, ids: mx.array, caches: Sequence[KVCache], steady_only: bool = False
