@@ -411,16 +411,23 @@ def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch
             assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
 
 
-def test_bench_mixed_evictions_only_in_process(native32_path):
+def test_bench_mixed_evictions_only_in_process(native32_path, monkeypatch, capsys):
     """bench_server_parallel --mixed-evictions (the A/B of `ONE_EVICTION_KIND`) sets the batched
     step's rule in the bench's own process only: with an HTTP part it is refused in one line naming
-    it, before any server starts. (Fails without the check: the server would run the new rule.)"""
-    import subprocess
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_server_parallel", str(native32_path),
-                        "--mixed-evictions"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2, r
-    assert r.stderr.strip().splitlines()[-1].endswith(
+    it, before any part runs, the rule unchanged. (Fails without the check: the bench goes on.)"""
+    from benchmarks import bench_server_parallel as bench
+
+    def went_on(*args, **kwargs):
+        raise AssertionError("the bench went on past --mixed-evictions")
+    monkeypatch.setattr(bench, "start_server", went_on)
+    monkeypatch.setattr(bench, "engine", went_on)
+    monkeypatch.setattr(sys, "argv", ["bench_server_parallel", str(native32_path), "--mixed-evictions"])
+    with pytest.raises(SystemExit) as e:
+        bench.main()
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
+    assert batch.ONE_EVICTION_KIND
 
 
 def _solo_and_together(m, cfg, prompts):
