@@ -465,3 +465,43 @@ def test_ollama_host_is_read_as_ollama_reads_it(value, address):
 def test_a_bad_ollama_host_names_the_value(value, says):
     with pytest.raises(ValueError, match=f"OLLAMA_HOST={re.escape(repr(value))}: .*{re.escape(says)}"):
         listen_address(value)
+
+
+@pytest.mark.parametrize("fields", [
+    {}, dict(sink=4, window=60), dict(key_bits=4, value_bits=4), dict(key_bits=4, value_bits=4, sink=4, window=60),
+    dict(sink=4, hot_budget=32),
+], ids=["fp32", "window", "int4", "int4+window", "retrieval"])
+def test_the_policy_is_worked_out_once_not_per_decode_step(native32, monkeypatch, fields):
+    """Issue 54: "a policy decided once at construction, not re-read per token". The config's
+    derived facts (`streaming`, `retrieval`, `quantised`, `held_sink`...) are worked out on their
+    first read and plain attributes after (`functools.cached_property`): over decode steps, with
+    the cache warmed by a prompt that evicts, none of them is worked out again (a `@property`, or a
+    config made anew per step, would run them per layer per step: this counts their calls)."""
+    import functools
+
+    import mlx.core as mx
+
+    from tinygpt_mlx.cache.factory import make_cache
+    from tinygpt_mlx.config import _DERIVED
+    from tinygpt_mlx.generate import forward
+
+    calls: dict[str, int] = {}
+    for name in _DERIVED:
+        prop = vars(CacheConfig)[name]
+        assert isinstance(prop, functools.cached_property), name
+
+        def counted(self, _f=prop.func, _n=name):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _f(self)
+        monkeypatch.setattr(prop, "func", counted)
+    model = native32.model
+    cache = make_cache(model, CacheConfig(**fields))
+    prompt = mx.array([[(7 * i) % 90 + 3 for i in range(200)]])
+    mx.eval(forward(model, prompt, cache))
+    for t in range(12):                 # warm: the first steps may trace, freeze, evict
+        mx.eval(forward(model, mx.array([[5 + t]]), cache))
+    assert calls, "the counter saw nothing at all: the derived facts were never read"
+    calls.clear()
+    for t in range(24):
+        mx.eval(forward(model, mx.array([[20 + t]]), cache))
+    assert calls == {}, f"derived policy facts worked out again during decode steps: {calls}"

@@ -13,6 +13,7 @@ validates itself in `__post_init__`, cross-field rules included, and raises `Con
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -297,17 +298,19 @@ class CacheConfig:
         if self.retrieve_unit == "spans" and self.retrieved_position == "slots":
             raise ConfigError("retrieve_unit", "spans need {retrieved_position} fixed or page (slots numbers "
                               "single tokens)", ("retrieved_position",))
+        for name in _DERIVED:   # worked out before a field above was set: forgotten, worked out anew
+            self.__dict__.pop(name, None)
 
-    @property
+    @functools.cached_property
     def quantised(self) -> bool:
         return self.key_bits is not None or self.value_bits is not None
 
-    @property
+    @functools.cached_property
     def value_group_size(self) -> int:
         """Channels per value group: `value_group`, or G."""
         return self.value_group or self.group_size
 
-    @property
+    @functools.cached_property
     def tier_share(self) -> int:   # the near tier's share S in effect: `near_share`, or the precision's
         return self.near_share if self.near_share is not None else self.default_near_share()
 
@@ -317,16 +320,16 @@ class CacheConfig:
         plain_int4 = self.key_bits == 4 and self.value_bits == 4 and not self.near and not self.exact_topk
         return INT4_NEAR_SHARE if plain_int4 else 0
 
-    @property
+    @functools.cached_property
     def grown_residual(self) -> int:   # R on a long context: `long_residual`, or int8's (INT8_LONG_RESIDUAL, up to G)
         int8 = -(-INT8_LONG_RESIDUAL // self.group_size) * self.group_size if self.key_bits == self.value_bits == 8 else 0
         return int8 if self.long_residual is None else self.long_residual
 
-    @property
+    @functools.cached_property
     def most_held(self) -> Optional[int]:   # tokens the cache can hold: sink + window or hot budget (None: no bound)
         return self.capacity or (self.sink + self.hot_budget if self.retrieval else None)
 
-    @property
+    @functools.cached_property
     def residual_grows(self) -> bool:   # R can grow: `grown_residual` above it, a cache able to hold 16x that
         return self.residual < self.grown_residual <= (self.most_held or 1 << 62) // LONG_RESIDUAL_SHARE
 
@@ -339,37 +342,37 @@ class CacheConfig:
     def in_effect(self, name: str) -> Any:   # a field as the cache uses it (`near_share`: `tier_share`...)
         return {"near_share": self.tier_share, "long_residual": self.grown_residual * self.residual_grows}.get(name, getattr(self, name))
 
-    @property
+    @functools.cached_property
     def near_tier(self) -> bool:   # a KIVI near tier, of `near` tokens or of 1/`tier_share` of the frozen
         return bool(self.near or self.tier_share)
 
-    @property
+    @functools.cached_property
     def exact_prefix(self) -> int:
         """A full KIVI cache's exact first tokens: `kivi_sink`, 0 under StreamingLLM or retrieval
         (their `sink` plays that part) and for an exact cache."""
         return 0 if self.streaming or self.retrieval or not self.quantised else self.kivi_sink
 
-    @property
+    @functools.cached_property
     def held_sink(self) -> int:
         """Tokens at the front kept exact in the cache's sink store: StreamingLLM's or
         retrieval's `sink`, or a full KIVI cache's `exact_prefix`."""
         return self.sink if self.streaming or self.retrieval else self.exact_prefix
 
-    @property
+    @functools.cached_property
     def streaming(self) -> bool:
         return self.window is not None
 
-    @property
+    @functools.cached_property
     def retrieval(self) -> bool:
         return self.hot_budget is not None
 
-    @property
+    @functools.cached_property
     def retrieves_per_query(self) -> bool:
         """Shifted retrieval under the `slots` rule: every query numbers its own retrieved tokens,
         so each gets a pool of its own (`ColdStore._retrieve_per_query`) and no pass shares one."""
         return self.retrieval and self.rope_mode == "shifted" and self.retrieved_position == "slots"
 
-    @property
+    @functools.cached_property
     def retrieved_slots(self) -> int:
         """Shifted retrieval: the most cache slots retrieved tokens take between the sink and
         the hot window (positions.py): 1 (`fixed`), `page_size` (`page`), `retrieve_tokens`
@@ -402,7 +405,7 @@ class CacheConfig:
         fit = self.prefill_fit(context, tokens)
         return chunk if fit is None else min(chunk, fit)
 
-    @property
+    @functools.cached_property
     def slot_span(self) -> Optional[int]:
         """Shifted positions the stored tokens occupy at most between steps: sink + window
         (StreamingLLM), sink + retrieved slots + hot budget (retrieval); None without eviction."""
@@ -412,7 +415,7 @@ class CacheConfig:
             return self.sink + self.retrieved_slots + self.hot_budget
         return None
 
-    @property
+    @functools.cached_property
     def capacity(self) -> Optional[int]:
         """Stored tokens the StreamingLLM policy allows per layer (None = unbounded)."""
         return None if self.window is None else self.sink + self.window
@@ -459,6 +462,13 @@ class CacheConfig:
         """A short human name for the policy, e.g. 'int4 + sink4/window256 (shifted)'
         (`policy_spec.label`)."""
         return label(self, lambda name: field_default(CacheConfig, name))
+
+
+#: CacheConfig's derived facts (`streaming`, `retrieval`, `quantised`, `held_sink`...): each worked
+#: out once per config on its first read and a plain attribute after (`functools.cached_property`;
+#: the config is frozen), so the per-token code that reads them does not re-run them per layer
+_DERIVED = tuple(n for n, v in vars(CacheConfig).items() if isinstance(v, functools.cached_property))
+
 
 @dataclass(frozen=True)
 class SampleConfig:
