@@ -69,6 +69,8 @@ def test_decode_costs_refuses_bad_arguments(args, says):
      "--summary 'bogus': must be one of minmax, mean, hybrid, got 'bogus'"),
     ("coarse_scan", ["--top-pages", "2"], "--top-pages 2: give at least 32 (4 spans of 8 pages, what a query picks)"),
     ("coarse_scan", ["--top-pages", "5"], "--top-pages 5: give at least 32 (4 spans of 8 pages, what a query picks)"),
+    ("pool_attention_parts", ["--reps", "0"], "--reps 0: give at least 1"),
+    ("pool_attention_parts", ["--chunk", "4"], "--chunk 4: give at least 8"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says):
