@@ -105,3 +105,24 @@ def test_it_is_taken_only_on_x86_with_g_plus_plus_and_without_the_opt_out(monkey
     monkeypatch.setattr(cpu_softmax.shutil, "which", lambda name: None)
     assert not cpu_softmax.wanted()
     assert segments.cpu_softmax is cpu_softmax
+
+
+def test_it_keeps_mx_softmax_off_a_cpu_default_device_and_for_half_precision(monkeypatch):
+    """`use_here`: not where the default device is a GPU (a CUDA build's; a Mac is not `wanted`
+    at all); `softmax_rows`: half-precision scores take `mx.softmax` (its fp32 constants would
+    give NaN in fp16 and wrong rows in bf16)."""
+    monkeypatch.setattr(cpu_softmax, "ENABLED", True)
+    monkeypatch.setattr(cpu_softmax.mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert cpu_softmax.use_here()
+    monkeypatch.setattr(cpu_softmax.mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert not cpu_softmax.use_here()
+    monkeypatch.setattr(cpu_softmax, "ENABLED", False)
+    monkeypatch.setattr(cpu_softmax.mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert not cpu_softmax.use_here()
+    monkeypatch.undo()
+    s = _scores((1, 2, 1, 4, 9), 3.0, 0.3, seed=5)
+    for dtype in (mx.float16, mx.bfloat16):
+        got = cpu_softmax.softmax_rows(s.astype(dtype))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got.astype(mx.float32)),
+                                      np.asarray(mx.softmax(s.astype(dtype), axis=-1).astype(mx.float32)))

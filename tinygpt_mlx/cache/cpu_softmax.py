@@ -70,7 +70,10 @@ _normalised = mx.compile(lambda e, z: e * (1.0 / z))
 
 def softmax_rows(scores: mx.array) -> mx.array:
     """`mx.softmax(scores, axis=-1)` for fp32 scores (module doc). A row of only -inf gives NaN,
-    as `mx.softmax` does."""
+    as `mx.softmax` does. Other dtypes take `mx.softmax` (the constants are fp32's: MAGIC is
+    inf in fp16, and bf16 cannot round y to an integer)."""
+    if scores.dtype != mx.float32:
+        return mx.softmax(scores, axis=-1)
     m = scores.max(axis=-1, keepdims=True)
     p, bits = _poly(scores, m)
     e = _times(p, bits.view(mx.float32))     # (a view: the bits are 2**i's float)
