@@ -64,6 +64,8 @@ def test_a_retrieval_chunk_takes_it_and_attends_as_with_mx_softmax(monkeypatch):
     real = cpu_softmax.softmax_rows
     monkeypatch.setattr(cpu_softmax, "softmax_rows", lambda s: calls.append(s.shape) or real(s))
 
+    monkeypatch.setattr(cpu_softmax.heap, "KEPT", True)     # (as the CLI keeps it: `use_here`)
+
     def run(enabled: bool):
         monkeypatch.setattr(cpu_softmax, "ENABLED", enabled)
         pool = PoolSegment(kp, vp, valid, 3, unit)
@@ -109,11 +111,16 @@ def test_it_is_taken_only_on_x86_with_g_plus_plus_and_without_the_opt_out(monkey
 
 def test_it_keeps_mx_softmax_off_a_cpu_default_device_and_for_half_precision(monkeypatch):
     """`use_here`: not where the default device is a GPU (a CUDA build's; a Mac is not `wanted`
-    at all); `softmax_rows`: half-precision scores take `mx.softmax` (its fp32 constants would
-    give NaN in fp16 and wrong rows in bf16)."""
+    at all), nor where glibc's heap is not kept (`heap.KEPT`: its intermediates faulted in afresh,
+    slower than `mx.softmax`); `softmax_rows`: half-precision scores take `mx.softmax` (its fp32
+    constants would give NaN in fp16 and wrong rows in bf16)."""
     monkeypatch.setattr(cpu_softmax, "ENABLED", True)
+    monkeypatch.setattr(cpu_softmax.heap, "KEPT", True)
     monkeypatch.setattr(cpu_softmax.mx, "default_device", lambda: mx.Device(mx.cpu))
     assert cpu_softmax.use_here()
+    monkeypatch.setattr(cpu_softmax.heap, "KEPT", False)
+    assert not cpu_softmax.use_here()
+    monkeypatch.setattr(cpu_softmax.heap, "KEPT", True)
     monkeypatch.setattr(cpu_softmax.mx, "default_device", lambda: mx.Device(mx.gpu))
     assert not cpu_softmax.use_here()
     monkeypatch.setattr(cpu_softmax, "ENABLED", False)

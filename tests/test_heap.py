@@ -55,6 +55,17 @@ def test_a_large_block_comes_from_the_heap_once_set(monkeypatch):
     assert _probe({**env, heap.OFF_VAR: "1"}) == ["False", "True", "True"]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux") or heap._libc() is None, reason="glibc on Linux only")
+def test_kept_records_that_the_thresholds_were_set():
+    """`heap.KEPT` (cache/cpu_softmax.py's `use_here` reads it): False until `keep_large_blocks`
+    set the thresholds, True after; False with the opt-out."""
+    code = "from tinygpt_mlx import heap; a = heap.KEPT; b = heap.keep_large_blocks(); print(a, b, heap.KEPT)"
+    env = {k: v for k, v in os.environ.items() if k != heap.OFF_VAR}
+    for given, want in ((env, ["False", "True", "True"]), ({**env, heap.OFF_VAR: "1"}, ["False", "False", "False"])):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=given, check=True)
+        assert out.stdout.split() == want
+
+
 def test_nothing_is_set_off_linux_or_when_turned_off():
     assert heap.keep_large_blocks({}, "darwin") is False
     for value in ("1", "true", " YES ", "on"):

@@ -43,15 +43,24 @@ def _libc() -> Optional[Any]:
         return None
 
 
+#: whether `keep_large_blocks` set them in this process (cache/cpu_softmax.py takes its compiled
+#: softmax only then: its kernels' intermediates are faulted in afresh otherwise, slower than
+#: `mx.softmax`)
+KEPT = False
+
+
 def keep_large_blocks(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
     """Set glibc's mmap and trim thresholds and one arena (module doc); True where all were set."""
+    global KEPT
     if not platform.startswith("linux") or blas._on(environ.get(OFF_VAR)):
         return False
     libc = _libc()
     if libc is None:
         return False
-    return (bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    kept = (bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
             and bool(libc.mallopt(_M_ARENA_MAX, 1)))
+    KEPT = KEPT or kept
+    return kept
 
 
 class _MallInfo2(ctypes.Structure):

@@ -11,7 +11,8 @@ exponent bits) with multiplies and adds that `mx.compile`'s CPU kernels (C++ bui
 units in the last place of `mx.softmax` (tests/test_cpu_softmax.py).
 
 Only where it pays: on an x86 CPU, with g++ present (MLX's CPU compiler; without it
-`mx.compile` runs the ops one by one), the default device the CPU. A Mac's CPU has NEON and
+`mx.compile` runs the ops one by one), glibc's heap kept (`heap.keep_large_blocks`, as the CLI
+does; `use_here`), the default device the CPU. A Mac's CPU has NEON and
 its GPU fast exp, so there `mx.softmax` is kept. `POSTTRAINLLM_NO_FAST_EXP=1` turns it off.
 Used by retrieval's prefill attention (segments.attend), the only softmax of ours over millions
 of scores per layer that does not go through `mx.fast.scaled_dot_product_attention`.
@@ -24,6 +25,8 @@ import platform
 import shutil
 
 import mlx.core as mx
+
+from .. import heap
 
 #: 1.5 * 2**23: (y + MAGIC) - MAGIC is y rounded to the nearest integer (|y| < 2**22)
 MAGIC = 12582912.0
@@ -41,8 +44,12 @@ ENABLED = wanted()
 
 
 def use_here() -> bool:
-    """`ENABLED` and the default device the CPU (a CUDA build's GPU keeps `mx.softmax`)."""
-    return ENABLED and mx.default_device().type == mx.cpu
+    """`ENABLED`, glibc's heap kept for large temporaries (`heap.KEPT`: the CLI sets it at its
+    start) and the default device the CPU (a CUDA build's GPU keeps `mx.softmax`). `mx.compile`
+    splits the polynomial into several kernels whose [rows, scores] intermediates a heap not kept
+    maps and faults in afresh each time: a (1, 3, 3, 512, 1,795) chunk took 340-390 ms there
+    against mx.softmax's 235-242 ms, 91-112 against 210-240 with the heap kept (review, s40)."""
+    return ENABLED and heap.KEPT and mx.default_device().type == mx.cpu
 
 
 def _mantissa_and_exponent(s: mx.array, m: mx.array) -> tuple[mx.array, mx.array]:
