@@ -421,6 +421,8 @@ def test_bench_mixed_evictions_only_in_process(native32_path, monkeypatch, capsy
         raise AssertionError("the bench went on past --mixed-evictions")
     monkeypatch.setattr(bench, "start_server", went_on)
     monkeypatch.setattr(bench, "engine", went_on)
+    # (the rule restored after the test whatever the bench did to it: broken, it turns it off)
+    monkeypatch.setattr(batch, "ONE_EVICTION_KIND", batch.ONE_EVICTION_KIND)
     monkeypatch.setattr(sys, "argv", ["bench_server_parallel", str(native32_path), "--mixed-evictions"])
     with pytest.raises(SystemExit) as e:
         bench.main()
