@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import random
+import shlex
 import sys
 from pathlib import Path
 
@@ -109,7 +110,7 @@ def save(path: str | None, out: dict) -> None:
     if not path:
         return
     from tinygpt_mlx.cli.common import write_atomic
-    out = {"command": " ".join(["python -m benchmarks.retrieval_bench", *sys.argv[1:]]),
+    out = {"command": " ".join(["python -m benchmarks.retrieval_bench", *map(shlex.quote, sys.argv[1:])]),
            "load_average": [round(x, 2) for x in os.getloadavg()], **out}
     write_atomic(Path(path), json.dumps(out, indent=1))
 
