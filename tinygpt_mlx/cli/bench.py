@@ -36,8 +36,10 @@ def _ratio(x: Optional[float]) -> str:
 
 def print_table(result: dict) -> None:
     ref = result.get("reference", defaults.BENCH_REFERENCE)
+    grown = (f" of {result['grown_from']} tokens, each cache then filled to the context with copies of its rows"
+             if result.get("grown_from") else "")
     table = Table(title=f"bench: ×ratio vs {ref} in the same run; "
-                        f"{result['decode_steps']} decode steps after each prefill",
+                        f"{result['decode_steps']} decode steps after each prefill{grown}",
                   caption="kernels/step: the nodes of one decode step's MLX graph that are not views "
                           "(kernel launches on a GPU; this CPU build unfuses RoPE and attention)")
     for col in ("policy", "context", "prefill tok/s", "decode tok/s", "kernels/step", "cache"):
@@ -71,8 +73,9 @@ def print_table(result: dict) -> None:
     parted = [r for r in result["rows"] if "decode_step_us" in r]
     if parted:
         split = Table(title="decode step parts, median us (--parts: graph build on the host, then its evaluation; "
-                      + ("each build after its own step)" if result.get("parts_order") == "own"
-                         else "each build after whichever policy ran before it)"))
+                      + ("each build after its own step" if result.get("parts_order") == "own"
+                         else "each build after whichever policy ran before it")
+                      + ("; rounds in ABBA order)" if result.get("parts_rounds") == "abba" else ")"))
         for col in ("policy", "context", "graph build", "evaluation", "whole step", "build share"):
             split.add_column(col, justify="left" if col == "policy" else "right")
         for r in sorted(parted, key=lambda r: r["context"]):
@@ -120,6 +123,18 @@ def bench(
         "--parts-own", help="--parts with each policy's build timed right after that policy's own step (a "
         "decode loop's order), not after whichever policy the shuffle put before it; the policies still "
         "shuffled every round. The JSON's parts_order says which.")] = False,
+    abba: Annotated[bool, typer.Option(
+        "--abba", help="--parts with the rounds stepping the policies in their given order and in its reverse in "
+        "turn (A B, B A, A B, ...), not shuffled: each policy first as often as last. The JSON's parts_rounds "
+        "says which.")] = False,
+    grow_from: Annotated[Optional[int], typer.Option(
+        "--grow-from", help="Prefill only this many tokens, then fill each cache to every --contexts value "
+        "directly with copies of its own rows (a full cache's rows tiled, a retrieval cache's cold pages "
+        "copied; not timed), as benchmarks/retrieval_bench.py --full does: a decode step's graph build and "
+        "its evaluation's size follow the cache's counts and shapes, not the values it holds "
+        "(docs/retrieval.md), so --parts at 32K on a 30-layer model needs no hour of prefill. Prefill tok/s "
+        "is then over these tokens. Only our full caches (no eviction, no quantisation) and retrieval "
+        "policies with exact cold rows in memory; more tokens than a retrieval policy keeps hot.")] = None,
 ) -> None:
     """Speed and memory of our cache policies beside mlx-lm's caches, on one model."""
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
@@ -134,6 +149,8 @@ def bench(
                     b.parse_spec(s)
                 except ValueError as e:
                     raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
+        if grow_from is not None:   # (every policy fillable, before the model loads)
+            b.check_grow([reference, *specs], ctx, grow_from)
         if plot_path is not None:
             inputs.require_plotting()
         loaded = c.load_model(model, weights)
@@ -146,7 +163,7 @@ def bench(
                 bar.update(done, total, f"bench · {what}" if bar.live else None)
             result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
                              progress=advance, reference=reference, stages=stages, parts=parts,
-                             parts_own=parts_own)
+                             parts_own=parts_own, grow_from=grow_from, abba=abba)
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)

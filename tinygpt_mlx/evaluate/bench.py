@@ -22,6 +22,17 @@ steps interleaved, into building its graph on the host (the model call before ev
 Python of the model and the cache) and evaluating it (the kernels), medians in microseconds
 (`step_parts`): a step whose build time is most of it is bound by the host, not the kernels
 (except retrieval's, whose build reads the query on the host and so waits for the layers before).
+
+`grow_from=P` (`bench --grow-from P`) prefills P real tokens per context and then fills each
+cache to the context directly, by copies of its own rows (`retrieval_bench.grow`: a full
+cache's stored rows tiled, a retrieval cache's cold pages copied), as `retrieval_bench --full`
+does: a decode step's graph build reads the cache's counts and buffers' shapes, never the
+values it holds (nothing is read back while a step is built: tests/test_retrieval_device.py's
+sync counter; cache/compiled_retrieval.py `step_inputs` makes the step's key and numbers from
+the host's counters), and a filled cache has the counts and shapes of one prefilled over as
+many tokens (tests/test_bench_grow.py), so the build at 32K on a 30-layer model needs no hour
+of prefill. Only full caches (no eviction, no quantisation) and retrieval policies with exact
+cold rows can be filled so (`check_grow`).
 """
 
 from __future__ import annotations
@@ -46,6 +57,7 @@ from ..sampling import make_sampler
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
 from .defaults import BENCH_REFERENCE as REFERENCE
 from .opcount import graph_ops, summary
+from .retrieval_bench import grow
 
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 #: a spec of ours ending in this runs its decode steps eagerly (module doc)
@@ -160,7 +172,8 @@ def stage_split(cache: Any, seconds: float, tokens: int) -> Optional[dict]:
 
 def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps: int,
             prefill_chunk: int = PREFILL_CHUNK, tick: Optional[Callable[[str], None]] = None,
-            stages: bool = False, parts: bool = False, seed: int = 0, parts_own: bool = False) -> list[dict]:
+            stages: bool = False, parts: bool = False, seed: int = 0, parts_own: bool = False,
+            fill_to: Optional[int] = None, abba: bool = False) -> list[dict]:
     """Rows for `policies` at one context, measured interleaved.
 
     Each policy runs a greedy generation (`generate.steps`, the loop `sample` runs) and every
@@ -174,7 +187,11 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
     of the chunks (the last one includes sampling the first token); a decode step feeds one
     token and samples the next. `tick(policy name)` is called after every timed piece of work.
     `parts`: then `decode_steps` more steps split into graph build and evaluation (`step_parts`;
-    `parts_own`: each build timed right after the same cache's own step, `after_own`).
+    `parts_own`: each build timed right after the same cache's own step, `after_own`;
+    `abba`: the parts' rounds in a fixed order and its reverse in turn, `step_parts`).
+    `fill_to`: after the prefill of `tokens`, every cache is filled to `fill_to` tokens by copies
+    of its own rows (`retrieval_bench.grow`, not timed; `bench --grow-from`): the rows' context
+    is `fill_to` and they say `grown_from` (prefill tokens/s is over `tokens`).
     """
     caches = [p.make() for p in policies]
     for cache in caches:    # retrieval's stage times (each stage then ends in a sync)
@@ -219,6 +236,8 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
             for i in shuffled():
                 prefill_s[i] += timed(i)
         prefill_stages = each(lambda i: stage_split(caches[i], prefill_s[i], len(tokens)))
+        if fill_to is not None:     # (not timed: the caches filled to the context by copies of their rows)
+            each(lambda i: grow(caches[i], fill_to))
         for _ in range(decode_steps):
             for i in shuffled():
                 step_s[i].append(timed(i))
@@ -233,11 +252,13 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                     store.stages.enabled = False
             live = [i for i in range(len(caches)) if i not in failed]
             for i, us in zip(live, step_parts(model, [caches[i] for i in live], decode_steps,
-                                                     after_own=parts_own)):
+                                                     after_own=parts_own, abba=abba)):
                 split[i] = us
         # the median step: robust to the scheduler pausing us on a shared machine
-        return [{"policy": p.name, "label": p.label, "context": len(tokens), "error": failed[i]} if i in failed else
-                {"policy": p.name, "label": p.label, "context": len(tokens),
+        context = len(tokens) if fill_to is None else fill_to
+        grown = {} if fill_to is None else {"grown_from": len(tokens)}
+        return [{"policy": p.name, "label": p.label, "context": context, "error": failed[i]} if i in failed else
+                {"policy": p.name, "label": p.label, "context": context, **grown,
                  "prefill_tokens_per_s": len(tokens) / prefill_s[i],
                  "decode_tokens_per_s": 1.0 / statistics.median(step_s[i]),
                  "cache_bytes": bytes_[i], "cache_disk_bytes": on_disk[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
@@ -253,7 +274,7 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
 
 
 def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int = 0,
-               after_own: bool = False) -> list[dict]:
+               after_own: bool = False, abba: bool = False) -> list[dict]:
     """Median microseconds of one decode step on each of `caches`, split into building its graph
     (`build`: the engine's model call, `generate.forward`, before evaluation) and evaluating it
     (`eval`), and the `whole`; the caches stepped in turn (interleaved), `warmup` untimed steps
@@ -265,13 +286,18 @@ def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int 
     step a build follows"), so two policies compared by their builds each follow every other.
     `after_own` (`bench --parts-own`): each cache's timed step comes right after an untimed step
     of its own, so its build follows its own evaluation, as in a decode loop (the caches still
-    shuffled every round; two steps per cache and round)."""
+    shuffled every round; two steps per cache and round). `abba` (`bench --abba`): the rounds
+    step the caches in their given order and in its reverse in turn (A B, B A, A B, ...: each
+    cache first as often as last, warm-up rounds included), not shuffled."""
     build: list[list[float]] = [[] for _ in caches]
     whole: list[list[float]] = [[] for _ in caches]
     rng = random.Random(seed)
     order = list(range(len(caches)))
     for step in range(warmup + steps):
-        rng.shuffle(order)
+        if abba:    # (the given order in even rounds, its reverse in odd ones)
+            order = list(range(len(caches)))[::1 if step % 2 == 0 else -1]
+        else:
+            rng.shuffle(order)
         for i in order:
             cache = caches[i]
             if after_own:   # (its own step evaluated first: the timed build follows it)
@@ -307,12 +333,15 @@ def step_ops(model: Any, cache: Any, n: int = SINK_STEPS) -> dict:
 def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int = DECODE_STEPS,
           prefill_chunk: int = PREFILL_CHUNK, seed: int = 0,
           progress: Optional[Callable[[int, int, str], None]] = None, reference: str = REFERENCE,
-          stages: bool = False, parts: bool = False, parts_own: bool = False) -> dict:
+          stages: bool = False, parts: bool = False, parts_own: bool = False,
+          grow_from: Optional[int] = None, abba: bool = False) -> dict:
     """Rows for every (context, policy), with ratios against `reference` (which always runs;
     fp32 by default); policies whose cache this build or model cannot make (e.g. KIVI on a
     too-small head dim) are listed under `skipped`. `progress(done, total, description)` follows
-    the timed work. `parts_own` implies `parts` (`measure`)."""
-    parts = parts or parts_own
+    the timed work. `parts_own` and `abba` imply `parts` (`measure`). `grow_from`: each context's
+    caches prefill that many tokens and are then filled to the context (`measure`'s `fill_to`;
+    `check_grow` says which can be)."""
+    parts = parts or parts_own or abba
     if not contexts or min(contexts) < 1:
         raise ValueError(f"contexts must be positive integers, got {contexts}")
     if decode_steps < 1:
@@ -321,6 +350,8 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
         raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
     specs = list(dict.fromkeys([reference, *specs]))
     policies = [make_policy(s, model) for s in specs]  # every spec parses before anything runs
+    if grow_from is not None:
+        check_grow(specs, contexts, grow_from)
     vocab = model(mx.array([[0]])).shape[-1]
     skipped: dict[str, str] = {}
     for p in list(policies):  # warm-up, and find the caches that cannot be made or run here
@@ -333,7 +364,8 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             policies.remove(p)
     # one chunk-sized pass first, so the allocator's first growth is not billed to a policy
     mx.eval(model(mx.zeros((1, min(prefill_chunk, max(contexts))), dtype=mx.int32)))
-    total = len(policies) * sum(-(-c // prefill_chunk) + decode_steps for c in contexts)
+    total = len(policies) * sum(-(-(c if grow_from is None else grow_from) // prefill_chunk) + decode_steps
+                                for c in contexts)
     done = 0
     rows = []
     for context in contexts:
@@ -342,12 +374,46 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             done += 1
             if progress is not None:
                 progress(done, total, f"{context} tokens · {name}")
-        tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(seed)).tolist()
-        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts, seed, parts_own)
+        n = context if grow_from is None else grow_from
+        tokens = mx.random.randint(0, vocab, (n,), key=mx.random.key(seed)).tolist()
+        rows += measure(model, policies, tokens, decode_steps, prefill_chunk, tick, stages, parts, seed, parts_own,
+                        fill_to=None if grow_from is None else context, abba=abba)
     add_ratios(rows, reference)
     return {"decode_steps": decode_steps, "prefill_chunk": prefill_chunk, "reference": reference, "rows": rows,
             "skipped": skipped, "stages": stages, "parts": parts,
-            **({"parts_order": "own" if parts_own else "shuffled"} if parts else {})}
+            **({"parts_order": "own" if parts_own else "shuffled",
+                "parts_rounds": "abba" if abba else "shuffled"} if parts else {}),
+            **({"grown_from": grow_from} if grow_from is not None else {})}
+
+
+def check_grow(specs: list[str], contexts: list[int], grow_from: int) -> None:
+    """Whether `bench --grow-from` can fill every policy of `specs` to each of `contexts` after
+    `grow_from` prefilled tokens (`retrieval_bench.grow`): a full cache without eviction or
+    quantisation (its rows tiled), or a retrieval policy with exact cold rows, none spilled, whose sink and
+    hot window hold fewer than `grow_from` tokens (some are cold to copy); every context more
+    than `grow_from`. A ValueError naming the flag and what was given where not."""
+    if grow_from < 1:
+        raise ValueError(f"--grow-from {grow_from}: give a positive number of tokens to prefill")
+    short = [c for c in contexts if c <= grow_from]
+    if short:
+        raise ValueError(f"--grow-from {grow_from}: every --contexts value must be more than it "
+                         f"(got {','.join(map(str, short))})")
+    for spec in specs:
+        m = parse_spec(spec)
+        if not isinstance(m, CacheConfig):
+            raise ValueError(f"--grow-from: policy {spec!r} is one of mlx-lm's caches; only our full caches "
+                             "and retrieval policies can be filled directly")
+        if m.retrieval:
+            if m.cold_bits is not None or m.cold_ram is not None:
+                raise ValueError(f"--grow-from: policy {spec!r} {'packs' if m.cold_bits is not None else 'spills'} "
+                                 "its cold rows; only exact cold rows held in memory can be copied")
+            hot = m.held_sink + m.hot_budget
+            if grow_from <= hot:
+                raise ValueError(f"--grow-from {grow_from}: policy {spec!r} keeps {hot} tokens hot; prefill "
+                                 "more, so that some are cold to copy")
+        elif m.streaming or m.quantised:
+            raise ValueError(f"--grow-from: policy {spec!r} evicts or quantises; only our full caches and "
+                             "retrieval policies can be filled directly")
 
 
 def failure(e: BaseException) -> str:

@@ -81,6 +81,15 @@ def grow_full(cache, target_tokens: int) -> None:
         mx.eval(body.keys, body.values)
 
 
+def grow(cache, target_tokens: int) -> None:
+    """Fill `cache` to `target_tokens` tokens without running the model over them: a retrieval
+    cache's cold stores by copies of their own pages (`grow_cold`), a full cache's layers by
+    copies of their own rows (`grow_full`). What a decode step then builds depends on the
+    counts and the shapes this leaves, which are those of a cache prefilled over as many tokens
+    (tests/test_bench_grow.py), not on the values it holds (`bench --grow-from`)."""
+    (grow_cold if cache.config.retrieval else grow_full)(cache, target_tokens)
+
+
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
                    decode_steps: int = 16, chunk: int = 128,
                    progress: Optional[Callable[[dict], None]] = None, full: bool = False,
@@ -108,7 +117,7 @@ def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts:
             _prefill(runs[-1])
             prefill_s.append(time.perf_counter() - t0)
             if context > len(prompt):
-                (grow_cold if kind == "retrieval" else grow_full)(caches[-1], context)
+                grow(caches[-1], context)
             next(runs[-1])  # warm-up step
         times: list[list[float]] = [[] for _ in kinds]
         cpu: list[list[float]] = [[] for _ in kinds]
