@@ -61,11 +61,9 @@ class LayerCache:
         self.body = body
         self.cold = cold
         self.telemetry = RetrievalTelemetry() if config.retrieval else None
-        #: the policy's two per-call facts, decided here once (`_make_plan` runs per call):
-        #: how many body tokens a call may keep (the window, retrieval's hot window, None: all)
-        #: and whether evicted tokens go to a cold store
+        #: how many body tokens a call may keep (the window, retrieval's hot window, None: all),
+        #: decided here once (`_make_plan` runs per call)
         self._limit: Optional[int] = config.window if config.streaming else config.hot_budget
-        self._retrieves: bool = bool(config.retrieval)
         self.seen = 0          # tokens ever appended (monotonic)
         self.start = 0         # position of the oldest token in the body
         self.dtype: Optional[mx.Dtype] = None  # compute dtype, taken from the model's keys
@@ -133,7 +131,7 @@ class LayerCache:
 
     def _cold_after(self, drop: int) -> int:
         """Tokens in the cold store once `drop` more are evicted to it."""
-        return len(self.cold) + drop if self._retrieves else 0
+        return len(self.cold) + drop if self.config.retrieval else 0
 
     def commit(self, plan: Plan, keys: Optional[mx.array], values: Optional[mx.array],
                written: Optional[tuple] = None) -> None:
