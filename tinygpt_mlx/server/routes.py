@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -117,6 +118,8 @@ def register(app: FastAPI, models: Models) -> None:
         if stream and opts["logprobs"] is not None:
             raise ApiError(400, "logprobs are given with stream: false only")
         job = srv.job(p, opts, ol.UNBOUNDED_PREDICT)
+        if stream:      # (its handler says when its first text is written: `Worker._first_out`)
+            job.shown = threading.Event()
         srv.submit(job)
         return stream, job, p.truncated, truncation_headers(p.truncated)
 

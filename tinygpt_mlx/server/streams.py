@@ -32,7 +32,9 @@ async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result],
     chunk (`text("")`) is sent each time: valid for ollama's NDJSON and OpenAI's SSE alike,
     and visible progress to a client that would otherwise time out. Text pieces that arrived
     together (the server's loop or the client fell behind the decode steps) go out as one
-    chunk: one write instead of one per token, the same text."""
+    chunk: one write instead of one per token, the same text. Once the first text chunk is
+    written (this generator resumed after yielding it: the response has sent it), `job.shown`
+    is set (the worker waits for it before its next decode step, `Worker._first_out`)."""
     events = job.events
     held = None          # an event taken while joining text pieces, handled next
     try:
@@ -56,11 +58,15 @@ async def render(job: Job, text: Callable[[str], dict], done: Callable[[Result],
                     else:
                         held = event
                 yield text(pieces[0] if len(pieces) == 1 else "".join(pieces))
+                if job.shown is not None:
+                    job.shown.set()         # (resumed: the chunk is written)
                 continue
             for obj in (done(payload) if kind == "done" else [error(payload)]):
                 yield obj
             return
     finally:
+        if job.shown is not None:
+            job.shown.set()                 # (nothing more will be written: never waited for)
         job.cancel()
 
 

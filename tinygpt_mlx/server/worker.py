@@ -111,6 +111,11 @@ class Job:
     # worker hands them all to their loops at once (`Worker._flush`), one call per loop and
     # scheduler phase instead of one per token and stream. None: each event is sent at once.
     outbox: Optional[list] = None
+    # A streamed request's (set by its route before it is queued; None otherwise): set by its HTTP
+    # handler once its first text is written to the connection (`streams.render`). The worker
+    # waits for it, at most `FIRST_OUT_S`, before the decode step that follows a first token
+    # (`Worker._first_out`).
+    shown: Optional[threading.Event] = None
 
     def emit(self, kind: str, payload: Any) -> None:
         if self.loop is None or self.events is None:
@@ -328,6 +333,13 @@ class Stream:
         if piece:
             self.out.append(piece)
             self.job.emit("text", piece)
+
+
+#: how long the worker waits, at most, for the HTTP handlers to write the first tokens it has just
+#: sent before it runs the next decode step (`Worker._first_out`). That step may trace a new batch
+#: layout or build an eager step's graph: tens of ms of Python that hold the GIL, which the event
+#: loop needs at each of the several loop iterations that take a token to the socket
+FIRST_OUT_S = 0.05
 
 
 class Worker:
@@ -578,7 +590,29 @@ class Worker:
         self._flush()                                  # (a first token goes out before the decode step)
         feeding = [s for s in self.running if s.token is not None]
         if feeding:
+            self._first_out(ready)
             self._guarded(feeding, lambda: self._decode(feeding))
+
+    def _first_out(self, started: list[Stream]) -> None:
+        """Wait until the HTTP handlers of `started` (the streams whose first token was just sampled
+        and sent: `_flush`) have written that token's text to their connections (`Job.shown`), at
+        most `FIRST_OUT_S` in all; a request not streamed, one whose first token made no text, or
+        one already written, is not waited for. The decode step that follows (a new batch
+        layout traced, an eager step's graph built) is Python that holds the GIL, and the event loop
+        needs it at every iteration of the several that take a token from the worker's flush to
+        the socket: run first, that step delayed the first token by a switch interval (5 ms) per
+        iteration. Blocked here, this thread leaves the loop the GIL; the streams in flight wait
+        for one such round trip, once per request started."""
+        deadline = None
+        for s in started:
+            shown = s.job.shown
+            if shown is None or not s.out or shown.is_set():
+                continue
+            if deadline is None:
+                deadline = time.perf_counter() + FIRST_OUT_S
+            left = deadline - time.perf_counter()
+            if left <= 0 or not shown.wait(left):
+                return
 
     def _guarded(self, streams: list[Stream], fn: Any) -> None:
         """Run `fn`; an error fails only `streams` (their slots forgotten: their caches' state is
