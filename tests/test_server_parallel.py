@@ -28,7 +28,6 @@ pieces.
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 import concurrent.futures
 import json
 import logging
@@ -483,68 +482,6 @@ def _recording_picks(cache, name, picks: dict) -> None:
             picks.setdefault((name, j), []).append(([r.tolist() for r in s.fetched()], int(s.tokens_scored)))
             keep(s)
         layer.telemetry.record = record
-
-
-def test_batched_retrieval_rows_write_and_evict_as_one_array(native32, monkeypatch):
-    """serve's batched retrieval step writes a group's rows as one array (compiled_retrieval.py
-    `_write_stacked`, `_evict_stacked`): the rows' hot windows joined, each row's token written at
-    its own slot by one scatter, the leaving tokens and live windows read by one gather each; the
-    leaving keys turned back by one product and written into the rows' cold stores joined, which
-    the selection then gathers from as one store. Four steady rows (random prompts of 90-96
-    tokens: one buffer shape, past the coarse pass's pages) in lockstep with each alone over 32
-    steps: logits within 1e-5, the same greedy tokens, every layer's picks and scored counts equal
-    to its solo step's; both joined paths traced; and the four-row step's trace has fewer nodes
-    than with each row's own writes, reads and gathers (`STACK_ROWS` False, the same state: at
-    least 10 fewer per layer). (Fails
-    with the joined paths off, with the rows' tokens written at the leaving slot, with each row's
-    evicted token written at another cold row, and with the rows' buffers handed back in reverse.)"""
-    from tinygpt_mlx.cache import compiled_retrieval as cr
-    from tinygpt_mlx.evaluate.opcount import graph_ops
-
-    m = native32.model
-    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
-    rs = np.random.RandomState(3)
-    prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in (90, 92, 94, 96)]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
-    _, twin, _ = _solo_and_together(m, cfg, prompts)       # (the same state, stepped with STACK_ROWS off)
-    picks: dict = {}
-    for i, (a, b) in enumerate(zip(solo, together)):
-        _recording_picks(a, ("solo", i), picks)
-        _recording_picks(b, ("batch", i), picks)
-    joined = Counter()
-    for name in ("_write_stacked", "_evict_stacked"):
-        def spy(rows, *args, name=name, real=getattr(cr, name)):
-            joined[name, len(rows)] += 1
-            return real(rows, *args)
-        monkeypatch.setattr(cr, name, spy)
-    before, failed = batch.taken.copy(), dict(batch._failed)
-    for _ in range(32):
-        tokens = lockstep(m, tokens, together, solo, "joined rows")
-    assert (batch.taken - before)["compiled_retrieval"] == 32, batch.taken - before
-    assert batch._failed == failed
-    assert joined["_write_stacked", 4] and joined["_evict_stacked", 4], joined
-    for i in range(len(prompts)):
-        for j in range(len(together[i].owned)):
-            assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
-    # the trace's nodes at one state, the rows joined and not: two sets stepped alike (two batched
-    # steps each rows' own, so that what the counted graph holds of the last step is the same), then
-    # one step each, counted (a step's graph holds the trace's replayed nodes)
-    monkeypatch.setattr(cr, "STACK_ROWS", False)
-    _, first, start = _solo_and_together(m, cfg, prompts)
-    sets = {True: [first, start], False: [twin, start]}
-    for on in sets:
-        for _ in range(2):
-            sets[on][1] = batch.decode_step(m, sets[on][1], sets[on][0], argmax=True)[1]
-    assert sets[True][1] == sets[False][1]
-    nodes = {}
-    for on, (caches, next_tokens) in sets.items():
-        monkeypatch.setattr(cr, "STACK_ROWS", on)
-        batch.forget(m)
-        logits = batch.compiled_decode(m, mx.array([[t] for t in next_tokens]), caches)
-        assert logits is not None
-        nodes[on] = sum(graph_ops(logits).values())
-        mx.eval(logits)
-    assert nodes[True] < nodes[False] - 10 * len(first[0].owned), nodes       # (measured 380 against 464)
 
 
 @pytest.mark.parametrize("case", ["first eviction", "body moved", "cold rows grown"])

@@ -92,8 +92,7 @@ class _TracedRetrieval:
         return {"body": self.body, "picked": self.picked, **({"evicted": self.evicted} if self.evicted else {})}
 
 
-def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked: bool,
-                new: Optional[tuple] = None) -> mx.array:
+def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked: bool) -> mx.array:
     """The attention of retrieval layers in a steady step's trace, `rows` (each a
     `_TracedRetrieval` after its `update_and_fetch`, all of one layout: one spec's `Static`,
     summary widths, hot window and sink), over their `queries` stacked in order: the solo step's
@@ -105,21 +104,10 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     (`select_in_trace` for one layer, `select_rows` over the rows' summaries, counts and sticky
     pages stacked, each row gathering from its own store), and one softmax covers them, the
     placed sinks and the hot windows (`segments.attend`). Each row's picks (per row where
-    stacked) and its cold store's writes are left on it for `outputs`. `new`: the rows' new keys
-    and values [n, H, 1, D] not yet written (serve's batched step): written here, as one array for
-    all the rows where their buffers allow it (`_write_stacked`), else each by its own
-    `update_and_fetch`."""
+    stacked) and its cold store's writes are left on it for `outputs`."""
     first = rows[0]
     sp, n = first.spec, len(rows)
     B, H = first.body[0].shape[:2]
-    live = stores = None
-    if new is not None:
-        if STACK_ROWS and n > 1 and _stackable(rows):
-            live, stores = _write_stacked(rows, *new)
-        else:
-            ks, vs = (mx.split(new[0], n, axis=0), mx.split(new[1], n, axis=0)) if n > 1 else ([new[0]], [new[1]])
-            for r, k, v in zip(rows, ks, vs):
-                r.update_and_fetch(k, v)
     Hq, D = queries.shape[1], queries.shape[3]
     frame = sp.positions.frame
     if frame:
@@ -137,10 +125,8 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
         # rows too (LayerCache._evict), so nothing is turned and the query scores them as it is
         q_rows = queries.astype(mx.float32).reshape(n * B * H, Hq // H, D)
     # (each row's turn back, [1, D, D]: the rows' matrices split once, not sliced row by row)
-    back = (mx.split(turns[:, 0], n, axis=0) if n > 1 and stores is None else [turns[:, 0]]) if frame else None
-    if stores is not None:
-        stores = _evict_stacked(rows, turns[:, 0] if frame else None, stores)
-    for j, r in enumerate(rows if stores is None else ()):
+    back = (mx.split(turns[:, 0], n, axis=0) if n > 1 else [turns[:, 0]]) if frame else None
+    for j, r in enumerate(rows):
         if r.leaving is not None:
             # [G, 1, D] (DeviceColdStore.append)
             k = r.leaving[0].astype(mx.float32).reshape(B * H, 1, D)
@@ -153,23 +139,12 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
             r.evicted = (r.keys[0], r.values[0], k)
     stack = (lambda xs: mx.concatenate(xs, axis=0) if n > 1 else xs[0])
     if stacked:
-        if new is not None and STACK_ROWS and n > 1:
-            # (serve's rows: each summary joined, then cut to the scanned width once where the rows'
-            # arrays are of one shape; the counts from the rows' numbers stacked, `_ats`)
-            summaries = {name: (mx.concatenate([r.summaries[name] for r in rows], axis=0)[:, :sp.buckets[name]]
-                                if len({r.summaries[name].shape for r in rows}) == 1
-                                else stack([r.summaries[name][:, :sp.buckets[name]] for r in rows]))
-                         for name in first.summaries}
-            counts = mx.broadcast_to(_ats(rows)[:, AT_COUNTS:AT_COUNTS + 3][:, None, :, None],
-                                     (n, H, 3, 1)).reshape(n * H, 3, 1)
-        else:
-            summaries = {name: stack([r.summaries[name][:, :sp.buckets[name]] for r in rows])
-                         for name in first.summaries}
-            counts = stack([mx.broadcast_to(r.at[AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for r in rows])
+        summaries = {name: stack([r.summaries[name][:, :sp.buckets[name]] for r in rows]) for name in first.summaries}
+        counts = stack([mx.broadcast_to(r.at[AT_COUNTS:AT_COUNTS + 3][None, :, None], (H, 3, 1)) for r in rows])
         recent = stack([r.recent for r in rows]) if sp.static.sticky else None
         idx, k, v, valid, last, scored, recent = select_rows(
             sp.static, sp.codec, sp.rope, q_rows, counts.swapaxes(0, 1), summaries,
-            *([r.keys for r in rows], [r.values for r in rows]) if stores is None else stores, recent)
+            [r.keys for r in rows], [r.values for r in rows], recent)
         # each row's parts (its H query rows): every output split once along the rows (one node
         # for all the rows, not a slice per row; the telemetry's parts only where it records:
         # `commit` then reads the sticky pages alone)
@@ -190,123 +165,13 @@ def attend_rows(rows: list, queries: mx.array, scale: float, mask: Any, stacked:
     segments = [PickedSegment(k, v.reshape(n * B, H, T, -1), valid.reshape(n * B, -1, 1, T))]
     if first.sink:
         segments.append(DenseSegment(*(stack([r.sink[x] for r in rows]) for x in (0, 1))))
-    if live is None:
-        live = [stack([mx.slice(r.body[x], r.at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, r.body[x].shape[3]))
-                       for r in rows]) for x in (0, 1)]
+    live = [stack([mx.slice(r.body[x], r.at[AT_LIVE:AT_LIVE + 1], (2,), (B, H, sp.live, r.body[x].shape[3]))
+                   for r in rows]) for x in (0, 1)]
     if live[0].dtype != sp.compute:     # DenseStore.fetch in the compute dtype
         live = [b.astype(sp.compute) for b in live]
     segments.append(DenseSegment(*live))
     # (one unmasked query over exact segments: `attend` takes its one-query form, `_attend_one`)
     return attend(segments, 1, queries, scale, mask, q_rows if frame else None, len(segments) - 1 if frame else 0)
-
-
-#: serve's batched retrieval step writes its rows' tokens as one array where their buffers allow
-#: it (`_write_stacked`); False: each row's writes, reads and gathers on its own buffers (the
-#: step as it ran before 2026-12-06, session 41)
-STACK_ROWS = True
-
-
-def _stackable(rows: list) -> bool:
-    """Whether rows of one group (one layout) can write and read their hot windows as one array
-    (`_write_stacked`): one row each (B 1), hot windows' buffers of one shape and dtype."""
-    kb, vb = rows[0].body
-    return kb.shape[0] == 1 and all(r.body[0].shape == kb.shape and r.body[1].shape == vb.shape
-                                    and r.body[0].dtype == kb.dtype and r.body[1].dtype == vb.dtype for r in rows)
-
-
-def _stores_stackable(rows: list) -> bool:
-    """Whether rows' cold stores can be written and read as one array (`_evict_stacked`): exact
-    rows (one array a side), of one capacity and dtype (a store grows by doubling: rows of
-    several capacities write each into its own)."""
-    ck, cv = rows[0].keys, rows[0].values
-    return len(ck) == 1 and len(cv) == 1 and all(
-        len(r.keys) == 1 and len(r.values) == 1 and r.keys[0].shape == ck[0].shape and r.values[0].shape == cv[0].shape
-        and r.keys[0].dtype == ck[0].dtype and r.values[0].dtype == cv[0].dtype for r in rows)
-
-
-def _ats(rows: list) -> mx.array:
-    """The rows' step numbers `at` stacked, [n, AT_TURN + 1]: made once per trace and rows (kept in
-    the rows' shared `turns`, as `_turns`)."""
-    key = ("at", tuple(id(r.at) for r in rows))
-    held = rows[0].turns.get(key)
-    if held is None:
-        held = rows[0].turns[key] = mx.stack([r.at for r in rows])
-    return held
-
-
-def _column(ats: mx.array, c: int, shape: tuple) -> mx.array:
-    """Each row's number `c` of `ats` broadcast to `shape` [n, ...], for a gather or a scatter
-    along an axis at that row's own position."""
-    n = ats.shape[0]
-    return mx.broadcast_to(ats[:, c].reshape((n,) + (1,) * (len(shape) - 1)), shape)
-
-
-def _write_stacked(rows: list, keys: mx.array, values: mx.array) -> tuple:
-    """`_TracedRetrieval.update_and_fetch` of n rows at once (`_stackable`): their hot windows'
-    buffers joined along the rows [n, H, C, D], each row's new token written at its own slot
-    (`AT_WRITE`) by one scatter, the leaving tokens (`AT_SRC`, where the trace evicts) and the live
-    windows (`AT_LIVE` on) read by one gather each from the written buffers (the write is to
-    neither's slots), each row's buffers its part of them (one split). The same values as each
-    row's own slice, write and read. (the stacked live windows, and the rows' cold stores joined
-    where the trace evicts and they are of one shape (`_stores_stackable`: `_evict_stacked` writes
-    them; the leaving tokens stacked on the first row), else None (each row's leaving tokens its
-    own, written into its own store))"""
-    first = rows[0]
-    sp, n = first.spec, len(rows)
-    ats = _ats(rows)
-    kb, vb = (mx.concatenate([r.body[x] for r in rows], axis=0) for x in (0, 1))
-    _, H, _, D = kb.shape
-    Dv = vb.shape[3]
-    dt = kb.dtype
-    kb = mx.put_along_axis(kb, _column(ats, AT_WRITE, (n, H, 1, D)), keys if keys.dtype == dt else keys.astype(dt),
-                           axis=2)
-    vb = mx.put_along_axis(vb, _column(ats, AT_WRITE, (n, H, 1, Dv)),
-                           values if values.dtype == vb.dtype else values.astype(vb.dtype), axis=2)
-    joined = sp.evicts and _stores_stackable(rows)
-    if sp.evicts:
-        src = _column(ats, AT_SRC, (n, H, 1, D))
-        leaving = (mx.take_along_axis(kb, src, axis=2),
-                   mx.take_along_axis(vb, src if Dv == D else _column(ats, AT_SRC, (n, H, 1, Dv)), axis=2))
-        if joined:
-            first.leaving = leaving
-        else:       # (each row evicts into its own store: its part of the leaving tokens)
-            for r, k, v in zip(rows, mx.split(leaving[0], n, axis=0), mx.split(leaving[1], n, axis=0)):
-                r.leaving = (k, v)
-    span = ats[:, AT_LIVE].reshape(n, 1, 1, 1) + mx.arange(sp.live, dtype=mx.int32).reshape(1, 1, -1, 1)
-    live = [mx.take_along_axis(kb, mx.broadcast_to(span, (n, H, sp.live, D)), axis=2),
-            mx.take_along_axis(vb, mx.broadcast_to(span, (n, H, sp.live, Dv)), axis=2)]
-    for r, k, v in zip(rows, mx.split(kb, n, axis=0), mx.split(vb, n, axis=0)):
-        r.body = (k, v)
-    if not joined:      # (the stores are not written, or not as one: each row gathers from its own, no copy)
-        return live, None
-    return live, ([(mx.concatenate([r.keys[0] for r in rows], axis=0),)],
-                  [(mx.concatenate([r.values[0] for r in rows], axis=0),)])
-
-
-def _evict_stacked(rows: list, back: Optional[mx.array], stores: tuple) -> tuple:
-    """The leaving tokens of n stacked rows (`_write_stacked`, on the first row) into their cold
-    stores joined along the rows (`stores`: [n G, cap, D] a side): each row's key turned back
-    before RoPE by its own matrix (`back` [n, D, D]; None at original positions), each row's
-    token written at its own cold row (`AT_ROW`) by one scatter a side; each row's stores and
-    its `evicted` its part (one split a side). The same values as each row's own write. (the
-    written stores, for `select_rows`' gathers)"""
-    first = rows[0]
-    n = len(rows)
-    lk, lv = first.leaving
-    first.leaving = None
-    _, H, _, D = lk.shape
-    k = lk.astype(mx.float32).reshape(n, H, D)
-    k = (k @ back if back is not None else k).reshape(n * H, 1, D)
-    v = lv.astype(mx.float32).reshape(n * H, 1, -1)
-    (ck,), (cv,) = stores[0][0], stores[1][0]
-    ats = _ats(rows)
-    at = (lambda width: _column(ats, AT_ROW, (n, H, 1, width)).reshape(n * H, 1, width))
-    ck = mx.put_along_axis(ck, at(D), k.astype(ck.dtype), axis=1)
-    cv = mx.put_along_axis(cv, at(v.shape[2]), v.astype(cv.dtype), axis=1)
-    for r, a, b, kr in zip(rows, mx.split(ck, n, axis=0), mx.split(cv, n, axis=0), mx.split(k, n, axis=0)):
-        r.keys, r.values = (a,), (b,)
-        r.evicted = (a, b, kr)
-    return [(ck,)], [(cv,)]
 
 
 def _turns(rows: list, D: int) -> mx.array:

@@ -893,24 +893,17 @@ class _RetrievalRows(_TracedRows):
     widths, hot window and sink) through the solo step's own code in its per-row form
     (`attend_rows`, stacked: the turns in one RoPE call, each row's leaving key written into its
     own cold store, the selection over the rows' arrays stacked, `select_rows`, each row
-    gathering from its own store, one softmax). The rows' new tokens are written there too
-    (`update_and_fetch` keeps them): a group's rows as one array where their buffers share a shape
-    (compiled_retrieval.py `_write_stacked`, `_evict_stacked`), else each row's own. The mask
-    protocol (one query sees every stored token, checked before the step) is `_TracedRows`'."""
+    gathering from its own store, one softmax). The rows' writes and the mask protocol (one
+    query sees every stored token, checked before the step) are `_TracedRows`'."""
 
     def __init__(self, specs: list, at: list, inputs: list, offset: mx.array, groups: tuple, turns: dict):
         # (`turns`: one dict for every layer of the step, so a group's RoPE turns are made once)
         super().__init__([_TracedRetrieval(sp, a, x, turns) for sp, a, x in zip(specs, at, inputs)], offset)
         self.groups = groups
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        self.new = (keys, values)       # (written by `attend_rows`, a group's rows as one where they can)
-        return keys, values
-
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
-        whole = (lambda a, b, x: x[a:b] if b - a < x.shape[0] else x)
-        outs = [attend_rows(self.rows[a:b], whole(a, b, queries), scale, None, stacked=True,
-                            new=(whole(a, b, self.new[0]), whole(a, b, self.new[1]))) for a, b in self.groups]
+        outs = [attend_rows(self.rows[a:b], queries[a:b] if b - a < queries.shape[0] else queries, scale, None,
+                            stacked=True) for a, b in self.groups]
         return mx.concatenate(outs, axis=0) if len(outs) > 1 else outs[0]
 
     def outputs(self, i: int) -> dict:
