@@ -66,7 +66,9 @@ would freeze a block or outgrow its buffers has that done ahead, before the step
 (`KiviStore.ready_next`: the same blocks frozen, the same buffers, as after its eager step), once
 every row is found able to step so; its step is then a quiet one, compiled where the step's
 function has traced its shapes, else eager (`KIVI_AHEAD_TRACES`: a trace costs more than the
-eager step; the eager step then freezes nothing more). A full cache's row with no
+eager step; the eager step then freezes nothing more); rows that attend stacked have their packed
+runs padded to the longest row's before the step (`_even_runs`, the copies kept between steps), so
+their shapes change only when the longest run grows, and their ahead steps trace. A full cache's row with no
 block frozen yet (its first R + G or so tokens) steps compiled too, attending over its exact
 tokens in the eager step's exact form (`_TracedKivi._attend_exact`: the same bits), stacked only
 with rows like it. Under StreamingLLM a step where any row freezes or evicts a block runs eager
@@ -430,7 +432,9 @@ traced: Counter = Counter()
 #: replays. Measured (a probe in commit 5927810's message; not in docs/ nor docs/results/): four
 #: rows from prompts of like lengths freeze within a few steps of each other, and a trace at each
 #: freeze (32-42 ms a step on the shipped model, load ~7) cost more than the eager freeze steps
-#: (15-27 ms) and one trace after them
+#: (15-27 ms) and one trace after them. Rows that attend stacked trace such a step all the same:
+#: their packed runs evened to the longest's (`_even_runs`), only the longest row's freeze brings
+#: new shapes (one trace per G steps, then the other rows' freezes replay it)
 KIVI_AHEAD_TRACES = False
 
 #: traces one compiled batched step holds before it is made anew. MLX keeps a compiled
@@ -735,6 +739,60 @@ def _padded(runs: list) -> tuple:
     return tuple(out)
 
 
+#: the rows' runs padded by `_even_runs` in the last stacked KIVI step: (the run, its padded copy)
+#: by (the run's first arrays, the length padded to); each step keeps only what it used, so a row
+#: that leaves the batch, or whose run changed, drops its copy; an idle worker drops them all
+#: (`drop_kept`)
+_EVENED: dict = {}
+
+
+def drop_kept() -> None:
+    """Forget the padded runs kept for the next stacked KIVI step (`_EVENED`): the worker calls it
+    when it goes idle, so finished requests' runs are not held past their batch."""
+    global _EVENED
+    _EVENED = {}
+
+
+def _even_runs(runs_by_row: list, kept: dict) -> list:
+    """The rows' packed runs (or near tiers) of a stacked KIVI step, per row a list over the layers
+    (`kivi_inputs`), each run zero-padded along its token axes to the longest row's in that layer
+    (`_padded`'s padding, done outside the trace): the trace's inputs then change shape only when
+    the longest row's run grows, not at each row's freeze (a new set of shapes: a trace, or an
+    eager step where the freeze was done ahead, `KIVI_AHEAD_TRACES`), and the trace pads nothing.
+    The stacked attention reads the same arrays as before (`_padded` of runs of one length joins
+    them as they are): the same bits. A padded copy is kept from step to step while the run and the
+    length it is padded to stay (`_EVENED`; the copies used are put in `kept`, the step's next
+    `_EVENED`). Rows without a run (()) are left as they are."""
+    out = [list(runs) for runs in runs_by_row]
+    for j in range(len(runs_by_row[0])):
+        runs = [runs[j] for runs in runs_by_row]
+        lengths = [run[1][0].shape[-2] if run else 0 for run in runs]
+        if not max(lengths) or len(set(lengths)) == 1:
+            continue
+        like = runs[lengths.index(max(lengths))]
+        shapes = tuple(tuple(a.shape) for side in like for a in side)
+        for i, run in enumerate(runs):
+            if not run or lengths[i] == max(lengths):
+                continue
+            key = (id(run[0][0]), id(run[1][0]), shapes)
+            held = _EVENED.get(key)
+            if held is None or held[0][0][0] is not run[0][0] or held[0][1][0] is not run[1][0]:
+                held = (run, _pad_run(run, like))
+            kept[key] = held
+            out[i][j] = held[1]
+    return out
+
+
+def _pad_run(run: tuple, like: tuple) -> tuple:
+    """`run` (its keys side, its values side) zero-padded along each array's token axis to `like`'s
+    shapes (`_padded`'s axes: a quantised key side, three arrays of K^T, along its last axis)."""
+    out = []
+    for side in (0, 1):
+        axis = 3 if side == 0 and len(like[0]) == 3 else 2
+        out.append(tuple(_pad(a, axis, ref.shape[axis] - a.shape[axis]) for a, ref in zip(run[side], like[side])))
+    return tuple(out)
+
+
 def _kivi_quiet(cache: KVCache) -> Optional[tuple]:
     """(the layers' plans, their layout) of a KIVI cache whose next step is a quiet one in every
     layer at one position, as the solo quiet step requires (cache/compiled.py `_kivi_ready`,
@@ -858,6 +916,12 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     # they stack with each other, not with rows holding packed blocks)
     stacked = (len({r[0][:4] + r[0][5:] for r in rows}) == 1
                and max(q[1][1] + r[5][0][0].shape[2] for q, r in zip(quiet, rows)) <= STACK_TOKENS)
+    if stacked:     # (each row's packed run and near tier at the longest row's length: `_even_runs`)
+        global _EVENED
+        kept: dict = {}
+        rows = [r[:3] + (packed, near) + r[5:] for r, packed, near in
+                zip(rows, _even_runs([r[3] for r in rows], kept), _even_runs([r[4] for r in rows], kept))]
+        _EVENED = kept
     key = ("kivi", owners, tuple(r[0] for r in rows), stacked)
     step = _kivi_step(model, key)
     if step is _FAILED:
@@ -865,7 +929,7 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     ints = (lambda n: mx.array([r[n] for r in rows], dtype=mx.int32))
     args = (ids, ints(1), [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows],
             ints(6), ints(7), ints(8), mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
-    if late and not KIVI_AHEAD_TRACES and not step.holds(args):
+    if late and not (KIVI_AHEAD_TRACES or stacked) and not step.holds(args):     # (stacked: `_even_runs`)
         taken["kivi_ahead_eager"] += 1
         return None     # new shapes (a trace): the eager step, which freezes nothing more (module doc)
     try:

@@ -480,10 +480,12 @@ class Worker:
         Without it the RSS of a busy server climbs to the largest mix of requests it has met and
         stays there (docs/server.md: the retrieval load run); with it an idle server holds its
         caches, slots and model, not that high-water mark. A request arriving at an idle server
-        faults its first temporaries in again (measured in docs/server.md)."""
+        faults its first temporaries in again (measured in docs/server.md). The padded runs kept for
+        stacked int4 rows are dropped first (`batch.drop_kept`)."""
         self.blas.for_prefill()
         if self._ran:
             self._ran = False
+            batch.drop_kept()
             mx.clear_cache()
             heap.trim()
 

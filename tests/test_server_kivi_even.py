@@ -1,0 +1,132 @@
+"""Stacked int4 rows read packed runs evened outside the trace (issue 56, int4 four streams).
+
+In serve's compiled batched KIVI step the rows attend as one over their packed runs padded to the
+longest row's. Padded inside the trace, every row's freeze (its run one block longer) was a new
+set of input shapes: a trace, or an eager step where the freeze was done ahead. Padded before
+the step (`batch._even_runs`), the inputs change shape only when the longest run grows; a padded
+copy is kept while its run and length stay. These tests hold the rows to their solo steps and
+check the mechanism.
+"""
+
+from __future__ import annotations
+
+import time
+
+import mlx.core as mx
+import pytest
+
+from tinygpt_mlx.cache import make_cache
+from tinygpt_mlx.config import CacheConfig
+from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.server import batch
+
+PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
+           "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
+
+
+@pytest.fixture(scope="module")
+def native32(native32_path):
+    from tinygpt_mlx.loading import load
+    return load(native32_path)
+
+
+def _shapes(run) -> tuple:
+    return tuple(tuple(a.shape) for side in run for a in side) if run else ()
+
+
+def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, monkeypatch):
+    """Four full int4 rows at their own lengths (packed runs of different lengths), 64 steps in
+    lockstep with each row alone: every row's logits within 1e-5 of its solo step's, the same
+    greedy token; every stacked compiled call got, in each layer, every row's run at one shape
+    (the longest's: `_even_runs`), a padded run the same array from step to step while nothing
+    froze, and the copies kept are only those of the last step's rows; a stacked step where a row
+    froze ahead ran compiled (traced where its shapes were new: with the runs evened, only the
+    longest row's freeze brings new shapes), never eager."""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(key_bits=4, value_bits=4)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (3, 5, 7, 9))]
+    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    tokens = []
+    for ids, a, b in zip(prompts, solo, together):
+        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
+        prefill(m, ids, b, 16)
+    calls: list = []
+    real = batch._Compiled.__call__
+
+    def spy(self, *args):
+        if self.kind == "kivi":     # the rows' packed runs as passed, per row a list over the layers, and
+            # each row's own runs' arrays in its cache
+            own = [[c.body.tiers.packed.values for c in cache.owned] for cache in together]
+            calls.append((args[3], own))
+        return real(self, *args)
+    monkeypatch.setattr(batch._Compiled, "__call__", spy)
+    batch.forget(m)
+    before = batch.taken.copy()
+    ahead_stacked = 0
+    for _ in range(64):
+        packed = all(c.owned[0].body.n_packed for c in together)     # every row has blocks: the rows stack
+        was = batch.taken.copy()
+        rows = batch.decode_step(m, tokens, together)
+        step = batch.taken - was
+        if packed and step["kivi_frozen_ahead"]:      # a row froze ahead: compiled even with new shapes
+            assert step["compiled_kivi_stacked"] == 1 and not step["kivi_ahead_eager"], step
+            ahead_stacked += 1
+        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        for row, w in zip(rows, want):
+            assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
+            assert mx.argmax(row).item() == mx.argmax(w).item()
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+    done = batch.taken - before
+    assert done["compiled_kivi_stacked"] >= 32 and ahead_stacked >= 2, (done, ahead_stacked)
+    stacked = [c for c in calls if all(run for row in c[0] for run in row)]      # (every row has blocks)
+    assert len(stacked) >= 32
+    for passed, _ in stacked:
+        for j in range(len(passed[0])):
+            assert len({_shapes(row[j]) for row in passed}) == 1, "a row's run not at the longest's shape"
+    # a row's run unchanged in its cache over two steps, padded to one shape: the same arrays passed
+    same = reused = padded = 0
+    for (a, own_a), (b, own_b) in zip(stacked, stacked[1:]):
+        for i, (ra, rb) in enumerate(zip(a, b)):
+            for j in range(len(ra)):
+                if own_a[i][j] is own_b[i][j] and _shapes(ra[j]) == _shapes(rb[j]):
+                    same += 1
+                    reused += all(x is y for sa, sb in zip(ra[j], rb[j]) for x, y in zip(sa, sb))
+                    padded += ra[j][1][0] is not own_a[i][j][0]
+    assert padded and reused == same, (reused, same, padded)     # each padded copy kept, not made anew
+    # only the last step's rows' copies are held
+    last = {id(row[j][1][0]) for row in stacked[-1][0] for j in range(len(stacked[-1][0][0]))}
+    assert all(id(held[1][1][0]) in last for held in batch._EVENED.values())
+    assert len({c.current_length for c in together}) == 4
+    assert batch._EVENED
+    batch.drop_kept()                       # (what an idle worker does)
+    assert not batch._EVENED
+    for c in solo + together:
+        c.close()
+
+
+def test_an_idle_worker_drops_the_padded_runs(native32, monkeypatch):
+    """serve's worker, two int4 requests of unlike lengths batched (their runs padded to the longer's
+    and kept between steps): once both are done and the worker goes idle, the padded copies are
+    dropped (`batch.drop_kept`), not held until the next batch."""
+    from tinygpt_mlx.server.slots import SlotPool
+    from tinygpt_mlx.server.worker import Job, Worker
+
+    tok = native32.tokenizer
+    held: list = []
+    real = batch.drop_kept
+    monkeypatch.setattr(batch, "drop_kept", lambda: (held.append(len(batch._EVENED)), real())[1])
+    w = Worker(native32, SlotPool(native32.model, CacheConfig(key_bits=4, value_bits=4), max_slots=2), 512, parallel=2)
+    jobs = [Job(tok.encode(p * k), 48, temperature=0) for p, k in ((PROMPTS[1], 4), (PROMPTS[3], 8))]
+    got: list = [[], []]
+    for job, g in zip(jobs, got):
+        job.emit = lambda kind, payload, g=g: g.append(kind)
+    try:
+        for job in jobs:
+            w.submit(job)
+        deadline = time.time() + 60
+        while not (all(g and g[-1] == "done" for g in got) and held):
+            assert time.time() < deadline, (got, held)
+            time.sleep(0.01)
+    finally:
+        w.stop()
+    assert w.batched_steps > 8 and held[0] > 0 and not batch._EVENED
