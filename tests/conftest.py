@@ -70,6 +70,18 @@ def native(native_path):
 
 
 @pytest.fixture(scope="session")
+def wide_path(tmp_path_factory, tokenizer_json) -> Path:
+    """A tiny native model with head_dim 32, so KIVI and mlx-lm's quantised cache apply."""
+    return build_native(tmp_path_factory.mktemp("wide") / "wide.tinygpt", tokenizer_json, d_model=128)
+
+
+@pytest.fixture(scope="session")
+def wide(wide_path):
+    from tinygpt_mlx.loading import load
+    return load(wide_path)
+
+
+@pytest.fixture(scope="session")
 def native32_path(tmp_path_factory, tokenizer_json) -> Path:
     """Head dim 32: KIVI's value groups run along the head dimension and MLX's smallest group is 32."""
     return build_native(tmp_path_factory.mktemp("native32") / "tiny32.tinygpt", tokenizer_json,
@@ -149,3 +161,17 @@ def script_module(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def recorded_bench_caches(loaded, monkeypatch) -> tuple[list, list]:
+    """Three of `bench`'s policies' caches (fp32, sink2/window8, int8) over one 20-token prompt,
+    and the list `bench.forward` appends each stepped cache's id to."""
+    import mlx.core as mx
+    from tinygpt_mlx.evaluate import bench
+    calls: list = []
+    real = bench.forward
+    monkeypatch.setattr(bench, "forward", lambda m, t, c: calls.append(id(c)) or real(m, t, c))
+    caches = [bench.make_policy(s, loaded.model).make() for s in ("fp32", "sink2/window8", "int8")]
+    for cache in caches:
+        mx.eval(loaded.model(mx.array([list(range(1, 21))]), cache=cache))
+    return calls, caches

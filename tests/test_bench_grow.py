@@ -8,6 +8,7 @@ import json
 
 import mlx.core as mx
 import pytest
+from conftest import recorded_bench_caches
 from typer.testing import CliRunner
 
 from tinygpt_mlx.evaluate import bench
@@ -20,19 +21,6 @@ from tinygpt_mlx.generate import forward, prefill
 #: two-level index is engaged at `pages2` (more than 2 x 4 x 2 x 8 pages of 8 tokens)
 N, P = 1300, 300
 SPECS = ["fp32", "bf16", "sink2/hot16+pages2", "sink2/hot16+pages2+colddisk"]
-
-
-@pytest.fixture(scope="module")
-def wide_path(tmp_path_factory, tokenizer_json):
-    """A tiny native model with head_dim 32 (test_evaluate.py's)."""
-    from conftest import build_native
-    return build_native(tmp_path_factory.mktemp("wide") / "wide.tinygpt", tokenizer_json, d_model=128)
-
-
-@pytest.fixture(scope="module")
-def wide(wide_path):
-    from tinygpt_mlx.loading import load
-    return load(wide_path)
 
 
 def _arrays(obj, path: str, out: list, seen: set, depth: int = 0) -> None:
@@ -124,12 +112,8 @@ def test_step_parts_abba_alternates_the_order_and_its_reverse(wide, monkeypatch)
     """`step_parts(abba=True)` (`bench --abba`): even rounds step the caches in their given order,
     odd rounds in its reverse (with `after_own` each cache's untimed step right before its timed
     one); `bench` says so in `parts_rounds`."""
-    calls = []
     real = bench.forward
-    monkeypatch.setattr(bench, "forward", lambda m, t, c: calls.append(id(c)) or real(m, t, c))
-    caches = [bench.make_policy(s, wide.model).make() for s in ("fp32", "sink2/window8", "int8")]
-    for cache in caches:
-        mx.eval(wide.model(mx.array([list(range(1, 21))]), cache=cache))
+    calls, caches = recorded_bench_caches(wide, monkeypatch)
     ids = [id(c) for c in caches]
     bench.step_parts(wide.model, caches, steps=4, warmup=2, abba=True)
     assert calls == (ids + ids[::-1]) * 3

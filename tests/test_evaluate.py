@@ -7,6 +7,7 @@ import math
 
 import mlx.core as mx
 import pytest
+from conftest import recorded_bench_caches
 from typer.testing import CliRunner
 
 from tinygpt_mlx.cache import make_cache
@@ -15,19 +16,6 @@ from tinygpt_mlx.evaluate import bench, compare, perplexity
 from tinygpt_mlx.evaluate.compare import prefix_match
 from tinygpt_mlx.evaluate.modes import parse_policy
 from tinygpt_mlx.evaluate.modes import parse_policies
-
-@pytest.fixture(scope="module")
-def wide_path(tmp_path_factory, tokenizer_json):
-    """A tiny native model with head_dim 32, so KIVI and mlx-lm's quantised cache apply."""
-    from conftest import build_native
-    return build_native(tmp_path_factory.mktemp("wide") / "wide.tinygpt", tokenizer_json, d_model=128)
-
-
-@pytest.fixture(scope="module")
-def wide(wide_path):
-    from tinygpt_mlx.loading import load
-    return load(wide_path)
-
 
 TEXT = "And it came to pass that the keeper of numbers 0123456789 went forth. The quick brown fox. "
 
@@ -378,12 +366,7 @@ def test_bench_parts_builds_follow_every_other_cache(wide, monkeypatch):
     cache's (at 8K a build after a long cache's evaluation was up to a third slower, so a fixed
     cyclic order measured a neighbour, not the policy: docs/results.md); every cache still stepped
     once per round."""
-    calls = []
-    real = bench.forward
-    monkeypatch.setattr(bench, "forward", lambda m, t, c: calls.append(id(c)) or real(m, t, c))
-    caches = [bench.make_policy(s, wide.model).make() for s in ("fp32", "sink2/window8", "int8")]
-    for cache in caches:
-        mx.eval(wide.model(mx.array([list(range(1, 21))]), cache=cache))
+    calls, caches = recorded_bench_caches(wide, monkeypatch)
     bench.step_parts(wide.model, caches, steps=10, warmup=2)
     assert [c.current_length for c in caches] == [32, 32, 32]
     rounds = [calls[k:k + 3] for k in range(0, len(calls), 3)]

@@ -14,19 +14,14 @@ import pytest
 from benchmarks.needle_last_pass import probe_last_pass, variants
 from benchmarks.needle_step_probe import answer, probe_policy
 from tinygpt_mlx.cache import make_cache
-from tinygpt_mlx.chat_template import encode_fragment
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.evaluate.needle import DEFAULT_FILLER, cell_document, needle_positions
 from tinygpt_mlx.generate import prefill
+from test_needle_step_probe import needle_cell
 
 
 @pytest.fixture(scope="module")
 def cell(native):
-    tok = native.tokenizer
-    prompt, answer = cell_document(tok, DEFAULT_FILLER.read_text(encoding="utf-8"), 240, 0.3, 0)
-    ids = list(tok.encode(prompt))
-    truth = np.asarray(needle_positions(tok.encode, prompt, answer))
-    return ids, encode_fragment(tok, " " + answer + "."), truth
+    return needle_cell(native.tokenizer)
 
 
 def _probs(rows):

@@ -34,13 +34,16 @@ def model(request, native, tmp_path_factory, tokenizer_json):
     return load(build_gemma3_dir(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3", tokenizer_json))
 
 
-@pytest.fixture(scope="module")
-def cell(model):
-    tok = model.tokenizer
+def needle_cell(tok):
+    """A ~240-token needle cell (depth 0.3, seed 0): its prompt's ids, the answer's ids, the needle's positions."""
     prompt, answer = cell_document(tok, DEFAULT_FILLER.read_text(encoding="utf-8"), 240, 0.3, 0)
     ids = list(tok.encode(prompt))
-    truth = np.asarray(needle_positions(tok.encode, prompt, answer))
-    target = encode_fragment(tok, " " + answer + ".")
+    return ids, encode_fragment(tok, " " + answer + "."), np.asarray(needle_positions(tok.encode, prompt, answer))
+
+
+@pytest.fixture(scope="module")
+def cell(model):
+    ids, target, truth = needle_cell(model.tokenizer)
     assert len(ids) < model.context_length and truth.max() < len(ids) - 36   # the needle goes cold
     return ids, target, truth
 
