@@ -767,12 +767,13 @@ def _even_runs(runs_by_row: list, kept: dict) -> list:
     for j in range(len(runs_by_row[0])):
         runs = [runs[j] for runs in runs_by_row]
         lengths = [run[1][0].shape[-2] if run else 0 for run in runs]
-        if not max(lengths) or len(set(lengths)) == 1:
+        longest = max(lengths)
+        if not longest or len(set(lengths)) == 1:
             continue
-        like = runs[lengths.index(max(lengths))]
+        like = runs[lengths.index(longest)]
         shapes = tuple(tuple(a.shape) for side in like for a in side)
         for i, run in enumerate(runs):
-            if not run or lengths[i] == max(lengths):
+            if not run or lengths[i] == longest:
                 continue
             key = (id(run[0][0]), id(run[1][0]), shapes)
             held = _EVENED.get(key)
