@@ -100,6 +100,13 @@ class DeviceColdStore:
         # (make_cache counts them); past it the oldest rows spill into `spill_dir`
         self.ram_layers = 1
         self.spill_dir: Optional[str] = None
+        # a spilled store's decode step staged ahead (spill_stage.py): the pages [G, K] (-1: none)
+        # the last decode step's pool held (the guess: host data, read at that step's end), the
+        # staged step's (spilled, page table [G, spilled pages]) and its passes' checks (a list
+        # while a step records them: per pass, whether it missed a staged page, and its pool)
+        self.guess: Optional[np.ndarray] = None
+        self.staging: Optional[tuple] = None
+        self.checks: Optional[list] = None
 
     # ----- storage --------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -242,6 +249,8 @@ class DeviceColdStore:
                 pool = None
             else:
                 pool, last = self.pool(rows)
+                if L == 1 and self.checks is not None:
+                    self.checks.append(self._check(pool))
             self.stages.sync(last)
         with self.stages.timed("gather"):
             if pool is not None:
@@ -268,6 +277,20 @@ class DeviceColdStore:
                 self._recent = _PickedPages(idx, valid, segment, ps if spans else 1, ps)
         segment.rows = idx   # the cold index of each pool position [G, U] (telemetry, tests)
         return [segment], self._selection(L, idx, valid, last, scored, units, unit, segment)
+
+    def _check(self, pages: mx.array) -> tuple[mx.array, mx.array]:
+        """A decode pass's check (spill_stage.py), lazy: whether its pool's pages [G, K] (-1: none)
+        hold a spilled page the step did not stage (every row it gathers lies in a pool page or,
+        as padding, in page 0, which is always staged), and the pages themselves (the next
+        step's guess). A pass not staged (nothing staged, or a spill since) misses nothing: it
+        read its spilled rows back."""
+        if self.staging is None or self.staging[0] != self.spilled:
+            return mx.array(False), pages
+        table = self.staging[1]
+        spilled_pages = table.shape[1]
+        at = mx.clip(pages, 0, spilled_pages - 1)
+        unstaged = (pages >= 0) & (pages < spilled_pages) & (mx.take_along_axis(table, at, axis=1) < 0)
+        return unstaged.any(), pages
 
     def pick_units(self) -> tuple[int, int]:
         """(units, unit): a query picks `units` pages of `unit` = page_size tokens (spans) or
@@ -411,6 +434,8 @@ class DeviceColdStore:
             q = pos.rotate_to(q, -slot)
         qn = q.reshape(G, rep, L, D)
         pages = self.coarse(qn)                                                    # [G, L, k]
+        if L == 1 and self.checks is not None:
+            self.checks.append(self._check(pages.reshape(G, -1)))
         idx = (pages[..., None] * ps + mx.arange(ps)).reshape(G, L, -1)
         if self.n > P * ps:
             idx = mx.concatenate([idx, mx.broadcast_to(mx.arange(P * ps, self.n), (G, L, self.n - P * ps))], axis=-1)

@@ -59,7 +59,7 @@ import mlx.core as mx
 
 from .. import attention, quant
 from ..model import Model
-from . import compiled_retrieval
+from . import compiled_retrieval, spill_stage
 from .packed import PackedRun, rotation, rotation_back
 from .segments import attend_exact_one
 
@@ -319,9 +319,13 @@ def _steps_of(model: Any) -> dict:
 
 def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step ([B, 1] tokens) as a compiled function, or None where it cannot run
-    (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token."""
+    (module doc); the logits [B, 1, vocab] otherwise, the cache advanced by one token. A cache
+    that compiles no step but holds spilled cold rows runs its step with them staged ahead
+    where it can (spill_stage.py: eager, one bulk copy and one wait per step)."""
     kind = getattr(cache, "compiled_step", None)   # decided when a KVCache is made (kv_cache.py)
-    if kind is None or not cache.compile_decode or tokens.ndim != 2 or tokens.shape[1] != 1:
+    if kind is None:
+        return spill_stage.decode(model, tokens, cache) if getattr(cache, "stage_spills", False) else None
+    if not cache.compile_decode or tokens.ndim != 2 or tokens.shape[1] != 1:
         return None
     steps = _steps_of(model)
     if not _traceable(model, steps):

@@ -56,7 +56,9 @@ class DeviceRows:
     Spilled (`spill`, the ram cold store's RAM budget): the oldest `spilled` rows live in a
     memory-mapped file instead (token-major [spilled, G, *shape], bf16 as its bits), and `array`
     holds rows `spilled`..`n` from its start. `gather` then reads the picked indices back and
-    takes the spilled ones from the file (the only host wait; none while nothing is spilled)."""
+    takes the spilled ones from the file (the only host wait; none while nothing is spilled).
+    Staged (`stage`, a decode step that guessed its spilled pages: spill_stage.py), it takes
+    them from the step's staging buffer instead, inside the graph, without a wait."""
 
     def __init__(self, G: int, shape: tuple, dtype: mx.Dtype, initial: int = 256):
         self.G, self.shape, self.dtype = G, tuple(shape), dtype
@@ -65,6 +67,10 @@ class DeviceRows:
         self.array = mx.zeros((G, initial) + self.shape, dtype=dtype)
         self.spilled = 0
         self.disk: Any = None     # arrays.GrowingArray on disk, once something is spilled
+        #: a decode step's staged spilled rows (spill_stage.py): (spilled when staged, the page
+        #: table [G, spilled pages] (slot of each staged page, -1: not staged), the rows [G, S *
+        #: page_size, *shape], page_size); None: not staged
+        self.stage: Optional[tuple] = None
 
     @property
     def capacity(self) -> int:
@@ -143,6 +149,8 @@ class DeviceRows:
         if not self.spilled:
             out = mx.take_along_axis(self.array, flat.reshape(flat.shape + tail), axis=1)
             return out.reshape(idx.shape + self.shape)
+        if self.staged():
+            return self._gather_staged(flat, tail).reshape(idx.shape + self.shape)
         import numpy as np   # (spilled: the picked indices are read back, then the file)
         at = np.asarray(flat.astype(mx.int32))
         local = np.maximum(at - self.spilled, 0)
@@ -151,10 +159,33 @@ class DeviceRows:
         if old.any():
             g, j = np.nonzero(old)
             rows = np.zeros(flat.shape + self.shape, self.disk.dtype)
-            rows[g, j] = self.disk.view()[at[g, j], g]     # only these rows are read from the file
+            rows[g, j] = self.read_disk(at[g, j], g)     # only these rows are read from the file
             mask = mx.array(old).reshape(flat.shape + tail)
             out = mx.where(mask, self._from_disk(rows), out)
         return out.reshape(idx.shape + self.shape)
+
+    def read_disk(self, tokens: Any, g: Any) -> Any:
+        """Spilled rows from the file (numpy fancy indexing of the map: only these are read):
+        token `tokens[i]` of row `g[i]` of G (or broadcast as numpy broadcasts them)."""
+        return self.disk.view()[tokens, g]
+
+    def staged(self) -> bool:
+        """Whether a gather now takes the spilled rows from a step's staging buffer (`stage`,
+        spill_stage.py): staged, and nothing spilled since (a spill during the step's eviction
+        moves rows the buffer does not hold: the gather reads them back as before)."""
+        return self.stage is not None and self.stage[0] == self.spilled
+
+    def _gather_staged(self, flat: mx.array, tail: tuple) -> mx.array:
+        """`gather` of a staged step, inside the graph: a spilled row from the staging buffer at
+        its page's slot (a page not staged reads slot 0: the step's check finds the miss, and
+        the step is computed again: spill_stage.py), a resident one from `array`; the same rows,
+        as the same values, as the read back takes."""
+        spilled, table, rows, page_size = self.stage
+        page = mx.minimum(flat // page_size, table.shape[1] - 1)
+        slot = mx.maximum(mx.take_along_axis(table, page, axis=1), 0)
+        staged = mx.take_along_axis(rows, (slot * page_size + flat % page_size).reshape(flat.shape + tail), axis=1)
+        out = mx.take_along_axis(self.array, mx.maximum(flat - spilled, 0).reshape(flat.shape + tail), axis=1)
+        return mx.where((flat < spilled).reshape(flat.shape + tail), staged, out)
 
     def _from_disk(self, rows: Any) -> mx.array:
         """Rows read from the file as this array's dtype (bf16 is kept there as its bits)."""

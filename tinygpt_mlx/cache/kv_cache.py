@@ -25,6 +25,7 @@ import numpy as np
 from .. import quant
 from ..config import CacheConfig
 from . import checkpoint as checkpoints
+from . import spill_stage
 from .layer import LayerCache
 from .telemetry import summarise
 
@@ -32,6 +33,11 @@ from .telemetry import summarise
 def compile_by_default() -> bool:
     """A new cache's `compile_decode`: on unless `POSTTRAINLLM_COMPILE` is 0/false/no/off."""
     return os.environ.get("POSTTRAINLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def stage_spills_by_default() -> bool:
+    """A new cache's `stage_spills`: on unless `POSTTRAINLLM_STAGE_SPILLS` is 0/false/no/off."""
+    return os.environ.get("POSTTRAINLLM_STAGE_SPILLS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 class Checkpoint:
@@ -64,6 +70,10 @@ class KVCache(list):
         #: whether a decode step over full StreamingLLM rings may run compiled (cache/compiled.py);
         #: the one switch, its default from the environment
         self.compile_decode = compile_by_default()
+        #: whether a decode step of a cache with spilled cold rows reads them in one bulk copy
+        #: staged ahead (spill_stage.py; exact either way), and its counters
+        self.stage_spills = stage_spills_by_default()
+        self.spill_stats = spill_stage.new_stats()
         kinds = {c.compiles for c in self._owned}
         if kinds == {"ring", "retrieval"} and all(c.compiles == "ring" for c in self._owned if c.sliding is not None) \
                 and all(c.compiles == "retrieval" for c in self._owned if c.sliding is None):

@@ -224,6 +224,28 @@ class LayerCache:
         self.start += n
         self.seen += n
 
+    # ----- one decode step undone (spill_stage.py: a staged step that missed) ----------------
+    def undoable(self) -> bool:
+        """Whether `step_mark` / `step_undo` can take back the next decode step: exact sink and
+        hot window (dense stores), no re-base due, no telemetry recording, stages not timed."""
+        return (type(self) is LayerCache and isinstance(self.body, DenseStore)
+                and isinstance(self.sink_store, DenseStore) and not self.plan().rebase
+                and not (self.telemetry is not None and self.telemetry.on)
+                and not getattr(self.cold.stages, "enabled", False))
+
+    def step_mark(self) -> tuple:
+        """The state the next decode step changes (`undoable` ones): the counters, the sink's and
+        the hot window's extents and the cold store's mark (its rows, unfinished page, sticky pages)."""
+        return self.seen, self.start, self.sink_store.step_mark(), self.body.step_mark(), self.cold.mark()
+
+    def step_undo(self, mark: tuple) -> None:
+        """Back to `step_mark`'s state: the cache as if the step had not run."""
+        self.seen, self.start, sink, body, cold = mark
+        self.sink_store.step_undo(sink)
+        self.body.step_undo(body)
+        self.cold.rewind(cold)
+        self._planned = None
+
     # ----- mlx-lm protocol ------------------------------------------------------------------
     @property
     def offset(self) -> int:

@@ -203,6 +203,18 @@ class DenseStore:
         """Back to `mark`: the tokens appended since are forgotten."""
         self.truncate(mark)
 
+    def step_mark(self) -> tuple:
+        """What one decode step changes here, to undo it (`step_undo`): the buffers (a growth
+        replaces them; an append writes after the live tokens, where nothing live is) and the
+        live range (an eviction moves `head`). Not a re-base's turn of the keys (`rotate`):
+        spill_stage.py stages no step that re-bases."""
+        return self.keys, self.values, self.head, self.n
+
+    def step_undo(self, mark: tuple) -> None:
+        """Back to `step_mark`'s state: the step's token forgotten, its evicted ones live again."""
+        self.keys, self.values, self.head, self.n = mark
+        self.version += 1
+
     def rotate(self, turn) -> None:
         """Replace the live keys by `turn(keys)` (a re-base turns them back by RoPE)."""
         if not self.n:
