@@ -152,7 +152,7 @@ def test_grid_summary_counts_passes(native, monkeypatch):
     """needle_grid's summary: cells and passes per policy, as the docs' 75/75 are read."""
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None, tail=0):
         calls.append((config, answer, truth))
         ok = not config.retrieval and config.window is None       # only "full" passes
         return {"passed": ok, "answer": answer, "output": answer if ok else "0", "values": 1,
@@ -184,7 +184,7 @@ def test_needle_positions_mark_every_value_of_a_keyed_all_answer():
 def test_grid_runs_each_task_and_hands_retrieval_the_values(native, monkeypatch, task):
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, context=None, tail=0):
         calls.append((tokenizer.decode(ids), answer, truth))
         return {"passed": False, "answer": answer, "output": "", "values": len(re.findall(r"\d+", answer)),
                 "values_right": 0}
@@ -301,7 +301,8 @@ def test_probe_reruns_only_failed_retrieval_cells_and_counts_the_verdicts(native
     "ranking" where the oracle answers, "reading" where it does not; the summary counts them."""
     calls = []
 
-    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, oracle=False, context=None):
+    def fake_run_cell(model, tokenizer, config, ids, answer, truth, chunk, on_chunk=None, oracle=False, context=None,
+                      tail=0):
         calls.append((config.retrieval, oracle))
         depth_low = truth[0] < len(ids) / 2
         ok = (not config.retrieval) or (oracle and depth_low)   # the oracle rescues the shallow needle only

@@ -151,7 +151,8 @@ class ChatSession:
         feeds only its own tokens."""
         conv = self.conversation
         if conv.pending:
-            self.logits = prefill(self.loaded.model, conv.pending, self.cache, self._chunk(len(conv.pending)))
+            self.logits = prefill(self.loaded.model, conv.pending, self.cache, self._chunk(len(conv.pending)),
+                                  tail=self.sample_config.prefill_tail)
             conv.fed += conv.pending
             conv.pending = []
         return self.logits
@@ -206,7 +207,7 @@ class ChatSession:
 
         reply = Reply(self.loaded.model, tok, ids, cache, max_tokens, self._chunk(len(ids)), s.temperature, s.top_p,
                       s.top_k, s.seed, tuple(s.stop) + stop_strings(tok, self.use_template), s.ignore_eos,
-                      prefilled, should_stop)
+                      prefilled, should_stop, prefill_tail=s.prefill_tail)
         stats = reply.stats
         try:
             for step, piece in reply:

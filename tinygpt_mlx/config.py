@@ -480,6 +480,8 @@ class SampleConfig:
     top_k: int = 0
     seed: Optional[int] = None
     prefill_chunk: int = 512
+    #: the prompt's last tokens prefilled as a pass of their own (`generate.pass_end`); 0 = off
+    prefill_tail: int = 0
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # keep generating past EOS (benchmarks, long-run memory checks)
 
@@ -491,6 +493,7 @@ class SampleConfig:
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         _positive("top_k", self.top_k, 0)
         _positive("prefill_chunk", self.prefill_chunk)
+        _positive("prefill_tail", self.prefill_tail, 0)
 
 
 def field_default(cls: type, name: str) -> Any:

@@ -125,6 +125,17 @@ def check_context(prompt_tokens: int, context_length: Optional[int], config: Cac
             "use --streaming-llm-window or retrieval (--kiv-hot-budget), or shorten the prompt")
 
 
+def pass_end(start: int, total: int, chunk: int, tail: int = 0) -> int:
+    """Where the prefill pass that starts at token `start` of a `total`-token prompt ends: `chunk`
+    tokens on, except that no pass crosses into the prompt's last `tail` tokens, which are passes
+    of their own (`SampleConfig.prefill_tail`, `--prefill-tail`; 0 or >= `total`: the plain
+    chunking). With `tail` <= `chunk` the last pass is exactly those `tail` tokens: a retrieval
+    policy picks one pool of cold pages per pass, and the answer is read off the last pass's last
+    query (docs/gguf.md, "The 32K depth-0.3 cell read with a shorter last pass")."""
+    head = total - min(tail, total)
+    return min(start + chunk, head if start < head else total)
+
+
 @dataclass
 class Step:
     """One model call of a generation: the tokens it fed (`prompt`: a prefill chunk) and the
@@ -141,9 +152,11 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
           prefill_chunk: int, stats: Optional[GenerationStats] = None, eos_ids: frozenset = frozenset(),
           progress: Optional[Callable[[int, int], None]] = None,
           should_stop: Optional[Callable[[], bool]] = None,
-          first_logits: Optional[mx.array] = None, pipeline: bool = False) -> Iterator[Step]:
+          first_logits: Optional[mx.array] = None, pipeline: bool = False,
+          prefill_tail: int = 0) -> Iterator[Step]:
     """The generation engine, one `Step` per model call: the prompt in chunks of
-    `prefill_chunk` (`progress(done, total)` after each), then up to `max_tokens` sampled
+    `prefill_chunk`, its last `prefill_tail` tokens apart from the rest (`pass_end`;
+    `progress(done, total)` after each chunk), then up to `max_tokens` sampled
     tokens, each fed back except the last. It ends at an id in `eos_ids` (not yielded as a
     token; finish_reason "stop") or when `should_stop()` is true after a model call
     ("cancel"); a consumer that stops iterating feeds nothing more. `stats` (prompt and
@@ -162,6 +175,8 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     running."""
     if not prompt and first_logits is None:
         raise ValueError("the prompt is empty: give at least one token")
+    if prefill_tail < 0:
+        raise ValueError(f"prefill_tail must be >= 0, got {prefill_tail}")
     if pipeline and (eos_ids or should_stop is not None):
         raise ValueError("a pipelined generation cannot end early: no eos_ids or should_stop")
     stats = stats if stats is not None else GenerationStats(cache=cache)
@@ -169,10 +184,11 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     stopped = should_stop or (lambda: False)
     t0 = time.perf_counter()
     fed, logits = [], first_logits
-    for i in range(0, len(prompt), prefill_chunk):
-        fed = prompt[i:i + prefill_chunk]
+    done = 0
+    while done < len(prompt):
+        i, done = done, pass_end(done, len(prompt), prefill_chunk, prefill_tail)
+        fed = prompt[i:done]
         logits = _call(model, fed, cache)
-        done = min(i + prefill_chunk, len(prompt))
         if progress is not None:
             progress(done, len(prompt))
         if done < len(prompt):
@@ -213,29 +229,30 @@ def generate_step(model: Any, prompt: list[int], cache: Any, sampler: Callable, 
                   prefill_chunk: int, stats: Optional[GenerationStats] = None,
                   eos_ids: frozenset = frozenset(), progress: Optional[Callable[[int, int], None]] = None,
                   should_stop: Optional[Callable[[], bool]] = None,
-                  first_logits: Optional[mx.array] = None, pipeline: bool = False) -> Iterator[int]:
+                  first_logits: Optional[mx.array] = None, pipeline: bool = False,
+                  prefill_tail: int = 0) -> Iterator[int]:
     """The sampled token ids of `steps` (same arguments): up to `max_tokens`, EOS excluded."""
     for step in steps(model, prompt, cache, sampler, max_tokens, prefill_chunk, stats, eos_ids,
-                      progress, should_stop, first_logits, pipeline):
+                      progress, should_stop, first_logits, pipeline, prefill_tail):
         if step.token is not None:
             yield step.token
 
 
 def greedy_tokens(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
                   progress: Optional[Callable[[int, int], None]] = None,
-                  stats: Optional[GenerationStats] = None) -> list[int]:
+                  stats: Optional[GenerationStats] = None, prefill_tail: int = 0) -> list[int]:
     """Exactly `max_tokens` greedy ids after `prompt` (EOS does not stop them): `greedy_steps`' tokens."""
-    return [s.token for s in greedy_steps(model, prompt, cache, max_tokens, prefill_chunk, progress, stats)
-            if s.token is not None]
+    return [s.token for s in greedy_steps(model, prompt, cache, max_tokens, prefill_chunk, progress, stats,
+                                          prefill_tail) if s.token is not None]
 
 
 def greedy_steps(model: Any, prompt: list[int], cache: Any, max_tokens: int, prefill_chunk: int,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 stats: Optional[GenerationStats] = None) -> Iterator[Step]:
+                 stats: Optional[GenerationStats] = None, prefill_tail: int = 0) -> Iterator[Step]:
     """The `steps` of exactly `max_tokens` greedy tokens after `prompt` (EOS does not stop them),
     pipelined where the device runs apart from the host (`pipelines`)."""
     return steps(model, prompt, cache, make_sampler(0.0), max_tokens, prefill_chunk, stats,
-                 progress=progress, pipeline=pipelines())
+                 progress=progress, pipeline=pipelines(), prefill_tail=prefill_tail)
 
 
 def pipelines() -> bool:
@@ -247,10 +264,10 @@ def pipelines() -> bool:
 
 
 def prefill(model: Any, tokens: list[int], cache: Any, chunk: int,
-            progress: Optional[Callable[[int, int], None]] = None) -> mx.array:
-    """Feed `tokens` in chunks through the engine (no token sampled); the fp32 logits after
-    the last one, shape [V]."""
-    for step in steps(model, tokens, cache, make_sampler(0.0), 0, chunk, progress=progress):
+            progress: Optional[Callable[[int, int], None]] = None, tail: int = 0) -> mx.array:
+    """Feed `tokens` in chunks through the engine (no token sampled), the last `tail` apart
+    (`pass_end`); the fp32 logits after the last one, shape [V]."""
+    for step in steps(model, tokens, cache, make_sampler(0.0), 0, chunk, progress=progress, prefill_tail=tail):
         pass
     return step.logits
 
@@ -267,12 +284,14 @@ class Reply:
                  prefill_chunk: int, temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: Optional[int] = None, stop: tuple = (), ignore_eos: bool = False,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 should_stop: Optional[Callable[[], bool]] = None, first_logits: Optional[mx.array] = None):
+                 should_stop: Optional[Callable[[], bool]] = None, first_logits: Optional[mx.array] = None,
+                 prefill_tail: int = 0):
         self.stats = GenerationStats(cache=cache)
         self.text = TextStream(tokenizer, tuple(stop))
         eos = frozenset() if ignore_eos else frozenset(tokenizer.eos_ids)
         self._steps = steps(model, prompt, cache, make_sampler(temperature, top_p, top_k, seed), max_tokens,
-                            prefill_chunk, self.stats, eos, progress, should_stop, first_logits)
+                            prefill_chunk, self.stats, eos, progress, should_stop, first_logits,
+                            prefill_tail=prefill_tail)
 
     def __iter__(self) -> Iterator[tuple[Step, str]]:
         for step in self._steps:
@@ -320,7 +339,7 @@ def stream_generate(loaded: Any, prompt: str | list[int], cache_config: CacheCon
     cache = cache if cache is not None else make_cache(loaded.model, cache_config)
     s = sample_config
     reply = Reply(loaded.model, tok, ids, cache, s.max_tokens, s.prefill_chunk, s.temperature, s.top_p, s.top_k,
-                  s.seed, s.stop, s.ignore_eos, progress, first_logits=first_logits)
+                  s.seed, s.stop, s.ignore_eos, progress, first_logits=first_logits, prefill_tail=s.prefill_tail)
     for step, piece in reply:
         if piece:
             yield Chunk(piece, step.token)

@@ -167,6 +167,7 @@ def chat(
     top_k: c.TopK = None,
     seed: c.Seed = None,
     prefill_chunk: c.PrefillChunk = None,
+    prefill_tail: c.PrefillTail = None,
     report_json: Annotated[Optional[Path], typer.Option(
         "--report-json", help="Write every turn's numbers (tokens fed, cache counters, speed) as JSON to this "
         "path when the chat ends.", dir_okay=False)] = None,
@@ -179,13 +180,14 @@ def chat(
     --streaming-llm-window, retrieval or KIVI the conversation runs in bounded memory (what
     StreamingLLM evicts is gone; retrieval keeps it reachable). See docs/chat.md.
     """
-    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens if tokens is not None else DEFAULT_CHAT_TOKENS, temperature=temperature,
-            top_p=top_p, top_k=top_k, seed=seed, prefill_chunk=prefill_chunk).items() if v is not None})
+            top_p=top_p, top_k=top_k, seed=seed, prefill_chunk=prefill_chunk,
+            prefill_tail=prefill_tail).items() if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
+    model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     c.check_writable(report_json, "--report-json")
     interactive = sys.stdin.isatty()
     with c.guarded():

@@ -49,6 +49,23 @@ Seed = Annotated[Optional[int], typer.Option("--seed", help="Random seed for rep
 PrefillChunk = Annotated[Optional[int], typer.Option(
     "--prefill-chunk", help=f"Prompt tokens per forward pass. Default {field_default(_S, 'prefill_chunk')}.",
     show_default=False)]
+PREFILL_TAIL_HELP = (
+    "Prefill the prompt's last N tokens as a forward pass of their own (in --prefill-chunk pieces if N is "
+    "larger), after the rest in --prefill-chunk pieces; 0 = off (at most one more pass per prompt when on). "
+    "With the full cache the result is the same up to float rounding; with retrieval (--kiv-hot-budget) each "
+    "pass picks one pool of cold pages for all its queries, so the question at the prompt's end no longer "
+    "shares its pass with hundreds of document tokens (docs/gguf.md).")
+PrefillTail = Annotated[Optional[int], typer.Option(
+    "--prefill-tail", help=f"{PREFILL_TAIL_HELP} Default {field_default(_S, 'prefill_tail')}.", show_default=False)]
+
+
+def prefill_tail(value: Optional[int]) -> int:
+    """`--prefill-tail` for a command without a SampleConfig (needle, compare): checked by
+    SampleConfig's rule, a bad value a BadParameter naming the flag; None -> the default."""
+    try:
+        return SampleConfig(**({} if value is None else {"prefill_tail": value})).prefill_tail
+    except ValueError as e:
+        raise config_error(e) from None
 
 
 def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=None, group_size=None,
@@ -103,7 +120,8 @@ CONFIG_FLAGS: dict[str, str] = {
     "storage": "--kv-quantize", "key_bits": "--kv-quantize-keys", "value_bits": "--kv-quantize-values",
     # SampleConfig
     "max_tokens": "--tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
-    "seed": "--seed", "prefill_chunk": "--prefill-chunk", "ignore_eos": "--ignore-eos",
+    "seed": "--seed", "prefill_chunk": "--prefill-chunk",
+    "prefill_tail": "--prefill-tail", "ignore_eos": "--ignore-eos",
     # ServerConfig
     "host": "--host", "port": "--port", "max_slots": "--max-slots", "small_request": "--small-request",
     "default_max_tokens": "--default-max-tokens", "default_num_ctx": "--default-num-ctx",

@@ -55,7 +55,7 @@ class OneLineErrors(TyperGroup):
             sys.exit(0)
         except cx.UsageError as e:
             hint = f" (see '{e.ctx.command_path} --help')" if e.ctx is not None else ""
-            fail(f"{e.format_message()}{hint}")
+            fail(f"{e.format_message()}{typed_value(e, sys.argv[1:] if args is None else list(args))}{hint}")
             sys.exit(e.exit_code)
         except cx.ClickException as e:
             fail(e.format_message())
@@ -64,6 +64,23 @@ class OneLineErrors(TyperGroup):
             fail("aborted")
             sys.exit(1)
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def typed_value(e: Exception, args: list[str]) -> str:
+    """`, got 'abc'`: what the user typed for the option a BadParameter names, where the message
+    does not say it (click's own type conversion: "Input should be a valid integer"); else ""."""
+    param = getattr(e, "param", None)
+    opts = getattr(param, "opts", None) or ()
+    for i, arg in enumerate(args):
+        for opt in opts:
+            if not opt.startswith("-"):
+                continue
+            value = args[i + 1] if arg == opt and i + 1 < len(args) else (
+                arg[len(opt) + 1:] if arg.startswith(opt + "=") else None)
+            if value is not None:
+                return "" if repr(value) in e.format_message() or f"got {value}" in e.format_message() \
+                    else f", got {value!r}"
+    return ""
 
 
 class PanelledHelp(TyperCommand):

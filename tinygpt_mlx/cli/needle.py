@@ -117,6 +117,7 @@ def needle(
         "with the package; the docs' numbers used data/heldout.txt from scripts/fetch_corpus.sh).",
         show_default=False)] = None,
     prefill_chunk: Annotated[int, typer.Option("--prefill-chunk", help="Prompt tokens per forward pass.")] = 128,
+    prefill_tail: c.PrefillTail = None,
     chat: Annotated[bool, typer.Option(
         "--chat", help="Ask each document through the model's chat template (an instruct model): the "
         "document and question as a user message, the answer's lead-in starting the reply.")] = False,
@@ -139,6 +140,7 @@ def needle(
 
     The cache flags describe the retrieval policy (--kiv-hot-budget defaults to 256 here);
     StreamingLLM in the grid keeps the same sink and uses the hot budget as its window."""
+    tail = c.prefill_tail(prefill_tail)
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
@@ -174,7 +176,8 @@ def needle(
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"retrieval policy: [green]{cfg.label()}[/green]"
                   + (" · original RoPE positions where a cell fits the context, else shifted" if cfg.rope_auto else "")
-                  + f" · prefill chunk {prefill_chunk} · task {task}"
+                  + f" · prefill chunk {prefill_chunk}" + (f", the last {tail} tokens apart" if tail else "")
+                  + f" · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
 
         fits = [n for n in ctx_list if not loaded.context_length or n <= loaded.context_length]
@@ -205,7 +208,7 @@ def needle(
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
                                     on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in,
-                                    first_seed=first_seed, probe=probe)
+                                    first_seed=first_seed, probe=probe, tail=tail)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

@@ -41,7 +41,8 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
     err.print(f"cache policy: [green]{escape(cache_config.label())}[/green]")
     s = sample_config
     err.print(f"sampling: temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}, seed {s.seed}, "
-              f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}")
+              f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}"
+              + (f", the last {s.prefill_tail} tokens apart" if s.prefill_tail else ""))
 
 
 def print_report(r: dict) -> None:
@@ -180,6 +181,7 @@ def sample(
     top_k: c.TopK = None,
     seed: c.Seed = None,
     prefill_chunk: c.PrefillChunk = None,
+    prefill_tail: c.PrefillTail = None,
     ignore_eos: Annotated[bool, typer.Option(
         "--ignore-eos", help="Keep generating past the end-of-text token (for long runs).")] = False,
     report_json: Annotated[Optional[Path], typer.Option(
@@ -223,7 +225,8 @@ def sample(
     try:
         sample_config = SampleConfig(**{k: v for k, v in dict(
             max_tokens=tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-            prefill_chunk=prefill_chunk, ignore_eos=ignore_eos).items() if v is not None})
+            prefill_chunk=prefill_chunk, prefill_tail=prefill_tail, ignore_eos=ignore_eos).items()
+            if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     c.check_writable(report_json, "--report-json")

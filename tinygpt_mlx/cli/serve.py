@@ -48,6 +48,7 @@ def serve(
         "--small-request", help="Prompts shorter than this (tokens) never evict a conversation that long "
         f"(UI title/tag requests). Default {field_default(_V, 'small_request')}.", show_default=False)] = None,
     prefill_chunk: c.PrefillChunk = None,
+    prefill_tail: c.PrefillTail = None,
     prompt_cache: Annotated[Optional[list[Path]], typer.Option(
         "--prompt-cache", help="A prompt-cache file (posttrainllm cache-prompt) to pre-warm a slot with; repeatable. "
         "Its slot is reserved for it: a prompt starting with its document is answered without prefilling the "
@@ -103,7 +104,8 @@ def serve(
             host=host, port=port, max_slots=max_slots, small_request=small_request,
             prefill_chunk=prefill_chunk, default_max_tokens=default_max_tokens,
             default_num_ctx=default_num_ctx, stop_loops=stop_loops,
-            slot_checkpoints=slot_checkpoints, parallel=parallel).items() if v is not None})
+            slot_checkpoints=slot_checkpoints, parallel=parallel, prefill_tail=prefill_tail).items()
+            if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
@@ -116,11 +118,13 @@ def serve(
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,
                          default_num_ctx=cfg.default_num_ctx, names=name or (), stop_loops=cfg.stop_loops,
-                         slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel)
+                         slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel,
+                         prefill_tail=cfg.prefill_tail)
         names = app.state.server.names
         err.print(f"[bold]posttrainllm serve[/bold] · model [cyan]{escape(names[1])}[/cyan] "
                   f"(also '{escape(names[0])}'), cache policy [green]{cache_config.label()}[/green], "
-                  f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}")
+                  f"{cfg.max_slots} warm slot(s), prefill chunk {cfg.prefill_chunk}"
+                  + (f", a prompt's last {cfg.prefill_tail} tokens apart" if cfg.prefill_tail else ""))
         admission = app.state.server.worker.admission
         windows = sum(w * b for w, b in admission.sliding)
         err.print(f"up to {cfg.parallel} request(s) at once (--parallel), each with its own cache: "

@@ -66,18 +66,21 @@ def read_prompts(path) -> list[str]:
 
 
 def greedy_tokens(model, prompt_ids: list[int], config: CacheConfig, tokens: int,
-                  prefill_chunk: int = PREFILL_CHUNK) -> list[int]:
-    """Exactly `tokens` greedy token ids after `prompt_ids` under the policy `config`."""
+                  prefill_chunk: int = PREFILL_CHUNK, prefill_tail: int = 0) -> list[int]:
+    """Exactly `tokens` greedy token ids after `prompt_ids` under the policy `config` (the prompt's
+    last `prefill_tail` tokens prefilled apart: `generate.pass_end`)."""
     with make_cache(model, config) as cache:
-        return generate.greedy_tokens(model, prompt_ids, cache, tokens, prefill_chunk)
+        return generate.greedy_tokens(model, prompt_ids, cache, tokens, prefill_chunk, prefill_tail=prefill_tail)
 
 
 def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: int = DEFAULT_TOKENS,
             baseline: tuple[str, CacheConfig] = ("fp32", CacheConfig()),
-            progress: Optional[Callable[[], None]] = None) -> dict:
+            progress: Optional[Callable[[], None]] = None, prefill_tail: int = 0) -> dict:
     """Prefix match of every mode against the baseline on every prompt (JSON-shaped result).
 
     `progress` is called after each generation (len(prompts) * (1 + len(modes)) calls).
+    `prefill_tail`: every run (the baseline's too) prefills the prompt's last that many tokens as
+    a pass of their own (`generate.pass_end`; 0 = off).
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -92,12 +95,12 @@ def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: i
     results = {name: [] for name in modes}
     references = []
     for prompt, ids in zip(prompts, encoded):
-        ref = greedy_tokens(loaded.model, ids, baseline[1], tokens)
+        ref = greedy_tokens(loaded.model, ids, baseline[1], tokens, prefill_tail=prefill_tail)
         references.append(loaded.tokenizer.decode(ref))
         if progress:
             progress()
         for name, config in modes.items():
-            matched, rate = prefix_match(ref, greedy_tokens(loaded.model, ids, config, tokens))
+            matched, rate = prefix_match(ref, greedy_tokens(loaded.model, ids, config, tokens, prefill_tail=prefill_tail))
             results[name].append({"prompt": prompt, "prefix_match": rate, "matched_tokens": matched})
             if progress:
                 progress()
@@ -105,6 +108,7 @@ def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: i
         "baseline": baseline[0],
         "baseline_policy": baseline[1].describe(),
         "tokens": tokens,
+        "prefill_tail": prefill_tail,
         "baseline_texts": references,
         "modes": {name: {"policy": modes[name].describe(), "label": modes[name].label(),
                          "mean_prefix_match": sum(r["prefix_match"] for r in rows) / len(rows),

@@ -103,8 +103,9 @@ def passed(text: str, answer: str) -> bool:
 
 def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], answer: str,
              truth: list[int], chunk: int, on_chunk: Optional[Callable[[int, int, Any], None]] = None,
-             oracle: bool = False, context: Optional[int] = None) -> dict:
-    """Prefill `ids` through a fresh cache, decode the answer greedily; pass/fail + numbers.
+             oracle: bool = False, context: Optional[int] = None, tail: int = 0) -> dict:
+    """Prefill `ids` through a fresh cache (in `chunk`s, the last `tail` tokens apart:
+    `generate.pass_end`), decode the answer greedily; pass/fail + numbers.
     `on_chunk(done, total, cache)` follows the prefill (long documents' progress). `oracle`:
     every retrieval pass is offered the needle's pages whatever its coarse pass ranks them
     (`KVCache.pin`; the fine pass still picks from the pool by score). `context`: the model's
@@ -130,7 +131,7 @@ def run_cell(model: Any, tokenizer: Any, config: CacheConfig, ids: list[int], an
                 peak.update({k: max(peak[k], v) for k, v in rss_bytes().items()})
             if on_chunk is not None:
                 on_chunk(done, total, cache)
-        out, miss = greedy_answer(model, ids, cache, want, n_new, chunk, keep_last_chunk, stats)
+        out, miss = greedy_answer(model, ids, cache, want, n_new, chunk, keep_last_chunk, stats, tail)
         text = tokenizer.decode(out)
         cell = {"passed": passed(text, answer), "answer": answer, "output": text,
                 "values": len(re.findall(r"\d+", answer)), "values_right": values_right(text, answer),
@@ -160,13 +161,13 @@ def probe_record(oracle_cell: dict) -> dict:
 
 def greedy_answer(model: Any, ids: list[int], cache: Any, want: list[int], n_new: int, chunk: int,
                   progress: Optional[Callable[[int, int], None]] = None,
-                  stats: Optional[GenerationStats] = None) -> tuple[list[int], Optional[dict]]:
+                  stats: Optional[GenerationStats] = None, tail: int = 0) -> tuple[list[int], Optional[dict]]:
     """`n_new` greedy ids after `ids` (as `generate.greedy_tokens`), and the first step at which
     they leave the answer's tokens `want`: {"step", "want", "p" (its probability there), "rank"
     (tokens more probable), "got"}, ids; None where they never do."""
     out: list[int] = []
     miss = None
-    for step in greedy_steps(model, ids, cache, n_new, chunk, progress, stats):
+    for step in greedy_steps(model, ids, cache, n_new, chunk, progress, stats, tail):
         if step.token is None:
             continue
         i = len(out)
@@ -218,7 +219,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
-                lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False) -> dict:
+                lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False, tail: int = 0) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
@@ -228,7 +229,8 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     ("The pass key is number") before even the full cache answers. The documents are seeds
     `first_seed` .. `first_seed + seeds - 1`, so a grid can be extended by more seeds. `probe`:
     every retrieval cell that fails runs again with the needle's pages pinned into each pass's
-    pool (`run_cell(oracle=True)`), and the cell keeps what that gave (`probe_record`)."""
+    pool (`run_cell(oracle=True)`), and the cell keeps what that gave (`probe_record`). `tail`: each
+    prompt's last `tail` tokens are prefilled as a pass of their own (`generate.pass_end`; 0 = off)."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -243,22 +245,25 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 for name, cfg in configs.items():
                     if name == "full" and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
-                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk, context=ctx_len)
+                    r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk, context=ctx_len,
+                                 tail=tail)
                     if probe and cfg.retrieval and not r["passed"]:
                         r["probe"] = probe_record(run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk,
-                                                           on_chunk, oracle=True, context=ctx_len))
+                                                           on_chunk, oracle=True, context=ctx_len, tail=tail))
                     cell = {"policy": name, "context": context, "depth": depth, "seed": seed,
                             "passed": bool(r.pop("passed")), **r}
                     cells.append(cell)
                     if progress is not None:
                         progress(cell)
                     if partial is not None:
-                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed)
+                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed,
+                                        tail))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail)
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
-            seeds: int, chunk: int, task: str = "passkey", facts: int = 4, first_seed: int = 0) -> dict:
+            seeds: int, chunk: int, task: str = "passkey", facts: int = 4, first_seed: int = 0,
+            tail: int = 0) -> dict:
     ctx_len = loaded.context_length
     summary = {}
     for name in configs:
@@ -273,6 +278,7 @@ def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], 
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
             "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
             "contexts": contexts, "depths": depths, "seeds": seeds, "first_seed": first_seed, "prefill_chunk": chunk,
+            "prefill_tail": tail,
             "policies": {n: c.describe() for n, c in configs.items()},
             "cells": cells, "summary": summary}
 

@@ -39,7 +39,7 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
                others: Sequence[Any] = (), weights: str = "auto", default_max_tokens: Optional[int] = None,
                default_num_ctx: Optional[int] = None, names: Sequence[str] = (),
                stop_loops: Optional[int] = None, slot_checkpoints: Optional[int] = None,
-               parallel: Optional[int] = None) -> FastAPI:
+               parallel: Optional[int] = None, prefill_tail: Optional[int] = None) -> FastAPI:
     """The app for `loaded` under `cache_config`; None means the `ServerConfig` default.
     `prompt_caches`: prompt-cache files, each loaded into a slot reserved for it (pre-warmed:
     a prompt that starts with its document is answered without prefilling the document); a file
@@ -49,18 +49,20 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     `others`: more models to offer (`resolve.Resolved`), listed from their files and loaded on
     demand in place of the resident one (`models.Models`); `weights` is how GGUFs are held.
     `default_max_tokens`, `default_num_ctx`, `stop_loops`, `slot_checkpoints`, `parallel` (requests
-    answered at once): see `ServerConfig`.
+    answered at once), `prefill_tail` (a prompt's last tokens as a pass of their own): see `ServerConfig`.
     `names`: what to call the models, in order (the rest keep their own names)."""
     cfg = ServerConfig(**{k: v for k, v in dict(max_slots=max_slots, prefill_chunk=prefill_chunk,
                                                  small_request=small_tokens, default_max_tokens=default_max_tokens,
                                                  default_num_ctx=default_num_ctx,
                                                  stop_loops=stop_loops, slot_checkpoints=slot_checkpoints,
-                                                 parallel=parallel).items() if v is not None})
+                                                 parallel=parallel, prefill_tail=prefill_tail).items()
+                                 if v is not None})
     renamed = rename(loaded, others, names)
     if renamed:
         loaded, others = renamed
     limits = dict(default_max_tokens=cfg.default_max_tokens, default_num_ctx=cfg.default_num_ctx,
-                  stop_loops=cfg.stop_loops, slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel)
+                  stop_loops=cfg.stop_loops, slot_checkpoints=cfg.slot_checkpoints, parallel=cfg.parallel,
+                  prefill_tail=cfg.prefill_tail)
     srv = Server(loaded, cache_config, cfg.max_slots, cfg.prefill_chunk, cfg.small_request, prompt_caches,
                  slot_dir, **limits)
     first = srv.names

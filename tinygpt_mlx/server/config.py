@@ -18,6 +18,8 @@ class ServerConfig:
     max_slots: int = 2
     small_request: int = 256
     prefill_chunk: int = field(default=field_default(SampleConfig, "prefill_chunk"))
+    # the prompt's last tokens prefilled as a pass of their own (`generate.pass_end`); 0 = off
+    prefill_tail: int = field(default=field_default(SampleConfig, "prefill_tail"))
     # A request that sets no length (ollama num_predict -1/-2 or absent, OpenAI chat without
     # max_tokens: LangChain's and most UIs' defaults) gets this many tokens at most; 0 = up to
     # the context, as ollama does (a 135M model then runs minutes on a CPU).
@@ -40,7 +42,7 @@ class ServerConfig:
     parallel: int = 4
 
     def __post_init__(self) -> None:
-        for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1),
+        for name, low in (("port", 1), ("max_slots", 1), ("small_request", 0), ("prefill_chunk", 1), ("prefill_tail", 0),
                           ("default_max_tokens", 0), ("stop_loops", 0), ("slot_checkpoints", 0), ("parallel", 1)):
             _positive(name, getattr(self, name), low)
         if self.default_num_ctx is not None:

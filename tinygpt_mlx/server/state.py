@@ -124,7 +124,7 @@ class Server:
     def __init__(self, loaded: Any, cache_config: Any, max_slots: int, prefill_chunk: int,
                  small_tokens: int, prompt_caches: Sequence[Any] = (), slot_dir: Optional[Any] = None,
                  default_max_tokens: int = 0, default_num_ctx: Optional[int] = None, stop_loops: int = 0,
-                 slot_checkpoints: int = 0, parallel: int = 1):
+                 slot_checkpoints: int = 0, parallel: int = 1, prefill_tail: int = 0):
         self.loaded, self.cache_config = loaded, cache_config
         self.default_max_tokens, self.default_num_ctx = default_max_tokens, default_num_ctx
         mx.eval(loaded.model.parameters())     # materialise before another thread uses them
@@ -136,7 +136,7 @@ class Server:
         if len(prompt_caches) > max_slots:
             raise PromptCacheError(f"{prompt_caches[max_slots]}: {len(prompt_caches)} prompt caches but {max_slots} "
                                    "slot(s); each file takes one slot (raise --max-slots)")
-        self.worker = Worker(loaded, self.pool, prefill_chunk, stop_loops, parallel)
+        self.worker = Worker(loaded, self.pool, prefill_chunk, stop_loops, parallel, prefill_tail)
         self.prewarm_notes: list[str] = []      # what each pre-warmed file's chat format means
         try:
             for path in prompt_caches:          # pre-warmed slots: every file checked before serving

@@ -344,10 +344,11 @@ FIRST_OUT_S = 0.05
 
 class Worker:
     def __init__(self, loaded: Any, pool: SlotPool, prefill_chunk: int = ServerConfig().prefill_chunk,
-                 stop_loops: int = 0, parallel: int = ServerConfig().parallel):
+                 stop_loops: int = 0, parallel: int = ServerConfig().parallel, prefill_tail: int = 0):
         if parallel < 1:
             raise ValueError(f"parallel must be >= 1, got {parallel}")
         self.loaded, self.pool, self.prefill_chunk = loaded, pool, prefill_chunk
+        self.prefill_tail = prefill_tail  # a prompt's last tokens as a pass of their own (`engine.pass_end`)
         self._outbox: list = []         # (job, event) emitted on this thread, not yet sent (`_flush`)
         self.stop_loops = stop_loops      # 0: off; else stop a reply whose last N tokens loop
         self.parallel = parallel
@@ -631,9 +632,10 @@ class Worker:
                     self.completed += 1
 
     def _prefill(self, s: Stream) -> None:
-        """One chunk of `s`'s prompt into its cache; after the last, a checkpoint of the slot
-        (SlotPool.checkpoint) and the first token."""
-        fed = s.tail[s.pos:s.pos + s.chunk]
+        """One chunk of `s`'s prompt into its cache (the prompt's last `prefill_tail` tokens apart:
+        `engine.pass_end`); after the last, a checkpoint of the slot (SlotPool.checkpoint) and the
+        first token."""
+        fed = s.tail[s.pos:engine.pass_end(s.pos, len(s.tail), s.chunk, self.prefill_tail)]
         self.blas.for_prefill()
         logits = engine._call(self.loaded.model, fed, s.slot.cache)
         s.pos += len(fed)
