@@ -279,18 +279,18 @@ class DeviceColdStore:
         return [segment], self._selection(L, idx, valid, last, scored, units, unit, segment)
 
     def _check(self, pages: mx.array) -> tuple[mx.array, mx.array]:
-        """A decode pass's check (spill_stage.py), lazy: whether its pool's pages [G, K] (-1: none)
-        hold a spilled page the step did not stage (every row it gathers lies in a pool page or,
+        """A decode pass's check (spill_stage.py), lazy: how many of its pool's pages [G, K] (-1:
+        none) are spilled pages the step did not stage (0: it hit) (every row it gathers lies in a pool page or,
         as padding, in page 0, which is always staged), and the pages themselves (the next
         step's guess). A pass not staged (nothing staged, or a spill since) misses nothing: it
         read its spilled rows back."""
         if self.staging is None or self.staging[0] != self.spilled:
-            return mx.array(False), pages
+            return mx.array(0), pages
         table = self.staging[1]
         spilled_pages = table.shape[1]
         at = mx.clip(pages, 0, spilled_pages - 1)
         unstaged = (pages >= 0) & (pages < spilled_pages) & (mx.take_along_axis(table, at, axis=1) < 0)
-        return unstaged.any(), pages
+        return unstaged.sum(), pages
 
     def pick_units(self) -> tuple[int, int]:
         """(units, unit): a query picks `units` pages of `unit` = page_size tokens (spans) or

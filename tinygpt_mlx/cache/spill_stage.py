@@ -37,8 +37,9 @@ __all__ = ["decode", "stores_of", "stage", "unstage", "new_stats"]
 
 def new_stats() -> dict:
     """`KVCache.spill_stats`' counters: decode steps staged, their hits and misses, steps run
-    by the per-layer path to record a guess, pages staged (summed over layers and steps)."""
-    return {"staged": 0, "hits": 0, "misses": 0, "recorded": 0, "pages": 0}
+    by the per-layer path to record a guess, pages staged and pool pages missed (summed over
+    layers, KV heads and steps)."""
+    return {"staged": 0, "hits": 0, "misses": 0, "recorded": 0, "pages": 0, "missed_pages": 0}
 
 
 def stores_of(cache: Any, tokens: mx.array) -> Optional[list]:
@@ -76,6 +77,7 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
         unstage(stores)
     missed, pools = _read(logits, checks)     # the step's one wait
     stats["staged"] += 1
+    stats["missed_pages"] += missed
     if not missed:
         stats["hits"] += 1
         _guess(stores, pools)
@@ -103,9 +105,9 @@ def _recorded(model: Any, tokens: mx.array, cache: Any, stores: list) -> mx.arra
     return logits
 
 
-def _read(logits: mx.array, checks: list) -> tuple[bool, list]:
-    """Every pass's miss flag and pool, read back in one wait (the logits' evaluation started
-    first: the step runs as one graph): whether any missed, and each store's pools as host
+def _read(logits: mx.array, checks: list) -> tuple[int, list]:
+    """Every pass's check and pool, read back in one wait (the logits' evaluation started
+    first: the step runs as one graph): the pool pages missed, and each store's pools as host
     arrays (None for a store with no decode pass)."""
     parts, shapes = [], []
     for store_checks in checks:
@@ -114,13 +116,13 @@ def _read(logits: mx.array, checks: list) -> tuple[bool, list]:
             parts += [miss.astype(mx.int32).reshape(1), pages.astype(mx.int32).reshape(-1)]
     mx.async_eval(logits)
     if not parts:
-        return False, [None] * len(checks)
+        return 0, [None] * len(checks)
     flat = np.asarray(mx.concatenate(parts))
-    missed, pools, at = False, [], 0
+    missed, pools, at = 0, [], 0
     for store_shapes in shapes:
         mine = []
         for shape in store_shapes:
-            missed |= bool(flat[at])
+            missed += int(flat[at])
             size = int(np.prod(shape))
             mine.append(flat[at + 1: at + 1 + size].reshape(shape))
             at += 1 + size

@@ -242,6 +242,8 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
             for i in shuffled():
                 step_s[i].append(timed(i))
         decode_stages = each(lambda i: stage_split(caches[i], sum(step_s[i]), len(step_s[i])))
+        # a spilled cache's decode steps staged ahead (cache/spill_stage.py): staged, hit, missed
+        spill = each(lambda i: dict(getattr(caches[i], "spill_stats", None) or {}))
         bytes_ = each(lambda i: int(caches[i].nbytes))
         on_disk = each(lambda i: int(getattr(caches[i], "disk_nbytes", 0)))
         ops = each(lambda i: step_ops(model, caches[i]))
@@ -264,6 +266,7 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                  "cache_bytes": bytes_[i], "cache_disk_bytes": on_disk[i], "decode_ops": ops[i]["ops"], "decode_kernels": ops[i]["kernels"],
                  "decode_ops_by_primitive": ops[i]["by_primitive"],
                  **({"decode_step_us": split[i]} if split[i] else {}),
+                 **({"spill_stage": spill[i]} if spill[i] and (spill[i]["staged"] or spill[i]["recorded"]) else {}),
                  **({"prefill_stage_ms_per_token": prefill_stages[i], "decode_stage_ms_per_token": decode_stages[i]}
                     if prefill_stages[i] else {})} for i, p in enumerate(policies)]
     finally:
