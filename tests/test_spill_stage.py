@@ -214,3 +214,15 @@ def test_off_where_a_step_cannot_be_taken_back(native):
     small = _cache(native.model, cfg, staged=True)
     _steps(native.model, small, tokens[:40], 4)
     assert not small[0].cold.spilled and small.spill_stats == spill_stage.new_stats()
+
+
+def test_off_by_default(native, monkeypatch):
+    """A new cache runs the per-layer path unless POSTTRAINLLM_STAGE_SPILLS=1 (the guess misses:
+    spill_stage.py); with it, staged steps run."""
+    cfg = dataclasses.replace(CacheConfig(**BASE), cold_ram=1)
+    assert make_cache(native.model, cfg).stage_spills is False
+    monkeypatch.setenv("POSTTRAINLLM_STAGE_SPILLS", "1")
+    cache = _spilling(native.model, cfg)
+    assert cache.stage_spills is True
+    _steps(native.model, cache, _tokens(3), 6)
+    assert cache.spill_stats["staged"] >= 1, cache.spill_stats
