@@ -130,3 +130,70 @@ def test_an_idle_worker_drops_the_padded_runs(native32, monkeypatch):
     finally:
         w.stop()
     assert w.batched_steps > 8 and held[0] > 0 and not batch._EVENED
+
+
+def test_the_admission_counts_the_padded_runs(native32, monkeypatch):
+    """serve's memory admission counts the stacked KIVI rows' padded runs (`_even_runs`' copies,
+    kept between steps): for an int4 policy a request that fits with its cache and the running
+    caches' growth but not with the padded copies waits (the log line names them); at the bound
+    it starts; the copies held now are subtracted (the OS counts them used already); a full-cache
+    policy and retrieval count none. The bound: one copy per row but the longest, each of the
+    longest row's tokens (at most STACK_TOKENS) at the compute precision."""
+    from types import SimpleNamespace
+
+    from tinygpt_mlx.server import worker
+    from tinygpt_mlx.server.worker import Admission, Job
+
+    tok = native32.tokenizer
+    jobs = [Job(tok.encode(p), n, temperature=0) for p, n in zip(PROMPTS, (40, 90, 20, 60))]
+    running = [SimpleNamespace(job=j, slot=SimpleNamespace(tokens=j.ids)) for j in jobs[1:]]
+    new = jobs[0]
+    monkeypatch.setattr(worker, "padded_held", lambda: 0)
+    for cfg, pads in ((CacheConfig(key_bits=4, value_bits=4), True), (CacheConfig(), False),
+                      (CacheConfig(key_bits=4, value_bits=4, hot_budget=64, sink=4), False)):
+        a = Admission(native32, cfg)
+        need, grow = a.worst(new), sum(a.growth(s) for s in running)
+        longest = max(len(j.ids) + j.max_tokens for j in jobs)
+        pad = 3 * min(longest, batch.STACK_TOKENS) * a.per_token if pads else 0
+        assert a.padded([len(j.ids) + j.max_tokens for j in jobs]) == pad
+        a.available = lambda: a.RESERVE + need + grow + pad - 1
+        ok, why = a.fits(new, running)
+        assert not ok and ("padded KIVI runs" in why) == pads, why
+        a.available = lambda: a.RESERVE + need + grow + pad
+        assert a.fits(new, running) == (True, "")
+    # the copies held now are counted used: the bound less them is what must still fit
+    a = Admission(native32, CacheConfig(key_bits=4, value_bits=4))
+    pad = a.padded([len(j.ids) + j.max_tokens for j in jobs])
+    monkeypatch.setattr(worker, "padded_held", lambda: 5000)
+    a.available = lambda: a.RESERVE + a.worst(new) + sum(a.growth(s) for s in running) + pad - 5000
+    assert a.fits(new, running) == (True, "")
+    # one request alone: nothing padded
+    assert a.padded([500]) == 0
+
+
+def test_the_padded_runs_held_stay_within_the_admission_bound(native32):
+    """Four int4 rows of unlike lengths stepped stacked: the padded copies held after each step
+    (`worker.padded_held`, the bytes of `batch._EVENED`) are some, and never more than the admission
+    bound for the rows' lengths then (`Admission.padded`)."""
+    from tinygpt_mlx.server.worker import Admission, padded_held
+
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(key_bits=4, value_bits=4)
+    a = Admission(native32, cfg)
+    caches = [make_cache(m, cfg) for _ in PROMPTS]
+    tokens = [int(mx.argmax(prefill(m, tok.encode(p * k), c, 16)).item()) for p, k, c in zip(PROMPTS, (3, 5, 7, 9), caches)]
+    batch.forget(m)
+    batch.drop_kept()
+    seen = 0
+    for _ in range(40):
+        rows = batch.decode_step(m, tokens, caches)
+        tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
+        held = padded_held()
+        assert held == sum(a.nbytes for _, run in batch._EVENED.values() for side in run for a in side)
+        assert held <= a.padded([c.current_length for c in caches]), (held, [c.current_length for c in caches])
+        seen = max(seen, held)
+    assert seen > 0
+    batch.drop_kept()
+    assert padded_held() == 0
+    for c in caches:
+        c.close()

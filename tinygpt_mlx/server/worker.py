@@ -251,6 +251,12 @@ def kv_bytes(loaded: Any) -> tuple[int, list[tuple[int, int]]]:
         return total, sliding
 
 
+def padded_held() -> int:
+    """Bytes of the padded runs kept now for the next stacked KIVI step (`batch._EVENED`, made and
+    dropped by this thread's steps: read on the worker thread)."""
+    return sum(a.nbytes for _, run in batch._EVENED.values() for side in run for a in side)
+
+
 class Admission:
     """Whether one more request may start now, by memory: its cache's worst case (the tokens
     its policy holds at its longest, `held`, at the model's compute precision: an upper bound
@@ -278,10 +284,26 @@ class Admission:
 
     def worst(self, job: Job) -> int:
         """Bytes a job's cache may reach: its prompt and its reply, within its context."""
+        return self.nbytes(self.tokens(job))
+
+    @staticmethod
+    def tokens(job: Job) -> int:
+        """Tokens a job's cache may reach: its prompt and its reply, within its context."""
         tokens = len(job.ids) + job.max_tokens
-        if job.max_context is not None:
-            tokens = min(tokens, job.max_context)
-        return self.nbytes(tokens)
+        return tokens if job.max_context is None else min(tokens, job.max_context)
+
+    def padded(self, tokens: list[int]) -> int:
+        """Bytes the padded copies of stacked KIVI rows may hold, of rows whose caches may reach
+        `tokens` (server/batch.py `_even_runs`: each row's packed run and near tier padded to the
+        longest row's and kept between steps): one copy per row but the longest, each at most the
+        longest row's frozen tokens, and those at most `batch.STACK_TOKENS` (past it the rows attend
+        one by one, nothing padded); counted at the compute precision, as `nbytes` counts a KIVI
+        cache (an upper bound of the packed bytes). 0 for a policy without KIVI's compiled batched
+        step (not quantised, or retrieval) and for one row."""
+        c = self.config
+        if len(tokens) < 2 or not c.quantised or c.retrieval:
+            return 0
+        return (len(tokens) - 1) * min(max(self.held(t) for t in tokens), batch.STACK_TOKENS) * self.per_token
 
     def growth(self, s: "Stream") -> int:
         """Bytes a running request's cache may still grow by."""
@@ -294,10 +316,13 @@ class Admission:
         if free is None:
             return True, ""
         need, grow = self.worst(job), sum(self.growth(s) for s in running)
-        if need + grow <= free - self.RESERVE:
+        # the stacked KIVI rows' padded runs, less the copies held now (in what the OS counts used)
+        pad = max(0, self.padded([self.tokens(job)] + [self.tokens(s.job) for s in running]) - padded_held())
+        if need + grow + pad <= free - self.RESERVE:
             return True, ""
+        padding = f", their padded KIVI runs {pad / 2**20:.1f} MiB" if pad else ""
         return False, (f"its cache may need {need / 2**20:.1f} MiB, the {len(running)} running request(s)' may "
-                       f"grow by {grow / 2**20:.1f} MiB, and {free / 2**20:.0f} MiB are available "
+                       f"grow by {grow / 2**20:.1f} MiB{padding}, and {free / 2**20:.0f} MiB are available "
                        f"(less a {self.RESERVE // 2**20} MiB reserve)")
 
 
