@@ -17,7 +17,8 @@ next guess. So the tokens and logits are the per-layer path's in every case; a m
 step twice.
 
 Only where every layer can be taken back (`LayerCache.undoable`: exact sink and hot window, no
-re-base due, no telemetry recording, stages untimed) and some store is spilled; the first step
+re-base due, no telemetry recording, stages untimed) and some store is spilled, in whole pages (a
+checkpoint restored into the spilled part can leave a page partly spilled: not staged); the first step
 after a prompt (no guess yet) runs the per-layer path and records its pools. `KVCache.stage_spills`
 switches it: OFF by default (`POSTTRAINLLM_STAGE_SPILLS=1`: on), because the guess misses. On the
 shipped model at 16K a step's pools hold ~60 spilled pages per KV head, of which 20-30 were not in
@@ -59,6 +60,8 @@ def stores_of(cache: Any, tokens: mx.array) -> Optional[list]:
         if not isinstance(cold, DeviceColdStore) or not layer.undoable() or cold.pinned is not None:
             return None
         stores.append(cold)
+    if any(s.spilled % s.page_size for s in stores):
+        return None     # part of a page spilled (a rewind cut the files back there): the page table covers whole pages
     return stores if any(s.spilled for s in stores) else None
 
 
