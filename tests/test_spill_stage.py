@@ -226,3 +226,47 @@ def test_off_by_default(native, monkeypatch):
     assert cache.stage_spills is True
     _steps(native.model, cache, _tokens(3), 6)
     assert cache.spill_stats["staged"] >= 1, cache.spill_stats
+
+
+# ----- benchmarks/spill_guess.py: the guess replayed offline ---------------------------------
+
+def test_the_guess_replay_counts_what_a_staged_run_hits(native):
+    """The probe's replay of the last step's pool (history 1) hits in exactly the steps a staged
+    run hits (the pools are exact in both: a miss's redo is the per-layer path), on the same
+    prompt; and the replay's counts on a hand-made sequence."""
+    from benchmarks.spill_guess import pools, replay
+
+    cfg = CacheConfig(**BASE)
+    tokens = _tokens(3)
+    steps, spilled = pools(native.model, _cache(native.model, cfg, staged=False), tokens, 12)
+    cache = _cache(native.model, cfg, staged=True)
+    _steps(native.model, cache, tokens, 12, chunk=512)
+    got = replay(steps, 1)
+    assert got["steps"] == 11 == cache.spill_stats["staged"]
+    assert round(got["step_hit_rate"] * 11) == cache.spill_stats["hits"], (got, cache.spill_stats)
+    assert spilled[-1][0] == cache[0].cold.spilled // cfg.page_size
+    a = np.array([[3, 5, -1]])
+    b = np.array([[3, -1, -1]])
+    c = np.array([[7, 3, -1]])
+    seq = [[a], [b], [c], [a]]      # one layer, one KV head
+    one, two = replay(seq, 1), replay(seq, 2)
+    assert (one["step_hit_rate"], one["head_pools_covered"]) == (1 / 3, 1 / 3)   # b within a; c, a miss
+    assert (two["step_hit_rate"], two["pages_staged_per_step"]) == (0.0, 3.0)    # c misses 7, a 5: {0,3,5}, {0,3,7}
+    assert replay(seq, 3)["step_hit_rate"] == 1.0                               # a within a, b, c
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--steps", "1"], "--steps must be at least 2, got 1"),
+    (["--context", "0"], "--context must be a positive integer, got 0"),
+    (["--policy", "sink4/hot1024"], "--policy 'sink4/hot1024': no RAM budget (spillN), nothing would spill"),
+    (["--text", "/no/such.txt"], "--text /no/such.txt: no such file"),
+])
+def test_spill_guess_refuses_bad_arguments(args, says):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-m", "benchmarks.spill_guess", "models/tinygpt-base.tinygpt", *args],
+                       cwd=root, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(says), r.stderr
