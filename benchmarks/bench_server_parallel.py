@@ -462,7 +462,8 @@ def main() -> None:
     ap.add_argument("--mixed-evictions", action="store_true",
                     help="the batched retrieval step as before 2026-12-06 (session 40): rows that evict in the "
                          "trace beside rows that evicted ahead, a layout per mix (server/batch.py ONE_EVICTION_KIND "
-                         "False); the in-process parts only (--only worker or engine), for an A/B in one process kind")
+                         "and SCRATCH_EVICTIONS False); the in-process parts only (--only worker or engine), for an "
+                         "A/B in one process kind")
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--serve", metavar="POLICY", help=argparse.SUPPRESS)   # the server process
     ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
@@ -481,7 +482,7 @@ def main() -> None:
         if args.only not in ("worker", "engine"):
             ap.error("--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
         from tinygpt_mlx.server import batch
-        batch.ONE_EVICTION_KIND = False
+        batch.ONE_EVICTION_KIND = batch.SCRATCH_EVICTIONS = False
     if args.streams > len(PROMPTS) - 2:
         ap.error(f"--streams must be at most {len(PROMPTS) - 2}, got {args.streams}")
     if not Path(args.model).expanduser().exists():

@@ -380,7 +380,9 @@ def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch
     sequence alone over 48 steps, the same logits within 1e-5 and greedy tokens, every layer's
     picks and scored count equal to its solo step's, and every layout traced has rows of one
     eviction kind (8 layouts here, both kinds). (Fails with `ONE_EVICTION_KIND` False: layouts of
-    mixed kinds.)"""
+    mixed kinds.) The rule of steps without `SCRATCH_EVICTIONS` (turned off here), where a row
+    evicted ahead steps as one that evicts nothing."""
+    monkeypatch.setattr(batch, "SCRATCH_EVICTIONS", False)
     m, tok = native32.model, native32.tokenizer
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
@@ -411,6 +413,58 @@ def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch
             assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
 
 
+def test_batched_retrieval_rows_evicted_ahead_step_as_evicting_ones(native32, monkeypatch):
+    """`SCRATCH_EVICTIONS`: a row whose page completes evicts its token eagerly (as its solo step
+    does) and then steps as an evicting row all the same, its trace's eviction written as a scratch
+    row past its cold store's count, so no other row of the step is evicted eagerly for it. Four
+    rows whose pages complete at their own steps, 48 steps in lockstep with each sequence alone:
+    the same logits within 1e-5 and greedy tokens, every layer's picks and scored counts equal to
+    its solo step's; every layout traced has every row evicting in the trace; and each row
+    evicts eagerly at exactly the steps its solo twin does (its own page completions), never at
+    another row's. (Fails with the flag off: rows evicted eagerly at other rows' completions; with
+    the scratch row written at the count's last row or counted: the logits and picks part.)"""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
+    picks: dict = {}
+    for i, (a, b) in enumerate(zip(solo, together)):
+        _recording_picks(a, ("solo", i), picks)
+        _recording_picks(b, ("batch", i), picks)
+    whose = {id(layer): (side, i) for side, caches in (("solo", solo), ("batch", together))
+             for i, c in enumerate(caches) for layer in c.owned}
+    eager: dict = {"solo": set(), "batch": set()}
+    step = [0]
+    evict_ahead = type(together[0].owned[0]).evict_ahead
+
+    def spy(layer, plan):
+        if plan.drop:
+            side, i = whose[id(layer)]
+            eager[side].add((i, step[0]))
+        return evict_ahead(layer, plan)
+    monkeypatch.setattr(type(together[0].owned[0]), "evict_ahead", spy)
+    layouts = []
+    make = batch._retrieval_step
+
+    def traced(model, key, caches):
+        if batch._cached(model, key) is None:
+            layouts.append(key)
+        return make(model, key, caches)
+    monkeypatch.setattr(batch, "_retrieval_step", traced)
+    before, failed = batch.taken.copy(), dict(batch._failed)
+    for step[0] in range(48):
+        tokens = lockstep(m, tokens, together, solo, "scratch evictions")
+    assert (batch.taken - before)["compiled_retrieval"] >= 40, batch.taken - before
+    assert batch._failed == failed
+    assert layouts and all(row[3] for key in layouts for row in key[2]), layouts
+    assert len({i for i, _ in eager["solo"]}) == 4, eager       # every row completed pages during the steps
+    assert eager["batch"] == eager["solo"], (sorted(eager["batch"] - eager["solo"]), sorted(eager["solo"] - eager["batch"]))
+    for i in range(len(prompts)):
+        for j in range(len(together[i].owned)):
+            assert picks[(("batch", i), j)] == picks[(("solo", i), j)], (i, j)
+
+
 def test_bench_mixed_evictions_only_in_process(native32_path, monkeypatch, capsys):
     """bench_server_parallel --mixed-evictions (the A/B of `ONE_EVICTION_KIND`) sets the batched
     step's rule in the bench's own process only: with an HTTP part it is refused in one line naming
@@ -423,13 +477,14 @@ def test_bench_mixed_evictions_only_in_process(native32_path, monkeypatch, capsy
     monkeypatch.setattr(bench, "engine", went_on)
     # (the rule restored after the test whatever the bench did to it: broken, it turns it off)
     monkeypatch.setattr(batch, "ONE_EVICTION_KIND", batch.ONE_EVICTION_KIND)
+    monkeypatch.setattr(batch, "SCRATCH_EVICTIONS", batch.SCRATCH_EVICTIONS)
     monkeypatch.setattr(sys, "argv", ["bench_server_parallel", str(native32_path), "--mixed-evictions"])
     with pytest.raises(SystemExit) as e:
         bench.main()
     assert e.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].endswith(
         "--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
-    assert batch.ONE_EVICTION_KIND
+    assert batch.ONE_EVICTION_KIND and batch.SCRATCH_EVICTIONS
 
 
 def _solo_and_together(m, cfg, prompts):
@@ -459,8 +514,8 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32,
     widths = set()
     real = batch.step_inputs
 
-    def spy(layers, plans):
-        out = real(layers, plans)
+    def spy(layers, plans, *scratch):
+        out = real(layers, plans, *scratch)
         widths.add(out[2][0]["recent"].shape)
         return out
     before, failed = batch.taken.copy(), dict(batch._failed)

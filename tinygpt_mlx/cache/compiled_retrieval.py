@@ -348,19 +348,28 @@ def steady(layers: list, plans: list, ahead: bool = False) -> bool:
     return first.make_mask(1, return_array=False, window_size=None) is None
 
 
-def step_inputs(layers: list, plans: list) -> tuple:
+def step_inputs(layers: list, plans: list, scratch: bool = False) -> tuple:
     """(the step's key without the owners, the step numbers `at`, each layer's input arrays, the
     plans to commit) of layers `steady` says are ready; a step that completes a page evicts
     eagerly first (`evict_ahead`, what the eager step does too), so its trace only reads the store;
     so does one whose plans evict nothing more (`ready_ahead` evicted already).
     The key: ("retrieval", the compute dtype, the layers' config, whether the trace evicts, the
     selection's `Static`, the summaries' widths scanned, the hot window's length after the step,
-    whether a sink is held, whether the telemetry records)."""
+    whether a sink is held, whether the telemetry records).
+    `scratch` (serve's batched step, server/batch.py): a step whose token was evicted eagerly is
+    laid out as an evicting one all the same, so that its row shares the evicting rows' layout:
+    its trace's eviction reads a live token of the body and writes it as the cold row just past
+    the store's count (room made for it here), which no count reaches and the next eviction
+    overwrites; the counts, the live window and the written token are those of the step that
+    evicts nothing, and `commit` takes no eviction from it (its plan drops nothing)."""
     first = layers[0]
     body, cold = first.body, first.cold
     evicts = plans[0].drop > 0 and not cold.completes_page(plans[0].drop)
     if not evicts:      # the page's summaries are made eagerly, then the trace only reads the store
         plans = [c.evict_ahead(p) for c, p in zip(layers, plans)]
+        if scratch:     # (the row past the count that the trace's eviction writes)
+            for c in layers:
+                c.cold.make_room()
     n_after = len(cold) + (1 if evicts else 0)
     slot = first.positions.retrieved_slot(first.n_sink, n_after)
     units, unit = cold.pick_units()
@@ -370,7 +379,7 @@ def step_inputs(layers: list, plans: list) -> tuple:
         summaries, keys, values, recent = c.cold.select_arrays(static)
         inputs.append({"body": c.body.buffers(), "sink": c.retrieval_sink(slot), "keys": keys, "values": values,
                        "summaries": summaries, "recent": recent if recent is not None else mx.zeros((1,), mx.int32)})
-    row = ("retrieval", first.dtype, first.config, evicts, static, tuple(sorted(buckets.items())),
+    row = ("retrieval", first.dtype, first.config, evicts or scratch, static, tuple(sorted(buckets.items())),
            len(body) + (0 if evicts else 1), bool(inputs[0]["sink"]), any(c.telemetry.on for c in layers))
     head = body.head
     # (the two angles turn keys and the query on frame positions; at original positions none)
@@ -430,7 +439,7 @@ def commit(layer: Any, plan: Any, out: dict) -> None:
     the next pass's sticky pages (the last of `out["picked"]`) and, only where the telemetry
     records (`KVCache.record_retrievals`), its record of the pick (`DeviceColdStore.picked`:
     then `out["picked"]` holds the selection's five outputs)."""
-    layer.took_step(plan, out["body"], out.get("evicted"))
+    layer.took_step(plan, out["body"], out.get("evicted") if plan.drop else None)   # (`step_inputs`' scratch: none)
     picked = out["picked"]
     layer.cold.keep_sticky(picked[-1])
     if layer.telemetry.on:

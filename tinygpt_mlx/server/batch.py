@@ -1094,8 +1094,10 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
         return None                 # (rows of one model: their rings differ only in state)
     ring_layout = layouts.pop() or ()
     checked = [(ready_ahead(_global_layers(c), p), r) for c, (p, r) in zip(caches, checked)]
-    checked = _one_eviction_kind(caches, checked)
-    made = [step_inputs(_global_layers(c), p) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
+    scratch = SCRATCH_EVICTIONS and all(_scratch_room(_global_layers(c), p) for c, (p, _) in zip(caches, checked))
+    if not scratch:
+        checked = _one_eviction_kind(caches, checked)
+    made = [step_inputs(_global_layers(c), p, scratch) for c, (p, _) in zip(caches, checked)]   # (row key, at, inputs, plans)
     # each row's key with its sticky pages' width (`recent` [G, S]: S the pages its last pass
     # picked, fewer in a short store), which rows must share to select as one group
     made = [(m[0] + (m[2][0]["recent"].shape,),) + m[1:] for m in made]
@@ -1138,14 +1140,34 @@ def _compiled_retrieval(model: Any, ids: mx.array, caches: Sequence[KVCache], ow
 
 
 #: a batched retrieval step's rows all evict in the trace, or none does (`_one_eviction_kind`):
-#: False, each row as its own step would (the layouts before 2026-12-06, session 40)
+#: False, each row as its own step would (the layouts before 2026-12-06, session 40); only where
+#: SCRATCH_EVICTIONS is False
 ONE_EVICTION_KIND = True
+
+#: every row of a batched retrieval step evicts in the trace: a row whose token was evicted eagerly
+#: (its page completes, or its cold store's first token) is laid out as an evicting one all the same,
+#: its trace's eviction written as a scratch row past its store's count
+#: (compiled_retrieval.py `step_inputs`, `scratch`), so no other row is evicted eagerly for it
+#: (`_one_eviction_kind`, which evicted every row of such a step eagerly: 1.5 of four rows per
+#: steady step, about 160 more nodes each, 2026-12-06 session 42); False: `ONE_EVICTION_KIND`'s rule
+SCRATCH_EVICTIONS = True
 
 
 def _evicts_in_trace(layers: list, plans: list) -> bool:
     """Whether a retrieval row's trace evicts its token (`step_inputs`' rule): not where a page
     completes or the eviction was done ahead (`ready_ahead`'s first one)."""
     return plans[0].drop > 0 and not layers[0].cold.completes_page(plans[0].drop)
+
+
+def _scratch_room(layers: list, plans: list) -> bool:
+    """Whether a retrieval row can step as an evicting one (`SCRATCH_EVICTIONS`): its trace
+    evicts, or its cold rows' arrays have room, after its eviction ahead, for the scratch row past
+    the count (where they have none, the step keeps `_one_eviction_kind`'s rule: the rows' growth
+    stays where the solo step makes it, at the next step, `ready_ahead`)."""
+    if _evicts_in_trace(layers, plans):
+        return True
+    n = len(layers[0].cold) + plans[0].drop
+    return all(c.cold.keys.capacity > n and c.cold.values.capacity > n for c in layers)
 
 
 def _one_eviction_kind(caches: Sequence[KVCache], checked: list) -> list:
