@@ -21,9 +21,10 @@ re-base due, no telemetry recording, stages untimed) and some store is spilled, 
 checkpoint restored into the spilled part can leave a page partly spilled: not staged); the first step
 after a prompt (no guess yet) runs the per-layer path and records its pools. `KVCache.stage_spills`
 switches it: OFF by default (`POSTTRAINLLM_STAGE_SPILLS=1`: on), because the guess misses. On the
-shipped model at 16K a step's pools hold ~60 spilled pages per KV head, of which 20-30 were not in
-the last step's pool (the coarse pass's best pages move with every query; the sticky rule keeps
-only the picks), so almost every staged step missed in some layer and head and was computed twice
+shipped model at 16K (`+spill32`, KJV text) a KV head's pool held about 150 spilled pages per step,
+and not one of 240 head pools over 15 steps lay within the last step's pool (the coarse pass's best
+pages move with every query; the sticky rule keeps only the picks); on bench's random prompt 0 and
+1 of 15 staged steps hit, so almost every staged step missed in some layer and head and was computed twice
 (docs/retrieval.md, "A spilled store's decode step staged ahead"; `benchmarks/spill_guess.py`
 replays longer guesses). `KVCache.spill_stats` counts staged steps, hits, misses, steps recorded
 by the per-layer path, pages staged and pool pages missed.
