@@ -372,6 +372,36 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     assert min(len(c.owned[0].cold) for c in together) > 2 * 8 * cfg.top_pages   # past the coarse pass's pages
 
 
+def _traced_layouts(monkeypatch) -> list:
+    """The batched retrieval layouts (keys) traced from here on, in order (a spy on
+    `batch._retrieval_step` that notes each key not yet cached)."""
+    layouts: list = []
+    make = batch._retrieval_step
+
+    def traced(model, key, caches):
+        if batch._cached(model, key) is None:
+            layouts.append(key)
+        return make(model, key, caches)
+    monkeypatch.setattr(batch, "_retrieval_step", traced)
+    return layouts
+
+
+def _rows_completing_apart(native32) -> tuple:
+    """Four retrieval rows (pages of 8, two top pages, sticky) whose pages complete at their own
+    steps, each beside its solo twin, every layer's picks recorded: (model, solo, together,
+    tokens, picks, prompts)."""
+    m, tok = native32.model, native32.tokenizer
+    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
+    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
+    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
+    picks: dict = {}
+    for i, (a, b) in enumerate(zip(solo, together)):
+        _recording_picks(a, ("solo", i), picks)
+        _recording_picks(b, ("batch", i), picks)
+    return m, solo, together, tokens, picks, prompts
+
+
 def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch):
     """A row's eviction in the trace is part of the batched retrieval step's layout (the row key),
     so four rows whose pages complete at their own steps (a page-completing row evicts ahead, the
@@ -383,23 +413,8 @@ def test_batched_retrieval_rows_evict_as_one_kind_per_step(native32, monkeypatch
     mixed kinds.) The rule of steps without `SCRATCH_EVICTIONS` (turned off here), where a row
     evicted ahead steps as one that evicts nothing."""
     monkeypatch.setattr(batch, "SCRATCH_EVICTIONS", False)
-    m, tok = native32.model, native32.tokenizer
-    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
-    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
-    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
-    picks: dict = {}
-    for i, (a, b) in enumerate(zip(solo, together)):
-        _recording_picks(a, ("solo", i), picks)
-        _recording_picks(b, ("batch", i), picks)
-    layouts = []
-    make = batch._retrieval_step
-
-    def spy(model, key, caches):
-        if batch._cached(model, key) is None:
-            layouts.append(key)
-        return make(model, key, caches)
-    monkeypatch.setattr(batch, "_retrieval_step", spy)
+    m, solo, together, tokens, picks, prompts = _rows_completing_apart(native32)
+    layouts = _traced_layouts(monkeypatch)
     before, failed = batch.taken.copy(), dict(batch._failed)
     for _ in range(48):
         tokens = lockstep(m, tokens, together, solo, "one eviction kind")
@@ -423,15 +438,7 @@ def test_batched_retrieval_rows_evicted_ahead_step_as_evicting_ones(native32, mo
     evicts eagerly at exactly the steps its solo twin does (its own page completions), never at
     another row's. (Fails with the flag off: rows evicted eagerly at other rows' completions; with
     the scratch row written at the count's last row or counted: the logits and picks part.)"""
-    m, tok = native32.model, native32.tokenizer
-    cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
-    prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
-    assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
-    picks: dict = {}
-    for i, (a, b) in enumerate(zip(solo, together)):
-        _recording_picks(a, ("solo", i), picks)
-        _recording_picks(b, ("batch", i), picks)
+    m, solo, together, tokens, picks, prompts = _rows_completing_apart(native32)
     whose = {id(layer): (side, i) for side, caches in (("solo", solo), ("batch", together))
              for i, c in enumerate(caches) for layer in c.owned}
     eager: dict = {"solo": set(), "batch": set()}
@@ -444,14 +451,7 @@ def test_batched_retrieval_rows_evicted_ahead_step_as_evicting_ones(native32, mo
             eager[side].add((i, step[0]))
         return evict_ahead(layer, plan)
     monkeypatch.setattr(type(together[0].owned[0]), "evict_ahead", spy)
-    layouts = []
-    make = batch._retrieval_step
-
-    def traced(model, key, caches):
-        if batch._cached(model, key) is None:
-            layouts.append(key)
-        return make(model, key, caches)
-    monkeypatch.setattr(batch, "_retrieval_step", traced)
+    layouts = _traced_layouts(monkeypatch)
     before, failed = batch.taken.copy(), dict(batch._failed)
     for step[0] in range(48):
         tokens = lockstep(m, tokens, together, solo, "scratch evictions")

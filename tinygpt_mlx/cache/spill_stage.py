@@ -77,13 +77,7 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
         return _recorded(model, tokens, cache, stores)
     marks = [layer.step_mark() for layer in cache.owned]
     stats["pages"] += stage(stores)
-    for s in stores:
-        s.checks = []
-    try:
-        logits = model(tokens, cache=cache)
-        checks = [s.checks for s in stores]
-    finally:
-        unstage(stores)
+    logits, checks = _checked(model, tokens, cache, stores, unstage)
     missed, pools = _read(logits, checks)     # the step's one wait
     stats["staged"] += 1
     stats["missed_pages"] += missed
@@ -100,18 +94,30 @@ def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
 def _recorded(model: Any, tokens: mx.array, cache: Any, stores: list) -> mx.array:
     """The step by the per-layer path (a wait per layer where rows are spilled), its pools kept
     as the next step's guess (read once, after the step)."""
+    logits, checks = _checked(model, tokens, cache, stores, _unchecked)
+    _, pools = _read(logits, checks)
+    cache.spill_stats["recorded"] += 1
+    _guess(stores, pools)
+    return logits
+
+
+def _checked(model: Any, tokens: mx.array, cache: Any, stores: list, done: Any) -> tuple[mx.array, list]:
+    """Build the step's graph with every store collecting its passes' checks; `done(stores)`
+    after the build, whatever happens. The logits and each store's checks (both lazy)."""
     for s in stores:
         s.checks = []
     try:
         logits = model(tokens, cache=cache)
         checks = [s.checks for s in stores]
     finally:
-        for s in stores:
-            s.checks = None
-    _, pools = _read(logits, checks)
-    cache.spill_stats["recorded"] += 1
-    _guess(stores, pools)
-    return logits
+        done(stores)
+    return logits, checks
+
+
+def _unchecked(stores: list) -> None:
+    """Stop every store collecting checks (the per-layer path stages nothing)."""
+    for s in stores:
+        s.checks = None
 
 
 def _read(logits: mx.array, checks: list) -> tuple[int, list]:
