@@ -146,7 +146,7 @@ class DeviceColdStore:
             self._spill_past_budget()
 
     # ----- the RAM budget: the oldest rows spilled to disk --------------------------------------
-    def _rows(self) -> list:
+    def device_rows(self) -> list:
         """The `DeviceRows` of the cold rows (a packed side's codes, scale and zero)."""
         out = []
         for rows in (self.keys, self.values):
@@ -162,7 +162,7 @@ class DeviceColdStore:
 
     def budget_tokens(self) -> int:
         """Tokens whose rows this layer's share of `cold_ram` holds (at least one spill unit)."""
-        per_token = sum(r.row_bytes() for r in self._rows())
+        per_token = sum(r.row_bytes() for r in self.device_rows())
         unit = self._spill_unit()
         return max(unit, int(self.config.cold_ram * 2 ** 20 / self.ram_layers / per_token) // unit * unit)
 
@@ -181,7 +181,7 @@ class DeviceColdStore:
         if self.spill_dir is None:
             self.spill_dir = private_dir(f"cold-spill-l{self.layer_index}", self.config.cold_path)
             remove_with(self, self.spill_dir)
-        for i, rows in enumerate(self._rows()):
+        for i, rows in enumerate(self.device_rows()):
             rows.spill(m, os.path.join(self.spill_dir, f"rows{i}.bin"))
 
     def settle(self) -> None:

@@ -67,6 +67,9 @@ class KiviStore:
     keeps keys as the model rotated them; the pre-RoPE path rotates them once, as they freeze).
     """
 
+    #: no `step_mark` / `step_undo` (`LayerCache.undoable`)
+    steps_undoable = False
+
     def __init__(self, config: CacheConfig, storage: mx.Dtype, positions: Positions, codec: Any,
                  exact_before: int = 0):
         # `CacheConfig` has checked the group size (MLX's set) and refused shifted retrieval.

@@ -228,10 +228,10 @@ class LayerCache:
     def undoable(self) -> bool:
         """Whether `step_mark` / `step_undo` can take back the next decode step: exact sink and
         hot window (dense stores), no re-base due, no telemetry recording, stages not timed."""
-        return (type(self) is LayerCache and isinstance(self.body, DenseStore)
-                and isinstance(self.sink_store, DenseStore) and not self.plan().rebase
+        return (type(self) is LayerCache and self.body.steps_undoable
+                and self.sink_store.steps_undoable and not self.plan().rebase
                 and not (self.telemetry is not None and self.telemetry.on)
-                and not getattr(self.cold.stages, "enabled", False))
+                and not (self.cold is not None and self.cold.stages.enabled))
 
     def step_mark(self) -> tuple:
         """The state the next decode step changes (`undoable` ones): the counters, the sink's and

@@ -44,6 +44,9 @@ class RingStore:
     `droppable` and `drop_front`; no `truncate` (a StreamingLLM cache is not trimmable) and no
     `fetch`: `attention_kv(..., ordered=True)` is its dense reference, sink placed."""
 
+    #: no `step_mark` / `step_undo` (`LayerCache.undoable`)
+    steps_undoable = False
+
     def __init__(self, dtype: mx.Dtype, sink: int, window: int, positions: Positions):
         self.dtype, self.sink, self.window, self.positions = dtype, sink, window, positions
         self.keys: Optional[mx.array] = None      # ring: [B, H, S + W, D]; linear: [B, H, T, D]

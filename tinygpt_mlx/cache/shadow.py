@@ -68,6 +68,9 @@ class ShadowStore:
     same rotated query as the packed scores.
     """
 
+    #: no `step_mark` / `step_undo` (`LayerCache.undoable`)
+    steps_undoable = False
+
     _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16}
 
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):

@@ -172,7 +172,7 @@ def stage(stores: list) -> int:
             padded[g, :len(p)] = p
             total += len(p)
         tokens = (padded[:, :, None] * ps + np.arange(ps)).reshape(G, -1)
-        rows = s._rows()
+        rows = s.device_rows()
         parts = [table] + [np.ascontiguousarray(r.read_disk(tokens, np.arange(G)[:, None])) for r in rows]
         places.append((s, rows, [(p.dtype, p.shape) for p in parts]))
         pieces += parts
@@ -206,7 +206,7 @@ def unstage(stores: list) -> None:
     """Drop every store's staging and checks (after the step's graph is built)."""
     for s in stores:
         s.staging, s.checks = None, None
-        for r in s._rows() if s.G is not None else ():
+        for r in s.device_rows() if s.G is not None else ():
             r.stage = None
 
 

@@ -49,6 +49,8 @@ class Store(Protocol):
 
 
 class Evictable(Store, Protocol):
+    steps_undoable: bool     # whether `step_mark` / `step_undo` take a decode step back (`LayerCache.undoable`)
+
     def append(self, keys: mx.array, values: mx.array) -> None: ...
     def droppable(self, n: int) -> int: ...
     def drop_front(self, n: int) -> tuple[mx.array, mx.array]: ...
@@ -79,6 +81,9 @@ class DenseStore:
     positions.py): they are never placed when read, and `rebase` turns them back. Otherwise, in
     shifted mode, keys are held before RoPE and placed at their slots when read (`placed`).
     """
+
+    #: `step_mark` / `step_undo` take one decode step back (spill_stage.py, `LayerCache.undoable`)
+    steps_undoable = True
 
     def __init__(self, dtype: mx.Dtype = mx.float32, label: str = "body", step: int = 256,
                  frame: Optional[Any] = None):
