@@ -46,25 +46,38 @@ def _arrays(obj, path: str, out: list, seen: set, depth: int = 0) -> None:
 def _layout(cache) -> tuple:
     """What a decode step's graph is built from: the tokens held in each part of every layer
     (seen, the window's start, stored, cold, pages, index blocks) and the shapes and dtypes of
-    every array the layers hold. Left out: the values (the frame's base, the body's head: numbers
-    the step reads as an input array)."""
+    every array the layers hold; of a sliding-window layer's ring (Gemma 3) also its frame's base
+    and write pointer. Left out: the values (a global layer's frame base, the body's head:
+    numbers the step reads as an input array)."""
     counts, shapes = [cache.current_length], []
-    for i, lc in enumerate(cache.global_layers):
+    for i, lc in enumerate(cache.owned):
         counts.append((lc.seen, lc.start, lc.stored_count, len(lc.body)))
+        if lc.sliding is not None:
+            counts.append((lc.sliding, lc.positions.base, lc.body.ptr, lc.body.ring))
         if lc.config.retrieval:
             counts.append((len(lc.cold), lc.cold.n_pages, lc.cold.index.n_blocks))
         _arrays(lc, f"layer{i}", shapes, set())
     return counts, shapes
 
 
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory, tokenizer_json):
+    """test_sliding.py's tiny mlx-lm gemma3_text (sliding window 16, every third layer global)."""
+    from test_sliding import build_gemma3_dir
+    from tinygpt_mlx.loading import load
+    return load(build_gemma3_dir(tmp_path_factory.mktemp("gemma3") / "tiny-gemma3", tokenizer_json))
+
+
 @pytest.mark.parametrize("spec", SPECS)
-@pytest.mark.parametrize("which", ["wide", "llama"])
+@pytest.mark.parametrize("which", ["wide", "llama", "gemma"])
 def test_a_filled_cache_builds_the_decode_step_of_a_prefilled_one(which, spec, request):
     """A cache prefilled over P tokens and filled to N by `retrieval_bench.grow` (a full cache's
-    rows tiled, a retrieval cache's cold pages copied) holds what one prefilled over N tokens
-    holds, in counts and in array shapes, and its decode steps build the same graph (the nodes
-    by primitive, every step of 12, a page completing and its eager eviction among them), on a
-    native model and an mlx-lm Llama (SmolLM2's code). The values differ (copies, not the
+    rows tiled, a retrieval cache's cold pages copied, a sliding-window ring fed its own rows)
+    holds what one prefilled over N tokens holds, in counts and in array shapes, and its decode
+    steps build the same graph (the nodes by primitive, every step of 12, a page completing and
+    its eager eviction among them), on a native model, an mlx-lm Llama (SmolLM2's code) and an
+    mlx-lm Gemma 3 (sliding-window rings beside the global layers: their seen tokens, and so
+    their queries' positions, are the prefilled ring's). The values differ (copies, not the
     model's keys over those tokens): the build does not read them. The first decode step after a
     prefill reads the sticky pages of the prefill's last chunk, whose width follows how many
     queries that chunk had (N and P differ there), so both caches take one first."""

@@ -32,7 +32,8 @@ sync counter; cache/compiled_retrieval.py `step_inputs` makes the step's key and
 the host's counters), and a filled cache has the counts and shapes of one prefilled over as
 many tokens (tests/test_bench_grow.py), so the build at 32K on a 30-layer model needs no hour
 of prefill. Only full caches (no eviction, no quantisation) and retrieval policies with exact
-cold rows can be filled so (`check_grow`).
+cold rows can be filled so (`check_grow`); a model's sliding-window rings beside them (Gemma 3's
+local layers) are fed their own rows until they have seen as many tokens (`grow_rings`).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from ..sampling import make_sampler
 def grow_cold(cache, target_tokens: int, block: int = 4096) -> None:
     """Append copies of each cold store's own pages until `target_tokens` tokens are cold in
     total (hot tokens included). Positions continue from the last cold position. Only the global
-    layers have cold stores (a sliding-window layer's ring keeps its own window: factory.sliding_layer)."""
+    layers have cold stores (a sliding-window layer's ring keeps its own window: factory.sliding_layer;
+    `grow_rings` moves it on)."""
     for lc in cache.global_layers:
         store = lc.cold
         base = store.n
@@ -65,7 +66,8 @@ def grow_full(cache, target_tokens: int) -> None:
     retrieval cache's cold stores: a full cache's decode step reads every stored row, whatever it
     holds, so its cost at a context is measured without prefilling the model over it. One append
     per layer (its buffer grown once, not once per block). Only the global layers grow, as in
-    `grow_cold` (a sliding-window layer's ring keeps its own window: Gemma 3's local layers)."""
+    `grow_cold` (a sliding-window layer's ring keeps its own window, Gemma 3's local layers:
+    `grow_rings` moves it on)."""
     for lc in cache.global_layers:
         body = lc.body
         base = len(body)
@@ -81,13 +83,34 @@ def grow_full(cache, target_tokens: int) -> None:
         mx.eval(body.keys, body.values)
 
 
+def grow_rings(cache, target_tokens: int) -> None:
+    """Each sliding-window layer's ring (Gemma 3's local layers) fed copies of its own newest rows
+    until it has seen `target_tokens`, through its own commit and eviction (one window's worth a
+    call, then trimmed to its window as `generate.forward` trims after a prompt chunk): it then
+    holds its window as one prefilled over as many tokens does, at the same counts (seen, start,
+    the frame's base: so its queries' positions and re-bases come at the same steps)."""
+    for lc in cache.owned:
+        if lc.sliding is None:
+            continue
+        while lc.seen < target_tokens:
+            if not lc.stored_count:
+                raise ValueError("the sliding-window ring holds nothing yet: prefill a prompt first")
+            k, v = lc.fetch()
+            n = min(lc.sliding, target_tokens - lc.seen, k.shape[2])
+            lc.update_and_fetch(k[..., -n:, :], v[..., -n:, :])
+            lc.evict_middle_if_needed()
+            mx.eval(*lc.body.buffers())
+
+
 def grow(cache, target_tokens: int) -> None:
     """Fill `cache` to `target_tokens` tokens without running the model over them: a retrieval
     cache's cold stores by copies of their own pages (`grow_cold`), a full cache's layers by
-    copies of their own rows (`grow_full`). What a decode step then builds depends on the
+    copies of their own rows (`grow_full`), and the sliding-window rings beside them by their
+    own rows fed through them (`grow_rings`). What a decode step then builds depends on the
     counts and the shapes this leaves, which are those of a cache prefilled over as many tokens
     (tests/test_bench_grow.py), not on the values it holds (`bench --grow-from`)."""
     (grow_cold if cache.config.retrieval else grow_full)(cache, target_tokens)
+    grow_rings(cache, target_tokens)
 
 
 def decode_scaling(model: Any, config: CacheConfig, prompt: list[int], contexts: list[int],
