@@ -84,6 +84,26 @@ def test_bad_flags_exit_nonzero_with_one_clear_line(native_path, args, message):
     assert message in r.output
 
 
+@pytest.mark.parametrize("args, typed", [
+    (["sample", "-p", "hi", "-nabc"], "abc"),                           # an attached short option
+    (["sample", "-p", "hi", "--tokens=abc"], "abc"),
+    (["sample", "-p", "hi", "--tokens", "5", "--tokens", "abc"], "abc"),  # click keeps the last
+    (["sample", "-p", "--tokens", "--tokens", "abc"], "abc"),          # '--tokens' is -p's value
+    (["sample", "-p", "hi", "--temperature", "hot", "-n", "5"], "hot"),
+    (["cache-report", "-l", "5", "-l", "abc", "-l", "7x"], "abc"),      # the first that fails
+    (["cache-report", "-l5", "-l", "7x"], "7x"),
+])
+def test_a_conversion_error_names_the_value_click_rejected(args, typed):
+    """click's own conversion errors ("Input should be a valid integer") get `, got '...'`: the
+    value click converted, parsed again by click's parsers (cli/main.py `typed_value`), not the
+    first string after the option's name."""
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Invalid value for" in lines[0], r.stderr
+    assert f"got {typed!r}" in lines[0] and lines[0].count(" got ") == 1, lines[0]
+
+
 def test_bad_model_and_prompt_errors(native_path, tmp_path):
     r = run("sample", tmp_path / "missing.tinygpt", "-p", "hi")
     assert r.exit_code == 1 and "error:" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -68,19 +68,42 @@ class OneLineErrors(TyperGroup):
 
 def typed_value(e: Exception, args: list[str]) -> str:
     """`, got 'abc'`: what the user typed for the option a BadParameter names, where the message
-    does not say it (click's own type conversion: "Input should be a valid integer"); else ""."""
-    param = getattr(e, "param", None)
-    opts = getattr(param, "opts", None) or ()
-    for i, arg in enumerate(args):
-        for opt in opts:
-            if not opt.startswith("-"):
-                continue
-            value = args[i + 1] if arg == opt and i + 1 < len(args) else (
-                arg[len(opt) + 1:] if arg.startswith(opt + "=") else None)
-            if value is not None:
-                return "" if repr(value) in e.format_message() or f"got {value}" in e.format_message() \
-                    else f", got {value!r}"
-    return ""
+    does not say it (click's own type conversion: "Input should be a valid integer"); else "".
+    The command line is parsed again by click's own parsers, command by command, so the value is
+    the one click converted: attached short options (`-nabc`) and `--opt=abc` included, a repeated
+    option's last value (click keeps the last), and of a repeatable option's values the first that
+    does not convert."""
+    param, ctx = getattr(e, "param", None), getattr(e, "ctx", None)
+    if param is None or ctx is None or not getattr(param, "opts", None):
+        return ""
+    chain = []
+    while ctx is not None:
+        chain.insert(0, ctx)
+        ctx = ctx.parent
+    rest = list(args)
+    try:
+        for level in chain:
+            opts, rest, _ = level.command.make_parser(level).parse_args(args=rest)
+            if level is not chain[-1]:
+                rest = rest[1:]     # the subcommand's name, then its own arguments
+    except cx.UsageError:
+        return ""
+    value = opts.get(param.name)
+    if param.multiple and isinstance(value, (list, tuple)):
+        value = next((v for v in value if not _converts(param, v, chain[-1])), None)
+    if not isinstance(value, str):
+        return ""
+    message = e.format_message()
+    return "" if repr(value) in message or f"got {value}" in message else f", got {value!r}"
+
+
+def _converts(param, value: str, ctx) -> bool:
+    """Whether `param` (a repeatable option: no callback of ours) takes `value` alone."""
+    try:
+        param.process_value(ctx, [value])
+    except cx.BadParameter:
+        return False
+    return True
 
 
 class PanelledHelp(TyperCommand):
