@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Sequence
 
+from . import switches
+
 OFF_VAR = "POSTTRAINLLM_NO_BLAS_PRELOAD"
 MARK_VAR = "POSTTRAINLLM_BLAS_PRELOADED"
 DEBIAN_PACKAGE = "libopenblas0-pthread"
@@ -65,10 +67,6 @@ def find_openblas(exists: Callable[[str], bool] = os.path.isfile,
     return next((p for p in candidates(_multiarch() if multiarch is None else multiarch) if exists(p)), None)
 
 
-def _on(value: Optional[str]) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
-
-
 def _names_openblas(preload: str) -> bool:
     return any(_is_openblas(p) for p in preload.replace(" ", ":").split(":") if p)
 
@@ -92,7 +90,7 @@ def plan(args: Sequence[str], environ: Mapping[str, str], platform: str,
     program), the environment, `sys.platform` and a file test (all given, for the tests)."""
     if not platform.startswith("linux"):
         return Plan(None, f"not Linux ({platform})")
-    if _on(environ.get(OFF_VAR)):
+    if switches.flag(OFF_VAR, environ):
         return Plan(None, f"{OFF_VAR} is set")
     if environ.get(MARK_VAR):
         return Plan(None, f"already re-executed with {environ[MARK_VAR]}")
@@ -158,7 +156,7 @@ def hint(environ: Mapping[str, str] = os.environ, platform: str = sys.platform,
     system has no OpenBLAS: the speed-up it would get and the command that installs it. None on
     macOS, with OpenBLAS loaded or installed (a program importing the library preloads it itself),
     or when POSTTRAINLLM_NO_BLAS_PRELOAD turned the preload off on purpose."""
-    if not platform.startswith("linux") or _on(environ.get(OFF_VAR)) or loaded_openblas(maps):
+    if not platform.startswith("linux") or switches.flag(OFF_VAR, environ) or loaded_openblas(maps):
         return None
     if find_openblas(exists) is not None:
         return None

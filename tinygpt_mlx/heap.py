@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any, Mapping, Optional
 
-from . import blas
+from . import switches
 
 OFF_VAR = "POSTTRAINLLM_NO_HEAP_TUNE"
 MMAP_THRESHOLD = 256 << 20
@@ -52,7 +52,7 @@ KEPT = False
 def keep_large_blocks(environ: Mapping[str, str] = os.environ, platform: str = sys.platform) -> bool:
     """Set glibc's mmap and trim thresholds and one arena (module doc); True where all were set."""
     global KEPT
-    if not platform.startswith("linux") or blas._on(environ.get(OFF_VAR)):
+    if not platform.startswith("linux") or switches.flag(OFF_VAR, environ):
         return False
     libc = _libc()
     if libc is None:

@@ -41,6 +41,7 @@ from typing import Optional
 
 import mlx.core as mx
 
+from . import switches
 from .config import GROUP_SIZES  # group sizes accepted by MLX's quantised kernels
 
 __all__ = [
@@ -301,7 +302,7 @@ def dequantise_v(packed: mx.array, scale: mx.array, zero: mx.array, bits: int, g
 #: how `quantised_matmul` runs: None = by backend (`matmul_path`), or "packed" / "dequantise" to
 #: force one (tests; the POSTTRAINLLM_QMATMUL environment variable does the same for a run)
 FORCE_PATH: Optional[str] = None
-MATMUL_PATHS = ("packed", "dequantise")
+MATMUL_PATHS = switches.QMATMUL_PATHS
 
 
 def matmul_path(transpose: bool) -> str:

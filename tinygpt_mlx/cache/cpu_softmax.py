@@ -20,13 +20,12 @@ of scores per layer that does not go through `mx.fast.scaled_dot_product_attenti
 
 from __future__ import annotations
 
-import os
 import platform
 import shutil
 
 import mlx.core as mx
 
-from .. import heap
+from .. import heap, switches
 
 #: 1.5 * 2**23: (y + MAGIC) - MAGIC is y rounded to the nearest integer (|y| < 2**22)
 MAGIC = 12582912.0
@@ -36,7 +35,7 @@ LOG2E = 1.4426950408889634
 def wanted() -> bool:
     """Whether this machine takes `softmax_rows` (module doc): x86, g++ on PATH, not opted out."""
     return (platform.machine().lower() in ("x86_64", "amd64") and shutil.which("g++") is not None
-            and not os.environ.get("POSTTRAINLLM_NO_FAST_EXP"))
+            and not switches.flag("POSTTRAINLLM_NO_FAST_EXP"))
 
 
 #: decided once per process (module doc)

@@ -16,13 +16,12 @@ Naming, for readers who know mlx-lm: mlx-lm's `KVCache` is ONE layer's cache; he
 
 from __future__ import annotations
 
-import os
 from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
 
-from .. import quant
+from .. import quant, switches
 from ..config import CacheConfig
 from . import checkpoint as checkpoints
 from . import spill_stage
@@ -31,15 +30,17 @@ from .telemetry import summarise
 
 
 def compile_by_default() -> bool:
-    """A new cache's `compile_decode`: on unless `POSTTRAINLLM_COMPILE` is 0/false/no/off."""
-    return os.environ.get("POSTTRAINLLM_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+    """A new cache's `compile_decode`: on unless `POSTTRAINLLM_COMPILE` is 0/false/no/off
+    (tinygpt_mlx/switches.py: a value it does not take is refused)."""
+    return switches.flag("POSTTRAINLLM_COMPILE")
 
 
 def stage_spills_by_default() -> bool:
     """A new cache's `stage_spills`: off unless `POSTTRAINLLM_STAGE_SPILLS` is 1/true/yes/on (the
     guess missed nearly every step in the runs of docs/retrieval.md, "A spilled store's decode
-    step staged ahead": a miss computes the step twice)."""
-    return os.environ.get("POSTTRAINLLM_STAGE_SPILLS", "0").strip().lower() in ("1", "true", "yes", "on")
+    step staged ahead": a miss computes the step twice; tinygpt_mlx/switches.py: a value it does
+    not take is refused)."""
+    return switches.flag("POSTTRAINLLM_STAGE_SPILLS")
 
 
 class Checkpoint:

@@ -25,9 +25,20 @@ import importlib
 import os
 import sys
 
-from tinygpt_mlx import blas, heap
+from tinygpt_mlx import blas, heap, switches
+
+
+def refuse_bad_switches(environ=os.environ) -> None:
+    """An environment switch set to a value it does not take (tinygpt_mlx/switches.py): one
+    `error:` line naming the variable and the value, exit code 2, before any work."""
+    bad = switches.problem(environ)
+    if bad is not None:
+        sys.stderr.write(f"error: {bad}\n")
+        sys.exit(2)
+
 
 if blas.started_as_command(__name__):
+    refuse_bad_switches()     # (before the re-execution and the heap's tuning read their switches)
     blas.reexec_with_openblas(sys.argv[1:])
     heap.keep_large_blocks()
 
@@ -45,6 +56,7 @@ class OneLineErrors(TyperGroup):
     one `error:` line (the message kept verbatim) instead of a usage block and a boxed panel."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        refuse_bad_switches()
         refuse_ranks(sys.argv[1:] if args is None else list(args))
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
