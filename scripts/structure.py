@@ -6,8 +6,9 @@ Lengths are reported for the record, never a target (code splits where responsib
 not to fit a number: issue #54). For cache/: classes over 200 lines, reads of another object's private
 attribute (`x._name` where x is not `self`/`cls`), and probes of which store a layer holds
 (`isinstance(..., <Store class>)`, `getattr(<store>, ...)`, `sink_store is None`); for the whole
-package: modules over 450 lines and function-level imports of the package's own modules (an
-import statement or a `lazy(...)` declaration inside a function), and, for the record, the
+package: modules over 450 lines, function-level imports of the package's own modules (an
+import statement or a `lazy(...)` declaration inside a function) and reads of a private name of
+another of its modules (`batch._EVENED`, where `batch` is a package module), and, for the record, the
 modules declared at a module's top to load on first use (`lazy_modules`, tinygpt_mlx/lazy.py);
 for the
 measurement code and the tools beside the package (benchmarks/, scripts/): edits of `sys.path`
@@ -83,6 +84,39 @@ def _lazy_modules(tree: ast.Module, package: str) -> list[str]:
             for node in tree.body if isinstance(node, ast.Assign) and _lazy_name(node.value, package)]
 
 
+def _module_names(tree: ast.Module, path: Path, package: str) -> set[str]:
+    """The names a module binds at its top to modules of the package (`from . import batch`,
+    `from tinygpt_mlx.cache import kivi as k`, `import tinygpt_mlx.quant as quant`,
+    `m = lazy("tinygpt_mlx.cache")`): a name imported `from` a package module counts where it is
+    itself a module file or folder there."""
+    here = list(path.relative_to(ROOT).with_suffix("").parts[:-1])     # the module's package
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            base = here[:len(here) - node.level + 1] if node.level else []
+            parts = base + (node.module.split(".") if node.module else [])
+            if not parts or parts[0] != package:
+                continue
+            for a in node.names:
+                target = ROOT.joinpath(*parts, a.name)
+                if target.is_dir() or target.with_suffix(".py").is_file():
+                    names.add(a.asname or a.name)
+        elif isinstance(node, ast.Import):
+            names.update(a.asname for a in node.names if a.asname and a.name.split(".")[0] == package)
+        elif isinstance(node, ast.Assign) and _lazy_name(node.value, package):
+            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
+    return names
+
+
+def _module_private_reads(tree: ast.Module, path: Path, package: str) -> list[str]:
+    """Reads of a private name (`_x`, not a dunder) of another package module, through a name
+    `_module_names` binds."""
+    modules = _module_names(tree, path, package)
+    return [f"{ast.unparse(node)} (line {node.lineno})" for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+            and isinstance(node.value, ast.Name) and node.value.id in modules]
+
+
 def _path_edits(tree: ast.AST) -> list[str]:
     """`sys.path.insert(...)` and the other mutating calls, and assignments to `sys.path` or a slice of it."""
     out = []
@@ -114,7 +148,8 @@ def measure(package: str) -> dict:
     if not pkg.is_dir():
         raise SystemExit(f"structure.py: no package folder {package!r} under {ROOT}")
     out: dict = {"classes_over_200": {}, "private_reads": {}, "store_probes": {}, "modules_over_450": {},
-                 "function_level_imports": {}, "path_edits": {}, "tests_imports": {}, "lazy_modules": {}}
+                 "function_level_imports": {}, "module_private_reads": {}, "path_edits": {}, "tests_imports": {},
+                 "lazy_modules": {}}
     for path in sorted(p for folder in BESIDE for p in (ROOT / folder).glob("*.py")):
         tree = ast.parse(path.read_text())
         for key, found in (("path_edits", _path_edits(tree)), ("tests_imports", _tests_imports(tree))):
@@ -130,6 +165,9 @@ def measure(package: str) -> dict:
         local = _local_imports(tree, package)
         if local:
             out["function_level_imports"][rel] = local
+        private = _module_private_reads(tree, path, package)
+        if private:
+            out["module_private_reads"][rel] = private
         declared = _lazy_modules(tree, package)
         if declared:
             out["lazy_modules"][rel] = declared

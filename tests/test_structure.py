@@ -25,6 +25,7 @@ def test_cache_reads_no_private_field_and_probes_no_store(tmp_path):
     assert m["path_edits"] == {} and m["counts"]["path_edits"] == 0
     assert m["tests_imports"] == {} and m["counts"]["tests_imports"] == 0   # benchmarks import the package (#54)
     assert m["function_level_imports"] == {} and m["counts"]["function_level_imports"] == 0
+    assert m["module_private_reads"] == {} and m["counts"]["module_private_reads"] == 0
 
 
 def test_function_level_imports_are_found():
@@ -37,6 +38,24 @@ def test_function_level_imports_are_found():
     tree = ast.parse(code)
     assert len(structure._local_imports(tree, "tinygpt_mlx")) == 4
     assert structure._lazy_modules(tree, "tinygpt_mlx") == ["m = tinygpt_mlx.cache (line 2)"]
+
+
+def test_private_names_of_other_modules_are_found():
+    """The module-private count is not vacuous: a private name read through a package module bound
+    by a relative import, an absolute one, `import ... as` and `lazy(...)` is caught (worker.py read
+    `batch._EVENED` and `generate._call` before session 43); a private attribute of an object, of
+    `self`, of a name imported from a module (a function, a class) or of another package's module
+    is not, nor a dunder."""
+    structure = script_module("structure")
+    code = ("from . import batch\nfrom .. import generate as engine\nfrom ..cache import kivi\n"
+            "import tinygpt_mlx.quant as quant\nfrom .config import ServerConfig\nimport os\n"
+            "from tinygpt_mlx.lazy import lazy\nm = lazy('tinygpt_mlx.cache')\n"
+            "a = batch._EVENED\nb = engine._call\nc = kivi._x\nd = quant._y\ne = m._z\n"
+            "f = ServerConfig._w\ng = os._exit\nh = self._v\ni = batch.__name__\nj = batch.kept_nbytes\n"
+            "def k(obj):\n    return obj._u\n")
+    found = structure._module_private_reads(ast.parse(code), ROOT / "tinygpt_mlx" / "server" / "worker.py",
+                                           "tinygpt_mlx")
+    assert [f.split(" (")[0] for f in found] == ["batch._EVENED", "engine._call", "kivi._x", "quant._y", "m._z"]
 
 
 def test_path_edits_are_found():

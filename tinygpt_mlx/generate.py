@@ -107,14 +107,18 @@ def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     return logits
 
 
-def _call(model: Any, tokens: list[int] | mx.array, cache: Any, wait: bool = True) -> mx.array:
+def call(model: Any, tokens: list[int] | mx.array, cache: Any, wait: bool = True) -> mx.array:
     """`forward` on `tokens` (ids, or a sampled [1] array still on the device): the fp32 logits
     after the last token, shape [V], evaluated; with `wait=False` started (`mx.async_eval`) and
-    not waited for (`steps`' pipeline)."""
+    not waited for (`steps`' pipeline; the server's worker)."""
     ids = tokens.astype(mx.int32).reshape(1, -1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
     logits = forward(model, ids, cache)[0, -1].astype(mx.float32)
     (mx.eval if wait else mx.async_eval)(logits)
     return logits
+
+
+#: `call`'s name before it was public (tests and benchmarks import it so)
+_call = call
 
 
 def check_context(prompt_tokens: int, context_length: Optional[int], config: CacheConfig) -> None:
@@ -188,7 +192,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     while done < len(prompt):
         i, done = done, pass_end(done, len(prompt), prefill_chunk, prefill_tail)
         fed = prompt[i:done]
-        logits = _call(model, fed, cache)
+        logits = call(model, fed, cache)
         if progress is not None:
             progress(done, len(prompt))
         if done < len(prompt):
@@ -208,7 +212,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         elif stats.generated_tokens < max_tokens:
             sampled = sampler(logits[None])
             if pipeline and stats.generated_tokens + 1 < max_tokens:
-                ahead = stats.logits = _call(model, sampled, cache, wait=False)   # fed before the host reads it
+                ahead = stats.logits = call(model, sampled, cache, wait=False)   # fed before the host reads it
             token = int(sampled[0].item())
             stats.generated_tokens += 1
             if token in eos_ids:
@@ -220,7 +224,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
         if token is None or stats.generated_tokens == max_tokens:
             break
         fed, is_prompt = [token], False
-        logits = stats.logits = ahead if ahead is not None else _call(model, fed, cache)
+        logits = stats.logits = ahead if ahead is not None else call(model, fed, cache)
         ahead = None
     stats.decode_seconds = time.perf_counter() - t0
 

@@ -746,6 +746,12 @@ def _padded(runs: list) -> tuple:
 _EVENED: dict = {}
 
 
+def kept_nbytes() -> int:
+    """Bytes of the padded runs kept now for the next stacked KIVI step (`_EVENED`: made and
+    dropped by the worker thread's steps; read on that thread)."""
+    return sum(a.nbytes for _, run in _EVENED.values() for side in run for a in side)
+
+
 def drop_kept() -> None:
     """Forget the padded runs kept for the next stacked KIVI step (`_EVENED`): the worker calls it
     when it goes idle, so finished requests' runs are not held past their batch."""

@@ -252,9 +252,9 @@ def kv_bytes(loaded: Any) -> tuple[int, list[tuple[int, int]]]:
 
 
 def padded_held() -> int:
-    """Bytes of the padded runs kept now for the next stacked KIVI step (`batch._EVENED`, made and
-    dropped by this thread's steps: read on the worker thread)."""
-    return sum(a.nbytes for _, run in batch._EVENED.values() for side in run for a in side)
+    """Bytes of the padded runs kept now for the next stacked KIVI step (`batch.kept_nbytes`, made
+    and dropped by this thread's steps: read on the worker thread)."""
+    return batch.kept_nbytes()
 
 
 class Admission:
@@ -662,7 +662,7 @@ class Worker:
         first token."""
         fed = s.tail[s.pos:engine.pass_end(s.pos, len(s.tail), s.chunk, self.prefill_tail)]
         self.blas.for_prefill()
-        logits = engine._call(self.loaded.model, fed, s.slot.cache)
+        logits = engine.call(self.loaded.model, fed, s.slot.cache)
         s.pos += len(fed)
         s.slot.tokens.extend(fed)
         if s.progress is not None:
@@ -687,7 +687,7 @@ class Worker:
             self.batched_steps += 1
         else:
             # (one call each; a greedy request's token evaluated with its logits, as above)
-            rows = [engine._call(model, [s.token], s.slot.cache, wait=False) for s in feeding]
+            rows = [engine.call(model, [s.token], s.slot.cache, wait=False) for s in feeding]
             picks = [mx.argmax(row) if want else None for row, want in zip(rows, wants)]
             mx.eval(rows, [p for p in picks if p is not None])
             greedy = [None if p is None else p.item() for p in picks]
