@@ -16,6 +16,7 @@ from prerope import make_cache
 from test_retrieval_device import SPILL_CASES, _spilling, counting_syncs
 from tinygpt_mlx.cache import spill_stage
 from tinygpt_mlx.cache.device_pages import DeviceRows
+from tinygpt_mlx.cache.kv_cache import KVCache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import forward, prefill
 
@@ -214,6 +215,32 @@ def test_off_where_a_step_cannot_be_taken_back(native):
     small = _cache(native.model, cfg, staged=True)
     _steps(native.model, small, tokens[:40], 4)
     assert not small[0].cold.spilled and small.spill_stats == spill_stage.new_stats()
+
+
+def test_the_switch_is_read_once_a_model_call(native):
+    """`stage_spills` is read once per model call of a non-compiled cache (`compiled.decode`, which
+    calls spill_stage.decode only when it is on), staged steps hitting and missing among them;
+    twice before session 43 (`spill_stage.stores_of` read it again)."""
+    class Counted(KVCache):
+        reads = 0
+
+        @property
+        def stage_spills(self):
+            Counted.reads += 1
+            return self.__dict__["stage_spills"]
+
+        @stage_spills.setter
+        def stage_spills(self, on):
+            self.__dict__["stage_spills"] = on
+
+    cfg = CacheConfig(**BASE, **SPILL_CASES[next(iter(SPILL_CASES))])
+    cache = _cache(native.model, cfg, staged=True)
+    cache.__class__ = Counted
+    tokens = _tokens(3, 300)
+    _steps(native.model, cache, tokens, 12, jump_at=(6,))
+    calls = -(-len(tokens) // 64) + 12
+    assert cache.spill_stats["staged"] >= 1, cache.spill_stats
+    assert Counted.reads == calls, (Counted.reads, calls)
 
 
 def test_off_by_default(native, monkeypatch):

@@ -50,8 +50,9 @@ def new_stats() -> dict:
 
 
 def stores_of(cache: Any, tokens: mx.array) -> Optional[list]:
-    """The cold stores of a decode step this module runs (module doc), or None."""
-    if not getattr(cache, "stage_spills", False) or tokens.ndim != 2 or tokens.shape != (1, 1):
+    """The cold stores of a decode step this module runs (module doc), or None; for a cache
+    whose `stage_spills` is on (`compiled.decode` reads it, once a step, and calls `decode` only then)."""
+    if tokens.ndim != 2 or tokens.shape != (1, 1):
         return None
     if cache.config.cold_ram is None or len(cache.owned) != len(cache.distinct()):
         return None
@@ -68,7 +69,8 @@ def stores_of(cache: Any, tokens: mx.array) -> Optional[list]:
 
 def decode(model: Any, tokens: mx.array, cache: Any) -> Optional[mx.array]:
     """One decode step of a spilled cache, staged (module doc): the logits [1, 1, vocab], the
-    cache advanced by one token; None where this module does not run the step."""
+    cache advanced by one token; None where this module does not run the step. Only for a cache
+    whose `stage_spills` is on (`compiled.decode` asks)."""
     stores = stores_of(cache, tokens)
     if stores is None:
         return None
