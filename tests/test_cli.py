@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from tinygpt_mlx.cli.main import app
@@ -169,3 +170,12 @@ def test_serve_reads_ollama_host_and_a_bad_one_is_one_line(native_path, monkeypa
     r = run("serve", native_path, "--host", "127.0.0.1", "--port", "0")   # both flags: OLLAMA_HOST is not read
 
     assert r.exit_code != 0 and "'--port'" in r.output
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    """`posttrainllm CMD --help` explains each flag: no option without a help text (train's model
+    shape, batch size and intervals had none before session 43)."""
+    group = typer.main.get_command(app)
+    bare = [f"{name} {p.opts[0]}" for name, cmd in group.commands.items() for p in cmd.params
+            if p.param_type_name == "option" and not (getattr(p, "help", None) or "").strip()]
+    assert bare == []
