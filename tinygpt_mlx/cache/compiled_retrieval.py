@@ -35,6 +35,12 @@ __all__ = ["decode", "commit"]
 #: pages, blocks), the angle that turns the leaving key back, the one that turns the query
 AT_OFFSET, AT_SRC, AT_WRITE, AT_LIVE, AT_ROW, AT_COUNTS, AT_FIRST, AT_TURN = 0, 1, 2, 3, 4, 5, 8, 9
 
+#: the leaving token read from the body's buffers after the new token's write (at another slot:
+#: the same values), not before it: the old buffers' one reader is then the write, which MLX does
+#: in place; read before it, a second reader kept them alive and the write copied each layer's
+#: two buffers whole, every step (2026-12-06, session 43). False: the old order (the A/B's)
+DONATED_BODY = True
+
 
 class _TracedRetrieval:
     """One retrieval layer during the trace of a steady decode step (`_retrieval_ready`): the
@@ -76,13 +82,17 @@ class _TracedRetrieval:
         sp, at = self.spec, self.at
         kb, vb = self.body
         B, H = kb.shape[:2]
-        if sp.evicts:     # LayerCache._evict: the oldest body token leaves (turned back and stored in `attend`)
-            self.leaving = tuple(mx.slice(b, at[AT_SRC:AT_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in (kb, vb))
         dt = kb.dtype       # DenseStore.append: the new token after the live ones
         self.body = (mx.slice_update(kb, keys if keys.dtype == dt else keys.astype(dt), at[AT_WRITE:AT_WRITE + 1],
                                      axes=(2,)),
                      mx.slice_update(vb, values if values.dtype == dt else values.astype(dt), at[AT_WRITE:AT_WRITE + 1],
                                      axes=(2,)))
+        if sp.evicts:     # LayerCache._evict: the oldest body token leaves (turned back and stored in `attend`)
+            # (read from the written buffers: its slot is not the written one, and the old buffers then
+            # have the write as their one reader, so MLX writes them in place instead of copying them
+            # whole each step, `DONATED_BODY`)
+            src = self.body if DONATED_BODY else (kb, vb)
+            self.leaving = tuple(mx.slice(b, at[AT_SRC:AT_SRC + 1], (2,), (B, H, 1, b.shape[3])) for b in src)
         return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
