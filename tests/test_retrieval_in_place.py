@@ -5,13 +5,14 @@ old buffers, a second reader that kept them alive, and the write copied a layer'
 every step (docs/server.md "Retrieval's four-row step: where a row's cost goes; the hot window written in
 place"). Checked by each buffer's data address before and after a step, on the steps where nothing was
 done eagerly (no eviction ahead, no growth); the tokens and logits by lockstep with each sequence alone,
-and against the old order. Fails with the flag off (the buffers move on most steps: seen)."""
+and against the old order. Fails with the old order (161 buffer moves on the checked steps) and with the
+leaving token read one slot on (the logits differ from the old order's): both seen."""
 
 from __future__ import annotations
 
 import mlx.core as mx
-import numpy as np
 
+from benchmarks.batch_retrieval_donate_ab import addresses
 from tinygpt_mlx.cache import compiled_retrieval, make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import _call, prefill
@@ -21,17 +22,6 @@ from tinygpt_mlx.server import batch
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
 CONFIG = CacheConfig(sink=4, hot_budget=24, page_size=8, top_pages=2)
-
-
-def _addresses(cache) -> list:
-    """Each layer's hot-window keys and values and cold keys and values: their data's address."""
-    out = []
-    for layer in cache.owned:
-        for a in (layer.body.keys, layer.body.values, layer.cold.keys.array, layer.cold.values.array):
-            view = np.asarray(memoryview(a))
-            out.append(view.__array_interface__["data"][0])
-            del view
-    return out
 
 
 def _run(path, donated: bool, monkeypatch, steps: int = 32):
@@ -53,7 +43,7 @@ def _run(path, donated: bool, monkeypatch, steps: int = 32):
     for _ in range(steps):
         quiet = [all(len(c.cold) % CONFIG.page_size != CONFIG.page_size - 1 for c in cache.owned)
                  for cache in together]
-        before = [_addresses(c) for c in together], [_addresses(c) for c in solo]
+        before = [addresses(c) for c in together], [addresses(c) for c in solo]
         caps = [[(c.cold.keys.capacity, c.body.keys.shape) for c in cache.owned] for cache in together + solo]
         taken = batch.taken["compiled_retrieval"]
         rows = batch.decode_step(m, tokens, together)
@@ -66,7 +56,7 @@ def _run(path, donated: bool, monkeypatch, steps: int = 32):
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
         grown = [[(c.cold.keys.capacity, c.body.keys.shape) for c in cache.owned] != cap
                  for cache, cap in zip(together + solo, caps)]
-        after = [_addresses(c) for c in together], [_addresses(c) for c in solo]
+        after = [addresses(c) for c in together], [addresses(c) for c in solo]
         for side, k in (("batch", 0), ("solo", 1)):
             for i in range(len(prompts)):
                 # (a step completing a page evicts ahead eagerly, as the solo step does: its slices of the
