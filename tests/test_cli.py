@@ -1,11 +1,13 @@
 """The CLI through typer's CliRunner: banner/report on stderr, only text on stdout, clear errors."""
 
 import json
+import socket
 
 import pytest
 import typer
 from typer.testing import CliRunner
 
+from tinygpt_mlx.cli import common
 from tinygpt_mlx.cli.main import app
 
 runner = CliRunner()
@@ -170,6 +172,27 @@ def test_serve_reads_ollama_host_and_a_bad_one_is_one_line(native_path, monkeypa
     r = run("serve", native_path, "--host", "127.0.0.1", "--port", "0")   # both flags: OLLAMA_HOST is not read
 
     assert r.exit_code != 0 and "'--port'" in r.output
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(native_path, monkeypatch):
+    """`serve` where something already listens: one line naming the address, exit 1, and no model
+    loaded, no banner (uvicorn said so only after loading, below the banner, and exited 3); an
+    unknown host likewise."""
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run("serve", native_path, "--host", "127.0.0.1", "--port", port)
+        assert r.exit_code == 1, r.output
+        assert r.stderr.strip() == f"error: cannot listen on 127.0.0.1:{port}: the port is in use (another " \
+            "server listens there: stop it, or give another --port)", r.stderr
+        monkeypatch.setenv("OLLAMA_HOST", f"127.0.0.1:{port}")
+        r = run("serve", native_path)
+        assert r.exit_code == 1 and r.stderr.strip().startswith(f"error: cannot listen on 127.0.0.1:{port}:"), r.stderr
+    r = run("serve", native_path, "--host", "nothost.invalid", "--port", port)
+    assert r.exit_code == 1 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "cannot listen on nothost.invalid:" in r.stderr and "host 'nothost.invalid' is not known" in r.stderr
 
 
 def test_every_option_of_every_command_says_what_it_does():

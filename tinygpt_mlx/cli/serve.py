@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import socket
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -110,6 +112,7 @@ def serve(
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
     specs = [c.resolve_model(spec) for spec in (model or [None])]
+    check_listen(cfg.host, cfg.port)    # (and the address free: no model load for a port in use)
     with c.guarded():
         others = specs[1:]
         loaded = c.load_model(specs[0], weights)
@@ -150,6 +153,30 @@ def serve(
             err.print(f"[yellow]warning:[/yellow] listening on {cfg.host}: anyone who can reach this port can "
                       "use the model (there is no authentication)")
         uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level.lower())
+
+
+def check_listen(host: str, port: int) -> None:
+    """Whether the server could listen on host:port now: a socket bound there the way uvicorn
+    binds (SO_REUSEADDR) and closed again. A port in use or a host that is not this machine's is
+    one line naming the address and where it came from, exit code 1, before the model loads
+    (uvicorn would say so only after loading it, below the banner, and exit 3)."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        c.fail(f"cannot listen on {host}:{port}: host {host!r} is not known ({e.strerror}; --host or OLLAMA_HOST)")
+        raise typer.Exit(1) from None
+    family, kind, proto, _, address = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        why = ("the port is in use (another server listens there: stop it, or give another --port)"
+               if e.errno == errno.EADDRINUSE else f"{e.strerror} (--host, --port or OLLAMA_HOST)")
+        c.fail(f"cannot listen on {host}:{port}: {why}")
+        raise typer.Exit(1) from None
 
 
 def register(app: typer.Typer) -> None:
