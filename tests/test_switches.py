@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from tinygpt_mlx import blas, heap, switches
+from tinygpt_mlx import blas, distributed, heap, switches
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache import cpu_softmax
 from tinygpt_mlx.cli.main import app
@@ -48,6 +48,25 @@ def test_any_other_value_is_refused_naming_the_variable_and_the_value(name, valu
 ])
 def test_the_other_switches_are_checked_too(env, says):
     assert switches.problem(env).startswith(says)
+
+
+@pytest.mark.parametrize("value, seconds", [(None, 300.0), ("", 300.0), ("  ", 300.0), ("2.5", 2.5), (" 7 ", 7.0)])
+def test_a_rank_reads_the_timeout_the_start_up_check_passed(value, seconds, monkeypatch):
+    """What passes the start-up check is what a rank's guard takes: unset or empty the default
+    (an empty value passed the check and then failed in the rank, float(''), until session 43);
+    a refused value is refused by the guard too, naming it."""
+    monkeypatch.delenv(switches.RANK_TIMEOUT, raising=False)
+    if value is not None:
+        monkeypatch.setenv(switches.RANK_TIMEOUT, value)
+    assert switches.problem(os.environ) is None
+    assert distributed.Guard(0).timeout == seconds == switches.rank_timeout()
+    assert distributed.DEFAULT_RANK_TIMEOUT == 300.0
+    for bad in ("soon", "0", "-3", "nan"):
+        monkeypatch.setenv(switches.RANK_TIMEOUT, bad)
+        with pytest.raises(switches.SwitchError) as e:
+            distributed.Guard(0)
+        assert str(e.value) == switches.problem(os.environ), bad
+        assert str(e.value).startswith(f"{switches.RANK_TIMEOUT}={bad!r}: must be a positive number"), bad
 
 
 def test_a_fine_environment_has_no_problem():

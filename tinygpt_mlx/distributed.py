@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import mlx.core as mx
 
+from . import switches
 from .errors import PosttrainError
 
 #: seconds one model call (a prefill chunk or a decode step) may take before a rank gives up
@@ -190,8 +191,7 @@ class Guard:
                  cleanup: Callable[[], Any] = lambda: None):
         self.rank = rank
         self.cleanup = cleanup      # run before os._exit, which skips finalizers (disk stores)
-        self.timeout = timeout if timeout is not None else float(os.environ.get(RANK_TIMEOUT_ENV,
-                                                                                 DEFAULT_RANK_TIMEOUT))
+        self.timeout = timeout if timeout is not None else switches.rank_timeout(default=DEFAULT_RANK_TIMEOUT)
         self.write = write
         self.last = time.monotonic()
         self._done = threading.Event()

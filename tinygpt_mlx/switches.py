@@ -15,7 +15,8 @@ before any work (`problem`, cli/main.py), one `error:` line and exit code 2.
 | POSTTRAINLLM_NO_FAST_EXP | off | MLX's softmax instead of the compiled one (cache/cpu_softmax.py) |
 
 Two more are checked at start-up: POSTTRAINLLM_QMATMUL (`QMATMUL_PATHS`, quant.py) and
-POSTTRAINLLM_RANK_TIMEOUT (a positive number of seconds, distributed.py).
+POSTTRAINLLM_RANK_TIMEOUT (a positive number of seconds, unset or empty: 300;
+`rank_timeout`, read by distributed.py).
 """
 
 from __future__ import annotations
@@ -64,12 +65,23 @@ def problem(environ: Mapping[str, str] = os.environ) -> Optional[str]:
     path = environ.get(QMATMUL)
     if path and path not in QMATMUL_PATHS:
         return f"{QMATMUL}={path!r}: must be one of {', '.join(QMATMUL_PATHS)}"
-    timeout = environ.get(RANK_TIMEOUT)
-    if timeout is not None and timeout.strip():
-        try:
-            ok = float(timeout) > 0
-        except ValueError:
-            ok = False
-        if not ok:
-            return f"{RANK_TIMEOUT}={timeout!r}: must be a positive number of seconds"
+    try:
+        rank_timeout(environ)
+    except SwitchError as e:
+        return str(e)
     return None
+
+
+def rank_timeout(environ: Mapping[str, str] = os.environ, default: float = 300.0) -> float:
+    """POSTTRAINLLM_RANK_TIMEOUT in seconds (distributed.Guard): `default` when unset or empty,
+    as every switch; any value but a positive number a SwitchError naming it."""
+    value = environ.get(RANK_TIMEOUT)
+    if value is None or not value.strip():
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0:
+        raise SwitchError(f"{RANK_TIMEOUT}={value!r}: must be a positive number of seconds")
+    return seconds
