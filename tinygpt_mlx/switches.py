@@ -3,8 +3,9 @@
 On/off switches take 1, true, yes, on (on) or 0, false, no, off (off), any case, spaces around
 ignored; unset or empty is the switch's default. Anything else is refused: `flag` raises
 `SwitchError` naming the variable and the value (a program using the library sees it where the
-switch is read: a new cache, the first packed matmul), and `posttrainllm` checks every switch
-before any work (`problem`, cli/main.py), one `error:` line and exit code 2.
+switch is read: a new cache, the first packed matmul, a rank's guard, and the import of
+tinygpt_mlx.cache on an x86 machine with g++, where POSTTRAINLLM_NO_FAST_EXP is read), and
+`posttrainllm` checks every switch before any work (`problem`, cli/main.py), one `error:` line and exit code 2.
 
 | variable | default | what it turns on |
 |---|---|---|
