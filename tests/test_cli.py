@@ -195,6 +195,35 @@ def test_serve_on_a_port_in_use_is_one_line_before_the_model_loads(native_path, 
     assert "cannot listen on nothost.invalid:" in r.stderr and "host 'nothost.invalid' is not known" in r.stderr
 
 
+def test_serve_checks_every_address_of_its_host_as_uvicorn_binds_them(monkeypatch, capsys):
+    """A host with several addresses (localhost: ::1 and 127.0.0.1) is refused only where uvicorn
+    would fail: asyncio's create_server binds each address and skips one not available here (::1
+    with IPv6 off), so the check does too, and still refuses a port in use at any of them or a host
+    with no address it can bind. Before, only the first address was tried: refused on ::1."""
+    from tinygpt_mlx.cli import serve as serve_cmd
+
+    def addresses(*hosts):
+        infos = [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (h, port)) for h in hosts]
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: infos)
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    addresses("192.0.2.1", "127.0.0.1")          # (TEST-NET-1: no interface of this machine has it)
+    serve_cmd.check_listen("both", port)
+    addresses("192.0.2.1")
+    with pytest.raises(typer.Exit):
+        serve_cmd.check_listen("neither", port)
+    assert capsys.readouterr().err.strip().startswith(f"error: cannot listen on neither:{port}: ")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", port))
+        busy.listen()
+        addresses("192.0.2.1", "127.0.0.1")
+        with pytest.raises(typer.Exit):
+            serve_cmd.check_listen("both", port)
+    assert "the port is in use" in capsys.readouterr().err
+
+
 def test_every_option_of_every_command_says_what_it_does():
     """`posttrainllm CMD --help` explains each flag: no option without a help text (train's model
     shape, batch size and intervals had none before session 43)."""

@@ -156,8 +156,9 @@ def serve(
 
 
 def check_listen(host: str, port: int) -> None:
-    """Whether the server could listen on host:port now: a socket bound there the way uvicorn
-    binds (SO_REUSEADDR) and closed again. A port in use or a host that is not this machine's is
+    """Whether the server could listen on host:port now: a socket bound to each of its addresses
+    the way uvicorn binds (asyncio's create_server: SO_REUSEADDR, IPv6 sockets v6-only, an address
+    not available here skipped, at least one bound) and closed again. A port in use or a host that is not this machine's is
     one line naming the address and where it came from, exit code 1, before the model loads
     (uvicorn would say so only after loading it, below the banner, and exit 3)."""
     if port == 0:
@@ -167,16 +168,31 @@ def check_listen(host: str, port: int) -> None:
     except socket.gaierror as e:
         c.fail(f"cannot listen on {host}:{port}: host {host!r} is not known ({e.strerror}; --host or OLLAMA_HOST)")
         raise typer.Exit(1) from None
-    family, kind, proto, _, address = infos[0]
-    try:
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as e:
-        why = ("the port is in use (another server listens there: stop it, or give another --port)"
-               if e.errno == errno.EADDRINUSE else f"{e.strerror} (--host, --port or OLLAMA_HOST)")
-        c.fail(f"cannot listen on {host}:{port}: {why}")
-        raise typer.Exit(1) from None
+    bound, skipped = 0, None
+    for family, kind, proto, _, address in infos:      # every address, as asyncio's create_server binds
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError:
+            continue        # (a family this machine lacks: asyncio skips it too)
+        try:
+            with sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6:
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(address)
+            bound += 1
+        except OSError as e:
+            if e.errno == errno.EADDRNOTAVAIL:
+                skipped = e     # (e.g. localhost's ::1 with IPv6 off: asyncio skips it and binds the rest)
+                continue
+            why = ("the port is in use (another server listens there: stop it, or give another --port)"
+                   if e.errno == errno.EADDRINUSE else f"{e.strerror} (--host, --port or OLLAMA_HOST)")
+            c.fail(f"cannot listen on {host}:{port}: {why}")
+            raise typer.Exit(1) from None
+    if not bound:
+        why = skipped.strerror if skipped is not None else "no address to bind"
+        c.fail(f"cannot listen on {host}:{port}: {why} (--host, --port or OLLAMA_HOST)")
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
