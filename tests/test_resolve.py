@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from tests.conftest import build_llama_dir
 from tests.gguf_writer import write_gguf
 from tinygpt_mlx.errors import ModelFormatError
-from tinygpt_mlx.resolve import ollama_names, resolve
+from tinygpt_mlx.resolve import MODELS_DIR, ollama_names, resolve
 
 
 def make_ollama_store(root: Path, gguf_file: Path, name: str, tag: str = "latest", ns: str = "library",
@@ -222,6 +222,25 @@ def test_missing_models(tmp_path, monkeypatch, spec, message):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelFormatError, match=message):
         resolve(spec)
+
+
+def test_readme_models_path_outside_the_checkout_is_the_shipped_model(tmp_path, monkeypatch):
+    """README's `models/tinygpt-keyed.tinygpt`, run where there is no models/ folder (a wheel or
+    pipx install: the models are package data), is the shipped file; a models/ file here wins; a
+    name the package does not ship is still no such file."""
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    r = resolve("models/tinygpt-keyed.tinygpt")
+    assert (r.path, r.format, r.source, r.name) == (MODELS_DIR / "tinygpt-keyed.tinygpt", "tinygpt", "file",
+                                                    "tinygpt-keyed")
+    assert "the shipped models/tinygpt-keyed.tinygpt" in r.origin
+    with pytest.raises(ModelFormatError, match=r"^models/nothing\.tinygpt: no such file or directory$"):
+        resolve("models/nothing.tinygpt")
+    with pytest.raises(ModelFormatError, match=r"^other/tinygpt-keyed\.tinygpt: no such file or directory$"):
+        resolve("other/tinygpt-keyed.tinygpt")
+    (tmp_path / "models").mkdir()
+    shutil.copy(MODELS_DIR / "tinygpt-base.tinygpt", tmp_path / "models" / "tinygpt-keyed.tinygpt")
+    assert resolve("models/tinygpt-keyed.tinygpt").path == Path("models/tinygpt-keyed.tinygpt")
 
 
 def test_cli_bad_model_is_one_line(tmp_path, monkeypatch):

@@ -67,6 +67,9 @@ def resolve(spec: Union[str, Path, None], default: Optional[Path] = None) -> Res
     path = Path(text).expanduser()
     if path.exists():
         return _from_path(path, "file", path.stem if path.is_file() else path.name)
+    shipped = _shipped(text)
+    if shipped is not None:
+        return shipped
     if _looks_like_path(text):
         raise ModelFormatError(f"{text}: no such file or directory")
     found = _ollama(text)
@@ -76,6 +79,20 @@ def resolve(spec: Union[str, Path, None], default: Optional[Path] = None) -> Res
         return _huggingface(text)
     raise ModelFormatError(f"{text}: no such file or directory, and no ollama model of that name "
                            f"in {ollama_root()} ({_ollama_listing()})")
+
+
+def _shipped(text: str) -> Optional[Resolved]:
+    """`models/NAME` where no such file is here but the package ships NAME (README's commands,
+    run outside the checkout: after `pip install .` or `pipx install .` the shipped models are
+    package data, not a models/ folder beside the user), else None."""
+    parts = Path(text).parts
+    if len(parts) != 2 or parts[0] != "models":
+        return None
+    path = MODELS_DIR / parts[1]
+    if not path.is_file():
+        return None
+    r = _from_path(path, "file", path.stem)
+    return Resolved(r.path, r.format, r.source, r.name, f"{path} (the shipped {text}: none here)")
 
 
 def _looks_like_path(text: str) -> bool:
