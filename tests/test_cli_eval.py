@@ -104,6 +104,20 @@ def test_needle_without_filler_runs_on_the_shipped_text(tmp_path, monkeypatch):
     assert 90 <= cell["prompt_tokens"] <= 96  # the document is cut to the asked length, +- a token
 
 
+def test_needle_progress_line_prints_the_cells_token_recall(tmp_path):
+    """The progress line's "needle token recall" is the JSON's telemetry token_recall (the share of
+    the needle's tokens fetched), not token_any (of layer-head steps fetching any): docs quoted the
+    line (session 43 found four tables that had copied token_any under that name)."""
+    out = tmp_path / "grid.json"
+    r = run("needle", SHIPPED_MODEL, "--contexts", 1024, "--depths", 0.3, "--seeds", 1, "--policies", "retrieval",
+            "--streaming-llm-sink", 4, "--kiv-hot-budget", 128, "--json", out)
+    assert r.exit_code == 0, r.output
+    tel = json.loads(out.read_text())["cells"][0]["telemetry"]
+    assert f"{tel['token_recall']:.2f}" != f"{tel['token_any']:.2f}", tel   # the case tells the two apart
+    line = next(x for x in r.stderr.splitlines() if "needle token recall" in x)
+    assert f"needle token recall {tel['token_recall']:.2f} (any fetched {tel['token_any']:.2f})" in line, line
+
+
 @pytest.mark.parametrize("flags, needles", [(["--task", "phonebooks"], ["--task 'phonebooks'", "keyed-all"]),
                                            (["--task", "keyed", "--facts", "0"], ["--facts 0", "1..22"]),
                                            (["--task", "keyed", "--facts", "23"], ["--facts 23"])])

@@ -187,7 +187,10 @@ def needle(
             bar.advance(1)
             mark = "[green]pass[/green]" if cell["passed"] else "[red]fail[/red]"
             tel = cell.get("telemetry", {})
-            rec = f" · needle token recall {tel['token_any']:.2f}" if "token_any" in tel else ""
+            # (token_recall: the share of the needle's tokens fetched; token_any: of layer-head steps
+            # fetching any of them, as the JSON's telemetry names them)
+            rec = (f" · needle token recall {tel['token_recall']:.2f} (any fetched {tel['token_any']:.2f})"
+                   if "token_recall" in tel else "")
             miss = cell.get("first_miss")
             if miss:
                 rec += f" · first miss {miss['want']!r} p {miss['p']:.2f} (rank {miss['rank']}, took {miss['got']!r})"
