@@ -306,13 +306,13 @@ def main() -> None:
     # the tokens the per-token part detokenises: a greedy reply of the model
     from tinygpt_mlx.cache import make_cache
     from tinygpt_mlx.config import CacheConfig
-    from tinygpt_mlx.generate import _call, prefill
+    from tinygpt_mlx.generate import call, prefill
     ids = loaded.tokenizer.encode("The history of the city begins")
     with make_cache(model, CacheConfig()) as c:
         t = int(mx.argmax(prefill(model, ids, c, 512)).item())
         tokens = [t]
         for _ in range(args.tokens - 1):
-            t = int(mx.argmax(_call(model, [t], c)).item())
+            t = int(mx.argmax(call(model, [t], c)).item())
             tokens.append(t)
     work = per_token_server_work(loaded, tokens, args.rows, repeats=max(5, args.rounds // 4))
     threads.for_decode()

@@ -30,7 +30,7 @@ from tinygpt_mlx import blas
 from tinygpt_mlx.cache import compiled_retrieval
 from tinygpt_mlx.cli.common import write_atomic
 from tinygpt_mlx.cache import make_cache
-from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
 
@@ -112,7 +112,7 @@ def main() -> None:
                 c0, t0 = time.process_time(), time.thread_time()
                 if kind == "lone":
                     for i, c in enumerate(caches):
-                        lg = _call(m, [tokens[i]], c, wait=False)
+                        lg = call(m, [tokens[i]], c, wait=False)
                         p = mx.argmax(lg)
                         mx.eval(lg, p)
                         tokens[i] = p.item()

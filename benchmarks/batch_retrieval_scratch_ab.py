@@ -21,7 +21,7 @@ from benchmarks.batch_rows import setup
 from benchmarks.bench_server_parallel import policies
 from tinygpt_mlx import blas
 from tinygpt_mlx.cli.common import write_atomic
-from tinygpt_mlx.generate import _call
+from tinygpt_mlx.generate import call
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
 
@@ -61,7 +61,7 @@ def main() -> None:
                 for i, c in enumerate(caches):
                     t = tokens[i]
                     for _ in range(STEPS):
-                        lg = _call(m, [t], c, wait=False)
+                        lg = call(m, [t], c, wait=False)
                         p = mx.argmax(lg)
                         mx.eval(lg, p)
                         t = p.item()

@@ -1,7 +1,7 @@
 """What one more row costs serve's batched decode step (issue #56): the server's batched step
 (server/batch.py `decode_step`, greedy tokens from its own evaluation, as the worker calls it) of
 1 to --rows rows against the lone step a request alone runs (the worker's one-row path:
-generate._call, its argmax evaluated with it), per policy, at one state of the caches.
+generate.call, its argmax evaluated with it), per policy, at one state of the caches.
 
 Each round makes --rows caches of the policy, prefills bench_server_parallel's prompts (one
 each), runs --warm batched steps of all rows (the state measured: past a window or hot budget the
@@ -48,7 +48,7 @@ from tinygpt_mlx import blas
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cli.common import write_atomic
 from tinygpt_mlx.evaluate.opcount import graph_ops, summary
-from tinygpt_mlx.generate import _call, forward, prefill
+from tinygpt_mlx.generate import call, forward, prefill
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
 
@@ -70,7 +70,7 @@ def setup(loaded, config, rows: int, warm: int, warm_slot: int) -> tuple[list, l
             else:
                 c = make_cache(m, config)           # (not trimmable that far: a fresh cache)
         caches.append(c)
-        tokens.append(int(mx.argmax(_call(m, ids, c)).item()))
+        tokens.append(int(mx.argmax(call(m, ids, c)).item()))
     for _ in range(warm):
         _, tokens = batch.decode_step(m, tokens, caches, argmax=True)
     return caches, tokens
@@ -92,7 +92,7 @@ def measure(loaded, config, rows: int, warm: int, steps: int, rounds: int, warm_
             if case == "lone":
                 for c, t in zip(caches, tokens):
                     for _ in range(steps):
-                        logits = _call(m, [t], c, wait=False)
+                        logits = call(m, [t], c, wait=False)
                         pick = mx.argmax(logits)
                         mx.eval(logits, pick)
                         t = pick.item()

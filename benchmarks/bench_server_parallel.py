@@ -207,13 +207,13 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
            path: str = "compiled", vs: Optional[str] = None, prompt_tokens: int = 0) -> dict:
     """The decode step itself, without the server: `streams` sequences (the prompts, prefilled;
     each repeated to at least `prompt_tokens` tokens) stepped one model call each
-    (`generate._call`, as a lone request runs) against one batched call for all
+    (`generate.call`, as a lone request runs) against one batched call for all
     (`batch.decode_step` on `path`), and where `vs` names another path, one batched call on it
     too, `steps` steps a round, alternating; tokens/s of each, by the wall clock and per
     CPU-second of this process (medians)."""
     import mlx.core as mx
     from tinygpt_mlx.cache import make_cache
-    from tinygpt_mlx.generate import _call, prefill
+    from tinygpt_mlx.generate import call, prefill
     from mlx_lm.models import cache as mlx_cache
     from tinygpt_mlx.server import batch
 
@@ -250,7 +250,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
             t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 if kind == "solo":
-                    tokens = [int(mx.argmax(_call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
+                    tokens = [int(mx.argmax(call(m, [t], c)).item()) for t, c in zip(tokens, caches)]
                 elif kind.startswith("peer"):
                     tokens = [mx.argmax(m(t, cache=c)[:, -1:], axis=-1) for t, c in zip(tokens, caches)]
                     mx.eval(tokens)

@@ -1162,7 +1162,7 @@ def test_ready_next_then_the_eager_step_is_the_eager_step(native32, kw):
     happen: counted). R 64 with a 31-token exact sink leaves 33 exact tokens after a freeze,
     where buffers fitted without the pending token would be a size smaller (fails so)."""
     from tinygpt_mlx.cache import make_cache as make_kv
-    from tinygpt_mlx.generate import _call, prefill
+    from tinygpt_mlx.generate import call, prefill
 
     m = native32.model
     cfg = CacheConfig(key_bits=4, value_bits=4, **kw)
@@ -1174,7 +1174,7 @@ def test_ready_next_then_the_eager_step_is_the_eager_step(native32, kw):
     done = []
     for _ in range(120):
         done += [c.body.ready_next() for c in ahead.owned if c.body.can_ready()]
-        got, want = _call(m, [token], ahead), _call(m, [token], alone)
+        got, want = call(m, [token], ahead), call(m, [token], alone)
         assert mx.array_equal(got, want)
         for x, y in zip(ahead.owned, alone.owned):
             rx, ry = x.body.residual, y.body.residual
@@ -1193,7 +1193,7 @@ def test_ready_next_on_the_step_where_the_residual_grows(native32):
     state, across that step (seen: asserted). Fails with R counted without the pending token
     (a block frozen that the eager step keeps exact: the logits differ)."""
     from tinygpt_mlx.cache import make_cache as make_kv
-    from tinygpt_mlx.generate import _call, prefill
+    from tinygpt_mlx.generate import call, prefill
 
     m = native32.model
     cfg = CacheConfig(key_bits=4, value_bits=4, residual=0, long_residual=64, kivi_sink=31)
@@ -1209,7 +1209,7 @@ def test_ready_next_on_the_step_where_the_residual_grows(native32):
         for c in ahead.owned:
             if c.body.can_ready():
                 c.body.ready_next()
-        got, want = _call(m, [token], ahead), _call(m, [token], alone)
+        got, want = call(m, [token], ahead), call(m, [token], alone)
         assert mx.array_equal(got, want)
         for x, y in zip(ahead.owned, alone.owned):
             rx, ry = x.body.residual, y.body.residual

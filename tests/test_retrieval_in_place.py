@@ -15,7 +15,7 @@ import mlx.core as mx
 from benchmarks.batch_retrieval_donate_ab import addresses
 from tinygpt_mlx.cache import compiled_retrieval, make_cache
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
 
@@ -48,7 +48,7 @@ def _run(path, donated: bool, monkeypatch, steps: int = 32):
         taken = batch.taken["compiled_retrieval"]
         rows = batch.decode_step(m, tokens, together)
         assert batch.taken["compiled_retrieval"] == taken + 1       # (steady: the compiled batched step)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        want = [call(m, [t], c) for t, c in zip(tokens, solo)]
         for row, w in zip(rows, want):
             assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
             assert mx.argmax(row).item() == mx.argmax(w).item()

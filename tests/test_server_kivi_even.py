@@ -17,7 +17,7 @@ import pytest
 
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.server import batch
 
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
@@ -71,7 +71,7 @@ def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, 
         if packed and step["kivi_frozen_ahead"]:      # a row froze ahead: compiled even with new shapes
             assert step["compiled_kivi_stacked"] == 1 and not step["kivi_ahead_eager"], step
             ahead_stacked += 1
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        want = [call(m, [t], c) for t, c in zip(tokens, solo)]
         for row, w in zip(rows, want):
             assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item()
             assert mx.argmax(row).item() == mx.argmax(w).item()

@@ -44,7 +44,7 @@ import pytest
 from tinygpt_mlx import blas
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.generate import _call, prefill
+from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.server import batch
 from tinygpt_mlx.server.slots import SlotPool
 from tinygpt_mlx.server.streams import render
@@ -93,7 +93,7 @@ def lockstep(m, tokens: list, together: list, solo: list, tag: str) -> list:
     """One batched decode step of `together` held to each sequence's solo step on `solo` (within
     1e-5, the same greedy token); the next greedy tokens."""
     rows = batch.decode_step(m, tokens, together)
-    want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+    want = [call(m, [t], c) for t, c in zip(tokens, solo)]
     for row, w in zip(rows, want):
         assert mx.allclose(row, w, rtol=1e-5, atol=1e-5).item(), tag
         assert mx.argmax(row).item() == mx.argmax(w).item(), tag
@@ -119,7 +119,7 @@ def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
         prefill(m, ids, b, 16)
     for _ in range(12):
         rows = batch.decode_step(m, tokens, together)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        want = [call(m, [t], c) for t, c in zip(tokens, solo)]
         for row, w in zip(rows, want):
             if exact:
                 assert mx.array_equal(row, w), policy
@@ -346,7 +346,7 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     for _ in range(48):
         was = batch.taken.copy()
         rows = batch.decode_step(m, tokens, together)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        want = [call(m, [t], c) for t, c in zip(tokens, solo)]
         step = batch.taken - was
         several += step["retrieval_groups"] > step["compiled_retrieval"]
         for row, w in zip(rows, want):
@@ -720,8 +720,8 @@ def _gemma_rows(m, cfg, rebase_every=None):
         # row i steps 5 i tokens alone first: a ring laid out after a prompt starts at one
         # pointer whatever the prompt's length, so these put the rows' pointers apart
         for _ in range(5 * i):
-            logits = _call(m, [tokens[-1]], a)
-            assert mx.array_equal(logits, _call(m, [tokens[-1]], b)).item()
+            logits = call(m, [tokens[-1]], a)
+            assert mx.array_equal(logits, call(m, [tokens[-1]], b)).item()
             tokens[-1] = int(mx.argmax(logits).item())
     return solo, together, tokens
 
@@ -875,7 +875,7 @@ def test_int4_first_steps_and_freezes_run_compiled_as_each_sequence_alone(native
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
     for _ in range(96):
         rows = batch.decode_step(m, tokens, together)
-        want = [_call(m, [t], c) for t, c in zip(tokens, solo)]
+        want = [call(m, [t], c) for t, c in zip(tokens, solo)]
         for row, w in zip(rows, want):
             if exact:
                 assert mx.array_equal(row, w)

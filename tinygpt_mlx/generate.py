@@ -117,10 +117,6 @@ def call(model: Any, tokens: list[int] | mx.array, cache: Any, wait: bool = True
     return logits
 
 
-#: `call`'s name before it was public (tests and benchmarks import it so)
-_call = call
-
-
 def check_context(prompt_tokens: int, context_length: Optional[int], config: CacheConfig) -> None:
     """A full cache cannot hold a prompt longer than the model's trained context."""
     if context_length and not (config.streaming or config.retrieval) and prompt_tokens > context_length:
