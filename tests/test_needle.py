@@ -307,7 +307,8 @@ def test_probe_reruns_only_failed_retrieval_cells_and_counts_the_verdicts(native
         depth_low = truth[0] < len(ids) / 2
         ok = (not config.retrieval) or (oracle and depth_low)   # the oracle rescues the shallow needle only
         return {"passed": ok, "answer": answer, "output": answer if ok else "0", "values": 1,
-                "values_right": int(ok), "first_miss": None, "telemetry": {"token_any": 1.0 if oracle else 0.1}}
+                "values_right": int(ok), "first_miss": None,
+                "telemetry": {"token_recall": 0.75 if oracle else 0.05, "token_any": 1.0 if oracle else 0.1}}
 
     monkeypatch.setattr(needle, "run_cell", fake_run_cell)
     retrieval = CacheConfig(hot_budget=24, page_size=8, top_pages=2, retrieve_tokens=8)
@@ -318,7 +319,9 @@ def test_probe_reruns_only_failed_retrieval_cells_and_counts_the_verdicts(native
     assert all("probe" not in c for c in r["cells"] if c["policy"] == "full")
     assert cells["retrieval", 0.1]["probe"]["verdict"] == "ranking"
     assert cells["retrieval", 0.9]["probe"]["verdict"] == "reading"
-    assert cells["retrieval", 0.9]["probe"]["oracle_token_recall"] == 1.0
+    # the recall is the telemetry's token_recall (the needle's tokens fetched), not token_any
+    assert cells["retrieval", 0.9]["probe"]["oracle_token_recall"] == 0.75
+    assert cells["retrieval", 0.9]["probe"]["oracle_token_any"] == 1.0
     assert r["summary"]["retrieval"]["probed"] == 4 and r["summary"]["retrieval"]["ranking_misses"] == 2
     assert "probed" not in r["summary"]["full"]
 

@@ -196,9 +196,10 @@ def needle(
                 rec += f" · first miss {miss['want']!r} p {miss['p']:.2f} (rank {miss['rank']}, took {miss['got']!r})"
             if "probe" in cell:
                 pr = cell["probe"]
-                got = pr["oracle_token_recall"]
+                got, anyf = pr["oracle_token_recall"], pr.get("oracle_token_any")
                 rec += (f" · oracle pages: {'pass' if pr['oracle_passed'] else 'fail'} ({pr['oracle_output']!r}"
-                        + (f", recall {got:.2f}" if got is not None else "") + f"), a {pr['verdict']} miss")
+                        + (f", recall {got:.2f}" if got is not None else "")
+                        + (f", any fetched {anyf:.2f}" if anyf is not None else "") + f"), a {pr['verdict']} miss")
             err.print(f"  {cell['policy']:>9} ctx {cell['context']:>7} depth {cell['depth']:<4g} seed {cell['seed']}: "
                       f"{mark} ({cell['answer']!r} -> {cell['output']!r}) "
                       f"{cell['decode_ms_per_token']:.1f} ms/token{rec}")

@@ -152,11 +152,15 @@ def probe_record(oracle_cell: dict) -> dict:
     """What a failed retrieval cell gave with the needle's pages pinned (`run_cell(oracle=True)`):
     its answer, recall and first miss, and the verdict: "ranking" where it passes (the needle was
     there to read once offered: the coarse pass lost it), "reading" where it still fails (offered
-    the pages, the fine pass or the model misses it: a better page ranking would not help)."""
+    the pages, the fine pass or the model misses it: a better page ranking would not help).
+    `oracle_token_recall` is the share of the needle's tokens fetched (the telemetry's
+    `token_recall`), `oracle_token_any` the share of layer-head steps fetching any of them; JSONs
+    written before 2026-12-06 (session 44) hold `token_any` under `oracle_token_recall`."""
     tel = oracle_cell.get("telemetry", {})
     return {"verdict": "ranking" if oracle_cell["passed"] else "reading", "oracle_passed": oracle_cell["passed"],
             "oracle_output": oracle_cell["output"], "oracle_first_miss": oracle_cell["first_miss"],
-            "oracle_token_recall": tel.get("token_any"), "oracle_page_recall": tel.get("page_recall")}
+            "oracle_token_recall": tel.get("token_recall"), "oracle_token_any": tel.get("token_any"),
+            "oracle_page_recall": tel.get("page_recall")}
 
 
 def greedy_answer(model: Any, ids: list[int], cache: Any, want: list[int], n_new: int, chunk: int,
