@@ -231,3 +231,24 @@ def test_every_option_of_every_command_says_what_it_does():
     bare = [f"{name} {p.opts[0]}" for name, cmd in group.commands.items() for p in cmd.params
             if p.param_type_name == "option" and not (getattr(p, "help", None) or "").strip()]
     assert bare == []
+
+
+def test_version_is_the_installed_packages(monkeypatch):
+    """`posttrainllm --version`: the version in the installed package's metadata; where the package
+    is not installed (a checkout run with `python -m`), pyproject.toml's."""
+    import tomllib
+    from importlib import metadata
+    from pathlib import Path
+
+    from tinygpt_mlx.cli import main
+
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout == f"posttrainllm {metadata.version('posttrainllm')}\n", r.output
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+    monkeypatch.setattr(main.metadata, "version", not_installed)
+    r = run("--version")
+    assert r.exit_code == 0 and r.stdout == f"posttrainllm {project['version']}\n", r.output
+    assert "--version" in run("--help").stdout

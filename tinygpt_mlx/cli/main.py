@@ -23,7 +23,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Annotated
 
 from tinygpt_mlx import blas, heap, switches
 
@@ -160,6 +164,36 @@ app = typer.Typer(
     rich_markup_mode=None,
     add_completion=False,
 )
+
+
+
+def version() -> str:
+    """The installed package's version (its metadata, `importlib.metadata`); where it is not
+    installed (run from a checkout with `python -m`), the version pyproject.toml beside the
+    package gives; else "unknown"."""
+    try:
+        return metadata.version("posttrainllm")
+    except metadata.PackageNotFoundError:
+        pass
+    try:
+        text = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text(encoding="utf-8")
+    except OSError:
+        return "unknown"
+    m = re.search(r'^\[project\]\n(?:(?!\[).*\n)*?version\s*=\s*"([^"]+)"', text, re.MULTILINE)
+    return m[1] if m else "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"posttrainllm {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(_version: Annotated[bool, typer.Option(
+        "--version", help="Print the version and exit.", is_eager=True, callback=_print_version)] = False) -> None:
+    pass
+
 
 COMMANDS = ("sample", "cache_prompt", "chat", "info", "train", "compare", "perplexity", "bench", "cache_report",
             "needle", "serve")
