@@ -252,3 +252,73 @@ def test_compare_table_prints_a_multi_line_prompt_on_one_row(capsys):
     rows = [line for line in out.splitlines() if "1.00" in line or "0.50" in line]
     assert len(rows) == 2, out
     assert "First line second [bold]" in rows[0] and "short" in rows[1], out
+
+
+# --- a bad value of an evaluation command: one short line, exit 2, before the model loads ------
+
+@pytest.mark.parametrize("command, args, named", [
+    ("bench", ["--contexts", "12x"], ["'--contexts'", "'12x'"]),
+    ("bench", ["--contexts", "0"], ["'--contexts'", "'0'"]),
+    ("bench", ["--policies", ","], ["'--policies'", "','"]),
+    ("bench", ["--decode-steps", "0"], ["'--decode-steps'"]),
+    ("bench", ["--prefill-chunk", "0"], ["'--prefill-chunk'", "got 0"]),
+    ("bench", ["--grow-from", "0"], ["--grow-from 0"]),
+    ("bench", ["--weights", "bogus"], ["'--weights'", "'bogus'", "dense"]),
+    ("needle", ["--contexts", "12x"], ["--contexts", "'12x'"]),
+    ("needle", ["--depths", "0.5,2"], ["--depths"]),
+    ("needle", ["--policies", "bogus"], ["'bogus'", "retrieval"]),
+    ("needle", ["--policies", ","], ["'--policies'"]),
+    ("compare", ["--tokens", "0"], ["'--tokens'"]),
+    ("compare", ["--modes", "int4,int4"], ["'--modes'", "'int4' given twice"]),
+    ("perplexity", ["--max-tokens", "1"], ["'--max-tokens'"]),
+    ("perplexity", ["--prefill-tokens", "0"], ["'--prefill-tokens'"]),
+    ("perplexity", ["--modes", "int4", "--kv-quantize", "int8"], ["--modes or cache flags"]),
+    ("cache-report", ["--prefill-chunk", "0"], ["'--prefill-chunk'", "got 0"]),
+])
+def test_a_bad_value_is_a_usage_error_before_the_model_loads(no_load, command, args, named):
+    """Every bad value of bench, needle, compare, perplexity and cache-report exits 2 (a usage
+    error, as click's own), in one line naming what was typed, before the model loads (until
+    session 44 `bench --contexts 12x` and a bad policy spec of compare exited 1, bench's and
+    cache-report's `--prefill-chunk 0` ran with the default chunk, and `compare --tokens 0` failed
+    after loading the model)."""
+    r = run(command, SHIPPED_MODEL, *args)
+    assert r.exit_code == 2, r.output
+    line = one_line_error(r, *named)
+    assert line.startswith("error: Invalid value") and no_load.calls == 0
+
+
+@pytest.mark.parametrize("command, flag", [("bench", "--policies"), ("bench", "--reference"),
+                                           ("compare", "--modes"), ("compare", "--baseline"),
+                                           ("perplexity", "--modes"), ("perplexity", "--baseline"),
+                                           ("cache-report", "--policies")])
+def test_an_unknown_policy_part_is_one_short_line(no_load, command, flag):
+    """A policy spec with an unknown part names the part and a few that are accepted, in one line
+    of a terminal's width or two (before session 44: the whole grammar, ~1,100 characters), exit 2."""
+    r = run(command, SHIPPED_MODEL, flag, "fp32,int9" if flag in ("--policies", "--modes") else "int9")
+    assert r.exit_code == 2, r.output
+    line = one_line_error(r, f"'{flag}'", "unknown part 'int9'", "int4", "sink4/window256", f"{command} --help")
+    assert len(line) < 240, (len(line), line)
+    assert no_load.calls == 0
+
+
+def test_the_brief_spec_examples_are_specs():
+    """The parts an unknown part's error offers (policy_spec.SPEC_BRIEF) each parse, alone and joined."""
+    import re
+
+    from tinygpt_mlx.config import CacheConfig
+    from tinygpt_mlx.policy_spec import SPEC_BRIEF
+
+    examples = re.findall(r"[a-z0-9/]+\d", SPEC_BRIEF.split("joined")[0])
+    assert len(examples) >= 4, examples
+    for spec in examples:
+        CacheConfig.from_spec(spec)
+    CacheConfig.from_spec("int4+sink4/hot1024")
+
+
+def test_weights_choices_are_the_loaders():
+    """`--weights` is checked as click parses it (cli/common.py), against the loader's own list."""
+    from tinygpt_mlx.cli.common import WEIGHT_MODES
+    from tinygpt_mlx.ggml.load import WEIGHT_MODES as LOADER_MODES
+
+    assert WEIGHT_MODES == LOADER_MODES
+

@@ -15,7 +15,7 @@ from typing import Any
 
 from .knobs import KNOBS, LONG_RESIDUAL_SHARE, Knob
 
-__all__ = ["SPEC_HELP", "SPEC_PARTS", "describe", "label", "spec_flags"]
+__all__ = ["SPEC_BRIEF", "SPEC_HELP", "SPEC_PARTS", "describe", "label", "spec_flags"]
 
 
 def spec_flags(spec: str) -> dict[str, Any]:
@@ -25,7 +25,8 @@ def spec_flags(spec: str) -> dict[str, Any]:
     from `knobs.KNOBS`, or one of the parts below that set several keywords at once).
     e.g. "int4", "int8+sink4/window256", "k8v4", "sink4/window256:absolute". The empty spec
     and "full" are the fp32 full cache. An unknown part, or a keyword set twice, is a ValueError
-    naming the spec."""
+    naming the spec (and for an unknown part a few examples, `SPEC_BRIEF`: the whole grammar,
+    `SPEC_HELP`, is a thousand characters, for --help)."""
     flags: dict[str, Any] = {}
     text = spec.strip().lower()
     for part in ([] if text in ("", "full") else [p.strip() for p in text.split("+")]):
@@ -39,7 +40,7 @@ def spec_flags(spec: str) -> dict[str, Any]:
                 matched = True
                 break
         if not matched:
-            raise ValueError(f"policy {spec!r}: unknown part {part!r} ({SPEC_HELP})")
+            raise ValueError(f"policy {spec!r}: unknown part {part!r} ({SPEC_BRIEF})")
     return flags
 
 
@@ -166,5 +167,8 @@ _COMPOSITE = {
 SPEC_PARTS = tuple(part for knob in KNOBS
                    for part in ((_knob_part(knob),) if knob.spec else ()) + ((_COMPOSITE[knob.keyword],)
                                                                               if knob.keyword in _COMPOSITE else ()))
+#: What an unknown part's error says is accepted, in brief: a few parts and their joining (a command's
+#: --help lists them all, `SPEC_HELP`).
+SPEC_BRIEF = "parts such as int8, int4, k8v4, sink4/window256, sink4/hot1024, joined by '+'"
 SPEC_HELP = ("'+'-joined parts: " + ", ".join(help for _, _, help in SPEC_PARTS)
              + "; e.g. int4, int8+sink4/window256, k8v4, sink4/window256:absolute")

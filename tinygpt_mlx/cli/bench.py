@@ -21,12 +21,13 @@ b = lazy("tinygpt_mlx.evaluate.bench")
 
 
 def _ints(text: str, name: str) -> list[int]:
+    """A comma list of positive integers; anything else a usage error naming `name` (exit 2)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"{name} must be a comma list of integers, got {text!r}") from None
+        values = []
     if not values or min(values) < 1:
-        raise ValueError(f"{name} must be positive integers, got {text!r}")
+        raise typer.BadParameter(f"must be a comma list of positive integers, got {text!r}", param_hint=f"'{name}'")
     return values
 
 
@@ -100,7 +101,7 @@ def bench(
         "--reference", help="The policy every ratio is against, in the same run (e.g. mlx-rotating256 for "
         "long contexts, where our fp32 full cache is slow to prefill).")] = defaults.BENCH_REFERENCE,
     decode_steps: Annotated[int, typer.Option(
-        "--decode-steps", help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step. A "
+        "--decode-steps", min=1, help="Greedy decode steps timed after each prefill; decode tok/s = 1 / median step. A "
         "KIVI + window policy's compiled step traces each of its ~2G step shapes the first time it meets it, so "
         "fewer than ~4G steps (128 at G 32) bill those traces to it (docs/results.md).")] = defaults.BENCH_DECODE_STEPS,
     prefill_chunk: c.PrefillChunk = None,
@@ -140,17 +141,20 @@ def bench(
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     c.check_writable(json_path, "--json")
     c.check_writable(plot_path, "--plot")
-    with c.guarded():
-        ctx = _ints(contexts, "--contexts")
-        specs = [s.strip() for s in policies.split(",") if s.strip()]
-        for flag, names in (("--reference", [reference]), ("--policies", specs)):
-            for s in names:   # every spec checked before the model loads
-                try:
-                    b.parse_spec(s)
-                except ValueError as e:
-                    raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
-        if grow_from is not None:   # (every policy fillable, before the model loads)
+    chunk = c.prefill_chunk(prefill_chunk)
+    # every value checked before the model loads: a bad one is a usage error (exit 2)
+    ctx = _ints(contexts, "--contexts")
+    specs = [s.strip() for s in policies.split(",") if s.strip()]
+    if not specs:
+        raise typer.BadParameter(f"no policy in {policies!r}", param_hint="'--policies'")
+    for flag, names in (("--reference", [reference]), ("--policies", specs)):
+        for s in names:
+            with c.flag_value(flag):
+                b.parse_spec(s)
+    if grow_from is not None:   # (every policy fillable; the messages name the flags)
+        with c.flag_value():
             b.check_grow([reference, *specs], ctx, grow_from)
+    with c.guarded():
         if plot_path is not None:
             inputs.require_plotting()
         loaded = c.load_model(model, weights)
@@ -161,7 +165,7 @@ def bench(
         with c.Progress("bench (warm-up, then timed prefill chunks and decode steps)", unit="steps") as bar:
             def advance(done: int, total: int, what: str) -> None:  # the live bar names the cell
                 bar.update(done, total, f"bench · {what}" if bar.live else None)
-            result = b.bench(loaded.model, specs, ctx, decode_steps, prefill_chunk or b.PREFILL_CHUNK,
+            result = b.bench(loaded.model, specs, ctx, decode_steps, chunk,
                              progress=advance, reference=reference, stages=stages, parts=parts,
                              parts_own=parts_own, grow_from=grow_from, abba=abba)
         for name, why in result["skipped"].items():

@@ -41,8 +41,10 @@ def cache_report(
     if any(n < 1 for n in lengths):
         raise typer.BadParameter("--length must be positive")
     c.cache_config(group_size=kv_group_size, residual=kv_residual)  # flag errors before loading
-    with c.guarded():
+    chunk = c.prefill_chunk(prefill_chunk)
+    with c.flag_value("--policies"):
         chosen = parse_policies(policies) if policies else None
+    with c.guarded():
         loaded = c.load_model(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
         err.print(f"model [cyan]{loaded.name}[/cyan]: prefilling random tokens into each cache "
@@ -58,7 +60,7 @@ def cache_report(
                 err.print(f"  {label}: {n} tokens measured")
 
         with c.Progress("cache-report: filling caches", total=len(chosen or report.REPORT_POLICIES) * longest, unit="tok") as bar:
-            rows = report.bytes_table(loaded.model, vocab, lengths, policies=chosen, chunk=prefill_chunk or 512,
+            rows = report.bytes_table(loaded.model, vocab, lengths, policies=chosen, chunk=chunk,
                                group_size=kv_group_size, residual=kv_residual, progress=measured)
     table = Table(title=f"KV cache bytes, {loaded.name} (measured: cache.nbytes after filling)")
     table.add_column("policy")

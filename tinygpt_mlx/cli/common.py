@@ -33,10 +33,21 @@ ModelArg = Annotated[Optional[str], typer.Argument(
     "(smollm2:135m, from $OLLAMA_MODELS or ~/.ollama/models) or a Hugging Face repo id (org/name, from its "
     "cache; HF_HUB_OFFLINE=1 keeps it offline). Default: the shipped model.",
     show_default=False)]
+#: `--weights`' values (tinygpt_mlx/ggml/load.py WEIGHT_MODES, which imports MLX: not for a typo)
+WEIGHT_MODES = ("auto", "packed", "dense")
+
+
+def _weights(value: str) -> str:
+    """`--weights` checked as click parses it: a value not in WEIGHT_MODES is a usage error."""
+    if value not in WEIGHT_MODES:
+        raise typer.BadParameter(f"choose one of {', '.join(WEIGHT_MODES)}, got {value!r}")
+    return value
+
+
 Weights = Annotated[str, typer.Option(
     "--weights", help="GGUF models: keep block-quantised weights packed (MLX quantised layers) or dequantise "
     "them to dense floats. auto = dense on the CPU backend (faster there, 4-8x the memory), packed on a GPU.",
-    show_default=True)]
+    show_default=True, callback=_weights)]
 Temperature = Annotated[Optional[float], typer.Option(
     "--temperature", help=f"Sampling temperature; 0 is greedy. Default {field_default(_S, 'temperature')}.",
     show_default=False)]
@@ -57,6 +68,15 @@ PREFILL_TAIL_HELP = (
     "shares its pass with hundreds of document tokens (docs/gguf.md).")
 PrefillTail = Annotated[Optional[int], typer.Option(
     "--prefill-tail", help=f"{PREFILL_TAIL_HELP} Default {field_default(_S, 'prefill_tail')}.", show_default=False)]
+
+
+def prefill_chunk(value: Optional[int]) -> int:
+    """`--prefill-chunk` for a command without a SampleConfig (bench, cache-report): checked by
+    SampleConfig's rule, a bad value a BadParameter naming the flag; None -> the default."""
+    try:
+        return SampleConfig(**({} if value is None else {"prefill_chunk": value})).prefill_chunk
+    except ValueError as e:
+        raise config_error(e) from None
 
 
 def prefill_tail(value: Optional[int]) -> int:
@@ -178,6 +198,17 @@ def guarded() -> Iterator[None]:
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(130) from None
+
+
+@contextlib.contextmanager
+def flag_value(flag: Optional[str] = None) -> Iterator[None]:
+    """A ValueError inside (a policy spec that does not parse, a list with a bad item) is what
+    the user typed for `flag`: a usage error naming it, one line, exit code 2 (not `guarded`'s
+    exit 1, which is for what goes wrong with valid input). No `flag`: the message names it."""
+    try:
+        yield
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint=f"'{flag}'" if flag else None) from None
 
 
 def fail(message: str) -> None:

@@ -48,7 +48,7 @@ def compare(
         "--prompts", help="UTF-8 text, one prompt per line, or a .jsonl file of one JSON string per line (prompts with newlines); default: the prompt set shipped with the package.",
         show_default=False)] = None,
     tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", "-n", help=f"Greedy tokens per prompt and mode. Default {defaults.COMPARE_TOKENS}.",
+        "--tokens", "-n", min=1, help=f"Greedy tokens per prompt and mode. Default {defaults.COMPARE_TOKENS}.",
         show_default=False)] = None,
     modes: Annotated[str, typer.Option(
         "--modes", help=f"Comma list of cache policies to compare. Each: {SPEC_HELP}.")] = DEFAULT_MODES,
@@ -62,9 +62,11 @@ def compare(
     tail = c.prefill_tail(prefill_tail)
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     c.check_writable(json_path, "--json")
-    with c.guarded():
+    with c.flag_value("--modes"):       # a bad spec: one short line, exit 2, before the model loads
         policies = parse_policies(modes)
+    with c.flag_value("--baseline"):
         reference = (baseline, parse_policy(baseline))
+    with c.guarded():
         texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
         loaded = c.load_model(model, weights)
         err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "

@@ -159,6 +159,8 @@ def needle(
     if not 1 <= facts <= len(NAMES):
         raise typer.BadParameter(f"--facts {facts}: must be in 1..{len(NAMES)}")
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter(f"no policy in {policies!r}", param_hint="'--policies'")
     cfg = cache_config
     if probe and "retrieval" not in names:
         raise typer.BadParameter(f"--probe re-runs failed retrieval cells: --policies {policies!r} has no retrieval")
@@ -167,8 +169,9 @@ def needle(
                                  "gives each query a pool of its own")
     c.check_writable(json_path, "--json")
     c.check_writable(plot, "--plot")
+    with c.flag_value():    # the names checked before loading anything (the message names the choices)
+        configs = nd.policy_configs(cfg, names)
     with c.guarded():
-        configs = nd.policy_configs(cfg, names)  # validate the names before loading anything
         if plot is not None:
             inputs.require_plotting()
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)

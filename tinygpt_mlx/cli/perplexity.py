@@ -32,12 +32,12 @@ def perplexity(
         "data/heldout.txt from scripts/fetch_corpus.sh).",
         show_default=False)] = None,
     max_tokens: Annotated[Optional[int], typer.Option(
-        "--max-tokens", help="Score only the first N tokens of the text.", show_default=False)] = None,
+        "--max-tokens", min=2, help="Score only the first N tokens of the text.", show_default=False)] = None,
     baseline: Annotated[str, typer.Option(
         "--baseline", help="Reference run side by side for KL and top-1: fp32 (full cache), any policy "
         "spec as in compare --modes, or none (e.g. a text longer than the model's context).")] = "fp32",
     prefill_tokens: Annotated[Optional[int], typer.Option(
-        "--prefill-tokens", help=f"Tokens in the first (prefill) chunk; the rest go one by one. "
+        "--prefill-tokens", min=1, help=f"Tokens in the first (prefill) chunk; the rest go one by one. "
         f"Default {defaults.PERPLEXITY_PREFILL_TOKENS}.", show_default=False)] = None,
     modes: Annotated[Optional[str], typer.Option(
         "--modes", help=f"Instead of the cache flags: a comma list of policies scored side by side "
@@ -61,13 +61,13 @@ def perplexity(
     config = cache_config
     flags_given = config != CacheConfig()
     c.check_writable(json_path, "--json")
-    with c.guarded():
-        if modes is not None and flags_given:
-            raise ValueError("give --modes or cache flags, not both")
-        if max_tokens is not None and max_tokens < 2:
-            raise ValueError(f"--max-tokens must be >= 2, got {max_tokens}")
+    if modes is not None and flags_given:
+        raise typer.BadParameter("give --modes or cache flags, not both", param_hint="'--modes'")
+    with c.flag_value("--modes"):       # a bad spec: one short line, exit 2, before the model loads
         policies = parse_policies(modes) if modes is not None else None   # (the flags': once the text is known)
+    with c.flag_value("--baseline"):
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
+    with c.guarded():
         source = inputs.read_text(text or inputs.HELDOUT_KJV)
         loaded = c.load_model(model, weights)
         if text is None and max_tokens is None and loaded.context_length:
