@@ -322,3 +322,43 @@ def test_weights_choices_are_the_loaders():
 
     assert WEIGHT_MODES == LOADER_MODES
 
+
+def test_perplexity_title_fits_80_columns():
+    """perplexity's table on an 80-column terminal: the title is two whole lines (it wrapped inside
+    the table's 79 columns before session 44, the baseline's number alone on a line), and a long
+    policy name wraps in its column, not across the terminal."""
+    import io
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from tinygpt_mlx.cli.perplexity import print_table
+
+    def result(**k):
+        return SimpleNamespace(**dict(tokens=32767, baseline_perplexity=54.5681, perplexity=54.5681, kl_mean=0.0,
+                                      top1_agreement=1.0, stored_count=32767, current_length=32767,
+                                      cache_bytes=123456789), **k)
+    for name in ("fp32", "int8 + StreamingLLM sink 4 + window 256 (shifted RoPE)"):
+        buf = io.StringIO()
+        print_table({name: result()}, "fp32", console=Console(file=buf, width=80, highlight=False))
+        lines = buf.getvalue().splitlines()
+        assert max(len(line) for line in lines) <= 80, buf.getvalue()
+        assert "perplexity over 32767 tokens, teacher-forced through the cache" in lines[0], lines[0]
+        assert "baseline fp32: perplexity 54.5681" in lines[1], lines[1]
+
+
+def test_perplexity_table_takes_the_terminals_width(monkeypatch):
+    """On a terminal the table is laid out at its width (80 here: the policy column wraps); piped,
+    at 110 columns as before."""
+    import io
+
+    from tinygpt_mlx.cli.perplexity import table_console
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert table_console().width == 80
+    monkeypatch.setattr(sys, "stdout", io.StringIO())
+    assert table_console().width == 110

@@ -102,11 +102,20 @@ def perplexity(
             c.write_atomic(json_path, json.dumps(out, indent=2))
 
 
-def print_table(results: dict, baseline: Optional[str]) -> None:
+def table_console() -> Console:
+    """Where the table goes: on a terminal, a console of its width (a long policy name wraps in
+    its column, not across the terminal's lines); piped, 110 columns."""
+    out = Console(highlight=False)
+    return out if out.is_terminal else Console(highlight=False, width=110)
+
+
+def print_table(results: dict, baseline: Optional[str], console: Optional[Console] = None) -> None:
     first = next(iter(results.values()))
+    # two short lines, each narrower than the narrowest table (79 columns): rich wraps a title at
+    # the table's width, which left the baseline's number alone on a line of its own
     title = f"perplexity over {first.tokens} tokens, teacher-forced through the cache"
     if baseline is not None:
-        title += f"; baseline {baseline}: {first.baseline_perplexity:.4f}"
+        title += f"\nbaseline {baseline}: perplexity {first.baseline_perplexity:.4f}"
     table = Table(title=title)
     for col in ("policy", "perplexity", "KL(base||policy)", "top-1 agree", "stored", "cache"):
         table.add_column(col, justify="left" if col == "policy" else "right", no_wrap=col != "policy")
@@ -115,7 +124,7 @@ def print_table(results: dict, baseline: Optional[str]) -> None:
         top1 = "-" if r.top1_agreement is None else f"{r.top1_agreement:.4f}"
         table.add_row(name, f"{r.perplexity:.4f}", kl, top1, f"{r.stored_count}/{r.current_length}",
                       c.fmt_bytes(r.cache_bytes))
-    Console(highlight=False, width=110).print(table)
+    (console or table_console()).print(table)
 
 
 def print_segments(results: dict) -> None:
