@@ -26,8 +26,9 @@ median over blocks of process CPU and wall ms per step. From them: x = 4 lone / 
 four-row form; today's host work per four-row step (today4 - call4), and the ideal with that
 host work added; W and X of each form from its one- and four-row calls (X = (c4 - c1) / 3,
 W = c1 - X) and 4(W+X)/(W+4X) (session 42's model of the step: the lone step as the form's
-one-row step). docs/server.md, "Retrieval's four-row step with batch-owned buffers: its ceiling
-measured before building" (session 44).
+one-row step). --answer N instead: whole answers of N tokens from the prompts, batched and lone,
+their steady and filling steps timed apart (`answer`). docs/server.md, "Retrieval's four-row step
+with batch-owned buffers: its ceiling measured before building" (session 44).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
         python -m benchmarks.batch_retrieval_ceiling --warm 180 --blocks 24 --steps 16 --json OUT.json
@@ -282,21 +283,92 @@ def replay_ideal(fn, arrays):
     return one
 
 
+def answer(loaded, cfg, tokens: int, rounds: int) -> dict:
+    """`--answer`: whole answers as the HTTP run's throughput part has them, in process: the four
+    prompts prefilled afresh, then `tokens` - 1 decode steps, batched (`batch.decode_step`, the
+    four rows) or lone (each cache alone, as batch_rows' lone case), in the order B L L B per two
+    rounds. Each step timed (process CPU, wall) and counted as steady where it ran the compiled
+    steady retrieval step (batched: `batch.taken["compiled_retrieval"]` moved; lone: the cache's
+    cold store held tokens before it: its hot window full) or filling (the rest: the hot window
+    still filling, prompts of 5-11 tokens). Per case the medians over rounds of the totals."""
+    m = loaded.model
+    th = blas.Threads()
+    got: dict = {"batched": [], "lone": []}
+    for r in range(rounds):
+        for case in (("batched", "lone") if r % 2 == 0 else ("lone", "batched")):
+            caches, toks = setup(loaded, cfg, 4, 0, 0)
+            parts = {"steady": [0.0, 0.0, 0], "filling": [0.0, 0.0, 0]}
+            th.for_decode()
+            if case == "batched":
+                for _ in range(tokens - 1):
+                    before = batch.taken["compiled_retrieval"]
+                    c0, t0 = time.process_time(), time.perf_counter()
+                    _, toks = batch.decode_step(m, toks, caches, argmax=True)
+                    c, w = time.process_time() - c0, time.perf_counter() - t0
+                    p = parts["steady" if batch.taken["compiled_retrieval"] > before else "filling"]
+                    p[0], p[1], p[2] = p[0] + c, p[1] + w, p[2] + 1
+            else:
+                for i, cache in enumerate(caches):
+                    t = toks[i]
+                    for _ in range(tokens - 1):
+                        steady = len(cache.owned[0].cold) > 0
+                        c0, t0 = time.process_time(), time.perf_counter()
+                        lg = call(m, [t], cache, wait=False)
+                        pick = mx.argmax(lg)
+                        mx.eval(lg, pick)
+                        t = pick.item()
+                        c, w = time.process_time() - c0, time.perf_counter() - t0
+                        p = parts["steady" if steady else "filling"]
+                        p[0], p[1], p[2] = p[0] + c, p[1] + w, p[2] + 1
+            th.for_prefill()
+            got[case].append(parts)
+            print(f"round {r} {case}: " + ", ".join(f"{k} {v[2]} steps {v[0] * 1e3:.0f} ms CPU {v[1] * 1e3:.0f} ms wall"
+                                                    for k, v in parts.items()) + f" | load {os.getloadavg()[0]:.2f}",
+                  flush=True)
+    med = {case: {ph: {"steps": rs[0][ph][2],
+                       "cpu_ms": round(statistics.median(x[ph][0] for x in rs) * 1e3, 1),
+                       "wall_ms": round(statistics.median(x[ph][1] for x in rs) * 1e3, 1)} for ph in ("steady", "filling")}
+           for case, rs in got.items()}
+    out = {"medians": med, "rounds": got}
+    for unit in ("cpu_ms", "wall_ms"):
+        lone = med["lone"]["steady"][unit] + med["lone"]["filling"][unit]
+        bat = med["batched"]["steady"][unit] + med["batched"]["filling"][unit]
+        out[f"x_whole_{unit[:-3]}"] = round(lone / bat, 3)
+        out[f"x_steady_{unit[:-3]}"] = round(med["lone"]["steady"][unit] / med["batched"]["steady"][unit], 3)
+        out[f"x_filling_{unit[:-3]}"] = round(med["lone"]["filling"][unit] / med["batched"]["filling"][unit], 3)
+        out[f"batched_steady_share_{unit[:-3]}"] = round(med["batched"]["steady"][unit] / bat, 3)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tinygpt-base.tinygpt")
     ap.add_argument("--warm", type=int, default=180, help="batched steps before the timed blocks")
     ap.add_argument("--steps", type=int, default=16, help="steps per case and block")
     ap.add_argument("--blocks", type=int, default=24, help="blocks; the cases' order reversed every other one")
+    ap.add_argument("--answer", type=int, default=0,
+                    help="instead of the blocks: whole answers of this many tokens from the prompts, batched and "
+                         "lone, the steady and filling steps timed apart (`answer`)")
+    ap.add_argument("--rounds", type=int, default=4, help="--answer's rounds (B L L B per two)")
     ap.add_argument("--json", type=Path, required=True, help="where to write the result")
     a = ap.parse_args()
     if min(a.warm, a.steps, a.blocks) < 1:
         ap.error(f"--warm, --steps and --blocks must be positive (got {a.warm}, {a.steps}, {a.blocks})")
     if not Path(a.model).expanduser().exists():
         ap.error(f"--model {a.model}: no such file or directory")
+    if a.answer and (a.answer < 2 or a.rounds < 1):
+        ap.error(f"--answer must be at least 2 and --rounds at least 1 (got {a.answer}, {a.rounds})")
     cfg = policies(128)["retrieval sink4/hot128"]
     loaded = load(a.model)
     m = loaded.model
+    if a.answer:
+        load0 = os.getloadavg()
+        res = {"command": "python -m benchmarks.batch_retrieval_ceiling " + " ".join(sys.argv[1:]),
+               "model": Path(a.model).name, "policy": "retrieval sink4/hot128", "tokens": a.answer,
+               "load_start": load0, **answer(loaded, cfg, a.answer, a.rounds), "load_end": os.getloadavg()}
+        print(json.dumps({k: v for k, v in res.items() if k != "rounds"}, indent=1))
+        write_atomic(a.json, json.dumps(res, indent=1) + "\n")
+        return
     caches, tokens = setup(loaded, cfg, 4, a.warm, 0)
     lone, lone_tokens = setup(loaded, cfg, 4, a.warm, 0)
     th = blas.Threads()
