@@ -330,13 +330,16 @@ def answer(loaded, cfg, tokens: int, rounds: int) -> dict:
                        "wall_ms": round(statistics.median(x[ph][1] for x in rs) * 1e3, 1)} for ph in ("steady", "filling")}
            for case, rs in got.items()}
     out = {"medians": med, "rounds": got}
+
+    def ratio(x: float, y: float):
+        return round(x / y, 3) if y else None    # (an answer too short to reach a phase: none)
     for unit in ("cpu_ms", "wall_ms"):
         lone = med["lone"]["steady"][unit] + med["lone"]["filling"][unit]
         bat = med["batched"]["steady"][unit] + med["batched"]["filling"][unit]
-        out[f"x_whole_{unit[:-3]}"] = round(lone / bat, 3)
-        out[f"x_steady_{unit[:-3]}"] = round(med["lone"]["steady"][unit] / med["batched"]["steady"][unit], 3)
-        out[f"x_filling_{unit[:-3]}"] = round(med["lone"]["filling"][unit] / med["batched"]["filling"][unit], 3)
-        out[f"batched_steady_share_{unit[:-3]}"] = round(med["batched"]["steady"][unit] / bat, 3)
+        out[f"x_whole_{unit[:-3]}"] = ratio(lone, bat)
+        out[f"x_steady_{unit[:-3]}"] = ratio(med["lone"]["steady"][unit], med["batched"]["steady"][unit])
+        out[f"x_filling_{unit[:-3]}"] = ratio(med["lone"]["filling"][unit], med["batched"]["filling"][unit])
+        out[f"batched_steady_share_{unit[:-3]}"] = ratio(med["batched"]["steady"][unit], bat)
     return out
 
 
