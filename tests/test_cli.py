@@ -2,6 +2,7 @@
 
 import json
 import socket
+import time
 
 import pytest
 import typer
@@ -252,3 +253,32 @@ def test_version_is_the_installed_packages(monkeypatch):
     r = run("--version")
     assert r.exit_code == 0 and r.stdout == f"posttrainllm {project['version']}\n", r.output
     assert "--version" in run("--help").stdout
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_terminal_is_told_what_is_loading(monkeypatch, terminal):
+    """While the model loads (a GGUF: seconds, minutes on a busy CPU, before the banner) a terminal
+    shows `loading NAME ...`, erased once loaded; captured stderr gets nothing."""
+    import io
+    from pathlib import Path
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    monkeypatch.setattr(common, "err", Console(file=buf, force_terminal=terminal, width=80))
+    during = []
+
+    def load(model, weights):   # a load of a second at most: the spinner draws its first frame within 0.1 s
+        for _ in range(20):
+            if "loading" in buf.getvalue():
+                break
+            time.sleep(0.05)
+        during.append(buf.getvalue())
+        return "loaded"
+    monkeypatch.setattr("tinygpt_mlx.loading.load", load)
+    model = common.resolve_model(str(Path(__file__).resolve().parents[1] / "models" / "tinygpt-base.tinygpt"))
+    assert common.load_model(model, compute=False) == "loaded"
+    if terminal:
+        assert f"loading {model.name} ..." in during[0], during
+    else:
+        assert during == [""] and buf.getvalue() == ""

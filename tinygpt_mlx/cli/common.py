@@ -357,11 +357,23 @@ def resolve_model(model):
 
 def load_model(model, weights: str = "auto", compute: bool = True):
     """Load MODEL (a name, a path or what `resolve_model` returned); a command that will
-    compute with it (`compute`) then notes a missing OpenBLAS (`blas_note`)."""
-    loaded = loading.load(model, weights)
+    compute with it (`compute`) then notes a missing OpenBLAS (`blas_note`). While it loads, a
+    terminal shows what is loading (`loading_status`)."""
+    with loading_status(model):
+        loaded = loading.load(model, weights)
     if compute:
         blas_note()
     return loaded
+
+
+def loading_status(model) -> typing.ContextManager:
+    """On a terminal, a transient `loading NAME ...` line with a spinner while the model loads:
+    a GGUF of a few hundred MB is read, dequantised and built for seconds, or minutes on a busy
+    CPU, before the banner. Captured stderr (a script's, the tests') gets nothing."""
+    if not err.is_terminal:
+        return contextlib.nullcontext()
+    name = getattr(model, "name", None) or (str(model) if model is not None else "the shipped model")
+    return err.status(f"loading {escape(name)} ...")
 
 
 def blas_note(stream: Optional[typing.TextIO] = None) -> None:
