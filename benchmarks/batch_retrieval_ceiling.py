@@ -27,7 +27,8 @@ four-row form; today's host work per four-row step (today4 - call4), and the ide
 host work added; W and X of each form from its one- and four-row calls (X = (c4 - c1) / 3,
 W = c1 - X) and 4(W+X)/(W+4X) (session 42's model of the step: the lone step as the form's
 one-row step). --answer N instead: whole answers of N tokens from the prompts, batched and lone,
-their steady and filling steps timed apart (`answer`). docs/server.md, "Retrieval's four-row step
+their steady and filling steps timed apart, and the steps that traced a retrieval step counted and
+timed apart (`answer`). docs/server.md, "Retrieval's four-row step
 with batch-owned buffers: its ceiling measured before building" (session 44).
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
@@ -283,6 +284,22 @@ def replay_ideal(fn, arrays):
     return one
 
 
+class _TraceSpy:
+    """Counts the traced retrieval layers made (`_TracedRetrieval`: built only while MLX traces a
+    retrieval step, the solo one's or the batched one's), so that `answer` can tell the steps that
+    traced from those that replayed; installed by the benchmark only, nothing on the served path."""
+
+    def __init__(self):
+        from tinygpt_mlx.cache import compiled_retrieval
+        self.made, cls = 0, compiled_retrieval._TracedRetrieval
+        init = cls.__init__
+
+        def counted(this, *args, **kwargs):
+            self.made += 1
+            init(this, *args, **kwargs)
+        cls.__init__ = counted
+
+
 def answer(loaded, cfg, tokens: int, rounds: int) -> dict:
     """`--answer`: whole answers as the HTTP run's throughput part has them, in process: the four
     prompts prefilled afresh, then `tokens` - 1 decode steps, batched (`batch.decode_step`, the
@@ -290,28 +307,61 @@ def answer(loaded, cfg, tokens: int, rounds: int) -> dict:
     rounds. Each step timed (process CPU, wall) and counted as steady where it ran the compiled
     steady retrieval step (batched: `batch.taken["compiled_retrieval"]` moved; lone: the cache's
     cold store held tokens before it: its hot window full) or filling (the rest: the hot window
-    still filling, prompts of 5-11 tokens). Per case the medians over rounds of the totals."""
+    still filling, prompts of 5-11 tokens). Per case the medians over rounds of the totals.
+    Beside them (session 44, h56t) the steps that traced a retrieval step (`_TraceSpy`: the solo
+    step's or the batched one's), timed apart as "trace" (their time is also in their phase's):
+    per round how many, at which steps, their CPU and wall ms, and for the batched ones whether
+    the trace came with a new layout key (`batch._steps`, a new compiled function: the summaries'
+    widths scanned, the sticky pages' width...) or only new input shapes under a held key (the
+    cold stores' capacities); `growths`: the cold stores' capacity doublings (every layer's keys,
+    values and summaries, all rows) in the answer. The process keeps its traces from round to
+    round (as a server does from request to request), so round 0's case pays the first traces."""
+    from tinygpt_mlx.cache.device_pages import DeviceRows
     m = loaded.model
     th = blas.Threads()
+    spy = _TraceSpy()
+    grown = [0]
+    make_room = DeviceRows.make_room
+
+    def counted_room(self, n):
+        g = self.growths
+        make_room(self, n)
+        grown[0] += self.growths - g
+    DeviceRows.make_room = counted_room
     got: dict = {"batched": [], "lone": []}
     for r in range(rounds):
         for case in (("batched", "lone") if r % 2 == 0 else ("lone", "batched")):
             caches, toks = setup(loaded, cfg, 4, 0, 0)
             parts = {"steady": [0.0, 0.0, 0], "filling": [0.0, 0.0, 0]}
+            trace = {"steps": 0, "cpu_ms": 0.0, "wall_ms": 0.0, "at": [], "new_key": []}
+            grown[0] = 0
             th.for_decode()
+
+            def traced_step(made0, c, w, at, keys0=None):
+                if spy.made == made0:
+                    return
+                trace["steps"] += 1
+                trace["cpu_ms"] += c * 1e3
+                trace["wall_ms"] += w * 1e3
+                trace["at"].append(at)
+                if keys0 is not None:
+                    trace["new_key"].append(len(set(batch._steps(m)[0]) - keys0) > 0)
             if case == "batched":
-                for _ in range(tokens - 1):
+                for s in range(tokens - 1):
                     before = batch.taken["compiled_retrieval"]
+                    made0, keys0 = spy.made, set(batch._steps(m)[0])
                     c0, t0 = time.process_time(), time.perf_counter()
                     _, toks = batch.decode_step(m, toks, caches, argmax=True)
                     c, w = time.process_time() - c0, time.perf_counter() - t0
                     p = parts["steady" if batch.taken["compiled_retrieval"] > before else "filling"]
                     p[0], p[1], p[2] = p[0] + c, p[1] + w, p[2] + 1
+                    traced_step(made0, c, w, s, keys0)
             else:
                 for i, cache in enumerate(caches):
                     t = toks[i]
-                    for _ in range(tokens - 1):
+                    for s in range(tokens - 1):
                         steady = len(cache.owned[0].cold) > 0
+                        made0 = spy.made
                         c0, t0 = time.process_time(), time.perf_counter()
                         lg = call(m, [t], cache, wait=False)
                         pick = mx.argmax(lg)
@@ -320,26 +370,41 @@ def answer(loaded, cfg, tokens: int, rounds: int) -> dict:
                         c, w = time.process_time() - c0, time.perf_counter() - t0
                         p = parts["steady" if steady else "filling"]
                         p[0], p[1], p[2] = p[0] + c, p[1] + w, p[2] + 1
+                        traced_step(made0, c, w, (i, s))
             th.for_prefill()
+            trace["cpu_ms"], trace["wall_ms"] = round(trace["cpu_ms"], 1), round(trace["wall_ms"], 1)
+            parts["trace"] = trace
+            parts["growths"] = grown[0]
             got[case].append(parts)
-            print(f"round {r} {case}: " + ", ".join(f"{k} {v[2]} steps {v[0] * 1e3:.0f} ms CPU {v[1] * 1e3:.0f} ms wall"
-                                                    for k, v in parts.items()) + f" | load {os.getloadavg()[0]:.2f}",
-                  flush=True)
+            print(f"round {r} {case}: " + ", ".join(f"{k} {parts[k][2]} steps {parts[k][0] * 1e3:.0f} ms CPU "
+                                                    f"{parts[k][1] * 1e3:.0f} ms wall" for k in ("steady", "filling"))
+                  + f"; traced {trace['steps']} steps {trace['cpu_ms']:.0f} ms CPU {trace['wall_ms']:.0f} ms wall"
+                  + f" at {trace['at']} new key {trace['new_key']}; growths {grown[0]}"
+                  + f" | load {os.getloadavg()[0]:.2f}", flush=True)
+    DeviceRows.make_room = make_room
     med = {case: {ph: {"steps": rs[0][ph][2],
                        "cpu_ms": round(statistics.median(x[ph][0] for x in rs) * 1e3, 1),
                        "wall_ms": round(statistics.median(x[ph][1] for x in rs) * 1e3, 1)} for ph in ("steady", "filling")}
            for case, rs in got.items()}
+    for case, rs in got.items():
+        med[case]["trace"] = {"steps": [x["trace"]["steps"] for x in rs],
+                              "cpu_ms": [x["trace"]["cpu_ms"] for x in rs],
+                              "wall_ms": [x["trace"]["wall_ms"] for x in rs]}
     out = {"medians": med, "rounds": got}
 
     def ratio(x: float, y: float):
         return round(x / y, 3) if y else None    # (an answer too short to reach a phase: none)
-    for unit in ("cpu_ms", "wall_ms"):
+    for k, unit in enumerate(("cpu_ms", "wall_ms")):
         lone = med["lone"]["steady"][unit] + med["lone"]["filling"][unit]
         bat = med["batched"]["steady"][unit] + med["batched"]["filling"][unit]
         out[f"x_whole_{unit[:-3]}"] = ratio(lone, bat)
         out[f"x_steady_{unit[:-3]}"] = ratio(med["lone"]["steady"][unit], med["batched"]["steady"][unit])
         out[f"x_filling_{unit[:-3]}"] = ratio(med["lone"]["filling"][unit], med["batched"]["filling"][unit])
         out[f"batched_steady_share_{unit[:-3]}"] = ratio(med["batched"]["steady"][unit], bat)
+        # per round: the share of each answer's time its traced steps took
+        for case in ("batched", "lone"):
+            out[f"{case}_trace_share_{unit[:-3]}"] = [
+                ratio(x["trace"][unit], (x["steady"][k] + x["filling"][k]) * 1e3) for x in got[case]]
     return out
 
 
