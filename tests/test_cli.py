@@ -282,3 +282,39 @@ def test_a_terminal_is_told_what_is_loading(monkeypatch, terminal):
         assert f"loading {model.name} ..." in during[0], during
     else:
         assert during == [""] and buf.getvalue() == ""
+
+
+@pytest.mark.parametrize("args, named", [(["--log-level", "bogus"], "'--log-level': choose one of critical"),
+                                         (["--name", "a", "--name", "b"], "--name given 2 times for 1 model"),
+                                         (["--parallel", "0"], "'--parallel': must be an integer >= 1, got 0"),
+                                         (["--slot-checkpoints", "-1"], "'--slot-checkpoints'")])
+def test_serve_bad_values_are_usage_errors_before_the_model_loads(native_path, monkeypatch, args, named):
+    """serve's own bad values: one line naming the flag, exit 2, before the model loads (before
+    session 44 --log-level and --name failed after loading it, exit 1; --parallel 0 and
+    --slot-checkpoints -1 named the config's field, not the flag)."""
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    r = run("serve", native_path, "--port", 1, *args)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.exit_code == 2 and len(lines) == 1 and named in lines[0], r.output
+
+
+def test_serve_log_level_trace_is_uvicorns(native_path, monkeypatch):
+    """`--log-level trace`, uvicorn's own level below debug, runs (it failed after loading the
+    model: `logging` has no TRACE until uvicorn's config is imported); any case is taken."""
+    import uvicorn
+
+    import logging
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: calls.append((app, kw)))
+    # as in the command, where uvicorn's config (which names level 5 TRACE) is not imported yet
+    monkeypatch.delitem(logging._nameToLevel, "TRACE", raising=False)
+    monkeypatch.setattr(logging.root, "handlers", [])   # (pytest's make basicConfig a no-op)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = run("serve", native_path, "--port", port, "--log-level", "TRACE")
+    assert r.exit_code == 0, r.output
+    served, kw = calls[0]
+    served.state.server.worker.stop()
+    assert kw["log_level"] == "trace"

@@ -145,7 +145,7 @@ CONFIG_FLAGS: dict[str, str] = {
     # ServerConfig
     "host": "--host", "port": "--port", "max_slots": "--max-slots", "small_request": "--small-request",
     "default_max_tokens": "--default-max-tokens", "default_num_ctx": "--default-num-ctx",
-    "stop_loops": "--stop-loops",
+    "stop_loops": "--stop-loops", "slot_checkpoints": "--slot-checkpoints", "parallel": "--parallel",
 }
 
 

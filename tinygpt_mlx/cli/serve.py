@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from tinygpt_mlx.config import CacheConfig, field_default
 from tinygpt_mlx.lazy import lazy
-from tinygpt_mlx.server.config import ServerConfig, listen_address
+from tinygpt_mlx.server.config import ServerConfig, check_names, listen_address
 
 from . import common as c
 from .common import err
@@ -25,6 +25,18 @@ uvicorn = lazy("uvicorn")
 
 
 _V = ServerConfig
+
+
+#: `--log-level`'s values: uvicorn's (its own "trace" below debug), as `logging` levels for ours
+LOG_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+              "info": logging.INFO, "debug": logging.DEBUG, "trace": 5}
+
+
+def _log_level(value: str) -> str:
+    """`--log-level` checked as click parses it (any case), before the model loads; lower case."""
+    if value.lower() not in LOG_LEVELS:
+        raise typer.BadParameter(f"choose one of {', '.join(LOG_LEVELS)}, got {value!r}")
+    return value.lower()
 
 
 @c.with_cache_options
@@ -89,7 +101,9 @@ def serve(
         "(a window under StreamingLLM), at the rate per token the start-up line prints; a request that would not "
         f"fit in the available memory waits too. Default {field_default(_V, 'parallel')}.",
         show_default=False)] = None,
-    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn / server log level.")] = "info",
+    log_level: Annotated[str, typer.Option(
+        "--log-level", help=f"uvicorn / server log level: {', '.join(LOG_LEVELS)}.",
+        callback=_log_level)] = "info",
 ) -> None:
     """Serve MODEL over HTTP: the ollama API (/api/*) and the OpenAI API (/v1/*)."""
     c.check_writable_dir(slot_dir, "--slot-dir")
@@ -112,11 +126,13 @@ def serve(
         raise c.config_error(e) from None
     # every name resolved before anything heavy is imported or loaded
     specs = [c.resolve_model(spec) for spec in (model or [None])]
+    with c.flag_value():   # (the messages name --name)
+        check_names(name or (), len(specs))
     check_listen(cfg.host, cfg.port)    # (and the address free: no model load for a port in use)
     with c.guarded():
         others = specs[1:]
         loaded = c.load_model(specs[0], weights)
-        logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(level=LOG_LEVELS[log_level], format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         app = server_app.create_app(loaded, cache_config, max_slots=cfg.max_slots, prefill_chunk=cfg.prefill_chunk,
                          small_tokens=cfg.small_request, prompt_caches=prompt_cache or (), slot_dir=slot_dir,
                          others=others, weights=weights, default_max_tokens=cfg.default_max_tokens,

@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from . import ollama as ol
 from . import openai as oa
 from . import routes
-from .config import ServerConfig
+from .config import ServerConfig, check_names
 from ..loading import load
 from .models import Models
 from .state import ApiError, Server, names_for
@@ -116,13 +116,7 @@ def rename(loaded: Any, others: Sequence[Any], names: Sequence[str]):
     """(loaded, others) with the given names in place of their own (`serve --name`), or None."""
     if not names:
         return None
-    if len(names) > 1 + len(others):
-        raise ValueError(f"--name given {len(names)} times for {1 + len(others)} model(s)")
-    for name in names:
-        if not name or any(ch.isspace() for ch in name) or name.count(":") > 1:
-            raise ValueError(f"--name {name!r}: a model name is one word, with at most one ':tag'")
-    if len(set(names)) != len(names):
-        raise ValueError(f"--name: the names must differ, got {', '.join(names)}")
+    check_names(names, 1 + len(others))
     if loaded.resolved is None:
         raise ValueError("--name needs a model loaded by tinygpt_mlx.loading.load")
     loaded.resolved = dataclasses.replace(loaded.resolved, name=names[0])

@@ -8,6 +8,19 @@ from typing import Optional
 from ..config import ConfigError, SampleConfig, _positive, field_default
 
 
+def check_names(names, models: int) -> None:
+    """`serve --name` (each model's name in the models' order): at most one per model, each one
+    word with at most one ':tag', all different; a ValueError naming what was given. The CLI
+    checks them before the first model loads; `app.rename` again."""
+    if len(names) > models:
+        raise ValueError(f"--name given {len(names)} times for {models} model(s)")
+    for name in names:
+        if not name or any(ch.isspace() for ch in name) or name.count(":") > 1:
+            raise ValueError(f"--name {name!r}: a model name is one word, with at most one ':tag'")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--name: the names must differ, got {', '.join(names)}")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """host/port to listen on; warm slots kept; the small-request rule's threshold (tokens).
