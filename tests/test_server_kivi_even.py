@@ -3,9 +3,10 @@
 In serve's compiled batched KIVI step the rows attend as one over their packed runs padded to the
 longest row's. Padded inside the trace, every row's freeze (its run one block longer) was a new
 set of input shapes: a trace, or an eager step where the freeze was done ahead. Padded before
-the step (`batch._even_runs`), the inputs change shape only when the longest run grows; a padded
-copy is kept while its run and length stay. These tests hold the rows to their solo steps and
-check the mechanism.
+the step (`batch._even_runs` until session 44, now `batch._joined_runs`, which also joins them
+along the rows), the inputs change shape only when the longest run grows; the joined runs are
+kept while no row's run changes. These tests hold the rows to their solo steps and check the
+mechanism.
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ def _shapes(run) -> tuple:
 def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, monkeypatch):
     """Four full int4 rows at their own lengths (packed runs of different lengths), 64 steps in
     lockstep with each row alone: every row's logits within 1e-5 of its solo step's, the same
-    greedy token; every stacked compiled call got, in each layer, every row's run at one shape
-    (the longest's: `_even_runs`), a padded run the same array from step to step while nothing
-    froze, and the copies kept are only those of the last step's rows; a stacked step where a row
-    froze ahead ran compiled (traced where its shapes were new: with the runs evened, only the
-    longest row's freeze brings new shapes), never eager."""
+    greedy token; every stacked compiled call got, in each layer, the rows' runs joined along the
+    rows at the longest's length (`_joined_runs`: row i its own run, zero-padded), the joined run
+    the same arrays from step to step while no row froze, and the runs kept are only those of the
+    last step's rows; a stacked step where a row froze ahead ran compiled (traced where its shapes
+    were new: with the runs joined at the longest's, only the longest row's freeze brings new
+    shapes), never eager."""
     m, tok = native32.model, native32.tokenizer
     cfg = CacheConfig(key_bits=4, value_bits=4)
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (3, 5, 7, 9))]
@@ -54,13 +56,15 @@ def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, 
     real = batch._Compiled.__call__
 
     def spy(self, *args):
-        if self.kind == "kivi":     # the rows' packed runs as passed, per row a list over the layers, and
-            # each row's own runs' arrays in its cache
-            own = [[c.body.tiers.packed.values for c in cache.owned] for cache in together]
+        if self.kind == "kivi":     # the packed runs as passed (stacked: per layer joined; else per row),
+            # and each row's own runs' arrays in its cache, per row a list over the layers
+            own = [[(c.body.tiers.packed.keys, c.body.tiers.packed.values) if c.body.n_packed else ()
+                    for c in cache.owned] for cache in together]
             calls.append((args[3], own))
         return real(self, *args)
     monkeypatch.setattr(batch._Compiled, "__call__", spy)
     batch.forget(m)
+    batch.drop_kept()
     before = batch.taken.copy()
     ahead_stacked = 0
     for _ in range(64):
@@ -78,24 +82,29 @@ def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, 
         tokens = [int(t) for t in mx.argmax(rows, axis=-1).tolist()]
     done = batch.taken - before
     assert done["compiled_kivi_stacked"] >= 32 and ahead_stacked >= 2, (done, ahead_stacked)
-    stacked = [c for c in calls if all(run for row in c[0] for run in row)]      # (every row has blocks)
+    # stacked calls with every row holding blocks: per layer one joined run (a tuple of two sides)
+    stacked = [c for c in calls if all(run for row in c[1] for run in row) and len(c[0]) == len(c[1][0])
+               and all(len(run) == 2 and run[1][0].shape[0] == 4 for run in c[0])]
     assert len(stacked) >= 32
-    for passed, _ in stacked:
-        for j in range(len(passed[0])):
-            assert len({_shapes(row[j]) for row in passed}) == 1, "a row's run not at the longest's shape"
-    # a row's run unchanged in its cache over two steps, padded to one shape: the same arrays passed
-    same = reused = padded = 0
+    for passed, own in stacked:
+        for j, run in enumerate(passed):
+            longest = max(row[j][1][0].shape[-2] for row in own)
+            assert run[1][0].shape[-2] == longest, "the joined run not at the longest row's length"
+            for i, row in enumerate(own):       # row i of the joined run: its own run, then zeros
+                n = row[j][1][0].shape[-2]
+                assert mx.array_equal(run[1][0][i:i + 1, :, :n], row[j][1][0]).item()
+                assert not mx.any(run[1][0][i:i + 1, :, n:]).item()
+    # no row's run changed over two steps: the same joined arrays passed (kept, not made anew)
+    same = reused = 0
     for (a, own_a), (b, own_b) in zip(stacked, stacked[1:]):
-        for i, (ra, rb) in enumerate(zip(a, b)):
-            for j in range(len(ra)):
-                if own_a[i][j] is own_b[i][j] and _shapes(ra[j]) == _shapes(rb[j]):
-                    same += 1
-                    reused += all(x is y for sa, sb in zip(ra[j], rb[j]) for x, y in zip(sa, sb))
-                    padded += ra[j][1][0] is not own_a[i][j][0]
-    assert padded and reused == same, (reused, same, padded)     # each padded copy kept, not made anew
-    # only the last step's rows' copies are held
-    last = {id(row[j][1][0]) for row in stacked[-1][0] for j in range(len(stacked[-1][0][0]))}
-    assert all(id(held[1][1][0]) in last for held in batch._EVENED.values())
+        for j in range(len(a)):
+            if all(ra[j][1][0] is rb[j][1][0] for ra, rb in zip(own_a, own_b)):
+                same += 1
+                reused += all(x is y for sa, sb in zip(a[j], b[j]) for x, y in zip(sa, sb))
+    assert same and reused == same, (reused, same)
+    # only the last step's runs are held
+    last = {id(run[1][0]) for run in stacked[-1][0]}
+    assert all(id(held[1][1][0]) in last for key, held in batch._EVENED.items() if key[0] == "packed")
     assert len({c.current_length for c in together}) == 4
     assert batch._EVENED
     batch.drop_kept()                       # (what an idle worker does)
@@ -137,8 +146,9 @@ def test_the_admission_counts_the_padded_runs(native32, monkeypatch):
     kept between steps): for an int4 policy a request that fits with its cache and the running
     caches' growth but not with the padded copies waits (the log line names them); at the bound
     it starts; the copies held now are subtracted (the OS counts them used already); a full-cache
-    policy and retrieval count none. The bound: one copy per row but the longest, each of the
-    longest row's tokens (at most STACK_TOKENS) at the compute precision."""
+    policy and retrieval count none. The bound: one copy per row (the runs joined along the rows,
+    `_joined_runs`), each of the longest row's tokens (at most STACK_TOKENS) at the compute
+    precision."""
     from types import SimpleNamespace
 
     from tinygpt_mlx.server import worker
@@ -154,7 +164,7 @@ def test_the_admission_counts_the_padded_runs(native32, monkeypatch):
         a = Admission(native32, cfg)
         need, grow = a.worst(new), sum(a.growth(s) for s in running)
         longest = max(len(j.ids) + j.max_tokens for j in jobs)
-        pad = 3 * min(longest, batch.STACK_TOKENS) * a.per_token if pads else 0
+        pad = 4 * min(longest, batch.STACK_TOKENS) * a.per_token if pads else 0
         assert a.padded([len(j.ids) + j.max_tokens for j in jobs]) == pad
         a.available = lambda: a.RESERVE + need + grow + pad - 1
         ok, why = a.fits(new, running)

@@ -67,8 +67,14 @@ would freeze a block or outgrow its buffers has that done ahead, before the step
 every row is found able to step so; its step is then a quiet one, compiled where the step's
 function has traced its shapes, else eager (`KIVI_AHEAD_TRACES`: a trace costs more than the
 eager step; the eager step then freezes nothing more); rows that attend stacked have their packed
-runs padded to the longest row's before the step (`_even_runs`, the copies kept between steps), so
-their shapes change only when the longest run grows, and their ahead steps trace. A full cache's row with no
+runs joined along the rows, each padded to the longest row's, before the step (`_joined_runs`, the
+joined runs kept between steps while no row's run changes), so their shapes change only when the
+longest run grows, and their ahead steps trace. Stacked rows' residual buffers are the batch's:
+the step takes them joined along the rows and writes each row's token at its own slot; each row's
+residual then holds a view of its row (its values, no copy), and the next step reads the joined
+buffers as they lie where no row's buffers changed since (`_joined_buffers`: else it joins them
+anew), so a quiet step copies no row's arrays to join them; a row that leaves gets its own copy
+(`_release_joint`). A full cache's row with no
 block frozen yet (its first R + G or so tokens) steps compiled too, attending over its exact
 tokens in the eager step's exact form (`_TracedKivi._attend_exact`: the same bits), stacked only
 with rows like it. Under StreamingLLM a step where any row freezes or evicts a block runs eager
@@ -433,7 +439,7 @@ traced: Counter = Counter()
 #: rows from prompts of like lengths freeze within a few steps of each other, and a trace at each
 #: freeze (32-42 ms a step on the shipped model, load ~7) cost more than the eager freeze steps
 #: (15-27 ms) and one trace after them. Rows that attend stacked trace such a step all the same:
-#: their packed runs evened to the longest's (`_even_runs`), only the longest row's freeze brings
+#: their packed runs joined at the longest's (`_joined_runs`), only the longest row's freeze brings
 #: new shapes (one trace per G steps, then the other rows' freezes replay it)
 KIVI_AHEAD_TRACES = False
 
@@ -679,30 +685,36 @@ class _KiviRows(_TracedRows):
 
 class _KiviStacked(_TracedRows, _TracedKivi):
     """One model layer's KIVI caches of B sequences during the trace of a batched quiet step,
-    attending as one: each row writes its new token into its own residual buffer at its own
-    slot (`rows`, each a `_TracedKivi`), then the rows' sinks, packed runs, near tiers and
-    residual buffers are stacked along the rows, each padded with zeros to the longest row's
-    (`_padded`), and `_TracedKivi.attend` runs once over the B rows with a mask [B, 1, 1, slots]
-    that shows each row its own slots (`_stacked_mask`: the padding masked, as is every slot the
-    row's solo step masks). A padded key scores -inf and adds an exact zero: each row is its
-    solo attention over the same keys, its sums run over longer rows (the last bits may differ).
-    The rows' writes and the mask protocol are `_TracedRows`' (the rows' mask is built in the
-    step, `_stacked_mask`); the attention `_TracedKivi`'s, once over the stacked rows."""
+    attending as one: the rows' residual buffers come in joined along the rows (`buffers`, the
+    batch's, `_joined_buffers`: each row's padded with zeros to the longest row's), each row's
+    new token is written there at its own row and slot, then the rows' sinks, packed runs and
+    near tiers (`rows`, each a `_TracedKivi`) are stacked along the rows, each padded with zeros
+    to the longest row's (`_padded`), and `_TracedKivi.attend` runs once over the B rows with a
+    mask [B, 1, 1, slots] that shows each row its own slots (`_stacked_mask`: the padding masked,
+    as is every slot the row's solo step masks). A padded key scores -inf and adds an exact zero:
+    each row is its solo attention over the same keys, its sums run over longer rows (the last
+    bits may differ). The mask protocol is `_TracedRows`' (the rows' mask is built in the step,
+    `_stacked_mask`); the attention `_TracedKivi`'s, once over the stacked rows; the written
+    joined buffers come out of the step (`buffers`), each row's own a view of its row."""
 
-    def __init__(self, rows: list, offset: mx.array, masks: mx.array):
+    def __init__(self, rows: list, offset: mx.array, masks: mx.array, packed: tuple, near: tuple, buffers: tuple,
+                 at: mx.array):
         first = rows[0]
-        _TracedKivi.__init__(self, (), (), (), (), None, masks, offset, first.config, first.storage,
+        _TracedKivi.__init__(self, (), packed, near, buffers, None, masks, offset, first.config, first.storage,
                              first.compute_dtype)
-        self.rows = rows
+        self.rows, self.at = rows, at
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        # each row's token written into the batch's joined buffers at its own slot (`at` [B, 1, S, 1]:
+        # true at each row's slot; one element-wise node per side, not a slice and a write per row),
+        # the same values the row's own step writes into its buffer (`_TracedKivi.update_and_fetch`)
+        self.buffers = tuple(mx.where(self.at, new.astype(self.storage), b) for b, new in zip(self.buffers, (keys, values)))
+        return keys, values
 
     def attend(self, queries: mx.array, scale: float, mask: Any) -> mx.array:
         rows = self.rows
         stack = (lambda xs: mx.concatenate(xs, axis=0))
         self.sink = tuple(stack([r.sink[x] for r in rows]) for x in (0, 1)) if rows[0].sink else ()
-        self.packed = _padded([r.packed for r in rows])
-        self.near = _padded([r.near for r in rows]) if any(r.near for r in rows) else ()
-        size = max(r.buffers[0].shape[2] for r in rows)
-        self.buffers = tuple(stack([_pad(r.buffers[x], 2, size - r.buffers[x].shape[2]) for r in rows]) for x in (0, 1))
         return _TracedKivi.attend(self, queries, scale, None)
 
 
@@ -739,65 +751,144 @@ def _padded(runs: list) -> tuple:
     return tuple(out)
 
 
-#: the rows' runs padded by `_even_runs` in the last stacked KIVI step: (the run, its padded copy)
-#: by (the run's first arrays, the length padded to); each step keeps only what it used, so a row
-#: that leaves the batch, or whose run changed, drops its copy; an idle worker drops them all
-#: (`drop_kept`)
+#: the stacked rows' packed runs and near tiers as the last stacked KIVI step read them, joined
+#: along the rows (`_joined_runs`): (the rows' runs, their joined run) by (part, layer); each step
+#: keeps only what it used, so rows that leave the batch, or whose runs changed, drop it; an idle
+#: worker drops them all (`drop_kept`)
 _EVENED: dict = {}
 
 
 def kept_nbytes() -> int:
-    """Bytes of the padded runs kept now for the next stacked KIVI step (`_EVENED`: made and
+    """Bytes of the joined runs kept now for the next stacked KIVI step (`_EVENED`: made and
     dropped by the worker thread's steps; read on that thread)."""
     return sum(a.nbytes for _, run in _EVENED.values() for side in run for a in side)
 
 
 def drop_kept() -> None:
-    """Forget the padded runs kept for the next stacked KIVI step (`_EVENED`): the worker calls it
-    when it goes idle, so finished requests' runs are not held past their batch."""
+    """Forget the joined runs kept for the next stacked KIVI step (`_EVENED`) and the batch-owned
+    residual buffers (`_JOINT`, each row given its own copy): the worker calls it when it goes
+    idle, so finished requests' runs and buffers are not held past their batch."""
     global _EVENED
     _EVENED = {}
+    _release_joint()
 
 
-def _even_runs(runs_by_row: list, kept: dict) -> list:
-    """The rows' packed runs (or near tiers) of a stacked KIVI step, per row a list over the layers
-    (`kivi_inputs`), each run zero-padded along its token axes to the longest row's in that layer
-    (`_padded`'s padding, done outside the trace): the trace's inputs then change shape only when
-    the longest row's run grows, not at each row's freeze (a new set of shapes: a trace, or an
-    eager step where the freeze was done ahead, `KIVI_AHEAD_TRACES`), and the trace pads nothing.
-    The stacked attention reads the same arrays as before (`_padded` of runs of one length joins
-    them as they are): the same bits. A padded copy is kept from step to step while the run and the
-    length it is padded to stay (`_EVENED`; the copies used are put in `kept`, the step's next
-    `_EVENED`). Rows without a run (()) are left as they are."""
-    out = [list(runs) for runs in runs_by_row]
+def _joined_runs(runs_by_row: list, kept: dict, part: str) -> list:
+    """The rows' packed runs (or near tiers, `part`) of a stacked KIVI step, per row a list over the
+    layers (`kivi_inputs`), joined along the rows per layer, each zero-padded along its token axes
+    to the longest row's (`_padded`, done outside the trace): the trace's inputs change shape only
+    when the longest row's run grows, not at each row's freeze (a new set of shapes: a trace, or an
+    eager step where the freeze was done ahead, `KIVI_AHEAD_TRACES`), and the trace joins nothing.
+    The stacked attention reads the same arrays as when the trace joined them: the same bits. A
+    joined run is kept from step to step while every row's run stays the same arrays (a run is
+    replaced, never written, when a block freezes: `_EVENED`; the runs used are put in `kept`, the
+    step's next `_EVENED`), so a quiet step makes no copy of any row's run."""
+    out = []
     for j in range(len(runs_by_row[0])):
-        runs = [runs[j] for runs in runs_by_row]
-        lengths = [run[1][0].shape[-2] if run else 0 for run in runs]
-        longest = max(lengths)
-        if not longest or len(set(lengths)) == 1:
-            continue
-        like = runs[lengths.index(longest)]
-        shapes = tuple(tuple(a.shape) for side in like for a in side)
-        for i, run in enumerate(runs):
-            if not run or lengths[i] == longest:
-                continue
-            key = (id(run[0][0]), id(run[1][0]), shapes)
-            held = _EVENED.get(key)
-            if held is None or held[0][0][0] is not run[0][0] or held[0][1][0] is not run[1][0]:
-                held = (run, _pad_run(run, like))
-            kept[key] = held
-            out[i][j] = held[1]
+        runs = tuple(runs[j] for runs in runs_by_row)
+        held = _EVENED.get((part, j))
+        if held is None or len(held[0]) != len(runs) or not all(_same_run(a, b) for a, b in zip(held[0], runs)):
+            held = (runs, _padded(list(runs)))
+            taken["kivi_runs_joined"] += 1
+        kept[(part, j)] = held
+        out.append(held[1])
     return out
 
 
-def _pad_run(run: tuple, like: tuple) -> tuple:
-    """`run` (its keys side, its values side) zero-padded along each array's token axis to `like`'s
-    shapes (`_padded`'s axes: a quantised key side, three arrays of K^T, along its last axis)."""
+def _same_run(a: tuple, b: tuple) -> bool:
+    """Whether two packed runs (each `(keys side, values side)`, or ()) are the same arrays."""
+    if not a or not b:
+        return not a and not b
+    return all(len(x) == len(y) and all(p is q for p, q in zip(x, y)) for x, y in zip(a, b))
+
+
+#: the batch-owned residual buffers of the last stacked KIVI step (`_joined_buffers`): per layer
+#: the rows' buffers joined along the rows as that step wrote them ("joined"), and per row and
+#: layer what each row's residual was handed then ("rows": the residual, its key and value views
+#: of its row, its `version` and its led-sink mark after the step's commit)
+_JOINT: dict = {}
+
+
+def _joined_buffers(caches: Sequence[KVCache], buffers: list) -> list:
+    """Per layer the stacked rows' residual buffers (`buffers`, per row and layer, as the rows'
+    caches hold them) joined along the rows [B, H, S, D], each padded with zeros to the longest
+    row's S. Where every row's residual in a layer still holds what the last stacked step handed
+    it (`_hand_out`: a view of its row of that step's written joined buffers, nothing written
+    since: the same arrays, `version` and led-sink mark), that step's joined buffers are the
+    same values and are read as they lie, with no copy; else they are joined anew (the copy each
+    step made before, now only after a row's buffers changed: a block frozen, a buffer grown, a
+    row joined or left, its cache stepped or written elsewhere). Rows of the last step not in
+    this one get their own copy of their views (`_release_joint`)."""
+    held, handed = _JOINT.get("joined"), _JOINT.get("rows")
+    same_rows = handed is not None and len(handed) == len(caches) and all(
+        h[0][0] is cache.owned[0].body.residual for h, cache in zip(handed, caches))
+    if handed is not None and not same_rows:
+        _release_joint(keep={id(cache.owned[0].body.residual) for cache in caches})
     out = []
-    for side in (0, 1):
-        axis = 3 if side == 0 and len(like[0]) == 3 else 2
-        out.append(tuple(_pad(a, axis, ref.shape[axis] - a.shape[axis]) for a, ref in zip(run[side], like[side])))
-    return tuple(out)
+    for j in range(len(buffers[0])):
+        if same_rows and all(_unchanged(h[j]) for h in handed):
+            out.append(held[j])
+            taken["kivi_joined_kept"] += 1
+            continue
+        size = max(b[j][0].shape[2] for b in buffers)
+        out.append(tuple(mx.concatenate([_pad(b[j][x], 2, size - b[j][x].shape[2]) for b in buffers], axis=0)
+                         for x in (0, 1)))
+        taken["kivi_joined_made"] += 1
+    return out
+
+
+def _unchanged(h: tuple) -> bool:
+    """Whether a residual holds what a stacked step handed it (`_JOINT`'s record `h`), unwritten."""
+    res, k, v, version, led = h
+    return res.keys is k and res.values is v and res.version == version and res._led_for == led
+
+
+def _hand_out(caches: Sequence[KVCache], joined: list, buffers: list) -> list:
+    """The written joined buffers of a stacked step (`joined`, per layer) as each row's own, per
+    layer and row: a view of its row, cut to its own buffer's size (`buffers`, the step's inputs
+    per row and layer), for its commit (no copy: a slice)."""
+    B = len(caches)
+    out = []
+    for j, (jk, jv) in enumerate(joined):
+        ks, vs = (mx.split(jk, B, axis=0), mx.split(jv, B, axis=0)) if B > 1 else ([jk], [jv])
+        row = []
+        for i in range(B):
+            k, v = ks[i], vs[i]
+            n = buffers[i][j][0].shape[2]
+            if n != k.shape[2]:
+                k, v = k[:, :, :n], v[:, :, :n]
+            row.append((k, v))
+        out.append(row)
+    return out
+
+
+def _keep_joint(caches: Sequence[KVCache], joined: list) -> None:
+    """After a stacked step's commit: its joined buffers and what each row's residual now holds
+    (`_JOINT`, one record made at once: the views it holds came from those buffers), for the next
+    step (`_joined_buffers`)."""
+    _JOINT["joined"] = joined
+    _JOINT["rows"] = [[(r, r.keys, r.values, r.version, r._led_for) for r in (c.body.residual for c in cache.owned)]
+                      for cache in caches]
+
+
+def _release_joint(keep: frozenset = frozenset()) -> None:
+    """Forget the batch-owned buffers (`_JOINT`): each row's residual still holding its view of
+    them (unwritten since) gets its own copy (the same values; its residual's id not in `keep`),
+    so a row that left the batch (a warm slot, a finished request) does not hold the whole
+    joined buffers alive."""
+    handed = _JOINT.get("rows") or []
+    mine = [rec for h in handed if id(h[0][0]) not in keep for rec in h if _unchanged(rec)]
+    copies = [(mx.array(rec[1]), mx.array(rec[2])) for rec in mine]
+    _JOINT.clear()
+    if not copies:
+        return
+    try:
+        mx.eval(copies)
+    except RuntimeError:    # (made on another thread's stream, a test's: they keep their views)
+        return
+    for rec, (k, v) in zip(mine, copies):
+        rec[0].keys, rec[0].values = k, v
+    taken["kivi_joined_released"] += len(copies)
 
 
 def _kivi_quiet(cache: KVCache) -> Optional[tuple]:
@@ -872,22 +963,31 @@ def _kivi_step(model: Any, key: tuple):
     _, owners, rows, stacked = key
 
     def step(tokens, offsets, sinks, packed, nears, buffers, firsts, slots, cuts, counts):
+        # (`buffers`: stacked, per layer the rows' buffers joined, `_joined_buffers`; else per row and layer)
         traced["kivi"] += 1
         B, n_sink = len(rows), sinks[0][0][0].shape[2] if sinks[0][0] else 0
-        if stacked:
-            shapes = (max((p[0][1][0].shape[2] for p in packed if p[0]), default=0),
-                      max((n[0][1][0].shape[2] for n in nears if n[0]), default=0),
-                      max(b[0][0].shape[2] for b in buffers))
+        if stacked:     # (`packed`, `nears`: per layer the rows' runs joined, `_joined_runs`)
+            shapes = (packed[0][1][0].shape[2] if packed[0] else 0, nears[0][1][0].shape[2] if nears[0] else 0,
+                      buffers[0][0].shape[2])
             masks = [_stacked_mask(n_sink, shapes, counts, firsts, slots, cuts)] * B
         else:
             masks = [_quiet_mask(n_sink, packed[i][0], nears[i][0], buffers[i][0], firsts[i:i + 1], slots[i:i + 1],
                                  cuts[i:i + 1]) for i in range(B)]
+        if stacked:     # each row's slot in the joined buffers [B, 1, S, 1]
+            at = (mx.arange(shapes[2], dtype=mx.int32)[None] == slots[:, None])[:, None, :, None]
         layers = []
-        for j in range(len(buffers[0])):
+        for j in range(len(sinks[0])):
+            if stacked:
+                made = [_TracedKivi(sinks[i][j], (), (), (), None, masks[i], None, row[3], row[2], row[1])
+                        for i, row in enumerate(rows)]
+                layers.append(_KiviStacked(made, offsets, masks[0], packed[j], nears[j], buffers[j], at))
+                continue
             made = [_TracedKivi(sinks[i][j], packed[i][j], nears[i][j], buffers[i][j], slots[i:i + 1], masks[i],
                                 None, row[3], row[2], row[1]) for i, row in enumerate(rows)]
-            layers.append(_KiviStacked(made, offsets, masks[0]) if stacked else _KiviRows(made, offsets))
+            layers.append(_KiviRows(made, offsets))
         logits = model(tokens, cache=[layers[i] for i in owners])
+        if stacked:
+            return logits, [layer.buffers for layer in layers]
         return logits, [[r.buffers for r in layer.rows] for layer in layers]
     # the weights are closed over, as in cache/compiled.py (constants of the trace)
     return _keep(model, key, _Compiled(lambda: mx.compile(step), "kivi"))
@@ -923,20 +1023,24 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     # they stack with each other, not with rows holding packed blocks)
     stacked = (len({r[0][:4] + r[0][5:] for r in rows}) == 1
                and max(q[1][1] + r[5][0][0].shape[2] for q, r in zip(quiet, rows)) <= STACK_TOKENS)
-    if stacked:     # (each row's packed run and near tier at the longest row's length: `_even_runs`)
+    if stacked:     # (the rows' packed runs and near tiers joined at the longest row's length: `_joined_runs`)
         global _EVENED
         kept: dict = {}
-        rows = [r[:3] + (packed, near) + r[5:] for r, packed, near in
-                zip(rows, _even_runs([r[3] for r in rows], kept), _even_runs([r[4] for r in rows], kept))]
+        packed, nears = _joined_runs([r[3] for r in rows], kept, "packed"), _joined_runs([r[4] for r in rows], kept, "near")
         _EVENED = kept
+    elif _JOINT:
+        _release_joint()        # (the rows attend one by one now: the joined buffers not read)
     key = ("kivi", owners, tuple(r[0] for r in rows), stacked)
     step = _kivi_step(model, key)
     if step is _FAILED:
         return None
     ints = (lambda n: mx.array([r[n] for r in rows], dtype=mx.int32))
-    args = (ids, ints(1), [r[2] for r in rows], [r[3] for r in rows], [r[4] for r in rows], [r[5] for r in rows],
+    buffers = _joined_buffers(caches, [r[5] for r in rows]) if stacked else [r[5] for r in rows]
+    if not stacked:
+        packed, nears = [r[3] for r in rows], [r[4] for r in rows]
+    args = (ids, ints(1), [r[2] for r in rows], packed, nears, buffers,
             ints(6), ints(7), ints(8), mx.array([(q[1][0], q[1][1] - q[1][0]) for q in quiet], dtype=mx.int32))
-    if late and not (KIVI_AHEAD_TRACES or stacked) and not step.holds(args):     # (stacked: `_even_runs`)
+    if late and not (KIVI_AHEAD_TRACES or stacked) and not step.holds(args):     # (stacked: `_joined_runs`)
         taken["kivi_ahead_eager"] += 1
         return None     # new shapes (a trace): the eager step, which freezes nothing more (module doc)
     try:
@@ -948,9 +1052,13 @@ def _compiled_kivi(model: Any, ids: mx.array, caches: Sequence[KVCache], owners:
     taken["compiled_kivi"] += 1
     taken["compiled_kivi_stacked"] += stacked
     taken["compiled_kivi_unpacked"] += any(not r[0][5] for r in rows)     # (a row with no block frozen yet)
+    if stacked:     # each row's buffers a view of its row of the written joined ones, kept for the next step
+        joined, new = new, _hand_out(caches, new, [r[5] for r in rows])
     for i, (cache, (plans, _)) in enumerate(zip(caches, quiet)):
         for j, (c, p) in enumerate(zip(cache.owned, plans)):
             c.commit(p, None, None, written=new[j][i])
+    if stacked:
+        _keep_joint(caches, joined)
     return logits
 
 

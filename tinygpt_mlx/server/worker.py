@@ -252,7 +252,7 @@ def kv_bytes(loaded: Any) -> tuple[int, list[tuple[int, int]]]:
 
 
 def padded_held() -> int:
-    """Bytes of the padded runs kept now for the next stacked KIVI step (`batch.kept_nbytes`, made
+    """Bytes of the joined runs kept now for the next stacked KIVI step (`batch.kept_nbytes`, made
     and dropped by this thread's steps: read on the worker thread)."""
     return batch.kept_nbytes()
 
@@ -293,17 +293,17 @@ class Admission:
         return tokens if job.max_context is None else min(tokens, job.max_context)
 
     def padded(self, tokens: list[int]) -> int:
-        """Bytes the padded copies of stacked KIVI rows may hold, of rows whose caches may reach
-        `tokens` (server/batch.py `_even_runs`: each row's packed run and near tier padded to the
-        longest row's and kept between steps): one copy per row but the longest, each at most the
-        longest row's frozen tokens, and those at most `batch.STACK_TOKENS` (past it the rows attend
-        one by one, nothing padded); counted at the compute precision, as `nbytes` counts a KIVI
-        cache (an upper bound of the packed bytes). 0 for a policy without KIVI's compiled batched
-        step (not quantised, or retrieval) and for one row."""
+        """Bytes the joined runs of stacked KIVI rows may hold, of rows whose caches may reach
+        `tokens` (server/batch.py `_joined_runs`: the rows' packed runs and near tiers joined along
+        the rows, each padded to the longest row's, and kept between steps): one copy per row, each
+        at most the longest row's frozen tokens, and those at most `batch.STACK_TOKENS` (past it the
+        rows attend one by one, nothing joined); counted at the compute precision, as `nbytes`
+        counts a KIVI cache (an upper bound of the packed bytes). 0 for a policy without KIVI's
+        compiled batched step (not quantised, or retrieval) and for one row."""
         c = self.config
         if len(tokens) < 2 or not c.quantised or c.retrieval:
             return 0
-        return (len(tokens) - 1) * min(max(self.held(t) for t in tokens), batch.STACK_TOKENS) * self.per_token
+        return len(tokens) * min(max(self.held(t) for t in tokens), batch.STACK_TOKENS) * self.per_token
 
     def growth(self, s: "Stream") -> int:
         """Bytes a running request's cache may still grow by."""
