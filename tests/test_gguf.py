@@ -448,3 +448,19 @@ def test_bad_weights_mode_is_one_line(tiny):
     assert r.exit_code == 1
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert lines == ["error: --weights 'fast': choose one of auto, packed, dense"], r.stderr
+
+
+def test_tags_quantization_level_is_the_files_type_as_ollama_reports_it(tmp_path, tiny):
+    """/api/tags' quantization_level is the GGUF's file type (`general.file_type`), as ollama
+    reports it: Gemma 3 270M's Q4_K_M file said Q5_0, the type most of its tensors have, before
+    session 44. A file without one keeps the main tensor type."""
+    from tinygpt_mlx.resolve import resolve
+    from tinygpt_mlx.server.models import describe
+
+    src, _ = tiny["llama"]
+    plain = write_gguf(src, tmp_path / "q8.gguf", "llama", quant="Q8_0")
+    typed = write_gguf(src, tmp_path / "km.gguf", "llama", quant="Q8_0", extra_md={"general.file_type": 15})
+    unknown = write_gguf(src, tmp_path / "odd.gguf", "llama", quant="Q8_0", extra_md={"general.file_type": 999})
+    assert describe(resolve(str(plain))).details["quantization_level"] == "Q8_0"
+    assert describe(resolve(str(typed))).details["quantization_level"] == "Q4_K_M"
+    assert describe(resolve(str(unknown))).details["quantization_level"] == "Q8_0"

@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import gguf
 import mlx.core as mx
 
-from ..ggml.header import read_header
+from ..ggml.arch import scalar
+from ..ggml.header import Header, read_header
 from ..resolve import Resolved
 from .ollama import quant_level
 from .state import ApiError, Server, names_for
@@ -36,6 +38,18 @@ class Entry:
     modified: float
 
 
+def file_type(h: Header) -> str:
+    """ollama's quantization_level of a GGUF: its file type as llama.cpp's quantizer wrote it
+    (`general.file_type`: Q4_K_M for Gemma 3 270M's Q4_K_M file, though most of its tensors are
+    Q5_0), named as ggml's `LlamaFileType` without its MOSTLY_ / ALL_; where the file has none (or
+    one ggml does not know), the type most of its tensors have (`Header.main_type`)."""
+    try:
+        name = gguf.LlamaFileType(int(scalar(h.metadata["general.file_type"]))).name
+    except (KeyError, TypeError, ValueError):
+        return h.main_type
+    return h.main_type if name == "GUESSED" else name.split("_", 1)[1]
+
+
 def describe(resolved: Resolved) -> Entry:
     """An /api/tags row from the file alone (no weights loaded)."""
     path = resolved.path
@@ -43,7 +57,7 @@ def describe(resolved: Resolved) -> Entry:
         h = read_header(path)
         label = h.metadata.get("general.size_label", "")
         details = {"format": "gguf", "family": h.architecture, "parameter_size": label,
-                   "quantization_level": h.main_type}
+                   "quantization_level": file_type(h)}
         size = path.stat().st_size
     elif resolved.format == "mlx-lm":
         config = json.loads((path / "config.json").read_text()) if (path / "config.json").is_file() else {}
