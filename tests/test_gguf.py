@@ -443,11 +443,14 @@ def test_sentencepiece_tokenizer_from_gguf_metadata(tmp_path):
 
 
 def test_bad_weights_mode_is_one_line(tiny):
+    """A bad --weights is a usage error (exit 2, checked as click parses it, before the model
+    loads: cli/common.py `_weights`, session 44; it exited 1 from the loader before)."""
     _, path = tiny["llama"]
     r = _run(["info", str(path), "--weights", "fast"])
-    assert r.exit_code == 1
+    assert r.exit_code == 2
     lines = [l for l in r.stderr.splitlines() if l.strip()]
-    assert lines == ["error: --weights 'fast': choose one of auto, packed, dense"], r.stderr
+    assert lines == ["error: Invalid value for '--weights': choose one of auto, packed, dense, got 'fast' "
+                     "(see 'posttrainllm info --help')"], r.stderr
 
 
 def test_tags_quantization_level_is_the_files_type_as_ollama_reports_it(tmp_path, tiny):
