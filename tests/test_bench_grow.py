@@ -167,12 +167,13 @@ def test_cli_bench_grow_from_and_abba(wide_path, tmp_path):
     (["--grow-from", "100", "--reference", "mlx", "--policies", "fp32"], "policy 'mlx' is one of mlx-lm's caches"),
 ])
 def test_cli_bench_grow_from_refuses_what_it_cannot_fill(wide_path, tmp_path, args, says):
-    """A bad --grow-from, or a policy it cannot fill: one line naming what was given, exit 1,
-    before the model loads (nothing on stdout, no JSON written)."""
+    """A bad --grow-from, or a policy it cannot fill: one line naming what was given, exit 2 (a
+    usage error since session 44; it was 1), before the model loads (nothing on stdout, no JSON
+    written)."""
     out = tmp_path / "b.json"
     r = _run("bench", wide_path, "--contexts", "400", "--decode-steps", 2,
              *(["--policies", "fp32"] if "--policies" not in args else []), *args, "--json", out)
-    assert r.exit_code == 1, r.output
+    assert r.exit_code == 2, r.output
     assert len(r.stderr.strip().splitlines()) == 1 and r.stderr.startswith("error:"), r.stderr
     assert says in r.stderr, r.stderr
     assert not r.stdout.strip() and not out.exists()
