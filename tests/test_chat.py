@@ -446,3 +446,36 @@ def test_a_cancelled_prefill_keeps_the_rest_of_the_message_for_the_next_turn(nat
     want = prefill(native.model, conv.fed, fresh, 8)
     assert conv.fed[:len(ids)] == ids and s.cache.current_length == len(conv.fed)
     assert mx.abs(s.logits - want).max().item() < 1e-4
+
+
+def _fake_session(pieces, templated, finish="stop"):
+    from types import SimpleNamespace
+    turn = SimpleNamespace(index=1, prefilled=5, generated=3, finish_reason=finish, decode_tokens_per_s=1.0,
+                           stored_count=8, current_length=8, cache_bytes=64)
+
+    class Fake:
+        def __init__(self):
+            self.templated, self.turns = templated, []
+
+        def say(self, message, should_stop=None):
+            self.turns.append(turn)
+            yield from pieces
+    return Fake()
+
+
+@pytest.mark.parametrize("templated", [False, True])
+def test_an_empty_answer_is_said_on_stderr(templated, capsys):
+    """A turn that ends with no visible text (Gemma 3's pretrained file in `chat`: three tokens,
+    then end of turn) says so on stderr, naming the missing chat template where there is none;
+    an answer with text, or one cut by the token limit, gets no such line; stdout keeps the text."""
+    from tinygpt_mlx.cli import chat as chat_cli
+
+    assert chat_cli.answer(_fake_session(["", "\n", " "], templated), "hi")
+    out, errs = capsys.readouterr()
+    assert out.strip() == "" and "ended its turn without any text" in errs
+    assert ("no chat template" in errs) == (not templated)
+    assert chat_cli.answer(_fake_session(["Paris", "."], templated), "hi")
+    out, errs = capsys.readouterr()
+    assert out == "Paris.\n" and "without any text" not in errs
+    assert chat_cli.answer(_fake_session([" "], templated, finish="length"), "hi")
+    assert "without any text" not in capsys.readouterr()[1]

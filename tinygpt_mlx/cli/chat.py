@@ -225,11 +225,13 @@ def converse(session, interactive: bool) -> None:
 def answer(session, message: str) -> bool:
     """One turn; False when a second Ctrl-C ended the session."""
     wrote = ""
+    text = False   # any visible character in the answer
     try:
         with Interrupts() as ints:
             for piece in session.say(message, should_stop=lambda: ints.stop):
                 c.write_stdout(piece)
                 wrote = piece or wrote
+                text = text or bool(piece.strip())
     except ContextLengthError as e:
         c.fail(str(e))
         return True
@@ -242,7 +244,19 @@ def answer(session, message: str) -> bool:
     elif not wrote:
         c.write_stdout("\n")
     err.print(turn_line(session.turns[-1]))
+    if not text and session.turns[-1].finish_reason == "stop":
+        err.print(empty_answer_note(session.templated))
     return True
+
+
+def empty_answer_note(templated: bool) -> str:
+    """Said on stderr when a turn ended with no visible text, so an empty answer is not taken
+    for a hang or a crash."""
+    if templated:
+        return "[yellow]the model ended its turn without any text[/yellow]"
+    return ("[yellow]the model ended its turn without any text: it has no chat template, so the turns "
+            "are plain 'User: / Assistant:' text, which a pretrained (not instruction-tuned) model may "
+            "not answer; `posttrainllm sample` continues a text instead[/yellow]")
 
 
 def register(app: typer.Typer) -> None:
