@@ -1463,7 +1463,7 @@ def test_serve_parallel_option(native_path, monkeypatch):
         srv.worker.stop()
         srv.pool.close()
     bad = CliRunner().invoke(app, ["serve", str(native_path), "--parallel", "0"])
-    assert bad.exit_code != 0 and "parallel must be an integer >= 1, got 0" in bad.output
+    assert bad.exit_code != 0 and "'--parallel': must be an integer >= 1, got 0" in bad.output   # (the flag named)
 
 
 @pytest.mark.parametrize("cfg", [CacheConfig(), CacheConfig(key_bits=4, sink=4, window=64)],

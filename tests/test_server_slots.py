@@ -171,4 +171,5 @@ def test_bad_slot_checkpoints_is_one_line(native_path):
     r = CliRunner().invoke(app, ["serve", str(native_path), "--slot-checkpoints", "-1"])
     assert r.exit_code != 0
     lines = [ln for ln in r.output.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "slot_checkpoints" in lines[0] and "-1" in lines[0], r.output
+    # (the flag named, not the config's field `slot_checkpoints`, since session 44)
+    assert len(lines) == 1 and "'--slot-checkpoints'" in lines[0] and "-1" in lines[0], r.output
