@@ -25,8 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.batch_rows import setup
-from benchmarks.bench_server_parallel import policies
+from benchmarks.batch_rows import chosen_policies, setup
 from tinygpt_mlx import blas
 from tinygpt_mlx.cli.common import write_atomic
 from tinygpt_mlx.loading import load
@@ -90,13 +89,7 @@ def main() -> None:
             ap.error(f"{name} must be at least {least}, got {value}")
     if not (args.before / "tinygpt_mlx" / "server" / "batch.py").is_file():
         ap.error(f"--before {args.before}: no tinygpt_mlx/server/batch.py there")
-    table = policies(128)
-    chosen = [p.strip() for p in args.policies.split(",")]
-    unknown = [p for p in chosen if p not in table]
-    if unknown or not chosen:
-        ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(table)}")
-    if not Path(args.model).expanduser().exists():
-        ap.error(f"model {args.model}: no such file or directory")
+    table, chosen = chosen_policies(ap, args.policies, args.model)
     loaded = load(args.model)
     before = load_before(args.before)
     threads = blas.Threads()

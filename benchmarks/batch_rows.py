@@ -144,6 +144,19 @@ def nodes(loaded, config, rows: int, warm: int, warm_slot: int, steps: int = 4) 
     return {"per_step": out, "marginal_row_nodes": round((out[R]["nodes"] - out["1"]["nodes"]) / (rows - 1), 1)}
 
 
+def chosen_policies(ap: argparse.ArgumentParser, spec: str, model: str) -> tuple[dict, list[str]]:
+    """bench_server_parallel's policies (window 128) and the labels `spec` names, after
+    checking them and that `model` exists (an `ap.error` line naming what was typed)."""
+    table = policies(128)
+    chosen = [p.strip() for p in spec.split(",")]
+    unknown = [p for p in chosen if p not in table]
+    if unknown or not chosen:
+        ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(table)}")
+    if not Path(model).expanduser().exists():
+        ap.error(f"model {model}: no such file or directory")
+    return table, chosen
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a .tinygpt, GGUF or model directory")
@@ -165,13 +178,7 @@ def main() -> None:
             ap.error(f"{name} must be at least {least}, got {value}")
     if args.rows > len(PROMPTS):
         ap.error(f"--rows must be at most {len(PROMPTS)}, got {args.rows}")
-    table = policies(128)
-    chosen = [p.strip() for p in args.policies.split(",")]
-    unknown = [p for p in chosen if p not in table]
-    if unknown or not chosen:
-        ap.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(table)}")
-    if not Path(args.model).expanduser().exists():
-        ap.error(f"model {args.model}: no such file or directory")
+    table, chosen = chosen_policies(ap, args.policies, args.model)
     loaded = load(args.model)
     res = {"model": Path(args.model).stem, "command": " ".join(sys.argv), "rows": args.rows, "warm": args.warm,
            "warm_slot": args.warm_slot, "steps": args.steps, "rounds": args.rounds,

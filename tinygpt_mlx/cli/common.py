@@ -70,22 +70,23 @@ PrefillTail = Annotated[Optional[int], typer.Option(
     "--prefill-tail", help=f"{PREFILL_TAIL_HELP} Default {field_default(_S, 'prefill_tail')}.", show_default=False)]
 
 
-def prefill_chunk(value: Optional[int]) -> int:
-    """`--prefill-chunk` for a command without a SampleConfig (bench, cache-report): checked by
-    SampleConfig's rule, a bad value a BadParameter naming the flag; None -> the default."""
+def _sample_field(field: str, value: Optional[int]) -> int:
+    """One SampleConfig field for a command without a SampleConfig: checked by SampleConfig's
+    rule, a bad value a BadParameter naming the flag; None -> the default."""
     try:
-        return SampleConfig(**({} if value is None else {"prefill_chunk": value})).prefill_chunk
+        return getattr(SampleConfig(**({} if value is None else {field: value})), field)
     except ValueError as e:
         raise config_error(e) from None
+
+
+def prefill_chunk(value: Optional[int]) -> int:
+    """`--prefill-chunk` for bench and cache-report (`_sample_field`)."""
+    return _sample_field("prefill_chunk", value)
 
 
 def prefill_tail(value: Optional[int]) -> int:
-    """`--prefill-tail` for a command without a SampleConfig (needle, compare): checked by
-    SampleConfig's rule, a bad value a BadParameter naming the flag; None -> the default."""
-    try:
-        return SampleConfig(**({} if value is None else {"prefill_tail": value})).prefill_tail
-    except ValueError as e:
-        raise config_error(e) from None
+    """`--prefill-tail` for needle and compare (`_sample_field`)."""
+    return _sample_field("prefill_tail", value)
 
 
 def cache_config(kv_quantize=None, kv_quantize_keys=None, kv_quantize_values=None, group_size=None,
