@@ -178,8 +178,13 @@ def _stderr_on_a_terminal(command: list[str], env: dict) -> list[str]:
         chunks.append(chunk)
     os.close(master)
     assert p.wait(timeout=300) == 0
-    text = re.sub(r"\x1b\[[0-9;]*m", "", b"".join(chunks).decode())     # a terminal gets colours
-    return [line for line in text.splitlines() if line.strip()]
+    # a terminal gets colours and the transient `loading NAME ...` spinner (its frames, then
+    # cursor-up/erase-line sequences that clear it): drop every control sequence and the frames
+    text = re.sub(r"\x1b\[[0-9;?]*[ -/]*[@-~]", "", b"".join(chunks).decode())
+    return [line for line in text.splitlines() if line.strip() and not LOADING_FRAME.match(line.strip())]
+
+
+LOADING_FRAME = re.compile(r"^[^\w\s]?\s*loading .+ \.\.\.$")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the note is Linux's")
