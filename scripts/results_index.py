@@ -92,7 +92,9 @@ def last_commit(path: Path) -> str:
     return r.stdout.strip() or "(uncommitted)"
 
 
-def render(cites: dict[str, dict]) -> str:
+def render(cites: dict[str, dict], commits: bool = True) -> str:
+    """The index's text; with `commits` False its commit column holds "-" (what `--check` compares
+    leaves that column out, and one `git log` per file is most of the script's time)."""
     lines = ["# docs/results: what each file is, where it is cited, what wrote it", "",
              "Made by `python scripts/results_index.py` (tests/test_results_index.py checks it is current).",
              "A command is shown where a citing page prints one that names the file; otherwise read the",
@@ -102,7 +104,8 @@ def render(cites: dict[str, dict]) -> str:
         cmd = c["commands"][0] if c["commands"] else ""
         cmd = f"`{cmd}`" if cmd else "(see the page)"
         pages = ", ".join(c["pages"]) or "**nowhere**"
-        lines.append(f"| `{f}` | {pages} | {cmd.replace('|', chr(92) + '|')} | {last_commit(RESULTS / f)} |")
+        commit = last_commit(RESULTS / f) if commits else "-"
+        lines.append(f"| `{f}` | {pages} | {cmd.replace('|', chr(92) + '|')} | {commit} |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,7 +118,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the index is stale or a file is uncited")
     args = ap.parse_args()
     cites = citations()
-    text = render(cites)
+    text = render(cites, commits=not args.check)
     uncited = [f for f, c in cites.items() if not c["pages"]]
     if args.check:
         # the commit column is left out of the comparison: a results file's commit is known only
