@@ -44,7 +44,7 @@ def ask(url: str, model: str, prompt: str, tokens: int, cancel_after) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="a .tinygpt, GGUF or model directory")
-    ap.add_argument("--policy", default="full", help="full, int4, sink4/windowW or retrieval sink4/hotW")
+    ap.add_argument("--policy", default="full", help="full, int4, sink4/windowW, retrieval sink4/hotW or int4 sink4/windowW")
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--clients", type=int, default=8)

@@ -47,7 +47,7 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("batch_ceiling", ["/no/model"], "model /no/model: no such file or directory"),
     ("batch_rows", ["/no/model", "--rows", "1"], "--rows must be at least 2, got 1"),
     ("batch_rows", ["/no/model", "--policies", "full,bogus"],
-     "--policies: unknown bogus; known: full, int4, sink4/window128, retrieval sink4/hot128"),
+     "--policies: unknown bogus; known: full, int4, sink4/window128, retrieval sink4/hot128, int4 sink4/window128"),
     ("batch_rows", ["/no/model"], "model /no/model: no such file or directory"),
     ("idle_release", ["/no/model", "--requests", "0"], "--requests must be at least 1, got 0"),
     ("idle_release", ["/no/model"], "model /no/model: no such file or directory"),
