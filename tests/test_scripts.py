@@ -4,6 +4,8 @@ refuse bad arguments before any work: exit 2, the flag and the value named in th
 
 import json
 import re
+import runpy
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,37 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_as_main(module: str, args: list[str], capfd, monkeypatch, timeout: float = 60) -> tuple[int, str, str]:
+    """`python -m benchmarks.MODULE ARGS` from the checkout's root, in this process: the module run
+    as `__main__` (runpy, as `-m` runs it: sys.argv[0] its file, so argparse's prog is MODULE.py);
+    (exit code, stdout, stderr) as the process would give them. A refusal comes before any work;
+    one that does not come in `timeout` seconds fails the test (as the subprocess's timeout did).
+    (A subprocess per case spent its seconds importing mlx_lm, transformers and torch: ~3-12 s
+    each, 39 cases; the refusal itself takes milliseconds.) An exception other than SystemExit,
+    which the process would end on with a traceback, fails the test with it."""
+    def too_long(signum, frame):
+        raise TimeoutError(f"benchmarks.{module} {args}: no refusal within {timeout} s")
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "argv", [f"benchmarks.{module}", *args])
+    monkeypatch.delitem(sys.modules, f"benchmarks.{module}", raising=False)   # run afresh, as `-m` does
+    capfd.readouterr()
+    previous = signal.signal(signal.SIGALRM, too_long)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    try:
+        runpy.run_module(f"benchmarks.{module}", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        if isinstance(e.code, str):          # the interpreter prints the message and exits 1
+            print(e.code, file=sys.stderr)
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    out, err = capfd.readouterr()
+    return code, out, err
 
 
 @pytest.mark.parametrize("args, says", [
@@ -21,12 +54,11 @@ ROOT = Path(__file__).resolve().parent.parent
     (["--retrieval-context", "100"], "--retrieval-context must be at least 512, got 100"),
 ])
 @pytest.mark.slow
-def test_decode_costs_refuses_bad_arguments(args, says):
-    r = subprocess.run([sys.executable, "-m", "benchmarks.decode_costs", *args],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines()[-1] == f"decode_costs.py: error: {says}"
-    assert "Traceback" not in r.stderr
+def test_decode_costs_refuses_bad_arguments(args, says, capfd, monkeypatch):
+    returncode, stdout, stderr = run_as_main("decode_costs", args, capfd, monkeypatch)
+    assert returncode == 2 and stdout == ""
+    assert stderr.strip().splitlines()[-1] == f"decode_costs.py: error: {says}"
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.parametrize("module, args, says", [
@@ -73,12 +105,11 @@ def test_decode_costs_refuses_bad_arguments(args, says):
     ("pool_attention_parts", ["--chunk", "4"], "--chunk 4: give at least 8"),
 ])
 @pytest.mark.slow
-def test_benchmarks_refuse_bad_arguments(module, args, says):
-    r = subprocess.run([sys.executable, "-m", f"benchmarks.{module}", *args],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.strip().splitlines()[-1] == f"{module}.py: error: {says}"
-    assert "Traceback" not in r.stderr
+def test_benchmarks_refuse_bad_arguments(module, args, says, capfd, monkeypatch):
+    returncode, stdout, stderr = run_as_main(module, args, capfd, monkeypatch)
+    assert returncode == 2 and stdout == ""
+    assert stderr.strip().splitlines()[-1] == f"{module}.py: error: {says}"
+    assert "Traceback" not in stderr
 
 
 @pytest.mark.slow
