@@ -3,6 +3,7 @@ refuse bad arguments before any work: exit 2, the flag and the value named in th
 (argparse's usage line above it); and every module or script the docs name exists."""
 
 import json
+import os
 import re
 import runpy
 import signal
@@ -112,6 +113,17 @@ def test_benchmarks_refuse_bad_arguments(module, args, says, capfd, monkeypatch)
     assert "Traceback" not in stderr
 
 
+def benchmark_env() -> dict:
+    """This environment with the system's OpenBLAS preloaded where `posttrainllm` would preload one
+    (tinygpt_mlx/blas.py's plan; none found or turned off: unchanged), as the docs run the
+    benchmarks (`LD_PRELOAD=... python -m benchmarks.NAME`). On MLX's reference BLAS these short
+    runs' prefills took most of their time."""
+    from tinygpt_mlx import blas
+
+    library = blas.plan(["benchmark"], os.environ, sys.platform).library
+    return blas.preload_environ(os.environ, library) if library else dict(os.environ)
+
+
 @pytest.mark.slow
 def test_rope_products_ab_writes_its_command_and_load(tmp_path):
     """benchmarks/rope_products_ab.py's JSON says how it was run (docs cite it: the command, the
@@ -119,12 +131,13 @@ def test_rope_products_ab_writes_its_command_and_load(tmp_path):
     model: one round, a 1,100-token prompt)."""
     out = tmp_path / "ab.json"
     args = ["--prompt", "1100", "--context", "1100", "--rounds", "1", "--json", str(out)]
+    env = benchmark_env()
     r = subprocess.run([sys.executable, "-m", "benchmarks.rope_products_ab", *args],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr
     got = json.loads(out.read_text())
     assert got["command"] == " ".join(["python -m benchmarks.rope_products_ab", *args])
-    assert "LD_PRELOAD" in got
+    assert "LD_PRELOAD" in got and got["LD_PRELOAD"] == env.get("LD_PRELOAD")
     for key in ("load_average_at_start", "load_average_at_end"):
         assert len(got[key]) == 3 and all(x >= 0 for x in got[key])
     assert [row["cache"] for row in got["rows"]] == ["fp32", "products", "rope"]
@@ -141,7 +154,7 @@ def test_kivi_window_attend_parts_writes_its_json_and_its_candidates_agree(tmp_p
     out = tmp_path / "parts.json"
     args = [str(ROOT / "models" / "tinygpt-base.tinygpt"), "--context", "1024", "--rounds", "3", "--json", str(out)]
     r = subprocess.run([sys.executable, "-m", "benchmarks.kivi_window_attend_parts", *args],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=benchmark_env())
     assert r.returncode == 0, r.stderr
     got = json.loads(out.read_text())
     assert got["command"] == " ".join(["python -m benchmarks.kivi_window_attend_parts", *args])
