@@ -9,12 +9,29 @@ import os
 import pytest
 from typer.testing import CliRunner
 
+from tests import openblas
 from tests.test_resolve import make_hf_cache, make_ollama_store
 from tinygpt_mlx.errors import PosttrainError
 
 pytestmark = pytest.mark.slow   # README: `-m "not slow"` skips these
 
 QUESTION = "What is the capital of France?"
+
+
+def test_this_module_under_openblas():
+    """The tests below run in a pytest process of their own with OpenBLAS preloaded, as the
+    command runs (tests/openblas.py): most of their time was the model's products on MLX's
+    reference BLAS (the module 56 s in the suite's process, 27 s this way with the process's start
+    and a second load, on the quiet 2-core machine, 2026-12-07; docs/testing.md)."""
+    openblas.under_openblas("tests/test_smollm2.py")
+
+
+@pytest.fixture(autouse=True)
+def _under_openblas(request):
+    """This module's tests but the one above skip here where it runs them under OpenBLAS
+    (`smollm2_gguf`, which test_readme.py imports, stays as it is)."""
+    if request.node.originalname != "test_this_module_under_openblas" and openblas.elsewhere():
+        pytest.skip("run under OpenBLAS by test_this_module_under_openblas")
 
 
 @pytest.fixture(scope="session")
