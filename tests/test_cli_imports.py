@@ -88,3 +88,22 @@ def test_lazy_modules_import_on_first_use_and_name_what_exists():
                 assert hasattr(module, node.attr), f"{path.name}: {declared[node.value.id]} has no {node.attr}"
                 checked += 1
     assert checked >= 19
+
+
+def test_sample_on_the_shipped_model_loads_neither_mlx_lm_nor_transformers():
+    """The native model runs on MLX alone: mlx-lm (whose package imports transformers, and torch
+    where installed: seconds at every start, ~300 MB of RSS) is imported only where an mlx-lm or
+    GGUF model, or mlx-lm's own caches, need it (loading, the cache factory's layout of a
+    non-native model, attention's fallback for a cache that is not ours)."""
+    args = ["sample", "-p", "And God said", "-n", "6", "--seed", "0", "--streaming-llm-sink", "4",
+            "--kiv-hot-budget", "8", "--kv-quantize", "int4"]
+    code = (f"sys.argv = ['posttrainllm', *{args!r}]\nfrom tinygpt_mlx.cli.main import app\n"
+            "try:\n    app()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('---modules---')")
+    probe = f"import sys\n{code}\nprint(' '.join(sorted(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "POSTTRAINLLM_NO_BLAS_PRELOAD": "1"})
+    assert out.returncode == 0 and "report:" in out.stderr, out.stderr
+    loaded = set(out.stdout.split("---modules---")[1].split())
+    assert "tinygpt_mlx.cache" in loaded and "tinygpt_mlx.loading" in loaded
+    assert not {"mlx_lm", "transformers", "torch"} & loaded, {"mlx_lm", "transformers", "torch"} & loaded

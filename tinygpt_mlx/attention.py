@@ -24,9 +24,10 @@ import sys
 from typing import Any, Optional
 
 import mlx.core as mx
-from mlx_lm.models import base as _mlx_base
 
-_original_sdpa = _mlx_base.scaled_dot_product_attention
+#: mlx-lm's own attention function, taken on first need (`_mlx_sdpa`): importing mlx-lm imports
+#: transformers (and torch where installed), seconds that a native model never needs
+_original_sdpa: Optional[Any] = None
 #: module name -> [the function it had before, how many live Routings patched it]
 _patched: dict[str, list] = {}
 
@@ -38,10 +39,21 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     attends over its own segments (its `update_and_fetch` returned only the new tokens); any
     other cache, or none, gets mlx-lm's attention over the `keys`/`values` it was handed."""
     if not getattr(cache, "reads_own_segments", False):
-        return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return (_original_sdpa or _mlx_sdpa())(queries, keys, values, cache=cache, scale=scale, mask=mask,
+                                               sinks=sinks)
     if sinks is not None:
         raise ValueError("posttrainllm caches do not support learned attention sinks yet")
     return cache.attend(queries, scale, mask)
+
+
+def _mlx_sdpa() -> Any:
+    """mlx-lm's `scaled_dot_product_attention`, imported the first time a cache that is not ours
+    needs it (or an mlx-lm model is routed), before anything here could have replaced it."""
+    global _original_sdpa
+    if _original_sdpa is None:
+        from mlx_lm.models import base
+        _original_sdpa = base.scaled_dot_product_attention
+    return _original_sdpa
 
 
 def _attention_modules(model: Any) -> list[str]:
@@ -92,6 +104,9 @@ def install(model: Any) -> Routing:
     """Route the attention of `model`'s modules through this module; returns the handle that
     undoes it. Modules that already call our function (the native model's) are left alone."""
     done = []
+    if any(sys.modules[name].scaled_dot_product_attention is not scaled_dot_product_attention
+           for name in _attention_modules(model)):
+        _mlx_sdpa()                      # taken before any module's name is replaced
     for name in _attention_modules(model):
         mod = sys.modules[name]
         if name in _patched:

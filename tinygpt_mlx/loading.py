@@ -11,9 +11,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from mlx_lm.utils import get_total_parameters
-from mlx_lm.utils import load as mlx_load
-
 from . import attention
 from . import format as tinygpt_format
 from .errors import ModelFormatError
@@ -122,6 +119,7 @@ def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") 
 def _load_gguf(path: Path, weights: str) -> LoadedModel:
     model, config, info, metadata = load_gguf_model(path, weights)
     wrapper = tokenizer_from_metadata(metadata, str(path))
+    from mlx_lm.utils import get_total_parameters    # mlx-lm (and transformers) only for its models
     info.update({"config": config, "parameters": get_total_parameters(model),
                  "file_bytes": path.stat().st_size})
     return LoadedModel(model, Tokenizer(wrapper=wrapper), "mlx-lm", path,
@@ -152,6 +150,7 @@ def _load_mlx_lm(path: Path) -> LoadedModel:
         raise ModelFormatError(f"{path}/config.json: invalid JSON ({e})") from None
     if not list(path.glob("*.safetensors")):
         raise ModelFormatError(f"{path}: no *.safetensors weights")
+    from mlx_lm.utils import load as mlx_load        # mlx-lm (and transformers) only for its models
     try:
         model, wrapper = mlx_load(str(path))
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:

@@ -16,7 +16,6 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.nn.layers.distributed import shard_linear
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import KVCache as MlxLayerCache
 
 from .attention import scaled_dot_product_attention
 from .config import ModelConfig
@@ -164,6 +163,7 @@ class Model(nn.Module):
     def make_cache(self) -> list:
         """Plain full-precision caches, mlx-lm's own (its convention: one per layer, a shared
         layer holding its owner's); `tinygpt_mlx.make_cache` gives our policies."""
+        from mlx_lm.models.cache import KVCache as MlxLayerCache   # only for mlx-lm's own caches
         caches: list = []
         for i, owner in enumerate(self.config.kv_owner):
             caches.append(caches[owner] if owner != i else MlxLayerCache())

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from mlx_lm.models.cache import KVCache as MlxLayerCache
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+import sys
 
 from .. import attention
 from ..config import CacheConfig
+from ..model import Model as NativeModel
 from .cold import ColdStore
 from .cold_device import DeviceColdStore
 from .kivi import KiviStore
@@ -71,9 +71,34 @@ def cold_store(config: CacheConfig, layer_index: int = 0) -> Any:
 def sliding_window(c: Any) -> Optional[int]:
     """The window of a model's own sliding-window layer cache (mlx-lm's `RotatingKVCache` with
     nothing kept at the front: Gemma 2/3's local layers), else None."""
-    if type(c) is RotatingKVCache and c.keep == 0:
+    mlx_caches = sys.modules.get("mlx_lm.models.cache")     # none made if mlx-lm was never imported
+    if mlx_caches is not None and type(c) is mlx_caches.RotatingKVCache and c.keep == 0:
         return int(c.max_size)
     return None
+
+
+class _FullLayerSlot:
+    """Stands for one plain full-attention layer cache of the native model (shared by the layers
+    that share its keys and values), in place of the mlx-lm `KVCache` its `make_cache` gives:
+    building ours needs only the layout, and importing mlx-lm costs seconds (transformers, torch)."""
+
+
+def _model_caches(model: Any) -> list:
+    """The caches the model itself makes, as `make_prompt_cache` gives them (the native model's
+    as `_FullLayerSlot`s in its layout)."""
+    if isinstance(model, NativeModel):
+        slots: list = []
+        for i, owner in enumerate(model.kv_owner):
+            slots.append(slots[owner] if owner != i else _FullLayerSlot())
+        return slots
+    from mlx_lm.models.cache import make_prompt_cache
+    return make_prompt_cache(model)
+
+
+def _plain_full(c: Any) -> bool:
+    """A model's own plain full-attention layer cache (mlx-lm's `KVCache`, or the native slot)."""
+    mlx_caches = sys.modules.get("mlx_lm.models.cache")
+    return type(c) is _FullLayerSlot or (mlx_caches is not None and type(c) is mlx_caches.KVCache)
 
 
 def sliding_layer(config: CacheConfig, window: int, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
@@ -107,8 +132,8 @@ def make_cache(model: Any, config: Optional[CacheConfig] = None, layer: Callable
     build reference paths with their own).
     """
     config = config or CacheConfig()
-    own = make_prompt_cache(model)
-    ours = [type(c) is MlxLayerCache or sliding_window(c) is not None for c in own]
+    own = _model_caches(model)
+    ours = [_plain_full(c) or sliding_window(c) is not None for c in own]
     if any(ours) and not attention.routes(model):
         raise ValueError(f"posttrainllm caches need our attention in the model's code, which is not routed "
                          f"for {type(model).__module__}: load the model with tinygpt_mlx.loading.load "
