@@ -14,6 +14,14 @@ def token_counts(ap: argparse.ArgumentParser, flag: str, text: str) -> list[int]
         ap.error(f"{flag} {text!r}: give a comma list of token counts")
 
 
+def at_least(ap: argparse.ArgumentParser, *checks: tuple) -> None:
+    """Each (flag, value, least) with value < least: one line naming the flag, its least and what
+    the user gave (`ap.error`: exit 2), the first that fails."""
+    for name, value, least in checks:
+        if value < least:
+            ap.error(f"{name} must be at least {least}, got {value}")
+
+
 def model_or_exit(ap: argparse.ArgumentParser, name):
     """The model `name` (a path or name `load_model` takes; None: the shipped model) loaded, its
     `.model`; else one line naming what the user typed (`ap.error`: exit 2)."""

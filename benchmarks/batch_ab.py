@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks._args import at_least
 from benchmarks.batch_rows import chosen_policies, setup
 from tinygpt_mlx import blas
 from tinygpt_mlx.cli.common import write_atomic
@@ -83,10 +84,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    for name, value, least in (("--rows", args.rows, 1), ("--warm", args.warm, 0), ("--steps", args.steps, 1),
-                               ("--rounds", args.rounds, 1)):
-        if value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+    at_least(ap, ("--rows", args.rows, 1), ("--warm", args.warm, 0), ("--steps", args.steps, 1),
+             ("--rounds", args.rounds, 1))
     if not (args.before / "tinygpt_mlx" / "server" / "batch.py").is_file():
         ap.error(f"--before {args.before}: no tinygpt_mlx/server/batch.py there")
     table, chosen = chosen_policies(ap, args.policies, args.model)

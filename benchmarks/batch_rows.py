@@ -43,6 +43,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks._args import at_least
 from benchmarks.bench_server_parallel import PROMPTS, policies
 from tinygpt_mlx import blas
 from tinygpt_mlx.cache import make_cache
@@ -172,10 +173,8 @@ def main() -> None:
     ap.add_argument("--nodes", action="store_true", help="also count each step's graph nodes (not timed)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    for name, value, least in (("--rows", args.rows, 2), ("--warm", args.warm, 0), ("--warm-slot", args.warm_slot, 0),
-                               ("--steps", args.steps, 1), ("--rounds", args.rounds, 1)):
-        if value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+    at_least(ap, ("--rows", args.rows, 2), ("--warm", args.warm, 0), ("--warm-slot", args.warm_slot, 0),
+             ("--steps", args.steps, 1), ("--rounds", args.rounds, 1))
     if args.rows > len(PROMPTS):
         ap.error(f"--rows must be at most {len(PROMPTS)}, got {args.rows}")
     table, chosen = chosen_policies(ap, args.policies, args.model)

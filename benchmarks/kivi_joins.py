@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from benchmarks._args import at_least
 from benchmarks.batch_rows import setup
 from benchmarks.bench_server_parallel import policies
 from tinygpt_mlx import blas
@@ -160,10 +161,8 @@ def main() -> None:
     ap.add_argument("--fed", action="store_true", help="feed each replay's written buffers to the next")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    for name, value, least in (("--rows", args.rows, 2), ("--warm", args.warm, 0), ("--steps", args.steps, 1),
-                               ("--whole", args.whole, 0), ("--rounds", args.rounds, 1)):
-        if value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+    at_least(ap, ("--rows", args.rows, 2), ("--warm", args.warm, 0), ("--steps", args.steps, 1),
+             ("--whole", args.whole, 0), ("--rounds", args.rounds, 1))
     table = policies(128)
     if args.policy not in table or table[args.policy].key_bits is None:
         ap.error(f"--policy: {args.policy!r} is not a KIVI policy of {', '.join(table)}")
