@@ -8,6 +8,7 @@ import pty
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -125,7 +126,7 @@ def _sgemm_bindings(tmp_path: Path, **env) -> list[str]:
     """Run `sample` as a user does and return, from the dynamic loader's own log
     (LD_DEBUG=bindings), the library each binding of libmlx's `cblas_sgemm` went to."""
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARK_VAR, blas.OFF_VAR)}
-    log = tmp_path / "ld" / "bindings"
+    log = tmp_path / ("ld" + "".join(f"-{k}" for k in env)) / "bindings"    # a folder per run: runs side by side
     log.parent.mkdir(exist_ok=True)
     r = subprocess.run([sys.executable, "-m", "tinygpt_mlx.cli.main", "sample", "-n", "2", "-p", "And God said",
                         "--seed", "0"], cwd=ROOT, capture_output=True, text=True, timeout=300,
@@ -148,8 +149,11 @@ def test_the_command_runs_with_openblas_preloaded_and_mlx_calls_it(tmp_path):
     preloaded: the loader binds MLX's `cblas_sgemm` to it, once (one process image loaded MLX);
     with POSTTRAINLLM_NO_BLAS_PRELOAD=1 it binds MLX's own reference BLAS."""
     library = blas.find_openblas()
-    assert _sgemm_bindings(tmp_path) == [library]
-    [own] = _sgemm_bindings(tmp_path, **{blas.OFF_VAR: "1"})
+    with ThreadPoolExecutor(max_workers=2) as pool:      # the two runs side by side: two processes
+        preloaded = pool.submit(_sgemm_bindings, tmp_path)
+        reference = pool.submit(_sgemm_bindings, tmp_path, **{blas.OFF_VAR: "1"})
+    assert preloaded.result() == [library]
+    [own] = reference.result()
     assert Path(own).name.startswith("libblas") and "mlx" in own, own
 
 
@@ -194,14 +198,18 @@ def test_without_openblas_a_terminal_gets_one_note_and_captured_stderr_none():
     note; `info`, which computes nothing: no note."""
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.MARK_VAR, blas.OFF_VAR)}
     command = [sys.executable, "-c", NO_OPENBLAS, "sample", "-n", "2", "-p", "And God said", "--seed", "0"]
-    lines = _stderr_on_a_terminal(command, env)
+    with ThreadPoolExecutor(max_workers=3) as pool:      # the three runs side by side: three processes
+        on_terminal = pool.submit(_stderr_on_a_terminal, command, env)
+        captured = pool.submit(subprocess.run, command, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=300)
+        info = pool.submit(_stderr_on_a_terminal, [sys.executable, "-c", NO_OPENBLAS, "info"], env)
+    lines = on_terminal.result()
     notes = [i for i, line in enumerate(lines) if "reference BLAS" in line]
     assert len(notes) == 1 and lines[notes[0]].startswith("note: MLX runs its reference BLAS here"), lines
     assert lines[notes[0] + 1].startswith("posttrainllm · model"), lines        # then the banner
-    captured = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    captured = captured.result()
     assert captured.returncode == 0 and "BLAS" not in captured.stderr, captured.stderr
-    assert not [line for line in _stderr_on_a_terminal([sys.executable, "-c", NO_OPENBLAS, "info"], env)
-                if "BLAS" in line]
+    assert not [line for line in info.result() if "BLAS" in line]
 
 
 
