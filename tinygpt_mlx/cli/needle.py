@@ -92,6 +92,16 @@ def print_table(result: dict) -> None:
     Console().print(table)
 
 
+def _reads(cfg) -> str:
+    """What the label's "top N pages" means beside the JSON's `top_pages`: a query attends its
+    best `retrieve_tokens` (whole pages: retrieve_tokens // page_size of them), chosen from the
+    pool of `top_pages` pages per query row its pass fetches (the JSON's top_pages, 256 at a
+    1,024 window, where the label says top 32 pages)."""
+    what = (f"{cfg.retrieve_tokens} tokens" if cfg.retrieve_unit == "tokens" else
+            f"{max(1, cfg.retrieve_tokens // cfg.page_size)} pages ({cfg.retrieve_tokens} tokens)")
+    return f" (a query reads its top {what} of a pool of its top_pages {cfg.top_pages} pages of {cfg.page_size})"
+
+
 @c.with_cache_options(hot_budget=256)
 def needle(
     model: c.ModelArg = None,
@@ -177,7 +187,7 @@ def needle(
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
         loaded = c.load_model(model, weights)
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
-                  f"retrieval policy: [green]{cfg.label()}[/green]"
+                  f"retrieval policy: [green]{cfg.label()}[/green]" + _reads(cfg)
                   + (" · original RoPE positions where a cell fits the context, else shifted" if cfg.rope_auto else "")
                   + f" · prefill chunk {prefill_chunk}" + (f", the last {tail} tokens apart" if tail else "")
                   + f" · task {task}"
