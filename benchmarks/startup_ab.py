@@ -61,6 +61,7 @@ def main() -> None:
             ap.error(f"--tree-{name} {str(tree)!r}: no tinygpt_mlx package there")
     if args.rounds < 1:
         ap.error(f"--rounds {args.rounds}: give at least 1")
+    load_at_start = os.getloadavg()
     runs: dict = {"a": [], "b": []}
     for _ in range(args.rounds):
         for name in ("a", "b", "b", "a"):
@@ -79,6 +80,9 @@ def main() -> None:
     print(f"b/a wall {summary['b_over_a_wall']}, same text {summary['same_text']}, load {summary['load_after']}")
     if args.json:
         out = {"command": ["posttrainllm", *COMMAND], "hide_torch": args.hide_torch,
+               # how this run was made, as the other benchmarks' JSONs say it
+               "benchmark_command": " ".join(["python -m benchmarks.startup_ab", *sys.argv[1:]]),
+               "LD_PRELOAD": os.environ.get("LD_PRELOAD"), "load_average_at_start": list(load_at_start),
                "trees": {k: str(v) for k, v in trees.items()},
                "runs": {k: [{x: r[x] for x in ("wall_s", "peak_rss_mib", "imported")} for r in rs]
                         for k, rs in runs.items()}, "summary": summary}
