@@ -43,8 +43,11 @@ def _sample_in_process(model_path, *args):
     the exit the CLI chose would be a traceback in a real run: refused here."""
     from typer.testing import CliRunner
 
+    from tests import process_warnings
     from tinygpt_mlx.cli.main import app
-    r = CliRunner().invoke(app, ["sample", str(model_path), *map(str, args)])
+    with process_warnings.as_a_process() as shown:     # a process prints them on stderr; pytest keeps them
+        r = CliRunner().invoke(app, ["sample", str(model_path), *map(str, args)])
+    assert not shown, process_warnings.printed(shown)
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
     return r
 
