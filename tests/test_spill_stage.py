@@ -288,12 +288,11 @@ def test_the_guess_replay_counts_what_a_staged_run_hits(native):
     (["--policy", "sink4/hot1024"], "--policy 'sink4/hot1024': no RAM budget (spillN), nothing would spill"),
     (["--text", "/no/such.txt"], "--text /no/such.txt: no such file"),
 ])
-def test_spill_guess_refuses_bad_arguments(args, says):
-    import subprocess
-    import sys
-    from pathlib import Path
+def test_spill_guess_refuses_bad_arguments(args, says, capfd, monkeypatch):
+    """`python -m benchmarks.spill_guess` run in pytest's process (test_scripts' `run_as_main`: a
+    subprocess spent seconds importing before a refusal of milliseconds; any exception but the
+    exit fails the test, as the process's traceback would)."""
+    from test_scripts import run_as_main
 
-    root = Path(__file__).resolve().parent.parent
-    r = subprocess.run([sys.executable, "-m", "benchmarks.spill_guess", "models/tinygpt-base.tinygpt", *args],
-                       cwd=root, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].endswith(says), r.stderr
+    returncode, _, stderr = run_as_main("spill_guess", ["models/tinygpt-base.tinygpt", *args], capfd, monkeypatch)
+    assert returncode == 2 and stderr.strip().splitlines()[-1].endswith(says), stderr
