@@ -5,6 +5,7 @@ run; questions are asked at temperature 0. README's first command is checked in
 test_readme_first_command.py, its two set-up lines by CI (.ci/run). (The commands table's bare
 names, `posttrainllm compare` and the like, name commands: they are only parsed.)"""
 
+import functools
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,19 @@ import pytest
 from tests.test_smollm2 import smollm2_gguf  # noqa: F401  (the fixture: SmolLM2, or a skip off CI)
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def concurrently(calls, workers: int = 2) -> list:
+    """Each zero-argument call's result, in order, the calls run `workers` at a time in threads.
+    The commands below start processes that share nothing (each its own model, port, files); one
+    after another they left one of the machine's two cores idle while a process started and
+    loaded (README's real-model lines 40.5 s -> 27.9 s, the keyed chat 18.0 s -> 15.1 s; not the
+    `mlx.launch` line: a launch's ranks spin while they wait, 13.8 s -> 18.4 s beside its
+    one-process run; docs/testing.md). A failed assertion in one is raised here (after the others
+    end)."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(call) for call in calls]
+        return [f.result() for f in futures]
 
 
 def python_api_blocks(markdown: str) -> list[str]:
@@ -178,13 +193,12 @@ def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf, token
                PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     answers = {"What is the capital of France?": "Paris", "What is the capital of Germany?": "Berlin",
                "What is 2 + 2?": "4"}
-    ran = 0
-    for line in _run_the_model_block():
+
+    def run_line(line: str) -> int:
         args = shlex.split(line, comments=True)
         if args[1] == "serve":
             _serve_as_written(line, env, [args[2], args[3]])
-            ran += 1
-            continue
+            return 1
         r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
         assert r.returncode == 0 and "Traceback" not in r.stderr, f"{line}\n{r.stderr[-2000:]}"
         if args[1] == "sample":
@@ -192,7 +206,9 @@ def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf, token
             assert answers[question] in r.stdout, f"{line}\n{r.stdout}"
         else:
             assert "llama" in r.stdout, r.stdout
-        ran += 1
+        return 1
+
+    ran = sum(concurrently([functools.partial(run_line, line) for line in _run_the_model_block()]))
     assert ran == 5
 
 
@@ -261,14 +277,17 @@ def test_readme_keyed_chat_runs_as_written():
               "The wind came down from the hills and the river rose.", "Who keeps the gate of the old town at night?"]
     conversation = "\n".join(["The pass key is 48213. Remember it.", *filler * 8, "What is the pass key?"]) + "\n"
     env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
-    replies = {}
-    for name, command in (("retrieval", line), ("window", line.replace("--kiv-hot-budget", "--streaming-llm-window"))):
+
+    def converse(command: str) -> str:
         r = subprocess.run(["bash", "-c", command], cwd=ROOT, env=env, input=conversation, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0 and "Traceback" not in r.stderr, f"{command}\n{r.stderr[-2000:]}"
         seen = [int(m) for m in re.findall(r"/ (\d+) seen", r.stderr)]
         assert len(seen) == 42 and seen[-1] > 4 * 512, r.stderr[-2000:]
-        replies[name] = r.stdout
+        return r.stdout
+
+    commands = {"retrieval": line, "window": line.replace("--kiv-hot-budget", "--streaming-llm-window")}
+    replies = dict(zip(commands, concurrently([functools.partial(converse, c) for c in commands.values()])))
     assert "The pass key is 48213" in replies["retrieval"], replies["retrieval"][-1000:]
     assert "48213" not in replies["window"] and "pass key" in replies["window"], replies["window"][-1000:]
 
