@@ -50,6 +50,8 @@ def smollm2_gguf():
 def smollm2(smollm2_gguf):
     from tinygpt_mlx.loading import load
 
+    if openblas.elsewhere():     # (a session fixture is set up before the autouse skip above)
+        pytest.skip("run under OpenBLAS by test_this_module_under_openblas")
     with load(smollm2_gguf) as loaded:
         yield loaded
 
