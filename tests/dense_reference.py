@@ -24,9 +24,11 @@ from tinygpt_mlx.cache.ring import RingLayer
 
 def dense_attend(layer: Any, queries: mx.array, scale: float, mask: Any) -> mx.array:
     """Attention of `queries` over `layer.fetch()`: mlx-lm's dense attention (the function our
-    routing replaced in the model's modules, looked up now so that a test's spy on it sees it)."""
+    routing replaced in the model's modules, looked up now so that a test's spy on it sees it;
+    taken from mlx-lm on first need, as the routing's fallback takes it)."""
     keys, values = layer.fetch()
-    return attention._original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
+    sdpa = attention._original_sdpa or attention._mlx_sdpa()
+    return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
 
 
 @contextlib.contextmanager

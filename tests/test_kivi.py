@@ -368,7 +368,7 @@ def test_kivi_on_mlx_lm_llama_via_installed_attention(llama):
 
 def test_sdpa_never_receives_integer_tensors(native32, monkeypatch):
     seen = []
-    real = attention._original_sdpa
+    real = attention._mlx_sdpa()      # mlx-lm's, taken on first need (a native model alone never imports it)
 
     def spy(q, k, v, **kw):
         seen.append((q.dtype, k.dtype, v.dtype))
