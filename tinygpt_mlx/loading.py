@@ -117,8 +117,12 @@ def load(model: Union[str, Path, Resolved, None] = None, weights: str = "auto") 
 
 
 def _load_gguf(path: Path, weights: str) -> LoadedModel:
-    model, config, info, metadata = load_gguf_model(path, weights)
-    wrapper = tokenizer_from_metadata(metadata, str(path))
+    # the tokenizer is built before the weights are dequantised: building Gemma 3's (262,144
+    # tokens) takes ~400 MB for a while, which the float32 weights then reuse (docs/gguf.md, "Memory")
+    built: list = []
+    model, config, info, metadata = load_gguf_model(
+        path, weights, before_tensors=lambda md: built.append(tokenizer_from_metadata(md, str(path))))
+    wrapper = built[0]
     from mlx_lm.utils import get_total_parameters    # mlx-lm (and transformers) only for its models
     info.update({"config": config, "parameters": get_total_parameters(model),
                  "file_bytes": path.stat().st_size})

@@ -18,7 +18,7 @@ from __future__ import annotations
 import importlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -48,12 +48,14 @@ def resolve_weights_mode(mode: str) -> str:
     return mode
 
 
-def load_gguf_model(path: Path, weights: str = "auto") -> tuple[nn.Module, dict, dict, dict]:
-    """(model, config, info, metadata) for a GGUF file; info says how each tensor type is held."""
+def load_gguf_model(path: Path, weights: str = "auto",
+                    before_tensors: Optional[Callable[[dict], None]] = None) -> tuple[nn.Module, dict, dict, dict]:
+    """(model, config, info, metadata) for a GGUF file; info says how each tensor type is held.
+    `before_tensors(metadata)` runs before the tensors are dequantised (`tensors.read`)."""
     mode = resolve_weights_mode(weights)
     header = read_header(path)    # exact tensor types; an unsupported architecture fails before any tensor is read
     arch = arch_for(header.metadata, str(path))
-    contents = read(path)
+    contents = read(path, before_tensors)
     md = contents.metadata
     config = config_from_metadata(md, arch, set(contents.tensors), str(path))
     if "rope_freqs.weight" in contents.tensors:
@@ -124,13 +126,13 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
         key = f"{gname}.{suffix}" if gname else None
         if base == "lm_head" and tied_file:
             key = f"token_embd.{suffix}"
-        if key not in contents.tensors:
+        if key not in done and key not in contents.tensors:
             raise ModelFormatError(f"{source}: no tensor for {pname} (looked for {key or 'a GGUF name'})")
         sources[pname] = key
         if key in done:
             t = done[key]
         else:
-            t = contents.tensors[key]
+            t = contents.tensors.pop(key)    # the file's tensor goes once converted (not held twice)
             if arch.permute_qk and suffix in ("weight", "bias") and base.endswith(("q_proj", "k_proj")):
                 heads = config["num_attention_heads"] if base.endswith("q_proj") else config["num_key_value_heads"]
                 t = _unpermute(t, heads)
@@ -138,6 +140,7 @@ def _gguf_params(model: nn.Module, contents: GGUFContents, arch: Arch, config: d
                 t = _dense(t, mx.float32) - arch.norm_offset
             if not (isinstance(t, Packed) and mode == "packed"):
                 t = _dense(t, dtype)
+            mx.eval([t.weight, t.scales, t.biases] if isinstance(t, Packed) else t)   # one tensor's temporaries at a time
             done[key] = t
         if isinstance(t, Packed):
             # scales and biases in the compute dtype: a float32 activation on the CPU backend
