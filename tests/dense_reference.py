@@ -27,8 +27,7 @@ def dense_attend(layer: Any, queries: mx.array, scale: float, mask: Any) -> mx.a
     routing replaced in the model's modules, looked up now so that a test's spy on it sees it;
     taken from mlx-lm on first need, as the routing's fallback takes it)."""
     keys, values = layer.fetch()
-    sdpa = attention._original_sdpa or attention._mlx_sdpa()
-    return sdpa(queries, keys, values, cache=None, scale=scale, mask=mask)
+    return attention._mlx_sdpa()(queries, keys, values, cache=None, scale=scale, mask=mask)
 
 
 @contextlib.contextmanager

@@ -25,8 +25,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 
-#: mlx-lm's own attention function, taken on first need (`_mlx_sdpa`): importing mlx-lm imports
-#: transformers (and torch where installed), seconds that a native model never needs
+from .lazy import lazy
+
+mlx_base = lazy("mlx_lm.models.base")   # mlx-lm's package imports transformers (and torch): seconds
+#: mlx-lm's own attention function, taken on first need (`_mlx_sdpa`): a native model never needs it
 _original_sdpa: Optional[Any] = None
 #: module name -> [the function it had before, how many live Routings patched it]
 _patched: dict[str, list] = {}
@@ -39,8 +41,7 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
     attends over its own segments (its `update_and_fetch` returned only the new tokens); any
     other cache, or none, gets mlx-lm's attention over the `keys`/`values` it was handed."""
     if not getattr(cache, "reads_own_segments", False):
-        return (_original_sdpa or _mlx_sdpa())(queries, keys, values, cache=cache, scale=scale, mask=mask,
-                                               sinks=sinks)
+        return _mlx_sdpa()(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     if sinks is not None:
         raise ValueError("posttrainllm caches do not support learned attention sinks yet")
     return cache.attend(queries, scale, mask)
@@ -51,8 +52,7 @@ def _mlx_sdpa() -> Any:
     needs it (or an mlx-lm model is routed), before anything here could have replaced it."""
     global _original_sdpa
     if _original_sdpa is None:
-        from mlx_lm.models import base
-        _original_sdpa = base.scaled_dot_product_attention
+        _original_sdpa = mlx_base.scaled_dot_product_attention
     return _original_sdpa
 
 
@@ -104,9 +104,6 @@ def install(model: Any) -> Routing:
     """Route the attention of `model`'s modules through this module; returns the handle that
     undoes it. Modules that already call our function (the native model's) are left alone."""
     done = []
-    if any(sys.modules[name].scaled_dot_product_attention is not scaled_dot_product_attention
-           for name in _attention_modules(model)):
-        _mlx_sdpa()                      # taken before any module's name is replaced
     for name in _attention_modules(model):
         mod = sys.modules[name]
         if name in _patched:
@@ -114,6 +111,7 @@ def install(model: Any) -> Routing:
         elif mod.scaled_dot_product_attention is scaled_dot_product_attention:
             continue
         else:
+            _mlx_sdpa()                  # mlx-lm's own, taken before any module's name is replaced
             _patched[name] = [mod.scaled_dot_product_attention, 1]
             mod.scaled_dot_product_attention = scaled_dot_product_attention
         done.append(name)

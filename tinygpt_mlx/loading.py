@@ -16,10 +16,12 @@ from . import format as tinygpt_format
 from .errors import ModelFormatError
 from .ggml.load import load_gguf_model, resolve_weights_mode
 from .ggml.tokenizer import tokenizer_from_metadata
+from .lazy import lazy
 from .model import count_parameters
 from .resolve import DEFAULT_MODEL_NAME, MODELS_DIR, Resolved, default_model_path, resolve  # noqa: F401
 from .tokenizer import Tokenizer
 
+mlx_utils = lazy("mlx_lm.utils")   # mlx-lm and GGUF models only: its package imports transformers (and torch)
 
 
 @dataclass
@@ -123,8 +125,7 @@ def _load_gguf(path: Path, weights: str) -> LoadedModel:
     model, config, info, metadata = load_gguf_model(
         path, weights, before_tensors=lambda md: built.append(tokenizer_from_metadata(md, str(path))))
     wrapper = built[0]
-    from mlx_lm.utils import get_total_parameters    # mlx-lm (and transformers) only for its models
-    info.update({"config": config, "parameters": get_total_parameters(model),
+    info.update({"config": config, "parameters": mlx_utils.get_total_parameters(model),
                  "file_bytes": path.stat().st_size})
     return LoadedModel(model, Tokenizer(wrapper=wrapper), "mlx-lm", path,
                        config.get("max_position_embeddings"), info)
@@ -154,9 +155,8 @@ def _load_mlx_lm(path: Path) -> LoadedModel:
         raise ModelFormatError(f"{path}/config.json: invalid JSON ({e})") from None
     if not list(path.glob("*.safetensors")):
         raise ModelFormatError(f"{path}: no *.safetensors weights")
-    from mlx_lm.utils import load as mlx_load        # mlx-lm (and transformers) only for its models
     try:
-        model, wrapper = mlx_load(str(path))
+        model, wrapper = mlx_utils.load(str(path))
     except (FileNotFoundError, ValueError, KeyError, OSError) as e:
         raise ModelFormatError(f"{path}: cannot load with mlx-lm ({str(e).splitlines()[0]})") from None
     ctx = config.get("max_position_embeddings") or config.get("n_positions")

@@ -19,6 +19,9 @@ from mlx.utils import tree_flatten
 
 from .attention import scaled_dot_product_attention
 from .config import ModelConfig
+from .lazy import lazy
+
+mlx_caches = lazy("mlx_lm.models.cache")   # mlx-lm's own caches (`make_cache`): only when asked for
 
 
 def count_parameters(model: Any) -> int:
@@ -160,13 +163,15 @@ class Model(nn.Module):
             m.up_proj = shard_linear(m.up_proj, "all-to-sharded", group=group)
             m.down_proj = shard_linear(m.down_proj, "sharded-to-all", group=group)
 
-    def make_cache(self) -> list:
+    def make_cache(self, layer_cache: Optional[Any] = None) -> list:
         """Plain full-precision caches, mlx-lm's own (its convention: one per layer, a shared
-        layer holding its owner's); `tinygpt_mlx.make_cache` gives our policies."""
-        from mlx_lm.models.cache import KVCache as MlxLayerCache   # only for mlx-lm's own caches
+        layer holding its owner's); `tinygpt_mlx.make_cache` gives our policies, from this layout
+        with `layer_cache()` (a class or function) making each owning layer's in place of mlx-lm's
+        `KVCache`."""
+        make = layer_cache or mlx_caches.KVCache
         caches: list = []
         for i, owner in enumerate(self.config.kv_owner):
-            caches.append(caches[owner] if owner != i else MlxLayerCache())
+            caches.append(caches[owner] if owner != i else make())
         return caches
 
     def num_parameters(self) -> int:

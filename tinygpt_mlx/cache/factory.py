@@ -3,12 +3,12 @@ every store and hands it its position rules and the codec (cache/__init__.py's d
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import sys
+from typing import Any, Callable, Optional
 
 from .. import attention
 from ..config import CacheConfig
+from ..lazy import lazy
 from ..model import Model as NativeModel
 from .cold import ColdStore
 from .cold_device import DeviceColdStore
@@ -19,6 +19,8 @@ from .ring import RingLayer
 from .positions import Positions
 from .ring import RingStore
 from .store import DTYPES, DenseStore, Forgets
+
+mlx_caches = lazy("mlx_lm.models.cache")   # mlx-lm's package imports transformers (and torch): seconds
 
 
 def find_rope(layer: Any) -> Optional[Callable]:
@@ -71,10 +73,15 @@ def cold_store(config: CacheConfig, layer_index: int = 0) -> Any:
 def sliding_window(c: Any) -> Optional[int]:
     """The window of a model's own sliding-window layer cache (mlx-lm's `RotatingKVCache` with
     nothing kept at the front: Gemma 2/3's local layers), else None."""
-    mlx_caches = sys.modules.get("mlx_lm.models.cache")     # none made if mlx-lm was never imported
-    if mlx_caches is not None and type(c) is mlx_caches.RotatingKVCache and c.keep == 0:
+    if _is_mlx_cache(c, "RotatingKVCache") and c.keep == 0:
         return int(c.max_size)
     return None
+
+
+def _is_mlx_cache(c: Any, class_name: str) -> bool:
+    """`c` is mlx-lm's cache class `class_name`; never while mlx-lm is not imported (nothing could
+    have made one), so a native model's caches are told apart without importing it."""
+    return "mlx_lm.models.cache" in sys.modules and type(c) is getattr(mlx_caches, class_name)
 
 
 class _FullLayerSlot:
@@ -87,18 +94,13 @@ def _model_caches(model: Any) -> list:
     """The caches the model itself makes, as `make_prompt_cache` gives them (the native model's
     as `_FullLayerSlot`s in its layout)."""
     if isinstance(model, NativeModel):
-        slots: list = []
-        for i, owner in enumerate(model.kv_owner):
-            slots.append(slots[owner] if owner != i else _FullLayerSlot())
-        return slots
-    from mlx_lm.models.cache import make_prompt_cache
-    return make_prompt_cache(model)
+        return model.make_cache(_FullLayerSlot)
+    return mlx_caches.make_prompt_cache(model)
 
 
 def _plain_full(c: Any) -> bool:
     """A model's own plain full-attention layer cache (mlx-lm's `KVCache`, or the native slot)."""
-    mlx_caches = sys.modules.get("mlx_lm.models.cache")
-    return type(c) is _FullLayerSlot or (mlx_caches is not None and type(c) is mlx_caches.KVCache)
+    return type(c) is _FullLayerSlot or _is_mlx_cache(c, "KVCache")
 
 
 def sliding_layer(config: CacheConfig, window: int, rope: Optional[Callable], layer_index: int = 0) -> LayerCache:
