@@ -11,6 +11,10 @@ from __future__ import annotations
 import contextlib
 import warnings
 
+from typer.testing import CliRunner
+
+from tinygpt_mlx.cli.main import app
+
 
 @contextlib.contextmanager
 def as_a_process():
@@ -28,3 +32,14 @@ def as_a_process():
 def printed(caught) -> list[str]:
     """The lines a process would have printed for `caught` (for an assertion's message)."""
     return [warnings.formatwarning(w.message, w.category, w.filename, w.lineno).rstrip() for w in caught]
+
+
+def invoke(args):
+    """`posttrainllm ARGS` in pytest's process (typer's CliRunner, stderr apart) checked as a
+    process would be seen: no warning it would have printed, and no exception but the CLI's own
+    exit (anything else would be a traceback in a real run). Returns the result."""
+    with as_a_process() as shown:     # a process prints them on stderr; pytest keeps them
+        r = CliRunner().invoke(app, [str(a) for a in args])
+    assert not shown, printed(shown)
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    return r
