@@ -370,3 +370,36 @@ def test_retrieval_cells_take_original_positions_only_inside_the_context(native_
             assert cell["output"] == named[cell["rope_mode"]][key]["output"]
             assert cell["telemetry"] == named[cell["rope_mode"]][key]["telemetry"]
     assert all(c["rope_mode"] == "shifted" for c in named["shifted"].values())
+
+
+def test_past_context_runs_the_full_cache_past_the_model_s_context(native_path, tmp_path):
+    """The full cache skips the cells longer than the model's context (256) unless --past-context;
+    with it, a 400-token cell runs, and as a StreamingLLM window larger than its prompt (nothing
+    evicted, the same positions) answers it, the same output and token count."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    args = ["needle", str(native_path), "--contexts", "128,400", "--depths", "0.5", "--seeds", "1",
+            "--policies", "full,streaming", "--streaming-llm-sink", "4", "--kiv-hot-budget", "1024"]
+
+    def cells(*extra):
+        out = tmp_path / "grid.json"
+        r = CliRunner().invoke(app, args + ["--json", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        got = json.loads(out.read_text())
+        return got, {(c["policy"], c["context"]): c for c in got["cells"]}
+
+    plain, skipped = cells()
+    assert plain["past_context"] is False and sorted(skipped) == [("full", 128), ("streaming", 128), ("streaming", 400)]
+    assert plain["summary"]["full"]["cells"] == 1
+    past, ran = cells("--past-context")
+    assert past["past_context"] is True and sorted(ran) == sorted([*skipped, ("full", 400)])
+    full, window = ran[("full", 400)], ran[("streaming", 400)]
+    assert full["prompt_tokens"] > 256 and full["prompt_tokens"] == window["prompt_tokens"]
+    assert full["output"] == window["output"] and full["passed"] == window["passed"]
+    assert ran[("full", 128)]["output"] == skipped[("full", 128)]["output"]
+    bad = CliRunner().invoke(app, args[:-6] + ["--policies", "streaming", "--past-context"])
+    assert bad.exit_code != 0 and "--past-context" in bad.output and "has no full" in bad.output

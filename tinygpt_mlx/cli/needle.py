@@ -114,8 +114,8 @@ def needle(
         "--first-seed", help="Seed of the first document (seeds run first..first+seeds-1), to add seeds "
         "to a grid already run.")] = 0,
     policies: Annotated[str, typer.Option(
-        "--policies", help="Comma list of: full (where it fits), streaming (sink + hot budget as window), "
-        "retrieval.")] = "full,streaming,retrieval",
+        "--policies", help="Comma list of: full (where it fits; everywhere with --past-context), streaming "
+        "(sink + hot budget as window), retrieval.")] = "full,streaming,retrieval",
     digits: Annotated[int, typer.Option("--digits", help="Digits of the pass key (of the asked value).")] = 5,
     task: Annotated[str, typer.Option(
         "--task", help="The documents: passkey (one fact in the filler), keyed (--facts secret numbers of "
@@ -140,6 +140,9 @@ def needle(
         "retrieval pass whatever their rank (an oracle coarse pass): 'ranking' where that answers (the "
         "page ranking lost the needle), 'reading' where it still fails. Costs a second prefill per "
         "failed cell.")] = False,
+    past_context: Annotated[bool, typer.Option(
+        "--past-context", help="Run the full cache on the contexts longer than the model's trained context "
+        "too (to count what it finds there beside StreamingLLM and retrieval; skipped otherwise).")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
@@ -177,6 +180,9 @@ def needle(
     if probe and cfg.retrieves_per_query:
         raise typer.BadParameter("--probe pins the needle's pages into each pass's pool; --kiv-positions slots "
                                  "gives each query a pool of its own")
+    if past_context and "full" not in names:
+        raise typer.BadParameter(f"--past-context runs the full cache past the model's context: --policies "
+                                 f"{policies!r} has no full")
     c.check_writable(json_path, "--json")
     c.check_writable(plot, "--plot")
     with c.flag_value():    # the names checked before loading anything (the message names the choices)
@@ -193,7 +199,7 @@ def needle(
                   + f" · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
 
-        fits = [n for n in ctx_list if not loaded.context_length or n <= loaded.context_length]
+        fits = [n for n in ctx_list if past_context or not loaded.context_length or n <= loaded.context_length]
         n_cells = len(depth_list) * seeds * sum(len(fits) if name == "full" else len(ctx_list) for name in configs)
 
         def progress(cell: dict) -> None:
@@ -225,7 +231,7 @@ def needle(
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
                                     on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in,
-                                    first_seed=first_seed, probe=probe, tail=tail)
+                                    first_seed=first_seed, probe=probe, tail=tail, past_context=past_context)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))

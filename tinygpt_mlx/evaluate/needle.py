@@ -223,7 +223,8 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 progress: Optional[Callable[[dict], None]] = None,
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
-                lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False, tail: int = 0) -> dict:
+                lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False, tail: int = 0,
+                past_context: bool = False) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
@@ -234,7 +235,9 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     `first_seed` .. `first_seed + seeds - 1`, so a grid can be extended by more seeds. `probe`:
     every retrieval cell that fails runs again with the needle's pages pinned into each pass's
     pool (`run_cell(oracle=True)`), and the cell keeps what that gave (`probe_record`). `tail`: each
-    prompt's last `tail` tokens are prefilled as a pass of their own (`generate.pass_end`; 0 = off)."""
+    prompt's last `tail` tokens are prefilled as a pass of their own (`generate.pass_end`; 0 = off).
+    `past_context`: the full cache runs every cell, those longer than the model's context too
+    (otherwise it skips them: where it does not fit)."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
@@ -247,7 +250,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
-                    if name == "full" and ctx_len and len(ids) > ctx_len:
+                    if name == "full" and not past_context and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
                     r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk, context=ctx_len,
                                  tail=tail)
@@ -261,13 +264,13 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                         progress(cell)
                     if partial is not None:
                         partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed,
-                                        tail))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail)
+                                        tail, past_context))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail, past_context)
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
             seeds: int, chunk: int, task: str = "passkey", facts: int = 4, first_seed: int = 0,
-            tail: int = 0) -> dict:
+            tail: int = 0, past_context: bool = False) -> dict:
     ctx_len = loaded.context_length
     summary = {}
     for name in configs:
@@ -282,7 +285,7 @@ def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], 
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
             "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
             "contexts": contexts, "depths": depths, "seeds": seeds, "first_seed": first_seed, "prefill_chunk": chunk,
-            "prefill_tail": tail,
+            "prefill_tail": tail, "past_context": past_context,
             "policies": {n: c.describe() for n, c in configs.items()},
             "cells": cells, "summary": summary}
 
