@@ -412,13 +412,19 @@ def serve(model: str, label: str, window: int, streams: int, port: int) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 
-def start_server(model: str, label: str, window: int, streams: int) -> tuple[subprocess.Popen, str]:
+def spawn_server(model: str, label: str, window: int, streams: int) -> tuple[subprocess.Popen, str]:
+    """The server process (`serve` above) started on a free port, and its URL; not yet answering
+    (bench_server_load waits for it with its own --start-timeout)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_server_parallel", model, "--serve", label,
                              "--window", str(window), "--streams", str(streams), "--port", str(port)])
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def start_server(model: str, label: str, window: int, streams: int) -> tuple[subprocess.Popen, str]:
+    proc, url = spawn_server(model, label, window, streams)
     deadline = time.time() + 300
     while True:
         try:

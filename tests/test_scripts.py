@@ -104,6 +104,13 @@ def test_decode_costs_refuses_bad_arguments(args, says, capfd, monkeypatch):
     ("coarse_scan", ["--top-pages", "5"], "--top-pages 5: give at least 32 (4 spans of 8 pages, what a query picks)"),
     ("pool_attention_parts", ["--reps", "0"], "--reps 0: give at least 1"),
     ("pool_attention_parts", ["--chunk", "4"], "--chunk 4: give at least 8"),
+    ("bench_server_load", ["/no/model", "--start-timeout", "0"], "--start-timeout must be more than 0 seconds, got 0"),
+    ("bench_server_load", ["/no/model", "--start-timeout", "nan"], "--start-timeout must be more than 0 seconds, got nan"),
+    ("bench_server_load", ["/no/model", "--request-timeout", "-5"],
+     "--request-timeout must be more than 0 seconds, got -5"),
+    ("bench_server_load", ["/no/model", "--rounds", "1"], "--rounds must be at least 2, got 1"),
+    ("bench_server_load", ["/no/model", "--cancel", "1.5"], "--cancel must be between 0 and 1, got 1.5"),
+    ("bench_server_load", ["/no/model"], "model /no/model: no such file or directory"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says, capfd, monkeypatch):
