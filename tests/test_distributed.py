@@ -133,6 +133,80 @@ def test_policies_exercise_what_they_claim(shipped_runs):
     assert p["int4+top8"]["single"]["disk_bytes"] > 0
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_ranks_meet_outside_the_watchdog_which_bounds_each_policy(monkeypatch, tmp_path, rank):
+    """The worker's order (sharded.main): rank 0's 1-rank runs, then the ranks meet (a gather) and
+    only then the watchdog starts, beaten before each policy. Rank 1 waits for rank 0's 1-rank runs;
+    inside the watchdog that wait ended it with 124 when the machine was shared (pytest -n 2)."""
+    events: list[str] = []
+
+    class Group:
+        def rank(self):
+            return rank
+
+        def size(self):
+            return 2
+
+    class Guard:
+        def __init__(self, rank, timeout=None):
+            pass
+
+        def __enter__(self):
+            events.append("watch")
+            return self
+
+        def __exit__(self, *exc):
+            events.append("end")
+
+        def beat(self):
+            events.append("beat")
+
+    loaded = type("Loaded", (), {"model": None, "tokenizer": type("T", (), {"encode": staticmethod(lambda s: [1, 2])})})
+    monkeypatch.setattr(sharded.distributed, "init", lambda: Group())
+    monkeypatch.setattr(sharded.distributed, "gather_ints", lambda v, g: events.append("meet") or [0, 1])
+    monkeypatch.setattr(sharded.distributed, "Guard", Guard)
+    monkeypatch.setattr(sharded.distributed, "shard", lambda loaded, group: events.append("shard"))
+    monkeypatch.setattr(sharded, "load", lambda path: loaded)
+    monkeypatch.setattr(sharded, "run", lambda model, ids, config: events.append("run") or ({"tokens": []}, []))
+    (tmp_path / "prompt.txt").write_text("x")
+    monkeypatch.setattr(sys, "argv", ["sharded", "m", str(tmp_path / "out"), str(tmp_path / "prompt.txt"), "full", "int4"])
+    sharded.main()
+    single = ["run", "run"] if rank == 0 else []
+    assert events == [*single, "meet", "watch", "shard", "beat", "run", "beat", "run", "end"]
+    assert json.loads((tmp_path / f"out.rank{rank}.json").read_text())["rank"] == rank
+
+
+def test_a_launch_past_its_timeout_ends_its_ranks_too(tmp_path):
+    """sharded.launch's timeout kills mlx.launch's process group: subprocess.run's killed only the
+    launcher, and the two ranks it left behind spun on both cores for the rest of the run."""
+    marker = f"hxd-rank-{os.getpid()}-{time.monotonic_ns()}"
+
+    def ranks_alive() -> list[int]:
+        found = []
+        for d in Path("/proc").iterdir():
+            try:
+                if d.name.isdigit() and marker.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                pass
+        return found
+
+    started = tmp_path / "started"
+    cmd = [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + os.environ['MLX_RANK'], 'w'); time.sleep(300)",
+           str(started), marker]
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            launch(2, cmd, timeout=8)
+        assert sorted(p.name for p in tmp_path.glob("started*")) == ["started0", "started1"], "the ranks never started"
+        deadline = time.monotonic() + 10
+        while ranks_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ranks_alive() == [], "ranks outlived their launch's timeout"
+    finally:
+        for pid in ranks_alive():
+            os.kill(pid, signal.SIGKILL)
+
+
 def sample_args(*extra: str) -> list[str]:
     return ["sample", str(SHIPPED), "--prompt", PROMPT, "--temperature", "0", "-n", "16",
             "--kv-quantize", "int4", "--streaming-llm-sink", "4", "--streaming-llm-window", "64", *extra]

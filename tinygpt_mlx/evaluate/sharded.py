@@ -9,7 +9,8 @@ this module as each rank's worker:
 
 Rank 0 first runs every policy on the whole model (the 1-rank run: no collective is involved,
 the model is not sharded yet); then every rank shards the model by KV head and runs every
-policy again, greedily. Each rank writes OUT.rank<r>.json: per policy the tokens and the cache
+policy again, greedily (the ranks meet before that, outside the watchdog, which then bounds each
+policy's run). Each rank writes OUT.rank<r>.json: per policy the tokens and the cache
 bytes (RAM, disk) of the 1-rank run (rank 0 only) and of its own shard, the 1-rank run's
 smallest top-1/top-2 logit margin over the generated steps, and the largest logit difference
 between the 1-rank and the sharded run (rank 0 only). One launch covers every policy, so Python
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -97,11 +99,25 @@ def launch(n: int, command: list[str], timeout: float = LAUNCH_TIMEOUT, env: Opt
     """Run `command` as n ranks on loopback; again on other ports (up to 3 tries) where a rank could
     not bind its port (taken between `free_port`'s check and the ring's bind: another process's)."""
     for _ in range(3):
-        p = subprocess.run(launch_cmd(n, command), capture_output=True, text=True, timeout=timeout,
-                           env=launch_env() if env is None else env, **extra)
+        p = run_group(launch_cmd(n, command), timeout, env=launch_env() if env is None else env, **extra)
         if "Couldn't bind socket" not in p.stdout + p.stderr:
             return p
     return p
+
+
+def run_group(cmd: list[str], timeout: float, **extra) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`, but a timeout ends
+    the launcher's whole process group, its ranks too: subprocess.run kills the launcher alone, and
+    ranks left behind spin on a core each for the rest of the machine's work."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, **extra) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_ranks(model: Path, tmp: Path, prompt: str, specs, env: Optional[dict] = None,
@@ -164,9 +180,15 @@ def main() -> None:
             r, logits = run(loaded.model, ids, policy(spec, tmp))
             result["policies"][spec] = {"single": r}
             reference[spec] = logits
-    with distributed.Guard(rank, timeout=switches.rank_timeout(default=120.0)):   # (the message's variable works)
+    # The other ranks wait here while rank 0 runs the whole model: a wait as long as that run, which
+    # the watchdog below would count as a hung peer (with the machine shared, 120 s was passed and
+    # rank 1 ended with 124). A rank that dies closes its socket and ends the wait; a hung one is
+    # left to the launch's own timeout.
+    distributed.gather_ints(rank, group)
+    with distributed.Guard(rank, timeout=switches.rank_timeout(default=120.0)) as guard:   # (the message's variable works)
         distributed.shard(loaded, group)
         for spec in specs:
+            guard.beat()   # the timeout bounds one policy's run, not all of them together
             r, logits = run(loaded.model, ids, policy(spec, tmp))
             entry = result["policies"].setdefault(spec, {})
             entry["sharded"] = r
