@@ -25,8 +25,12 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", quant: Optional[str] =
                quant_only: tuple = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up",
                                     "ffn_down", "token_embd"),
                tokenizer_model: str = "gpt2", pre: Optional[str] = None, extra_md: Optional[dict] = None,
-               chat_template: Optional[str] = None, tied: Optional[bool] = None) -> Path:
+               chat_template: Optional[str] = None, tied: Optional[bool] = None,
+               types: Optional[dict] = None) -> Path:
     """`src`: an mlx-lm model directory (config.json, model.safetensors, tokenizer.json).
+
+    `quant` is the block type of the 2-D tensors named in `quant_only`; `types` gives some of them
+    (by the same GGUF name, e.g. {"ffn_down": "Q4_K"}) another type, as llama.cpp's mixes do.
 
     `tied` says whether the file has its own `output.weight`, as llama.cpp's converter decides:
     None writes what the source holds (its `lm_head.weight` if it has one), True writes no output
@@ -73,8 +77,11 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", quant: Optional[str] =
         if arch in NORM_PLUS_ONE and "norm" in base:
             arr = arr + 1.0
         gname_full = f"{gname}.{suffix}"
-        if qtype is not None and arr.ndim == 2 and gname.split(".")[-1] in quant_only:
-            w.add_tensor(gname_full, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        kind = gname.split(".")[-1]
+        ttype = getattr(gguf.GGMLQuantizationType, types[kind]) if kind in (types or {}) else qtype
+        if ttype is not None and arr.ndim == 2 and kind in quant_only:
+            data = _k_codes(arr, ttype) if ttype in K_FP16_FIELDS else gguf.quants.quantize(arr, ttype)
+            w.add_tensor(gname_full, data, raw_dtype=ttype)
         else:
             w.add_tensor(gname_full, arr)
     w.write_header_to_file()
@@ -82,6 +89,24 @@ def write_gguf(src: Path, out: Path, arch: str = "llama", quant: Optional[str] =
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+#: K-quants that ggml's Python package reads but cannot write (`quants.quantize` raises
+#: NotImplementedError): the byte offsets of each 256-weight block's fp16 scales (ggml's block_q4_K)
+K_FP16_FIELDS = {gguf.GGMLQuantizationType.Q4_K: (0, 2)}
+
+
+def _k_codes(arr: np.ndarray, qtype) -> np.ndarray:
+    """A K-quant tensor of `arr`'s shape with random codes and small finite scales: NOT the
+    source's values (a model written so runs, with other weights), for what only a K-quant
+    tensor's type exercises (which reader reads the file, what is held packed)."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    rows, cols = arr.shape
+    assert cols % block == 0, f"a {qtype.name} row needs a multiple of {block} weights, not {cols}"
+    data = np.random.default_rng(0).integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    for offset in K_FP16_FIELDS[qtype]:     # d and dmin: 1e-3, so every weight is finite and small
+        data[:, :, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), dtype=np.uint8)
+    return data.reshape(rows, -1)
 
 
 def _write_tokenizer(w, src: Path, vocab_size: int, model: str, pre: Optional[str],

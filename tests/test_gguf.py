@@ -205,6 +205,9 @@ def test_block_quantised_gguf_packed_and_dense(tmp_path, tiny, quant):
                 packed_layers = [m for _, m in ours.model.named_modules() if hasattr(m, "bits")]
                 # Q5_0 is read by ggml's reader and always dequantised; the rest stay packed if asked
                 assert bool(packed_layers) == (mode == "packed" and quant != "Q5_0")
+                # and info says what was done (it said "packed" for Q5_0's dequantised tensors)
+                assert held[quant]["held"].startswith("packed") == bool(packed_layers), held
+                assert ("weights_note" in ours.info) == (mode == "packed" and quant == "Q5_0")
                 # measured 0.0 for every format and mode on the CPU backend
                 assert float(mx.abs(_logits(ours, PROMPT) - want).max()) < 1e-5, (quant, mode)
 
@@ -243,6 +246,118 @@ def test_gguf_info_names_what_was_loaded(tiny):
     out = json.loads(r.stdout)
     assert out["format"] == "gguf" and out["architecture"] == "qwen2" and out["source"] == "file"
     assert out["tensor_types"]["F32"]["count"] > 0
+
+
+def _kquant_mix(tmp_path, tok_json, refused: bool) -> Path:
+    """A llama GGUF whose projections are Q8_0 (a type MLX's reader holds packed) but ffn_down
+    Q4_K (a K-quant, 256-weight rows: intermediate_size 256), and where `refused` attn_v Q5_0 (a
+    type MLX's reader refuses), as Gemma 3's Q4_K_M file mixes Q8_0, Q4_K, Q6_K and Q5_0."""
+    src = _build_dir(tmp_path / "mix-src", "llama", tok_json, intermediate_size=256)
+    types = {"ffn_down": "Q4_K", **({"attn_v": "Q5_0"} if refused else {})}
+    return write_gguf(src, tmp_path / f"mix-{refused}.gguf", "llama", quant="Q8_0", types=types)
+
+
+def _packed_layers(loaded) -> list:
+    return [name for name, m in loaded.model.named_modules() if hasattr(m, "bits")]
+
+
+def test_mlx_reader_types_are_what_mlx_reads(tmp_path):
+    """load.py's MLX_READER_TYPES / MLX_PACKED_TYPES, against the installed MLX: a one-tensor file
+    of each type is read (packed: a .scales beside it) or refused by `mx.load`."""
+    from tinygpt_mlx.ggml.load import MLX_PACKED_TYPES, MLX_READER_TYPES
+
+    for name in (*MLX_READER_TYPES, "Q5_0", "Q5_1", "Q3_K", "Q5_K", "Q8_K", "IQ4_NL", "F64"):
+        qtype = getattr(gguf.GGMLQuantizationType, name)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        w = gguf.GGUFWriter(str(tmp_path / f"{name}.gguf"), "llama")
+        w.add_tensor("x.weight", np.zeros((2, 256 // block * size), np.uint8), raw_dtype=qtype)
+        w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+        try:
+            got = mx.load(str(tmp_path / f"{name}.gguf"))
+        except Exception:
+            got = None
+        assert (got is not None) == (name in MLX_READER_TYPES), name
+        assert (got is not None and "x.scales" in got) == (name in MLX_PACKED_TYPES), name
+
+
+def test_refused_kquant_file_packed_is_dequantised_whole_and_info_says_so(tmp_path, tok_json):
+    """--weights packed on a file MLX's reader refuses (Q5_0 beside Q4_K and Q8_0, as Gemma 3's):
+    ggml's reader dequantises every tensor, its Q8_0 ones too; `info` says that (it said "packed
+    (MLX affine, group 32)" for every block type) and why."""
+    from tinygpt_mlx.cli.main import app
+
+    path = _kquant_mix(tmp_path, tok_json, refused=True)
+    assert {"Q8_0", "Q4_K", "Q5_0"} <= set(read_header(path).type_counts)
+    with load(path, weights="packed") as ours:
+        assert ours.info["reader"] == "gguf" and not _packed_layers(ours)
+    r = CliRunner().invoke(app, ["info", str(path), "--weights", "packed", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert {t: h["held"] for t, h in out["tensor_types"].items()} == {
+        "F32": "float32", "Q4_K": "dequantised to float32", "Q5_0": "dequantised to float32",
+        "Q8_0": "dequantised to float32"}
+    assert out["weights_note"] == (
+        "--weights packed: none of this file's tensors can stay packed: MLX's GGUF reader cannot read "
+        "its Q5_0 tensors, so ggml's reader reads the whole file and every tensor, its Q8_0 ones too, "
+        "is dequantised to float32")
+    text = CliRunner().invoke(app, ["info", str(path), "--weights", "packed"]).stdout
+    assert "packed (MLX affine" not in text and f"weights_note    {out['weights_note']}" in text, text
+    # dense asks for nothing packed: nothing to explain
+    r = CliRunner().invoke(app, ["info", str(path), "--weights", "dense", "--json"])
+    assert "weights_note" not in json.loads(r.stdout)
+
+
+def test_readable_kquant_file_packed_keeps_only_q8_0_packed(tmp_path, tok_json):
+    """A file MLX's reader reads (Q4_K beside Q8_0): its Q8_0 tensors stay packed, its Q4_K ones
+    MLX's reader dequantised (float16) and `info` says so, not "packed"."""
+    path = _kquant_mix(tmp_path, tok_json, refused=False)
+    with load(path, weights="packed") as ours:
+        assert ours.info["reader"] == "mlx"
+        layers = _packed_layers(ours)
+        assert layers and not [n for n in layers if "down_proj" in n], layers    # ffn_down: Q4_K
+        held = ours.info["tensor_types"]
+        assert held["Q8_0"]["held"] == "packed (MLX affine, group 32)"
+        assert held["Q4_K"]["held"] == "dequantised to float32 (by MLX's reader, through float16)", held
+        assert ours.info["weights_note"] == (
+            "--weights packed: this file's Q4_K tensors cannot stay packed: MLX packs only Q4_0, Q4_1, "
+            "Q8_0 and its GGUF reader dequantises Q4_K itself (to float16, then float32)")
+
+
+def test_refused_kquant_file_sample_packed_says_why_once_on_stderr(tmp_path, tok_json):
+    """sample --weights packed on the refused file says once on stderr that its tensors cannot
+    stay packed and why; --weights dense says nothing of it and samples the same text."""
+    from tests.process_warnings import invoke
+
+    path = _kquant_mix(tmp_path, tok_json, refused=True)
+    args = ["sample", path, "--prompt", "def f", "--tokens", "3", "--temperature", "0"]
+    r = invoke([*args, "--weights", "packed"])
+    assert r.exit_code == 0, r.output
+    notes = [l for l in r.stderr.splitlines() if "stay packed" in l]
+    assert len(notes) == 1 and "cannot read its Q5_0 tensors" in notes[0], r.stderr
+    dense = invoke([*args, "--weights", "dense"])
+    assert dense.exit_code == 0 and "stay packed" not in dense.stderr, dense.stderr
+    assert dense.stdout == r.stdout     # the same weights either way
+
+
+@pytest.mark.slow
+def test_real_gemma3_kquant_file_info_packed():
+    """The real Gemma 3 270M Q4_K_M file (skipped where it is not in the cache): `info --weights
+    packed` holds its Q8_0 tensors dequantised like the K-quants, and names the types that refuse."""
+    from tinygpt_mlx.cli.main import app
+    from tinygpt_mlx.errors import PosttrainError
+    from tinygpt_mlx.realmodel import gemma3_path
+
+    try:
+        path = gemma3_path(fetch=False)
+    except PosttrainError as e:
+        pytest.skip(f"Gemma 3 270M not available here: {e}")
+    r = CliRunner().invoke(app, ["info", str(path), "--weights", "packed", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert {t: h["held"] for t, h in out["tensor_types"].items() if t != "F32"} == {
+        t: "dequantised to float32" for t in ("Q4_K", "Q5_0", "Q6_K", "Q8_0")}
+    assert "MLX's GGUF reader cannot read its Q5_0 tensors" in out["weights_note"]
+    assert "its Q8_0 ones too" in out["weights_note"]
 
 
 # -- bad GGUF files ------------------------------------------------------------------------

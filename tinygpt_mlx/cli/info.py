@@ -24,7 +24,7 @@ def info(model: c.ModelArg = None,
                "checksum": loaded.checksum_state, "config": loaded.info["config"]}
         r = loaded.resolved
         out.update({"format": loaded.format, "source": r.source, "name": r.name, "found": r.origin})
-        for key in ("architecture", "model_type", "weights", "tensor_types", "gguf_name"):
+        for key in ("architecture", "model_type", "weights", "weights_note", "tensor_types", "gguf_name"):
             if key in loaded.info:
                 out[key] = loaded.info[key]
         if loaded.info.get("checksum"):
@@ -35,7 +35,7 @@ def info(model: c.ModelArg = None,
             print(json.dumps(out, indent=2))
             return
         for k in ("name", "path", "format", "source", "found", "kind", "architecture", "parameters",
-                  "context_length", "tokenizer", "vocab_size", "weights"):
+                  "context_length", "tokenizer", "vocab_size", "weights", "weights_note"):
             if k in out:
                 print(f"{k:15} {out[k]}")
         for t, held in out.get("tensor_types", {}).items():

@@ -237,6 +237,8 @@ def sample(
     turn = check_turn(saved, text, system, no_chat_template) if saved is not None else None
     with c.guarded(), ranks() as world:
         loaded = c.load_model(model, weights)
+        if loaded.info.get("weights_note"):     # packed weights asked for: why some types are not
+            note(loaded.info["weights_note"])
         if world.group is not None and (saved is not None or save_prompt_cache is not None):
             raise ValueError("prompt-cache files (--prompt-cache, --save-prompt-cache) are one process's "
                              "cache; they are not supported under several ranks yet")

@@ -9,7 +9,9 @@ block-quantised tensors MLX holds natively either stay packed (`QuantizedLinear`
   auto    packed on a GPU (Metal, CUDA: the quantised kernels read 4-8x fewer bytes), dense on
           the CPU backend, where MLX's quantised matmul is slower than a BLAS matmul
           (docs/gguf.md measures both)
-  packed  keep them packed
+  packed  keep them packed: the Q4_0, Q4_1 and Q8_0 tensors of a file MLX's reader reads; a file
+          with a type it refuses (Q5_0, Q3_K...) is dequantised whole, and `info` and `sample`
+          say so (`weights_note`)
   dense   dequantise everything to the compute dtype
 """
 
@@ -79,14 +81,52 @@ def load_gguf_model(path: Path, weights: str = "auto",
                                f"({_one_line(str(e), sources)})") from None
     mx.eval(model.parameters())
     dtype_name = str(compute_dtype()).rsplit(".", 1)[-1]
-    held = "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {dtype_name}"
+    held = {t: _held(t, mode, contents.reader, dtype_name) for t in header.type_counts}
     info = {"format": "gguf", "architecture": arch.gguf, "model_type": arch.model_type,
             "weights": mode, "reader": contents.reader,
-            "tensor_types": {t: {"count": n, "held": dtype_name if t in FLOAT_TYPES else held}
-                             for t, n in sorted(header.type_counts.items())},
+            "tensor_types": {t: {"count": n, "held": held[t]} for t, n in sorted(header.type_counts.items())},
             "gguf_name": scalar(md.get("general.name", "")),
             "file_type": scalar(md.get("general.file_type", -1))}
+    unpacked = sorted(t for t in held if t not in FLOAT_TYPES and not held[t].startswith("packed"))
+    if mode == "packed" and unpacked:
+        asked = "--weights packed" if weights == "packed" else f"--weights {weights} (packed on this backend)"
+        info["weights_note"] = _not_packed_note(asked, contents.reader, unpacked, header.type_counts, dtype_name)
     return model, config, info, md
+
+
+#: the block types MLX's GGUF reader (`mx.load`, MLX 0.32) gives as packed triples, which can
+#: stay packed; the other types it reads it dequantises itself, to float16 (BF16 too); a file
+#: with a type it does not read (Q5_0, Q5_1, Q3_K, Q5_K, IQ*...) it refuses whole, and ggml's
+#: reader dequantises every tensor of it (tensors.py). tests/test_gguf.py checks both lists
+#: against the installed MLX.
+MLX_PACKED_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+MLX_READER_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q4_K", "Q6_K", "I8", "I32")
+
+
+def _held(gtype: str, mode: str, reader: str, dtype_name: str) -> str:
+    """How the loader holds a tensor of GGML type `gtype`: what `info` reports per type."""
+    if gtype in FLOAT_TYPES:
+        return dtype_name
+    if reader == "mlx" and gtype in MLX_PACKED_TYPES:
+        return "packed (MLX affine, group 32)" if mode == "packed" else f"dequantised to {dtype_name}"
+    if reader == "mlx":
+        return f"dequantised to {dtype_name} (by MLX's reader, through float16)"
+    return f"dequantised to {dtype_name}"
+
+
+def _not_packed_note(asked: str, reader: str, unpacked: list, type_counts: dict, dtype_name: str) -> str:
+    """Why some (or all) of a file's block types are not held packed although packed was asked."""
+    if reader == "mlx":
+        return (f"{asked}: this file's {', '.join(unpacked)} tensors cannot stay packed: MLX packs only "
+                f"{', '.join(MLX_PACKED_TYPES)} and its GGUF reader dequantises {', '.join(unpacked)} "
+                f"itself (to float16, then {dtype_name})")
+    refused = sorted(t for t in type_counts if t not in MLX_READER_TYPES)
+    why = (f"MLX's GGUF reader cannot read its {', '.join(refused)} tensors" if refused
+           else "MLX's GGUF reader refused the file")
+    packable = sorted(t for t in type_counts if t in MLX_PACKED_TYPES)
+    too = f", its {', '.join(packable)} ones too," if packable else ""
+    return (f"{asked}: none of this file's tensors can stay packed: {why}, so ggml's reader reads "
+            f"the whole file and every tensor{too} is dequantised to {dtype_name}")
 
 
 def _dense(t: Any, dtype) -> mx.array:
