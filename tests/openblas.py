@@ -14,6 +14,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
@@ -36,16 +38,45 @@ def elsewhere() -> bool:
     return library() is not None
 
 
+#: the reason `under_openblas` skips with in a process that has OpenBLAS: the inner run's own
+#: skip of the module's wrapper test, which is not one of the module's tests
+HERE = "this process multiplies with OpenBLAS, or none is found: the module's tests run here"
+
+
 def under_openblas(module: str, timeout: float = 3600) -> None:
     """Run the tests of `module` (a path under tests/) in a pytest process with OpenBLAS
-    preloaded; fail with its output's tail when any of them fails."""
+    preloaded; fail with its output's tail when any of them fails, or when it collected none
+    (besides the wrapper test); skip, with the inner skip reasons, when it ran none (every one
+    skipped: the real model missing, say), instead of passing for tests that did not run."""
     lib = library()
     if lib is None:
-        pytest.skip("this process multiplies with OpenBLAS, or none is found: the module's tests run here")
-    run = subprocess.run([sys.executable, "-m", "pytest", module, "-p", "no:cacheprovider", "-rs"],
-                         cwd=ROOT, env=blas.preload_environ(os.environ, lib), capture_output=True, text=True,
-                         timeout=timeout)
-    tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
-    assert run.returncode == 0, f"{module} under OpenBLAS ({lib}) failed:\n{tail}"
-    assert " passed" in run.stdout or " skipped" in run.stdout, tail
+        pytest.skip(HERE)
+    with tempfile.TemporaryDirectory(prefix="openblas-") as tmp:
+        report = Path(tmp) / "inner.xml"
+        run = subprocess.run([sys.executable, "-m", "pytest", module, "-p", "no:cacheprovider", "-rs",
+                              f"--junitxml={report}"],
+                             cwd=ROOT, env=blas.preload_environ(os.environ, lib), capture_output=True,
+                             text=True, timeout=timeout)
+        tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
+        assert run.returncode != pytest.ExitCode.NO_TESTS_COLLECTED, \
+            f"{module} under OpenBLAS ({lib}) collected no tests:\n{tail}"
+        assert run.returncode == 0, f"{module} under OpenBLAS ({lib}) failed:\n{tail}"
+        ran, skipped = _outcomes(report)
+    assert ran or skipped, f"{module} under OpenBLAS ({lib}) collected no tests but its wrapper:\n{tail}"
     print(tail)
+    if not ran:
+        pytest.skip(f"{module} under OpenBLAS ran none of its {len(skipped)} tests: "
+                    + "; ".join(sorted(set(skipped))))
+
+
+def _outcomes(report: Path) -> tuple[int, list[str]]:
+    """(tests that ran, the skip reasons of those that did not) in a pytest JUnit XML report,
+    leaving out the module's wrapper test (skipped inside with HERE)."""
+    ran, skipped = 0, []
+    for case in ET.parse(report).iter("testcase"):
+        skip = case.find("skipped")
+        if skip is None:
+            ran += 1
+        elif HERE not in skip.get("message", ""):
+            skipped.append(skip.get("message", "").strip() or "(no reason given)")
+    return ran, skipped
