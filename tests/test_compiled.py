@@ -283,7 +283,9 @@ def test_compiled_kivi_window_step_reads_value_groups_of_their_own(tmp_path, tok
 
 
 def test_compiled_kivi_window_step_waits_for_the_full_window(native32):
-    """While the body grows every step is a new shape (a new trace): those steps run eager; and
+    """Before its first block froze (60 tokens under a 64-token window, R = G = 32) a window's
+    solo step runs eager, as a full cache's first steps do (a filling window's later quiet steps
+    compile since session 46: tests/test_server_kivi_fill.py); and
     KIVI under a window with absolute positions, or with an exact top-k shadow (a window's or a
     full cache's: keys before RoPE), is not covered. (A full KIVI cache's quiet steps are:
     below.)"""

@@ -11,9 +11,10 @@ into a few kernels and skips building the graph in Python each step. mlx-lm's ca
 state in Python integers (slicing by `offset` and `_idx`), which a trace would freeze, so a step
 over them cannot be compiled; ours can.
 
-KIVI under StreamingLLM on frame positions (kivi.py) gets the same for its quiet steps, once
-the window is full: the steps that neither freeze a block, evict one, grow the residual's
-buffer nor re-base (G - 1 of every G here). The trace (`_TracedKivi`) takes the placed sink
+KIVI under StreamingLLM on frame positions (kivi.py) gets the same for its quiet steps, with
+its window full or still filling (since session 46; before, only once a block was evicted): the
+steps that neither freeze a block, evict one, grow the residual's buffer nor re-base (G - 1 of
+every G here). The trace (`_TracedKivi`) takes the placed sink
 and the packed blocks as `LayerCache.segments` would hand them to attention, the residual as its
 whole buffers, and builds the step's mask from arrays (`_quiet_mask`: the residual's dead slots
 and the body's tokens the window no longer shows masked, `Masks.make`'s rule), computes what
@@ -21,8 +22,10 @@ and the body's tokens the window no longer shows masked, `Masks.make`'s rule), c
 group kept as rows: fewer nodes to replay), and writes the new token into the residual's buffer
 (in the trace, at an array index). Its shapes are the buffers' size and the packed run's length, not the residual's
 live tokens, so a trace serves every quiet step between two freezes (a few traces in all, each
-a few ms; it was one per residual length, about 2G); while the body still grows every step
-would be a new shape, so those steps stay eager. A full KIVI cache (no window) runs the same
+a few ms; it was one per residual length, about 2G). While the window fills, the packed run
+grows by a block every G steps, as a full cache's does: at most window / G lengths before the
+first eviction, the lengths the full window's packed run comes back to, so a few traces more
+(counted in docs/server.md, session 46). A full KIVI cache (no window) runs the same
 trace for its quiet steps (G - 1 of every G), without a sink segment: its exact first tokens are
 read with the residual from their copy in its buffers, as its eager step reads them
 (`KiviStore.segments_led`), and nothing is masked but the buffers' dead slots. Its packed run
@@ -251,18 +254,27 @@ def _ready(layer: Any, plan: Any) -> bool:
 
 def _kivi_ready(layer: Any, plan: Any, unpacked: bool = False) -> bool:
     """Whether this layer's next decode step (KIVI under StreamingLLM on frame positions, or a
-    full KIVI cache: the layer's `compiles`), planned as `plan`, is a quiet step: under
-    StreamingLLM the window full (blocks evicted before) and the sink full, in a full cache its
-    exact first tokens all held (`exact_prefix`); and neither a block to evict before the token
-    (`plan.drop`) nor one to freeze after it, nor a residual buffer to grow (`KiviStore.quiet`),
-    nor a re-base. `unpacked`: also before any block froze (a full cache's first steps: serve's
-    batched step, server/batch.py; the solo step runs those eager)."""
+    full KIVI cache: the layer's `compiles`), planned as `plan`, is a quiet step: the sink full
+    (under StreamingLLM the placed sink; in a full cache its exact first tokens all held,
+    `exact_prefix`); and neither a block to evict before the token (`plan.drop`) nor one to
+    freeze after it, nor a residual buffer to grow (`KiviStore.quiet`), nor a re-base. Under
+    StreamingLLM also while the window fills (nothing evicted yet, session 46): the step's shapes
+    are the residual's buffers and the packed run's length, which grows by G every G steps as a
+    full cache's does, at most window / G lengths before the first eviction (the same lengths
+    the steady window's packed run cycles through afterwards), so a filling window's quiet steps
+    replay a few traces, not one per step (the residual's live tokens are masked, not shapes).
+    `unpacked`: also before any block froze (a full cache's or a filling window's first steps:
+    serve's batched step, server/batch.py; the solo step runs those eager); under StreamingLLM
+    only while the window shows every body token (a window shorter than R + G can hold more
+    before its first freeze: its eager step reads them under the window's mask, in
+    `segments.attend`'s masked form, not the one-query form the trace's exact attention shares
+    with the unmasked eager step, `_TracedKivi._attend_exact`, so the two would differ in the
+    last bits)."""
     if plan.drop or plan.rebase or layer.dtype is None or len(layer.sink_store) != layer.config.held_sink:
         return False
-    # under StreamingLLM only once the window is full and blocks are evicted: then the step's
-    # shapes come back every G steps and each trace is reused; while the body grows every step
-    # would be a new trace. A full cache's packed run grows by G every G steps (`_kivi_decode`)
-    return (not layer.config.streaming or layer.start > layer.config.sink) and layer.body.quiet(unpacked)
+    if unpacked and layer.config.streaming and layer.seen - plan.first >= layer.config.window:
+        unpacked = False
+    return layer.body.quiet(unpacked)
 
 
 def _kivi_step_fn(model: Any, steps: dict, key: tuple):
