@@ -123,7 +123,7 @@ def _load_gguf(path: Path, weights: str) -> LoadedModel:
     # tokens) takes ~400 MB for a while, which the float32 weights then reuse (docs/gguf.md, "Memory")
     built: list = []
     model, config, info, metadata = load_gguf_model(
-        path, weights, before_tensors=lambda md: built.append(tokenizer_from_metadata(md, str(path))))
+        path, weights, before_tensors=lambda md: built.append(tokenizer_from_metadata(md, str(path), path)))
     wrapper = built[0]
     info.update({"config": config, "parameters": mlx_utils.get_total_parameters(model),
                  "file_bytes": path.stat().st_size})

@@ -14,6 +14,7 @@ tinygpt_mlx.cache on an x86 machine with g++, where POSTTRAINLLM_NO_FAST_EXP is 
 | POSTTRAINLLM_NO_BLAS_PRELOAD | off | no re-execution with OpenBLAS preloaded (blas.py) |
 | POSTTRAINLLM_NO_HEAP_TUNE | off | glibc's heap left as it is (heap.py) |
 | POSTTRAINLLM_NO_FAST_EXP | off | MLX's softmax instead of the compiled one (cache/cpu_softmax.py) |
+| POSTTRAINLLM_NO_TOKENIZER_CACHE | off | a GGUF's tokenizer converted at every start, none kept on disk (ggml/tokenizer_cache.py) |
 
 Two more are checked at start-up: POSTTRAINLLM_QMATMUL (`QMATMUL_PATHS`, quant.py) and
 POSTTRAINLLM_RANK_TIMEOUT (a positive number of seconds, unset or empty: 300;
@@ -31,7 +32,7 @@ OFF = ("0", "false", "no", "off")
 #: on/off switches and their defaults (module doc)
 FLAGS = {"POSTTRAINLLM_COMPILE": True, "POSTTRAINLLM_STAGE_SPILLS": False,
          "POSTTRAINLLM_NO_BLAS_PRELOAD": False, "POSTTRAINLLM_NO_HEAP_TUNE": False,
-         "POSTTRAINLLM_NO_FAST_EXP": False}
+         "POSTTRAINLLM_NO_FAST_EXP": False, "POSTTRAINLLM_NO_TOKENIZER_CACHE": False}
 QMATMUL = "POSTTRAINLLM_QMATMUL"
 #: the packed matmul's paths (quant.matmul_path)
 QMATMUL_PATHS = ("packed", "dequantise")
