@@ -23,9 +23,8 @@ group kept as rows: fewer nodes to replay), and writes the new token into the re
 (in the trace, at an array index). Its shapes are the buffers' size and the packed run's length, not the residual's
 live tokens, so a trace serves every quiet step between two freezes (a few traces in all, each
 a few ms; it was one per residual length, about 2G). While the window fills, the packed run
-grows by a block every G steps, as a full cache's does: at most window / G lengths before the
-first eviction, the lengths the full window's packed run comes back to, so a few traces more
-(counted in docs/server.md, session 46). A full KIVI cache (no window) runs the same
+grows by a block every G steps, as a full cache's does: about window / G lengths before
+the first eviction, each traced once, so a few traces more (tests/test_server_kivi_fill.py bounds them). A full KIVI cache (no window) runs the same
 trace for its quiet steps (G - 1 of every G), without a sink segment: its exact first tokens are
 read with the residual from their copy in its buffers, as its eager step reads them
 (`KiviStore.segments_led`), and nothing is masked but the buffers' dead slots. Its packed run
@@ -260,8 +259,8 @@ def _kivi_ready(layer: Any, plan: Any, unpacked: bool = False) -> bool:
     freeze after it, nor a residual buffer to grow (`KiviStore.quiet`), nor a re-base. Under
     StreamingLLM also while the window fills (nothing evicted yet, session 46): the step's shapes
     are the residual's buffers and the packed run's length, which grows by G every G steps as a
-    full cache's does, at most window / G lengths before the first eviction (the same lengths
-    the steady window's packed run cycles through afterwards), so a filling window's quiet steps
+    full cache's does, about window / G lengths before the first eviction, each traced once,
+    so a filling window's quiet steps
     replay a few traces, not one per step (the residual's live tokens are masked, not shapes).
     `unpacked`: also before any block froze (a full cache's or a filling window's first steps:
     serve's batched step, server/batch.py; the solo step runs those eager); under StreamingLLM
