@@ -69,6 +69,18 @@ def reference():
     return json.loads(REFERENCE.read_text())
 
 
+@pytest.fixture(scope="module")
+def gemma3_md(gemma3_gguf):
+    """The file's tokenizer metadata, as ggml's reader gives it."""
+    import gguf
+
+    from tinygpt_mlx.ggml.tensors import _field_value
+
+    reader = gguf.GGUFReader(str(gemma3_gguf))
+    return {name: _field_value(f, gguf) for name, f in reader.fields.items()
+            if name.startswith(("tokenizer.", "general.architecture"))}
+
+
 def test_config_from_metadata(gemma3):
     info, c = gemma3.info, gemma3.info["config"]
     assert info["architecture"] == "gemma3" and info["model_type"] == "gemma3_text"
@@ -125,20 +137,15 @@ def test_cli_sample(gemma3_gguf, reference):
     assert "GGUF gemma3 via mlx-lm" in r.stderr
 
 
-def test_chat_template_from_metadata(gemma3_gguf, gemma3):
+def test_chat_template_from_metadata(gemma3, gemma3_md):
     """The pretrained file carries no chat template (chat falls back to the plain turn format); one
     written into its metadata, as the instruction-tuned files carry Gemma's, renders Gemma's turns
     with one BOS and its turn markers as single tokens."""
-    import gguf
-
     from tinygpt_mlx.chat_template import encode_fragment, has_template, prompt_ids
-    from tinygpt_mlx.ggml.tensors import _field_value
     from tinygpt_mlx.ggml.tokenizer import tokenizer_from_metadata
     from tinygpt_mlx.tokenizer import Tokenizer
 
-    reader = gguf.GGUFReader(str(gemma3_gguf))
-    md = {name: _field_value(f, gguf) for name, f in reader.fields.items()
-          if name.startswith(("tokenizer.", "general.architecture"))}
+    md = gemma3_md
     assert "tokenizer.chat_template" not in md and not has_template(gemma3.tokenizer)
     tok = Tokenizer(wrapper=tokenizer_from_metadata({**md, "tokenizer.chat_template": GEMMA_TEMPLATE}, "test"))
     assert has_template(tok)
@@ -149,6 +156,22 @@ def test_chat_template_from_metadata(gemma3_gguf, gemma3):
     start, end = encode_fragment(tok, "<start_of_turn>"), encode_fragment(tok, "<end_of_turn>")
     assert len(start) == len(end) == 1
     assert ids[0] == 2 and ids.count(2) == 1 and ids.count(start[0]) == 2 and ids.count(end[0]) == 1
+
+
+def test_tokenizer_from_the_cache_is_the_converters(gemma3_gguf, gemma3, gemma3_md):
+    """The loaded tokenizer was read from the tokenizer cache's entry for this file (written by
+    this load or an earlier one; tinygpt_mlx/ggml/tokenizer_cache.py) and is the one transformers'
+    converter makes from the metadata (tests/tokenizer_reference.py, the loader's code before the
+    cache): the same serialisation, vocabulary, special ids, detokenizer and encodings."""
+    from tests.tokenizer_reference import TEXTS, assert_same, reference_tokenizer
+    from tinygpt_mlx.ggml import tokenizer_cache
+
+    if tokenizer_cache.switches.flag(tokenizer_cache.OFF_VAR):
+        pytest.skip(f"{tokenizer_cache.OFF_VAR} is set: no cache to read")
+    metas = [json.loads(m.read_text()) for m in tokenizer_cache.root().glob("*/meta.json")]
+    assert any(m["gguf"] == str(gemma3_gguf.resolve()) for m in metas), metas
+    assert_same(gemma3.tokenizer._wrapper, reference_tokenizer(gemma3_md, "reference"),
+                TEXTS + ["<start_of_turn>user\nHi<end_of_turn>\n<bos>", "\x01\x7f tab\tand 😀🙂 ⁂"])
 
 
 @pytest.mark.parametrize("spec", ["fp32", "int4", "sink4/hot256", "int4+sink4/hot256"])
