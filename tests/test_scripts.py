@@ -111,6 +111,11 @@ def test_decode_costs_refuses_bad_arguments(args, says, capfd, monkeypatch):
     ("bench_server_load", ["/no/model", "--rounds", "1"], "--rounds must be at least 2, got 1"),
     ("bench_server_load", ["/no/model", "--cancel", "1.5"], "--cancel must be between 0 and 1, got 1.5"),
     ("bench_server_load", ["/no/model"], "model /no/model: no such file or directory"),
+    ("gguf_memory_stages", ["/no/model"], "model /no/model: no such file or directory"),
+    ("gguf_memory_stages", ["README.md"], "model README.md: not a GGUF file"),
+    ("gguf_memory_stages", ["README.md", "--tokens", "0"], "--tokens must be at least 1, got 0"),
+    ("gguf_memory_stages", ["README.md", "--parts", "stages,bogus"],
+     "--parts 'stages,bogus': expected some of stages,parse,sample"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says, capfd, monkeypatch):
