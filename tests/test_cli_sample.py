@@ -14,6 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from tests.process_warnings import invoke
 from tinygpt_mlx.cli.common import CONFIG_FLAGS
 from tinygpt_mlx.cli.main import app
 from tinygpt_mlx.config import CacheConfig, ConfigError, SampleConfig
@@ -25,6 +26,12 @@ runner = CliRunner()
 
 def run(*args):
     return runner.invoke(app, [str(a) for a in args])
+
+
+def refuse(*args):
+    """A refusal or bad input run as `run` does, checked as a process would be seen
+    (tests/process_warnings.py: no Python warning it would print above its one line)."""
+    return invoke(args)
 
 
 def lines(text: str) -> list[str]:
@@ -106,7 +113,7 @@ FIELD_WORD = re.compile(r"(?<![-\w])(" + "|".join(k for k in CONFIG_FLAGS if "_"
 def test_config_errors_name_the_flag_not_the_field(tmp_path, command, args, flag, field):
     missing = tmp_path / "not-loaded.tinygpt"   # every check must come before the model loads
     extra = ["-p", "hi"] if command == "sample" else []
-    r = run(command, missing, *extra, *args)
+    r = refuse(command, missing, *extra, *args)
     assert_one_line_error(r, f"Invalid value for '{flag}': ")
     assert r.exit_code == 2
     problem = r.stderr.split(f"'{flag}': ", 1)[1]
@@ -137,16 +144,39 @@ def test_config_error_keeps_library_names():
 def test_non_utf8_prompt_file_names_the_file(native_path, tmp_path):
     bad = tmp_path / "latin1[red]x.txt"
     bad.write_bytes("café au lait".encode("latin-1"))
-    r = run("sample", native_path, "--prompt-file", bad, "-n", 2)
+    r = refuse("sample", native_path, "--prompt-file", bad, "-n", 2)
     assert_one_line_error(r, "--prompt-file", str(bad), "not UTF-8", "0xe9")
 
 
+def test_refuse_sees_a_warning_the_in_process_run_misses(native_path, tmp_path, monkeypatch):
+    """A `warnings.warn` planted in a refusal path (the prompt file's): a process prints it above
+    the one error line. `run` (CliRunner in pytest's process) still sees one line, as the older
+    tests did; `refuse` fails on it."""
+    import warnings
+
+    from tinygpt_mlx.cli import sample as sample_cli
+
+    read = sample_cli.read_prompt_file
+
+    def planted(path):
+        warnings.warn("planted", UserWarning)
+        return read(path)
+
+    monkeypatch.setattr(sample_cli, "read_prompt_file", planted)
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("café au lait".encode("latin-1"))
+    with pytest.warns(UserWarning, match="planted"):     # raised, kept by pytest, not in r.stderr
+        assert_one_line_error(run("sample", native_path, "--prompt-file", bad, "-n", 2), "not UTF-8")
+    with pytest.raises(AssertionError, match="UserWarning: planted"):
+        refuse("sample", native_path, "--prompt-file", bad, "-n", 2)
+
+
 def test_empty_prompt_and_empty_prompt_file_are_errors(native_path, tmp_path):
-    r = run("sample", native_path, "--prompt", "", "-n", 2)
+    r = refuse("sample", native_path, "--prompt", "", "-n", 2)
     assert_one_line_error(r, "'--prompt'", "empty", "omit --prompt")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    r = run("sample", native_path, "--prompt-file", empty, "-n", 2)
+    r = refuse("sample", native_path, "--prompt-file", empty, "-n", 2)
     assert_one_line_error(r, "'--prompt-file'", str(empty), "empty", "omit --prompt-file")
 
 
@@ -175,10 +205,10 @@ def test_tokens_zero_is_prefill_only(native_path, tmp_path):
 # ----- 3. output paths are checked before the model loads ----------------------------------------
 def test_report_json_checked_before_loading(tmp_path):
     missing_model = tmp_path / "missing.tinygpt"   # loading it would fail with a different error
-    r = run("sample", missing_model, "-p", "hi", "--report-json", tmp_path / "no-such-dir" / "r.json")
+    r = refuse("sample", missing_model, "-p", "hi", "--report-json", tmp_path / "no-such-dir" / "r.json")
     assert_one_line_error(r, "'--report-json'", "no-such-dir")
     assert "missing.tinygpt" not in r.stderr
-    r = run("sample", missing_model, "-p", "hi", "--report-json", tmp_path)
+    r = refuse("sample", missing_model, "-p", "hi", "--report-json", tmp_path)
     assert_one_line_error(r, "--report-json", "directory")
 
 
@@ -327,7 +357,7 @@ def test_retrieval_positions_follow_the_runs_length(native_path, tmp_path):
 # ----- 7. user text is shown intact ------------------------------------------------------------------
 def test_bracketed_missing_model_path_shown_intact(tmp_path):
     path = tmp_path / "a[red]b[/red].tinygpt"
-    r = run("sample", path, "-p", "hi")
+    r = refuse("sample", path, "-p", "hi")
     assert_one_line_error(r, str(path))
     assert r.exit_code == 1
 
