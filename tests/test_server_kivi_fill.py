@@ -26,11 +26,14 @@ PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
 SINK, WINDOW = 4, 96
 STREAMING_INT4 = CacheConfig(key_bits=4, value_bits=4, sink=SINK, window=WINDOW)
+# a window without a sink: its sink store never holds an array (the filling steps once read it)
+NO_SINK_INT4 = CacheConfig(key_bits=4, value_bits=4, sink=0, window=WINDOW)
+WINDOWS = pytest.mark.parametrize("config", [STREAMING_INT4, NO_SINK_INT4], ids=["sink4", "no-sink"])
 
 
 def _filling(cache) -> bool:
     """Nothing evicted yet: the window still filling (the body's oldest token right after the sink)."""
-    return all(c.start <= SINK for c in cache.owned)
+    return all(c.start <= c.config.sink for c in cache.owned)
 
 
 @pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "per-row"])
@@ -86,7 +89,8 @@ def test_a_filling_int4_window_steps_compiled_in_the_batch_as_each_alone(native3
     assert batch._failed == failed and 0 < (batch.traced - traced)["kivi"] <= 40, batch.traced - traced
 
 
-def test_a_filling_int4_window_steps_compiled_alone_as_eager(native32):
+@WINDOWS
+def test_a_filling_int4_window_steps_compiled_alone_as_eager(native32, config):
     """The solo compiled step (cache/compiled.py `decode`) takes a filling window's quiet steps
     once a block froze (before it, as a full cache's first steps, eager): over a 20-token prompt
     and 140 steps under a 96-token window, the compiled steps' logits those of the eager steps
@@ -96,7 +100,7 @@ def test_a_filling_int4_window_steps_compiled_alone_as_eager(native32):
 
     def run(use_compiled):
         compiled.forget(m)
-        cache = make_cache(m, STREAMING_INT4)
+        cache = make_cache(m, config)
         outs = [m(mx.array([toks[:20]]), cache=cache)]
         cache.evict_middle_if_needed()
         ran = fill = 0
@@ -125,14 +129,15 @@ def test_a_filling_int4_window_steps_compiled_alone_as_eager(native32):
         assert mx.abs(kx - ky).max().item() <= 1e-5 and mx.abs(vx - vy).max().item() <= 1e-5
 
 
-def test_serve_int4_window_streams_from_short_prompts_get_their_text_alone(native32):
+@WINDOWS
+def test_serve_int4_window_streams_from_short_prompts_get_their_text_alone(native32, config):
     """serve's worker, int4 + StreamingLLM, four greedy requests from short prompts (their windows
     filling for most of the reply): each reply's tokens equal what it gets alone, in batched
     steps, the fill phase's steps compiled."""
     prompts = [p[:12] for p in PROMPTS]
 
     def serve(parallel):
-        replies, batched = _serve_jobs(native32, STREAMING_INT4, prompts, parallel, max_tokens=120, max_slots=4)
+        replies, batched = _serve_jobs(native32, config, prompts, parallel, max_tokens=120, max_slots=4)
         assert all(len(r.tokens) == 120 for r in replies)      # (no reply stopped early)
         return [r.tokens for r in replies], batched
     alone, _ = serve(1)

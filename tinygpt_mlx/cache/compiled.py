@@ -432,7 +432,9 @@ def kivi_inputs(layers: list, plans: list, layout: tuple) -> tuple:
     cut = 0 if full else max(0, first.seen - plans[0].first - first.config.window + 1)
     sinks, packed, nears, buffers = [], [], [], []
     for c in layers:
-        sinks.append(() if full else c.placed_sink())
+        # no sink segment in a full cache, nor under StreamingLLM without a sink (an empty store
+        # holds no arrays: a window that never evicted, since session 46's filling steps)
+        sinks.append(() if full or not len(c.sink_store) else c.placed_sink())
         p, n, r = c.body.step_inputs(c.sink_store if full else None)
         packed.append(p)
         nears.append(n)
