@@ -32,6 +32,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks._args import at_least
 from benchmarks.bench_server_parallel import PROMPTS, policies, server_rss_mib, spawn_server
 from tinygpt_mlx.cli.common import write_atomic
 
@@ -160,10 +161,8 @@ def main() -> None:
                          "past it the request counts as a client error")
     ap.add_argument("--json", type=Path, help="written after every round")
     args = ap.parse_args()
-    for name, value, least in (("--requests", args.requests, 1), ("--clients", args.clients, 1),
-                               ("--rounds", args.rounds, 2), ("--tokens", args.tokens, 1)):
-        if value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+    at_least(ap, ("--requests", args.requests, 1), ("--clients", args.clients, 1),
+             ("--rounds", args.rounds, 2), ("--tokens", args.tokens, 1))
     if not 0 <= args.cancel <= 1:
         ap.error(f"--cancel must be between 0 and 1, got {args.cancel}")
     for name, value in (("--start-timeout", args.start_timeout), ("--request-timeout", args.request_timeout)):

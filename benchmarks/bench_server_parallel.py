@@ -64,6 +64,7 @@ from typing import Optional
 
 import httpx
 
+from benchmarks._args import at_least
 from tinygpt_mlx import blas
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.loading import load
@@ -486,13 +487,11 @@ def main() -> None:
     if args.serve:
         serve(args.model, args.serve, args.window, args.streams, args.port)
         return
-    for name, value, least in (("--streams", args.streams, 2), ("--tokens", args.tokens, 2),
-                               ("--long-tokens", args.long_tokens, 16), ("--short-tokens", args.short_tokens, 1),
-                               ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1), ("--window", args.window, 8),
-                               ("--engine-blas-threads", args.engine_blas_threads, 0),
-                               ("--engine-prompt-tokens", args.engine_prompt_tokens, 0)):
-        if value < least:
-            ap.error(f"{name} must be at least {least}, got {value}")
+    at_least(ap, ("--streams", args.streams, 2), ("--tokens", args.tokens, 2),
+             ("--long-tokens", args.long_tokens, 16), ("--short-tokens", args.short_tokens, 1),
+             ("--repeats", args.repeats, 1), ("--rounds", args.rounds, 1), ("--engine-steps", args.engine_steps, 1),
+             ("--window", args.window, 8), ("--engine-blas-threads", args.engine_blas_threads, 0),
+             ("--engine-prompt-tokens", args.engine_prompt_tokens, 0))
     if args.mixed_evictions:
         if args.only not in ("worker", "engine"):
             ap.error("--mixed-evictions applies to the in-process parts only: use it with --only worker or --only engine")
