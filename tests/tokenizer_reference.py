@@ -6,7 +6,6 @@ comparison itself."""
 from __future__ import annotations
 
 import json
-from functools import partial
 
 from tests.conftest import TEXT
 
@@ -23,6 +22,7 @@ def reference_tokenizer(md: dict, source: str):
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
     from tinygpt_mlx.ggml.arch import scalar
+    from tinygpt_mlx.ggml.tokenizer import streaming_detokenizer
 
     values = {k: scalar(v) for k, v in md.items() if k.startswith("tokenizer.")}
     groups = {group: {name: values[f"tokenizer.{key}"] for key, name in renames.items()
@@ -42,14 +42,7 @@ def reference_tokenizer(md: dict, source: str):
     eos = sorted({int(values[k]) for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
                                           "tokenizer.ggml.eom_token_id") if values.get(k) is not None})
     decoder = json.loads(backend.to_str()).get("decoder")
-    detok = tu.NaiveStreamingDetokenizer
-    if tu._is_spm_decoder(decoder):
-        detok = tu.SPMStreamingDetokenizer
-    elif tu._is_spm_decoder_no_space(decoder):
-        detok = partial(tu.SPMStreamingDetokenizer, trim_space=False)
-    elif tu._is_bpe_decoder(decoder):
-        detok = tu.BPEStreamingDetokenizer
-    return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos)
+    return tu.TokenizerWrapper(hf, streaming_detokenizer(decoder), eos_token_ids=eos)
 
 
 def streamed(wrapper, ids) -> str:

@@ -74,11 +74,18 @@ def tokenizer_from_metadata(md: dict, source: str, gguf: Optional[Path] = None):
     eos = sorted({int(values[k]) for k in _END_IDS if values.get(k) is not None})
     decoder = hf.backend_tokenizer.decoder
     decoder = json.loads(decoder.__getstate__()) if decoder is not None else None
-    detok = tu.NaiveStreamingDetokenizer
+    return tu.TokenizerWrapper(hf, streaming_detokenizer(decoder), eos_token_ids=eos)
+
+
+def streaming_detokenizer(decoder: Optional[dict]):
+    """mlx-lm's streaming detokenizer class for a fast tokenizer's decoder (its JSON form), as
+    mlx-lm chooses one for a tokenizer directory."""
+    from mlx_lm import tokenizer_utils as tu   # noqa: PLC0415 (heavy: transformers)
+
     if tu._is_spm_decoder(decoder):
-        detok = tu.SPMStreamingDetokenizer
-    elif tu._is_spm_decoder_no_space(decoder):
-        detok = partial(tu.SPMStreamingDetokenizer, trim_space=False)
-    elif tu._is_bpe_decoder(decoder):
-        detok = tu.BPEStreamingDetokenizer
-    return tu.TokenizerWrapper(hf, detok, eos_token_ids=eos)
+        return tu.SPMStreamingDetokenizer
+    if tu._is_spm_decoder_no_space(decoder):
+        return partial(tu.SPMStreamingDetokenizer, trim_space=False)
+    if tu._is_bpe_decoder(decoder):
+        return tu.BPEStreamingDetokenizer
+    return tu.NaiveStreamingDetokenizer
