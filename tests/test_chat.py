@@ -343,9 +343,9 @@ def _max_query_position(monkeypatch, held: int):
     import tinygpt_mlx.generate as gen
     real, seen = gen.forward, [0]
 
-    def spy(model, x, cache):
+    def spy(model, x, cache, **kw):
         seen[0] = max(seen[0], min(cache.stored_count, held) + x.shape[1])
-        return real(model, x, cache)
+        return real(model, x, cache, **kw)
     monkeypatch.setattr(gen, "forward", spy)
     return seen
 

@@ -38,11 +38,11 @@ def test_worker_error_answers_that_request_and_keeps_serving(native, monkeypatch
     w = Worker(native, pool, 16)
     real, calls = engine.forward, []
 
-    def flaky(model, tokens, cache):
+    def flaky(model, tokens, cache, **kw):
         calls.append(tokens.shape[1])
         if len(calls) == 2:                      # the second prefill chunk of the first job
             raise RuntimeError("boom")
-        return real(model, tokens, cache)
+        return real(model, tokens, cache, **kw)
 
     monkeypatch.setattr(engine, "forward", flaky)
     try:

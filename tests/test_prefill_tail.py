@@ -57,9 +57,9 @@ def spy(monkeypatch):
     sizes: list[int] = []
     real = generate.forward
 
-    def forward(model, tokens, cache):
+    def forward(model, tokens, cache, **kw):
         sizes.append(int(tokens.shape[1]))
-        return real(model, tokens, cache)
+        return real(model, tokens, cache, **kw)
 
     monkeypatch.setattr(generate, "forward", forward)
     return sizes

@@ -111,6 +111,11 @@ def test_decode_costs_refuses_bad_arguments(args, says, capfd, monkeypatch):
     ("bench_server_load", ["/no/model", "--rounds", "1"], "--rounds must be at least 2, got 1"),
     ("bench_server_load", ["/no/model", "--cancel", "1.5"], "--cancel must be between 0 and 1, got 1.5"),
     ("bench_server_load", ["/no/model"], "model /no/model: no such file or directory"),
+    ("prefill_head_ab", ["--rounds", "0"], "--rounds must be at least 1, got 0"),
+    ("prefill_head_ab", ["--tokens", "1"], "--tokens must be at least 2, got 1"),
+    ("prefill_head_ab", ["--policies", "fp32,bogus"], "--policies 'bogus': policy 'bogus': unknown part 'bogus' (parts such as int8, int4, k8v4, "
+     "sink4/window256, sink4/hot1024, joined by '+')"),
+    ("prefill_head_ab", ["--model", "/no/model"], "--model '/no/model': /no/model: no such file or directory"),
     ("gguf_memory_stages", ["/no/model"], "model /no/model: no such file or directory"),
     ("gguf_memory_stages", ["README.md"], "model README.md: not a GGUF file"),
     ("gguf_memory_stages", ["README.md", "--tokens", "0"], "--tokens must be at least 1, got 0"),
@@ -153,6 +158,24 @@ def test_rope_products_ab_writes_its_command_and_load(tmp_path):
     for key in ("load_average_at_start", "load_average_at_end"):
         assert len(got[key]) == 3 and all(x >= 0 for x in got[key])
     assert [row["cache"] for row in got["rows"]] == ["fp32", "products", "rope"]
+
+
+@pytest.mark.slow
+def test_prefill_head_ab_times_both_heads_and_they_agree(tmp_path):
+    """benchmarks/prefill_head_ab.py (docs/gguf.md's prefill numbers) times each policy both ways
+    and says the logits after the prompt agree (a short run on the shipped model)."""
+    out = tmp_path / "head.json"
+    args = ["--tokens", "300", "--chunk", "128", "--rounds", "1", "--policies", "fp32,sink4/window64", "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "benchmarks.prefill_head_ab", *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env=benchmark_env())
+    assert r.returncode == 0, r.stderr
+    got = json.loads(out.read_text())
+    assert got["command"] == " ".join(["python -m benchmarks.prefill_head_ab", *args])
+    assert [row["policy"] for row in got["rows"]] == ["fp32", "sink4/window64"]
+    for row in got["rows"]:
+        assert len(row["seconds_last"]) == len(row["seconds_whole"]) == 2
+        assert 0 <= row["max_logit_difference"] < 1e-4
+        assert row["median_ratio"] > 0
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ import mlx.core as mx
 from .cache import KVCache, compiled, make_cache
 from .config import CacheConfig, SampleConfig
 from .errors import ContextLengthError
+from .model import last_logits
 from .sampling import make_sampler
 from .textstream import TextStream
 
@@ -90,17 +91,18 @@ def rss_bytes() -> dict[str, int]:
         return {"anon": peak_rss_bytes(), "file": 0}
 
 
-def forward(model: Any, tokens: mx.array, cache: Any) -> mx.array:
+def forward(model: Any, tokens: mx.array, cache: Any, last: bool = False) -> mx.array:
     """One model call on [1, L] tokens, the product's only one: each layer cache evicts what its
     policy drops as it takes the tokens (cache/plan.py), and a `KVCache` is then trimmed to hold
     exactly what its policy keeps between calls (a call of L > 1 tokens leaves a window's layers
     `window - 1 + L`: what reports, checkpoints and prompt-cache files see). A decode step over
     full StreamingLLM rings or KIVI's quiet steps runs as one compiled function
     (cache/compiled.py); an eager decode step before a quiet one of a shape not seen yet traces
-    it (`compiled.prepare`), so the quiet steps replay traces."""
+    it (`compiled.prepare`), so the quiet steps replay traces. `last`: only the logits after the
+    last token are wanted ([B, 1, V], `model.last_logits`), as a prefill pass or a decode step takes them."""
     logits = compiled.decode(model, tokens, cache)
     if logits is None:
-        logits = model(tokens, cache=cache)
+        logits = last_logits(model, tokens, cache) if last and tokens.shape[1] > 1 else model(tokens, cache=cache)
         compiled.prepare(model, tokens, cache)
     if isinstance(cache, KVCache) and tokens.shape[1] > 1:
         cache.evict_middle_if_needed()
@@ -112,7 +114,7 @@ def call(model: Any, tokens: list[int] | mx.array, cache: Any, wait: bool = True
     after the last token, shape [V], evaluated; with `wait=False` started (`mx.async_eval`) and
     not waited for (`steps`' pipeline; the server's worker)."""
     ids = tokens.astype(mx.int32).reshape(1, -1) if isinstance(tokens, mx.array) else mx.array(tokens)[None]
-    logits = forward(model, ids, cache)[0, -1].astype(mx.float32)
+    logits = forward(model, ids, cache, last=True)[0, -1].astype(mx.float32)
     (mx.eval if wait else mx.async_eval)(logits)
     return logits
 

@@ -24,6 +24,7 @@ from .lazy import lazy
 mlx_caches = lazy("mlx_lm.models.cache")   # mlx-lm's own caches (`make_cache`): only when asked for
 
 
+
 def count_parameters(model: Any) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
@@ -111,6 +112,11 @@ class Model(nn.Module):
         return self.config.kv_owner
 
     def __call__(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        return self.head(self.hidden(inputs, cache))
+
+    def hidden(self, inputs: mx.array, cache: Optional[list] = None) -> mx.array:
+        """The final norm's output [B, L, d_model]: every layer run, each cache updated; `head`
+        gives the logits (`last_logits` applies it at the last position only)."""
         h = self.embed(inputs)
         L = inputs.shape[1]
         owner = self.config.kv_owner
@@ -125,7 +131,10 @@ class Model(nn.Module):
             # A shared layer holds exactly its owner's tokens, so the owner's mask serves it too.
             h, kv = layer(h, mask, cache[owner[i]], offset, shared)
             fetched.setdefault(i, kv)
-        h = self.norm(h)
+        return self.norm(h)
+
+    def head(self, h: mx.array) -> mx.array:
+        """The output projection of hidden states [B, L, d_model]: logits [B, L, vocab]."""
         if self.config.tie_embeddings:
             return self.embed.as_linear(h)
         return self.lm_head(h)
@@ -176,3 +185,56 @@ class Model(nn.Module):
 
     def num_parameters(self) -> int:
         return count_parameters(self)
+
+
+#: mlx-lm model modules whose `Model.__call__` is its backbone (`self.model(...)`, which ends in
+#: the final norm) and then an output head that works position by position (tied or not; Gemma 2's
+#: soft cap): `last_logits` applies their head at the last position only. Each is checked against
+#: its full call in tests/test_last_logits.py; a module not listed is called whole.
+BACKBONE_THEN_HEAD = frozenset(f"mlx_lm.models.{name}" for name in
+                               ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"))
+
+
+class _HeadOnly:
+    """An mlx-lm `Model` whose backbone gives `hidden` (already computed) whatever it is called
+    with: mlx-lm's own `Model.__call__` run on it applies the output head alone."""
+
+    def __init__(self, model: Any, hidden: mx.array):
+        self._model, self._hidden = model, hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._model, name)
+
+    @property
+    def model(self) -> Any:
+        return _Computed(self._model.model, self._hidden)
+
+
+class _Computed:
+    """A backbone that returns `hidden` when called; every attribute (the tied embedding the
+    head reads) is the real backbone's."""
+
+    def __init__(self, backbone: Any, hidden: mx.array):
+        self._backbone, self._hidden = backbone, hidden
+
+    def __call__(self, *args: Any, **kwargs: Any) -> mx.array:
+        return self._hidden
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backbone, name)
+
+
+def last_logits(model: Any, tokens: mx.array, cache: Any) -> mx.array:
+    """`model(tokens, cache=cache)[:, -1:]`, the logits [B, 1, V] after the last token, with the
+    output head computed at that position only: every layer still runs on every token (the
+    cache takes them all), but a prefill pass needs no other position's logits, and the head over
+    a whole pass is a large part of it (Gemma 3's 262,144-token vocabulary: a 512-token pass
+    0.69x the time without it, docs/gguf.md). The native model splits `hidden`/`head`; mlx-lm's
+    models in `BACKBONE_THEN_HEAD` run their own head on the last hidden state; any other model
+    is called whole and sliced (the same logits, the head's cost kept)."""
+    if isinstance(model, Model):
+        return model.head(model.hidden(tokens, cache)[:, -1:])
+    if type(model).__module__ in BACKBONE_THEN_HEAD:
+        hidden = model.model(tokens, cache)[:, -1:]
+        return type(model).__call__(_HeadOnly(model, hidden), tokens[:, -1:])
+    return model(tokens, cache=cache)[:, -1:]

@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Optional
 import mlx.core as mx
 
 from ..config import CacheConfig
+from ..model import last_logits
 from .factory import make_cache
 
 #: The policies of the bytes table, by label.
@@ -57,7 +58,7 @@ def fill_and_measure(model: Any, config: CacheConfig, lengths: Iterable[int], vo
     for n in lengths:
         while done < n - 1:
             step = min(chunk, n - 1 - done)
-            mx.eval(model(tokens[:, done:done + step], cache=cache))
+            mx.eval(last_logits(model, tokens[:, done:done + step], cache))   # the cache's fill; one position's head
             done += step
         mx.eval(model(tokens[:, done:done + 1], cache=cache))
         done += 1
