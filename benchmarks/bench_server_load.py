@@ -12,7 +12,9 @@ gets --start-timeout seconds of this benchmark's running time to answer (the sec
 stopped or given no CPU do not count: `PauseMeter`); a client waits --request-timeout seconds for
 each line; a client-side failure is counted as that request's outcome (`client error: ...`), not a
 crash; the JSON is rewritten after every round (and says `finished` false, and why, if the run
-stopped early), so a late failure keeps the rounds before it.
+stopped early), so a late failure keeps the rounds before it. SIGTERM (`kill`) or SIGINT (Ctrl-C)
+ends the run the same way: the server stopped, the streams in flight dropped, the JSON saying which
+signal came during which round, one line, exit 1.
 
   python -m benchmarks.bench_server_load models/tinygpt-base.tinygpt --json docs/results/server_load.json
 """
@@ -24,6 +26,7 @@ import concurrent.futures
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -81,6 +84,30 @@ class PauseMeter:
 
 class ServerDidNotStart(RuntimeError):
     pass
+
+
+class Stopped(BaseException):
+    """SIGTERM or SIGINT arrived: the run ends early (a BaseException, as KeyboardInterrupt, so that
+    no `except Exception` on the way takes it for a request's failure)."""
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def stop_on_signals() -> dict:
+    """SIGTERM and SIGINT raise `Stopped` in the main thread (where Python runs signal handlers, even
+    while it waits for the clients), naming the signal; the handlers they had, to put back."""
+    def handler(signum, frame):
+        ignore_signals()
+        raise Stopped(signal.Signals(signum).name)
+    return {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+
+
+def ignore_signals() -> None:
+    """During the clean-up (the server stopped, the JSON written) SIGTERM and SIGINT are ignored, so
+    that a second one does not cut it short."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def wait_for_server(proc, url: str, label: str, timeout: float, meter: PauseMeter, probe=None,
@@ -180,9 +207,12 @@ def main() -> None:
         if args.json:
             write_atomic(args.json, json.dumps(out, indent=1) + "\n")
 
-    proc, url = spawn_server(args.model, args.policy, args.window, 4)
     rng = random.Random(0)
+    where, proc, signalled = "the server's start", None, False
+    handlers = stop_on_signals()
     try:
+        proc, url = spawn_server(args.model, args.policy, args.window, 4)
+        out["server_pid"] = proc.pid
         try:
             out["server_start_seconds"] = round(wait_for_server(proc, url, args.policy, args.start_timeout, meter), 1)
         except ServerDidNotStart as e:
@@ -191,11 +221,15 @@ def main() -> None:
             sys.exit(f"bench_server_load: {e}")
         model = httpx.get(url + "/api/tags", timeout=args.request_timeout).json()["models"][0]["model"]
         for k in range(args.rounds):
+            where = f"round {k}"
             plan = [(rng.choice(PROMPTS), rng.randrange(1, 16) if rng.random() < args.cancel else None)
                     for _ in range(args.requests)]
             load0, (t0, paused0) = list(os.getloadavg()), meter.paused_until_now()
-            with concurrent.futures.ThreadPoolExecutor(args.clients) as ex:
+            ex = concurrent.futures.ThreadPoolExecutor(args.clients)
+            try:
                 got = list(ex.map(lambda p: ask(url, model, p[0], args.tokens, p[1], args.request_timeout), plan))
+            finally:        # (all done here, but on a stop: the queued requests dropped, the server stopped next)
+                ex.shutdown(wait=False, cancel_futures=True)
             counts = {x: got.count(x) for x in sorted(set(got))}
             t1, paused1 = meter.paused_until_now()
             row = {"round": k, "outcomes": counts, "load_average_at_start": load0,
@@ -217,14 +251,23 @@ def main() -> None:
             print(json.dumps(row), flush=True)
         else:
             out["finished"] = True
+    except Stopped as e:
+        out["stopped"], signalled = f"{e} received during {where}", True
     except BaseException as e:
         if not isinstance(e, SystemExit):
             out["stopped"] = f"{type(e).__name__}: {e}"
         raise
     finally:
-        stop_server(proc)
+        ignore_signals()
+        if proc is not None:
+            stop_server(proc)
         out["load_average_at_end"] = list(os.getloadavg())
         save()
+        for s, h in handlers.items():
+            signal.signal(s, h)
+    if signalled:
+        sys.exit(f"bench_server_load: {out['stopped']}; the server stopped, {len(out['rounds'])} round(s) kept"
+                 + (f" in {args.json}" if args.json else ""))
     bad = [r for r in out["rounds"] if set(r["outcomes"]) - {"complete", "cancelled"} or "server_exited" in r]
     rss = [r["server_rss_mib"] for r in out["rounds"] if "server_rss_mib" in r]
     print(f"{'errors in ' + str(len(bad)) + ' round(s)' if bad else 'no error'}; RSS after the warm-up "

@@ -9,6 +9,7 @@ import json
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -180,3 +181,74 @@ def test_rounds_record_their_load_and_the_json_survives_the_server_dying(tmp_pat
         assert row["seconds"] >= 0 and row["paused_seconds"] >= 0
     assert second["server_exited"] == -9 and "server_rss_mib" not in second
     assert all(k.startswith("client error") for k in second["outcomes"])
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (/proc)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == pid:
+            kids.append(int(stat.parent.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    """A process `pid` still there and not a zombie (a child not yet reaped is gone for this test)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_the_server_and_the_json_says_why(tmp_path, native32_path, sig):
+    """The benchmark in its own process against a real server (the tests' tiny model, int4), sent
+    SIGTERM (`kill`) or SIGINT (Ctrl-C) during round 1, once round 0 is in the JSON: it ends within
+    a minute with exit 1 and one line naming the signal, its server process gone (stopped, not left
+    running), and the JSON keeping round 0, `finished` false and `stopped` naming the signal and the
+    round."""
+    import os
+    import signal
+    import time
+
+    out = tmp_path / "load.json"
+    bench_proc = subprocess.Popen([sys.executable, "-m", "benchmarks.bench_server_load", str(native32_path),
+                                   "--policy", "int4", "--rounds", "1000", "--requests", "8", "--clients", "4",
+                                   "--tokens", "48", "--json", str(out)],
+                                  cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True)
+    server = None
+    try:
+        deadline = time.time() + 300
+        while not (out.exists() and json.loads(out.read_text())["rounds"]):
+            assert bench_proc.poll() is None and time.time() < deadline, bench_proc.communicate(timeout=60)
+            time.sleep(0.1)
+        (server,) = _children(bench_proc.pid)          # the server process, the benchmark's one child
+        assert _alive(server)
+        bench_proc.send_signal(getattr(signal, sig))
+        stdout, stderr = bench_proc.communicate(timeout=120)
+    finally:
+        if bench_proc.poll() is None:
+            bench_proc.kill()
+            bench_proc.wait()
+        if server is not None and _alive(server):       # (left running: the test fails, the process does not stay)
+            os.kill(server, signal.SIGKILL)
+            time.sleep(0.5)
+            assert False, f"the server process {server} was left running after {sig}"
+    assert bench_proc.returncode == 1
+    line = stderr.strip().splitlines()[-1]
+    assert line.startswith(f"bench_server_load: {sig} received during round "), stderr
+    saved = json.loads(out.read_text())
+    assert saved["server_pid"] == server
+    assert saved["finished"] is False and saved["stopped"].startswith(f"{sig} received during round ")
+    k = int(saved["stopped"].split("round ")[1])
+    assert k >= 1 and k <= len(saved["rounds"]) <= k + 1      # (round k saved, the signal before the next began)
+    assert line.endswith(f"{len(saved['rounds'])} round(s) kept in {out}")
+    assert all(set(r["outcomes"]) <= {"complete", "cancelled"} for r in saved["rounds"])
+    assert len(saved["load_average_at_end"]) == 3
