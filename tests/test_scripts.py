@@ -121,6 +121,14 @@ def test_decode_costs_refuses_bad_arguments(args, says, capfd, monkeypatch):
     ("gguf_memory_stages", ["README.md", "--tokens", "0"], "--tokens must be at least 1, got 0"),
     ("gguf_memory_stages", ["README.md", "--parts", "stages,bogus"],
      "--parts 'stages,bogus': expected some of stages,parse,sample"),
+    ("startup_split", ["/no/model"], "model /no/model: no such file or directory"),
+    ("startup_split", ["README.md"], "model README.md: not a GGUF file"),
+    ("startup_split", ["README.md", "--order", "cold,hot"], "--order 'cold,hot': expected cold or warm, comma-separated"),
+    ("startup_split", ["README.md", "--order", ""], "--order '': expected cold or warm, comma-separated"),
+    ("startup_split", ["README.md", "--order", "warm,cold"],
+     "--order 'warm,cold': the first run must be cold (the warm runs read the entry it writes)"),
+    ("startup_split", ["README.md", "--prompt", ""], "--prompt: empty"),
+    ("startup_split", ["README.md", "--json", "/no/dir/split.json"], "--json /no/dir/split.json: no such directory /no/dir"),
 ])
 @pytest.mark.slow
 def test_benchmarks_refuse_bad_arguments(module, args, says, capfd, monkeypatch):
