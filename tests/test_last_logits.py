@@ -193,3 +193,13 @@ def test_generate_call_takes_the_last_position_path(native, monkeypatch):
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
     generate.call(model, ids[:1], make_cache(model, CacheConfig()))
     assert calls == [11]                 # a one-token call is the whole call (its head is one row anyway)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_a_packed_tied_head(tmp_path, tokenizer_json, name):
+    """A packed model (a GGUF's Q4_0/Q4_1/Q8_0 under `--weights packed`, mlx-lm's quantised
+    checkpoints): the tied head is `QuantizedEmbedding.as_linear`, reached through the proxy."""
+    model = load(build_mlx_lm_dir(tmp_path / name, tokenizer_json, name, True)).model
+    nn.quantize(model, group_size=32, bits=4)
+    assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and "lm_head" not in model
+    passes_both_ways(model)

@@ -24,7 +24,6 @@ from .lazy import lazy
 mlx_caches = lazy("mlx_lm.models.cache")   # mlx-lm's own caches (`make_cache`): only when asked for
 
 
-
 def count_parameters(model: Any) -> int:
     return sum(v.size for _, v in tree_flatten(model.parameters()))
 
@@ -228,8 +227,9 @@ def last_logits(model: Any, tokens: mx.array, cache: Any) -> mx.array:
     """`model(tokens, cache=cache)[:, -1:]`, the logits [B, 1, V] after the last token, with the
     output head computed at that position only: every layer still runs on every token (the
     cache takes them all), but a prefill pass needs no other position's logits, and the head over
-    a whole pass is a large part of it (Gemma 3's 262,144-token vocabulary: a 512-token pass
-    0.69x the time without it, docs/gguf.md). The native model splits `hidden`/`head`; mlx-lm's
+    a whole pass is a large part of it (Gemma 3's 262,144-token vocabulary: a 4,096-token prompt
+    in 512-token passes prefills in 0.60x the time, docs/gguf.md "Prefill: the output head at the
+    last position only"). The native model splits `hidden`/`head`; mlx-lm's
     models in `BACKBONE_THEN_HEAD` run their own head on the last hidden state; any other model
     is called whole and sliced (the same logits, the head's cost kept)."""
     if isinstance(model, Model):
