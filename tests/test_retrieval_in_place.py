@@ -13,11 +13,13 @@ from __future__ import annotations
 import mlx.core as mx
 
 from benchmarks.batch_retrieval_donate_ab import addresses
-from tinygpt_mlx.cache import compiled_retrieval, make_cache
+from tinygpt_mlx.cache import compiled_retrieval
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.generate import call, prefill
+from tinygpt_mlx.generate import call
 from tinygpt_mlx.loading import load
 from tinygpt_mlx.server import batch
+
+from prefilled import prefilled_pairs
 
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
@@ -33,11 +35,7 @@ def _run(path, donated: bool, monkeypatch, steps: int = 32):
     m, tok = loaded.model, loaded.tokenizer
     monkeypatch.setattr(compiled_retrieval, "DONATED_BODY", donated)
     prompts = [tok.encode(p * 3) for p in PROMPTS]
-    solo, together = [make_cache(m, CONFIG) for _ in prompts], [make_cache(m, CONFIG) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, CONFIG)
     checked = {"batch": [0, 0], "solo": [0, 0]}
     logits = []
     for _ in range(steps):

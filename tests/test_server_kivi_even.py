@@ -21,6 +21,8 @@ from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.server import batch
 
+from prefilled import prefilled_pairs
+
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
 
@@ -47,11 +49,7 @@ def test_stacked_kivi_rows_read_runs_of_one_length_kept_between_steps(native32, 
     m, tok = native32.model, native32.tokenizer
     cfg = CacheConfig(key_bits=4, value_bits=4)
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (3, 5, 7, 9))]
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg)
     calls: list = []
     real = batch._Compiled.__call__
 

@@ -18,9 +18,10 @@ import pytest
 from tinygpt_mlx import blas
 from tinygpt_mlx.cache import compiled, make_cache
 from tinygpt_mlx.config import CacheConfig
-from tinygpt_mlx.generate import call, prefill
+from tinygpt_mlx.generate import call
 from tinygpt_mlx.server import batch
 from test_server_parallel import _serve_jobs
+from prefilled import prefilled_pairs
 
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
@@ -50,14 +51,8 @@ def test_a_filling_int4_window_steps_compiled_in_the_batch_as_each_alone(native3
     m, tok = native32.model, native32.tokenizer
     exact = blas.loaded_openblas() is None
     prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS, (5, 9, 14, 20))]
-    solo, together = [make_cache(m, STREAMING_INT4) for _ in prompts], [make_cache(m, STREAMING_INT4) for _ in prompts]
+    solo, together, tokens = prefilled_pairs(m, prompts, STREAMING_INT4, fresh=True, kept=True)
     assert all(c.compiled_step == "kivi" for c in together)
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)
-    batch.drop_kept()
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
     fill_steps = fill_compiled = 0
     for _ in range(160):

@@ -15,10 +15,11 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.generate import call, prefill
 from tinygpt_mlx.server import batch
+
+from prefilled import prefilled_pairs
 
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
@@ -34,14 +35,7 @@ def native32(native32_path):
 def _start(m, tok, reps=(3, 4, 5, 6)):
     """Four int4 caches prefilled with prompts of their own lengths, twice (batched, solo)."""
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, reps)]
-    solo, together = [make_cache(m, INT4) for _ in prompts], [make_cache(m, INT4) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)
-    batch.drop_kept()
-    return solo, together, tokens
+    return prefilled_pairs(m, prompts, INT4, fresh=True, kept=True)
 
 
 def _lockstep(m, tokens, together, solo):

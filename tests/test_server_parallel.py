@@ -50,6 +50,8 @@ from tinygpt_mlx.server.slots import SlotPool
 from tinygpt_mlx.server.streams import render
 from tinygpt_mlx.server.worker import Job, Worker
 
+from prefilled import prefilled_pairs
+
 PROMPTS = ["The quick brown fox jumps over", "In the beginning was the word, and",
            "Café, naïve, 東京 and emoji", "the keeper of numbers 0123456789 was"]
 SINK, WINDOW, HOT = 4, 24, 24
@@ -112,11 +114,7 @@ def test_batched_decode_step_equals_each_sequence_alone(native32, policy):
     m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
     exact = blas.loaded_openblas() is None
     prompts = [tok.encode(p * 3) for p in PROMPTS]            # past the windows and hot budgets
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg)
     for _ in range(12):
         rows = batch.decode_step(m, tokens, together)
         want = [call(m, [t], c) for t, c in zip(tokens, solo)]
@@ -138,11 +136,7 @@ def test_windows_filling_step_compiled_as_each_sequence_alone(native32, policy):
     m, tok, cfg = native32.model, native32.tokenizer, POLICIES[policy]
     prompts = [tok.encode(p) for p in PROMPTS]
     assert max(len(p) for p in prompts) < min(WINDOW, HOT)
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg)
     before = batch.taken.copy()
     for _ in range(40):
         tokens = lockstep(m, tokens, together, solo, policy)
@@ -319,7 +313,7 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
     extra, repeats = RETRIEVAL_STEPS[case]
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True, **extra)
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, repeats)]
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg)
     assert all(c.compiled_step == "retrieval" for c in solo)
     picks: dict = {}
 
@@ -330,10 +324,7 @@ def test_batched_retrieval_picks_what_each_sequence_picks_alone(native32, case):
                 picks.setdefault((name, j), []).append(([r.tolist() for r in s.fetched()], int(s.tokens_scored)))
                 keep(s)
             layer.telemetry.record = record
-    tokens = []
-    for i, (ids, a, b) in enumerate(zip(prompts, solo, together)):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    for i, (a, b) in enumerate(zip(solo, together)):
         recording(a, ("solo", i))
         recording(b, ("batch", i))
     assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
@@ -393,7 +384,7 @@ def _rows_completing_apart(native32) -> tuple:
     m, tok = native32.model, native32.tokenizer
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (2, 3, 4, 5))]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     assert len({len(c.owned[0].cold) % 8 for c in together}) > 1     # the rows' pages complete at their own steps
     picks: dict = {}
     for i, (a, b) in enumerate(zip(solo, together)):
@@ -487,18 +478,6 @@ def test_bench_mixed_evictions_only_in_process(native32_path, monkeypatch, capsy
     assert batch.ONE_EVICTION_KIND and batch.SCRATCH_EVICTIONS
 
 
-def _solo_and_together(m, cfg, prompts):
-    """Two caches of `cfg` per prompt, each prefilled with it (chunks of 16): one to step alone,
-    one to step batched; the first greedy tokens; the model's batched traces forgotten (a trace
-    kept from another test would not be made again)."""
-    solo, together, tokens = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts], []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)
-    return solo, together, tokens
-
-
 def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32, monkeypatch):
     """Four retrieval caches prefilled with prompts of 60 to 101 random tokens: their first passes
     picked sticky pages of several widths (a short store's pool holds fewer pages), which do not
@@ -510,7 +489,7 @@ def test_batched_retrieval_rows_of_several_sticky_widths_step_compiled(native32,
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     rs = np.random.RandomState(0)
     prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in (60, 77, 90, 101)]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     widths = set()
     real = batch.step_inputs
 
@@ -566,7 +545,7 @@ def test_batched_retrieval_steps_ahead_compiled_as_each_alone(native32, case):
         sizes = (236, 241, 246, 250) if case == "body moved" else (262, 266, 270, 274)
         prompts = [[int(x) for x in rs.randint(1, 300, size=n)] for n in sizes]
         steps = 40
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     picks: dict = {}
     for i, (a, b) in enumerate(zip(solo, together)):
         _recording_picks(a, ("solo", i), picks)
@@ -606,7 +585,7 @@ def test_batched_retrieval_step_turns_with_the_rope_products(native32, monkeypat
     cfg = CacheConfig(sink=SINK, hot_budget=HOT, page_size=8, top_pages=2, sticky=True)
     rs = np.random.RandomState(1)
     prompts = [[int(x) for x in rs.randint(1, 300, size=90)] for _ in range(4)]
-    solo, together, tokens = _solo_and_together(m, cfg, prompts)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     rows_asked = []
     real = rope_products.rope_matrix
 
@@ -713,16 +692,14 @@ def _gemma_rows(m, cfg, rebase_every=None):
             if rebase_every is not None:
                 c.positions.rebase_every = rebase_every
         return cache
-    solo, together, tokens = [made() for _ in prompts], [made() for _ in prompts], []
-    for i, (ids, a, b) in enumerate(zip(prompts, solo, together)):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, made)
+    for i, (a, b) in enumerate(zip(solo, together)):
         # row i steps 5 i tokens alone first: a ring laid out after a prompt starts at one
         # pointer whatever the prompt's length, so these put the rows' pointers apart
         for _ in range(5 * i):
-            logits = call(m, [tokens[-1]], a)
-            assert mx.array_equal(logits, call(m, [tokens[-1]], b)).item()
-            tokens[-1] = int(mx.argmax(logits).item())
+            logits = call(m, [tokens[i]], a)
+            assert mx.array_equal(logits, call(m, [tokens[i]], b)).item()
+            tokens[i] = int(mx.argmax(logits).item())
     return solo, together, tokens
 
 
@@ -820,13 +797,8 @@ def test_batched_kivi_quiet_steps_equal_each_sequence_alone(native32, case, stac
     m, tok, cfg = native32.model, native32.tokenizer, KIVI_STEPS[case]
     prompts = [tok.encode(p * k) for p, k in zip(PROMPTS, (10, 12, 14, 16))]
     assert min(len(p) for p in prompts) > SINK + 96 + 32
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     assert all(c.compiled_step == "kivi" for c in solo)
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
-    batch.forget(m)
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
     held = []       # the shapes each step's compiled function has traced
     for _ in range(96):
@@ -865,13 +837,8 @@ def test_int4_first_steps_and_freezes_run_compiled_as_each_sequence_alone(native
     m, tok, cfg = native32.model, native32.tokenizer, KIVI_STEPS["int4"]
     exact = blas.loaded_openblas() is None
     prompts = [tok.encode(p)[:n] for p, n in zip(PROMPTS, (5, 9, 14, 20))]
-    solo, together = [make_cache(m, cfg) for _ in prompts], [make_cache(m, cfg) for _ in prompts]
-    tokens = []
-    for ids, a, b in zip(prompts, solo, together):
-        tokens.append(int(mx.argmax(prefill(m, ids, a, 16)).item()))
-        prefill(m, ids, b, 16)
+    solo, together, tokens = prefilled_pairs(m, prompts, cfg, fresh=True)
     assert all(c.owned[0].body.n_packed == 0 for c in together)         # nothing frozen yet
-    batch.forget(m)
     before, failed, traced = batch.taken.copy(), dict(batch._failed), batch.traced.copy()
     for _ in range(96):
         rows = batch.decode_step(m, tokens, together)
