@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 
 def token_counts(ap: argparse.ArgumentParser, flag: str, text: str) -> list[int]:
@@ -32,3 +33,18 @@ def model_or_exit(ap: argparse.ArgumentParser, name):
         return load_model(name).model
     except (OSError, ValueError, PosttrainError) as e:
         ap.error(f"--model {name!r}: {e}")
+
+
+def gguf_files(ap: argparse.ArgumentParser, models: list[str]) -> list[str]:
+    """`models`, each a GGUF file (its first four bytes `GGUF`), as resolved paths; else one line
+    naming the first that is missing or is not one (`ap.error`: exit 2)."""
+    for m in models:
+        path = Path(m).expanduser()
+        if not path.exists():
+            ap.error(f"model {m}: no such file or directory")
+        if path.is_dir():
+            ap.error(f"model {m}: not a GGUF file")
+        with path.open("rb") as f:
+            if f.read(4) != b"GGUF":
+                ap.error(f"model {m}: not a GGUF file")
+    return [str(Path(m).expanduser().resolve()) for m in models]

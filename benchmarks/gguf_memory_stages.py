@@ -30,6 +30,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks._args import gguf_files
+
 PARTS = ("stages", "parse", "sample")
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -129,11 +131,6 @@ def run_child(part: str, model: str, prompt: str, tokens: int) -> dict:
     return json.loads(got.stdout.strip().splitlines()[-1])
 
 
-def _magic(path: Path) -> bytes:
-    with path.open("rb") as f:
-        return f.read(4)
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", metavar="MODEL", help="GGUF files")
@@ -149,13 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not parts or any(p not in PARTS for p in parts):
         ap.error(f"--parts {args.parts!r}: expected some of {','.join(PARTS)}")
     args.parts = parts
-    for m in args.models:
-        path = Path(m).expanduser()
-        if not path.exists():
-            ap.error(f"model {m}: no such file or directory")
-        if path.is_dir() or _magic(path) != b"GGUF":
-            ap.error(f"model {m}: not a GGUF file")
-    args.models = [str(Path(m).expanduser().resolve()) for m in args.models]
+    args.models = gguf_files(ap, args.models)
     return args
 
 

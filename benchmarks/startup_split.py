@@ -35,6 +35,8 @@ import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from benchmarks._args import gguf_files  # noqa: E402
+
 KINDS = ("cold", "warm")
 PARTS = ("imports_s", "tokenizer_s", "weights_s", "first_forward_s", "to_first_token_s", "wall_s", "cpu_user_s")
 ROOT = Path(__file__).resolve().parent.parent
@@ -139,11 +141,6 @@ def measure(model: str, prompt: str, order: list[str]) -> dict:
     return {"runs": runs, "means": means}
 
 
-def _is_gguf(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("models", nargs="+", metavar="MODEL", help="GGUF files")
@@ -165,13 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         parent = Path(args.json).expanduser().resolve().parent
         if not parent.is_dir():
             ap.error(f"--json {args.json}: no such directory {parent}")
-    for m in args.models:
-        path = Path(m).expanduser()
-        if not path.exists():
-            ap.error(f"model {m}: no such file or directory")
-        if path.is_dir() or not _is_gguf(path):
-            ap.error(f"model {m}: not a GGUF file")
-    args.models = [str(Path(m).expanduser().resolve()) for m in args.models]
+    args.models = gguf_files(ap, args.models)
     return args
 
 
