@@ -94,28 +94,38 @@ def native32(native32_path):
     return load(native32_path)
 
 
-def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0, hidden_size: int = 64, n_layers: int = 2,
-                    intermediate_size: int = 128, max_positions: int = 256) -> Path:
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
+def build_mlx_lm_dir(path: Path, tokenizer_json: str, config: dict, seed: int = 0) -> Path:
+    """A tiny mlx-lm checkpoint (safetensors + config + tokenizer) of `config["model_type"]`, its
+    random weights seeded and widened; a tied config's file has no `lm_head.weight`."""
+    import importlib
 
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads(tokenizer_json)["model"]["vocab"]
-    config = {"model_type": "llama", "hidden_size": hidden_size, "num_hidden_layers": n_layers,
-              "intermediate_size": intermediate_size, "num_attention_heads": 4, "num_key_value_heads": 2,
-              "rms_norm_eps": 1e-5, "vocab_size": len(vocab) + 1, "max_position_embeddings": max_positions,
-              "rope_theta": 10000.0, "tie_word_embeddings": True}
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model = module.Model(module.ModelArgs.from_dict(config))
     # random init is small; widen it so the tiny model's greedy paths are not all one token
     params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
+    if config.get("tie_word_embeddings"):
+        params.pop("lm_head.weight", None)
+    path.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(path / "model.safetensors"), params)
     (path / "config.json").write_text(json.dumps(config))
     (path / "tokenizer.json").write_text(tokenizer_json)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
-        "model_max_length": max_positions}))
+        "model_max_length": config["max_position_embeddings"]}))
     return path
+
+
+def build_llama_dir(path: Path, tokenizer_json: str, seed: int = 0, hidden_size: int = 64, n_layers: int = 2,
+                    intermediate_size: int = 128, max_positions: int = 256) -> Path:
+    vocab = json.loads(tokenizer_json)["model"]["vocab"]
+    config = {"model_type": "llama", "hidden_size": hidden_size, "num_hidden_layers": n_layers,
+              "intermediate_size": intermediate_size, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "rms_norm_eps": 1e-5, "vocab_size": len(vocab) + 1, "max_position_embeddings": max_positions,
+              "rope_theta": 10000.0, "tie_word_embeddings": True}
+    return build_mlx_lm_dir(path, tokenizer_json, config, seed)
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from conftest import build_native
+from conftest import build_mlx_lm_dir, build_native
 from tinygpt_mlx import generate
 from tinygpt_mlx.model import BACKBONE_THEN_HEAD, last_logits
 from tinygpt_mlx.cache import make_cache
@@ -42,36 +42,20 @@ CASES = [(name, tie) for name, c in CONFIGS.items() for tie in c["tie"]]
 EXACT = not os.environ.get("LD_PRELOAD")     # MLX's own BLAS: the same bits both ways
 
 
-def build_mlx_lm_dir(path: Path, tokenizer_json: str, model_type: str, tie: bool, seed: int = 0) -> Path:
-    import importlib
-
-    from mlx.utils import tree_flatten
-
-    module = importlib.import_module(f"mlx_lm.models.{model_type}")
+def build_dir(path: Path, tokenizer_json: str, model_type: str, tie: bool, seed: int = 0) -> Path:
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     extra = {k: v for k, v in CONFIGS[model_type].items() if k != "tie"}
     config = {"model_type": model_type, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
               "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-5,
               "vocab_size": len(vocab) + 1, "max_position_embeddings": 256, "rope_theta": 10000.0,
               "tie_word_embeddings": tie, **extra}
-    mx.random.seed(seed)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    if tie:
-        params.pop("lm_head.weight", None)
-    path.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(path / "model.safetensors"), params)
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "tokenizer.json").write_text(tokenizer_json)
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 256}))
-    return path
+    return build_mlx_lm_dir(path, tokenizer_json, config, seed)
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{'tied' if t else 'untied'}" for n, t in CASES])
 def mlx_lm_model(request, tmp_path_factory, tokenizer_json):
     name, tie = request.param
-    path = build_mlx_lm_dir(tmp_path_factory.mktemp(name) / f"tiny-{name}", tokenizer_json, name, tie)
+    path = build_dir(tmp_path_factory.mktemp(name) / f"tiny-{name}", tokenizer_json, name, tie)
     return load(path).model
 
 
@@ -131,7 +115,7 @@ def test_native_model_matches_its_whole_call(native_model):
 
 def test_gemma2_soft_cap_is_applied(tmp_path, tokenizer_json):
     """A head that skipped the soft cap would give logits past it: here every one is inside +-0.5."""
-    model = load(build_mlx_lm_dir(tmp_path / "g2", tokenizer_json, "gemma2", True)).model
+    model = load(build_dir(tmp_path / "g2", tokenizer_json, "gemma2", True)).model
     out = last_logits(model, tokens(6), new_cache(model))
     assert mx.abs(out).max().item() <= 0.5
     raw = model.model.embed_tokens.as_linear(model.model(tokens(6), new_cache(model)))
@@ -199,7 +183,7 @@ def test_generate_call_takes_the_last_position_path(native, monkeypatch):
 def test_a_packed_tied_head(tmp_path, tokenizer_json, name):
     """A packed model (a GGUF's Q4_0/Q4_1/Q8_0 under `--weights packed`, mlx-lm's quantised
     checkpoints): the tied head is `QuantizedEmbedding.as_linear`, reached through the proxy."""
-    model = load(build_mlx_lm_dir(tmp_path / name, tokenizer_json, name, True)).model
+    model = load(build_dir(tmp_path / name, tokenizer_json, name, True)).model
     nn.quantize(model, group_size=32, bits=4)
     assert isinstance(model.model.embed_tokens, nn.QuantizedEmbedding) and "lm_head" not in model
     passes_both_ways(model)

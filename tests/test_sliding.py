@@ -33,6 +33,8 @@ import pytest
 from mlx_lm.models.cache import RotatingKVCache
 from typer.testing import CliRunner
 
+from conftest import build_mlx_lm_dir
+
 from tinygpt_mlx.cache import make_cache
 from tinygpt_mlx.cache.kv_cache import KVCache
 from tinygpt_mlx.cache.persist import PromptCacheError, load_prompt_cache, save_prompt_cache
@@ -57,28 +59,15 @@ POLICIES = {
 
 
 def build_gemma3_dir(path: Path, tokenizer_json: str, seed: int = 0, n_layers: int = 6) -> Path:
-    """A tiny mlx-lm gemma3_text checkpoint (safetensors + config + tokenizer), as
-    conftest.build_llama_dir builds its Llama: sliding window W, every PATTERN-th layer global."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import gemma3_text
-
-    path.mkdir(parents=True, exist_ok=True)
+    """A tiny mlx-lm gemma3_text checkpoint (conftest.build_mlx_lm_dir): sliding window W, every
+    PATTERN-th layer global."""
     vocab = json.loads(tokenizer_json)["model"]["vocab"]
     config = {"model_type": "gemma3_text", "hidden_size": 64, "num_hidden_layers": n_layers,
               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
               "query_pre_attn_scalar": 32, "vocab_size": len(vocab) + 1, "sliding_window": W,
               "sliding_window_pattern": PATTERN, "rms_norm_eps": 1e-6, "max_position_embeddings": 512,
               "rope_theta": 10000.0, "rope_local_base_freq": 1000.0}
-    mx.random.seed(seed)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
-    # random init is small; widen it so the tiny model's greedy paths are not all one token
-    params = {k: v * 3.0 if v.ndim == 2 else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(path / "model.safetensors"), params)
-    (path / "config.json").write_text(json.dumps(config))
-    (path / "tokenizer.json").write_text(tokenizer_json)
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "model_max_length": 512}))
-    return path
+    return build_mlx_lm_dir(path, tokenizer_json, config, seed)
 
 
 @pytest.fixture(scope="module")
