@@ -223,6 +223,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     import mlx.core as mx
     from tinygpt_mlx.cache import make_cache
     from tinygpt_mlx.generate import call, prefill
+    from tinygpt_mlx.model import last_logits
     from mlx_lm.models import cache as mlx_cache
     from tinygpt_mlx.server import batch
 
@@ -244,7 +245,7 @@ def engine(model_path: str, config: CacheConfig, streams: int, steps: int, round
     cut = min(len(p) for p in prompts)
     for kind, rows in (("peer_solo", [[p[:cut]] for p in prompts]), ("peer_batched", [[p[:cut] for p in prompts]])):
         caches = [mlx_cache.make_prompt_cache(m) for _ in rows]
-        sets[kind] = (caches, [mx.argmax(m(mx.array(r), cache=c)[:, -1:], axis=-1) for r, c in zip(rows, caches)])
+        sets[kind] = (caches, [mx.argmax(last_logits(m, mx.array(r), c), axis=-1) for r, c in zip(rows, caches)])
         mx.eval(sets[kind][1])
         kinds[kind] = None
     threads.for_decode()

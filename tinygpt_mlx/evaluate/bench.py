@@ -54,6 +54,7 @@ from ..cache.ring import SINK_STEPS
 from ..config import CacheConfig, SampleConfig, field_default
 from ..errors import PosttrainError
 from ..generate import forward, steps
+from ..model import last_logits
 from ..sampling import make_sampler
 from .defaults import BENCH_DECODE_STEPS as DECODE_STEPS
 from .defaults import BENCH_REFERENCE as REFERENCE
@@ -367,7 +368,8 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
             skipped[p.name] = row["error"]
             policies.remove(p)
     # one chunk-sized pass first, so the allocator's first growth is not billed to a policy
-    mx.eval(model(mx.zeros((1, min(prefill_chunk, max(contexts))), dtype=mx.int32)))
+    # (its head at the last position, as every timed prefill pass computes it)
+    mx.eval(last_logits(model, mx.zeros((1, min(prefill_chunk, max(contexts))), dtype=mx.int32), None))
     total = len(policies) * sum(-(-(c if grow_from is None else grow_from) // prefill_chunk) + decode_steps
                                 for c in contexts)
     done = 0
