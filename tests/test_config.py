@@ -343,6 +343,8 @@ SPEC_LABELS = {
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":256,"page_size":8,"top_pages":256,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"absolute","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot1024:absolute+fetch512+pages512': ('fp32 + retrieval hot 1024 + top 64 pages (original positions)',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":512,"page_size":8,"top_pages":512,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"absolute","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
+    'sink4/hot1024+fetch1024+pages1024': ('fp32 + retrieval hot 1024 + top 128 pages',
+        '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":1024,"page_size":8,"top_pages":1024,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"shifted","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot1024:absolute+fetch1024+pages1024': ('fp32 + retrieval hot 1024 + top 128 pages (original positions)',
         '{"storage":"fp32","retrieval":{"hot_budget":1024,"sink":4,"retrieve_tokens":1024,"page_size":8,"top_pages":1024,"summary":"minmax","cold_store":"ram","cold_bits":null,"rope_mode":"absolute","retrieved_position":"fixed","index_block":8,"retrieve_unit":"spans","sticky":true,"index_expand":4}}'),
     'sink4/hot2048:absolute': ('fp32 + retrieval hot 2048 + top 64 pages (original positions)',
