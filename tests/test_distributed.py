@@ -322,3 +322,29 @@ def test_three_ranks_refuse_four_kv_heads_with_one_line():
     ours = [line for line in p.stderr.splitlines() if line.startswith("error:")]
     assert len(ours) == 1 and "4 KV heads (8 query heads), which 3 ranks do not divide" in ours[0], p.stderr
     assert not p.stdout.strip() and "posttrainllm ·" not in p.stderr
+
+
+# Rank 0 made to reach the refusal 3 s after the others (as on a loaded machine, where CI once
+# saw it): the other ranks find the same refusal first, and must not end before rank 0 has said
+# it, or mlx.launch ends rank 0 (SIGTERM) on their exit and nobody writes the line.
+SLOW_RANK0 = (
+    "import os, sys, time\n"
+    "from tinygpt_mlx import distributed\n"
+    "check = distributed.check_shardable\n"
+    "def slow(*a, **k):\n"
+    "    if os.environ.get('MLX_RANK') == '0':\n"
+    "        time.sleep(3)\n"
+    "    return check(*a, **k)\n"
+    "distributed.check_shardable = slow\n"
+    "from tinygpt_mlx.cli.main import app\n"
+    "sys.argv[0] = 'posttrainllm'\n"
+    "app()\n"
+)
+
+
+def test_a_refusal_every_rank_finds_is_said_by_rank_0_even_when_it_is_last():
+    p = launch(3, [sys.executable, "-c", SLOW_RANK0, "sample", str(SHIPPED), "--prompt", "x", "-n", "2"], timeout=120)
+    ours = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(ours) == 1 and "4 KV heads (8 query heads), which 3 ranks do not divide" in ours[0], p.stderr
+    # (mlx.launch itself exits 0 whatever its ranks do: its own behaviour, not asserted)
+    assert not p.stdout.strip() and "posttrainllm ·" not in p.stderr

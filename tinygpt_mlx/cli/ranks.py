@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from typing import Optional
 
 import typer
@@ -17,6 +18,12 @@ from . import common as c
 from .common import err
 
 arrays = lazy("tinygpt_mlx.cache.arrays")
+
+# How long a rank other than 0 waits, after a refusal every rank finds, for rank 0 to say it:
+# mlx.launch ends every rank (SIGTERM) once one exits, so a rank that exited first would end
+# rank 0 before its line is written. Rank 0's exit ends the wait; the bound only matters when
+# rank 0 does not exit (then this rank exits 1 itself, silently).
+EVERYWHERE_WAIT = 60.0
 
 
 def print_ranks(r: dict) -> None:
@@ -98,7 +105,8 @@ def ranks():
     except (ValueError, c.PosttrainError) as e:
         err.quiet = quiet
         if getattr(e, "everywhere", False) and rank != 0:
-            raise typer.Exit(1) from None  # rank 0 says it
+            time.sleep(EVERYWHERE_WAIT)  # rank 0 says it; its exit ends this rank (SIGTERM)
+            raise typer.Exit(1) from None
         if str(e).startswith("rank ") or getattr(e, "everywhere", False):
             raise
         raise distributed.DistributedError(f"rank {rank}: {e}") from None
