@@ -568,11 +568,13 @@ def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_the
 
 
 def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatch):
-    """A prefill chunk is refined in slices of queries under GATHER_BUDGET: same logits as in
-    one piece. A bf16 cache keeps a bf16 shadow (2 bytes per element) and, refined over every
-    token, gives the bf16 cache's logits."""
+    """A chunk of queries too short for the dense prefill (`LayerCache.DENSE_PREFILL`, raised
+    here so that chunks of 80 are refined) is refined in slices of queries under GATHER_BUDGET:
+    same logits as in one piece. A bf16 cache keeps a bf16 shadow (2 bytes per element) and,
+    refined over every token, gives the bf16 cache's logits."""
     from tinygpt_mlx.cache import shadow
 
+    monkeypatch.setattr(LayerCache, "DENSE_PREFILL", 1_000)
     model, toks = native32.model, tokens(220, seed=9)
     cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=8)
     whole = run(model, make_cache(model, cfg), toks, chunk=80, prefill=200)
@@ -585,6 +587,71 @@ def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatc
     body = cache.owned[0].body
     assert body.shadow.nbytes == 2 * body.n_packed * 2 * 32 * 2
     assert mx.abs(got - ref).max().item() < 1e-3
+
+
+@pytest.mark.parametrize("kw", [dict(key_bits=4, value_bits=4), dict(key_bits=2, value_bits=4),
+                                dict(key_bits=4, value_bits=4, sink=4, window=64, rope_mode="absolute")],
+                         ids=["int4", "K int2 / V int4", "int4 + StreamingLLM (absolute)"])
+def test_exact_topk_prefill_chunks_attend_exactly(native32, kw):
+    """With an exact top-k shadow a prefill chunk attends the shadow's exact rows (KIVI's
+    full-precision prefill), so every prefill logit equals the fp32 cache's (same eviction),
+    while plain int4's later chunks read dequantised blocks and differ; decode steps still
+    score the packed body and refine only the top k (they differ from fp32 again)."""
+    model, toks = native32.model, tokens(240, seed=11)
+    exact_kw = {k: v for k, v in kw.items() if k in ("sink", "window", "rope_mode")}
+    ref = run(model, make_cache(model, CacheConfig(**exact_kw)), toks, chunk=60, prefill=180)
+    plain = run(model, make_cache(model, CacheConfig(**kw)), toks, chunk=60, prefill=180)
+    cache = make_cache(model, CacheConfig(exact_topk=8, **kw))
+    got = run(model, cache, toks, chunk=60, prefill=180)
+    assert cache.owned[0].body.n_packed > 0
+    if "window" in kw:
+        assert cache.owned[0].body.evicted > 0
+    assert mx.abs(got[:, :180] - ref[:, :180]).max().item() < 1e-4
+    assert mx.abs(plain[:, 60:180] - ref[:, 60:180]).max().item() > 1e-3   # chunks 2-3 read packed blocks
+    assert mx.abs(got[:, 181:] - ref[:, 181:]).max().item() > 1e-4        # decode: top 8 of ~200 refined
+
+
+@pytest.mark.slow
+def test_exact_topk_prefill_in_shifted_streaming_mode_reads_exact_keys(native32):
+    """Shifted StreamingLLM (pre-RoPE path: keys frozen at virtual slots, unturned when read):
+    with exact prefill an int4 and an int2 body (same blocks evicted, different codes) give the
+    same prefill logits; their plain bodies do not, and decode (top 8 refined) parts them again.
+    (The fp32 window cache is no reference here: it evicts token by token, KIVI whole blocks.)"""
+    model, toks = native32.model, tokens(240, seed=11)
+    out = {}
+    for bits in (4, 2):
+        for k in (0, 8):
+            cache = make_cache(model, CacheConfig(key_bits=bits, value_bits=4, sink=4, window=64, exact_topk=k))
+            out[bits, k] = run(model, cache, toks, chunk=60, prefill=180)
+            assert cache.owned[0].body.evicted > 0
+    assert mx.abs(out[4, 8][:, :180] - out[2, 8][:, :180]).max().item() < 1e-4
+    assert mx.abs(out[4, 0][:, 60:180] - out[2, 0][:, 60:180]).max().item() > 1e-2
+    assert mx.abs(out[4, 8][:, 181:] - out[2, 8][:, 181:]).max().item() > 1e-4
+
+
+def test_exact_topk_prefill_chunk_reads_the_shadow_not_the_packed_codes():
+    """A layer's prefill chunk (16 queries or more) against numpy's exact attention over the
+    exact keys and values it was given; the packed codes alone miss it by far."""
+    B, H, rep, D, T, L = 1, 2, 2, 32, 200, 24
+    rng = np.random.RandomState(12)
+    k = rng.randn(B, H, T + L, D).astype(np.float32)
+    v = rng.randn(B, H, T + L, D).astype(np.float32)
+    q = rng.randn(B, H * rep, L, D).astype(np.float32)
+    mask = np.triu(np.full((L, T + L), -np.inf, np.float32), k=T + 1)
+    outs = {}
+    for topk in (0, 8):
+        cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=topk, kivi_sink=0,
+                          **({"shadow_store": "ram"} if topk else {}))
+        layer = layer_cache(cfg, rope=None)
+        layer.update_and_fetch(mx.array(k[:, :, :T]), mx.array(v[:, :, :T]))
+        layer.update_and_fetch(mx.array(k[:, :, T:]), mx.array(v[:, :, T:]))   # freezes the first T's blocks
+        assert layer.body.n_packed > 0
+        outs[topk] = np.array(layer.attend(mx.array(q), D ** -0.5, mx.array(mask)))
+    s = np.einsum("bhld,bhtd->bhlt", q, np.repeat(k, rep, axis=1)) * D ** -0.5 + mask
+    p = np.exp(s - s.max(-1, keepdims=True))
+    ref = (p / p.sum(-1, keepdims=True)) @ np.repeat(v, rep, axis=1)
+    assert np.abs(outs[8] - ref).max() < 1e-5
+    assert np.abs(outs[0] - ref).max() > 1e-2
 
 
 def test_exact_topk_refuses_a_model_without_installable_attention(native32, monkeypatch):

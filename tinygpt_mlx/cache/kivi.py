@@ -232,20 +232,26 @@ class KiviStore:
         self.residual = Residual(self.storage, self.group, self.exact_before)
 
     # ----- reading --------------------------------------------------------------------------
-    def fetch(self, dtype: Optional[mx.Dtype] = None) -> tuple[mx.array, mx.array]:
-        """Every stored token, dense: frozen blocks dequantised, then the residual (reference path)."""
+    def fetch(self, dtype: Optional[mx.Dtype] = None, exact: bool = False) -> tuple[mx.array, mx.array]:
+        """Every stored token, dense: frozen blocks dequantised, then the residual (reference path).
+        `exact`: the sides an exact top-k shadow holds are read from it instead (a prefill chunk's
+        exact attention, as KIVI's prefill runs at full precision)."""
         dtype = dtype or self.storage
         parts = []
         if self.held:
-            parts.append(self._dense(0, self.held, dtype))
+            parts.append(self._dense(0, self.held, dtype, exact))
         if len(self.residual):
             parts.append(self.residual.fetch(dtype))
         return join(parts) if parts else no_tokens(self.storage)
 
-    def _dense(self, lo: int, hi: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    def _dense(self, lo: int, hi: int, dtype: mx.Dtype, exact: bool = False) -> tuple[mx.array, mx.array]:
         """Frozen tokens [lo, hi) (the body's, then the near tier's), dequantised; keys pre-RoPE
-        on the pre-RoPE path."""
+        on the pre-RoPE path. `exact` (from the first token, lo = 0): the sides the shadow holds
+        are its exact rows (a dequantised side that is not used is never computed: MLX is lazy)."""
         k, v = self.tiers.dense(lo, hi)
+        if exact:
+            assert lo == 0, "the shadow's rows are read from the first frozen token"
+            k, v = self.shadow.exact_front(hi, k, v)
         if self.positions.pre_rope:
             k = self.positions.unrotate(k.astype(mx.float32), self.positions.kivi_slot(self.evicted + lo))
         return k.astype(dtype), v.astype(dtype)
