@@ -526,16 +526,18 @@ def test_exact_topk_matches_a_dense_reference():
     assert np.abs(out - ref).max() < 1e-5
 
 
-def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_path):
+@pytest.mark.parametrize("where", ["disk", "ram"])
+def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_path, where):
     import gc
 
-    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=4, cold_path=str(tmp_path))
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=4, cold_path=str(tmp_path), shadow_store=where)
     store = kivi_store(cfg)
     x = mx.array(np.random.RandomState(7).randn(1, 2, 224, 32).astype(np.float32))
     store.append(x, -x)
     store.append(x[:, :, :1], x[:, :, :1])
-    assert store.n_packed == 192 and store.shadow.label == "shadow_disk"
-    assert any(tmp_path.rglob("*.bin"))
+    label = {"disk": "shadow_disk", "ram": "shadow"}[where]
+    assert store.n_packed == 192 and store.shadow.label == label
+    assert any(tmp_path.rglob("*.bin")) == (where == "disk")
     # eviction hands on the exact rows (absolute mode) and the shadow drops them too
     k, v = store.drop_front(64)
     assert mx.array_equal(k, x[:, :, :64]).item() and mx.array_equal(v, -x[:, :, :64]).item()
@@ -543,7 +545,7 @@ def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_pa
     idx = mx.arange(96).reshape(1, 1, 1, 1, 96) * mx.ones((1, 2, 1, 1, 1), mx.int32)
     assert mx.array_equal(store.shadow.gather(0, idx)[0, :, 0, 0], x[0, :, 64:160]).item()
     assert mx.array_equal(store.shadow.gather(1, idx)[0, :, 0, 0], -x[0, :, 64:160]).item()
-    assert store.nbytes_breakdown()["shadow_disk"] == 2 * 96 * 2 * 32 * 4
+    assert store.nbytes_breakdown()[label] == 2 * 96 * 2 * 32 * 4
     del store
     gc.collect()
     assert not any(tmp_path.rglob("*.bin"))
@@ -565,6 +567,67 @@ def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_the
     assert (arr.start, len(arr)) == (0, 4) and np.array_equal(arr.view(), rows[8:12])
     arr.truncate(3)
     assert np.array_equal(arr.view(), rows[8:11]) and arr.nbytes == 3 * 2 * 4
+
+
+def test_device_rows_keep_the_rows_a_growing_array_keeps():
+    """The RAM shadow's MLX buffer (`DeviceRows`) against the numpy `GrowingArray` it replaced
+    for RAM: the same appends, drops (moving rows only when the dropped outnumber them),
+    growths and truncations leave the same live rows and counters; its state round-trips."""
+    from tinygpt_mlx.cache.arrays import GrowingArray
+    from tinygpt_mlx.cache.shadow import DeviceRows
+
+    ref, dev = GrowingArray((3, 2), np.float32, None, initial=8), DeviceRows((3, 2), mx.float32, initial=8)
+    rows = np.arange(40 * 6, dtype=np.float32).reshape(40, 3, 2)
+    ops = [("append", 6), ("drop", 2), ("drop", 1), ("append", 6), ("drop", 5), ("append", 20),
+           ("truncate", 12), ("drop", 4), ("append", 3)]
+    at = 0
+    for op, n in ops:
+        if op == "append":
+            ref.append(rows[at:at + n])
+            dev.append(mx.array(rows[at:at + n]))
+            at += n
+        else:
+            getattr(ref, {"drop": "drop_front", "truncate": "truncate"}[op])(n)
+            getattr(dev, {"drop": "drop_front", "truncate": "truncate"}[op])(n)
+        assert np.array_equal(np.array(dev.view()), ref.view()), (op, n)
+        assert (dev.start, dev.n, dev.capacity, dev.growths, dev.nbytes) == \
+            (ref.start, ref.n, ref.capacity, ref.growths, ref.nbytes), (op, n)
+
+    class Entry:   # persist.Entry's reading side
+        def __init__(self, a):
+            self.a, self.shape = a, a.shape
+
+        def np(self):
+            return self.a
+
+    saved, meta = dev.state()
+    back = DeviceRows((3, 2), mx.float32)
+    back.load_state(Entry(saved), meta)
+    assert np.array_equal(np.array(back.view()), ref.view()) and back.capacity == dev.capacity
+
+
+def test_ram_shadow_gathers_on_the_device_and_equals_the_disk_shadow(native32, tmp_path):
+    """A decode step of int4 + exact top-8: with the RAM shadow its whole graph is built before
+    anything is evaluated (the top-k selection of every layer is still in it: no host wait),
+    with the disk shadow each layer reads its indices to the host (the graph left at the end
+    holds no selection); both give the same logits."""
+    from tinygpt_mlx.evaluate.opcount import graph_ops
+
+    model, toks = native32.model, tokens(200, seed=13)
+    logits, ops = {}, {}
+    for where in ("ram", "disk"):
+        cache = make_cache(model, CacheConfig(key_bits=4, value_bits=4, exact_topk=8, shadow_store=where,
+                                              cold_path=str(tmp_path)))
+        for i in range(0, 160, 40):
+            mx.eval(model(toks[:, i:i + 40], cache=cache))
+        for i in range(160, 170):
+            mx.eval(model(toks[:, i:i + 1], cache=cache))
+        out = model(toks[:, 170:171], cache=cache)
+        ops[where] = graph_ops(out)
+        logits[where] = out
+    layers = len(native32.model.layers)
+    assert ops["ram"]["ArgPartition"] >= layers and ops["disk"]["ArgPartition"] == 0
+    assert mx.abs(logits["ram"] - logits["disk"]).max().item() < 1e-5
 
 
 def test_exact_topk_prefill_in_query_slices_and_bf16_shadow(native32, monkeypatch):

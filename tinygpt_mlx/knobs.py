@@ -127,7 +127,8 @@ KNOBS: tuple[Knob, ...] = (
        r"top(\d+)", "topN (KIVI exact top-k)", minimum=0),
     Knob("shadow_store", "--kv-shadow", str, "precision",
        "KIVI --kv-exact-topk: keep the exact shadow copy on disk (memory-mapped, RAM holds only the packed "
-       "cache) or in ram. Default {default}.", r"shadow(ram|disk)", "shadowram|shadowdisk", choices=COLD_STORES),
+       "cache; each refined layer waits for its top-k indices on the host) or in ram (the fp32 cache's size "
+       "in memory, gathered on the device: no wait). Default {default}.", r"shadow(ram|disk)", "shadowram|shadowdisk", choices=COLD_STORES),
     Knob("kivi_sink", "--kv-exact-sink", int, "precision",
        "KIVI without a StreamingLLM window or retrieval: keep the first N tokens exact (attention sinks). "
        "They count toward --kv-residual, so the cache holds the same bytes (the newest R - N tokens stay exact "

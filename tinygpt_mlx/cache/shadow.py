@@ -2,6 +2,11 @@
 the frozen tokens (RAM or memory-mapped), the two-stage top-k selection, and gathering the
 chosen rows in query slices under a memory budget (kivi.py's module doc describes the method).
 
+Where the shadow lives decides who gathers: a RAM shadow is one MLX buffer (`DeviceRows`), so a
+decode step takes its chosen rows on the device and its graph never waits for the host; a disk
+shadow is a numpy memmap (`GrowingArray`), so each refined layer reads its top-k indices to the
+host (one wait per layer and step) and gathers with numpy.
+
 Heads are independent here: the shadow keeps rows per (batch, KV head) and the selection runs
 per query head, so a rank holding a subset of the KV heads (tinygpt_mlx/distributed.py) needs
 nothing from the others.
@@ -9,7 +14,7 @@ nothing from the others.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -59,6 +64,80 @@ def top_k_indices(scores: mx.array, k: int, block: int) -> mx.array:
     return mx.take_along_axis(best, pick // block, axis=-1) * block + pick % block
 
 
+class DeviceRows:
+    """`GrowingArray`'s rows (token-major [capacity, *shape], doubling when full, the live rows
+    `array[start:n]`) as one MLX buffer: what a RAM shadow keeps, so that gathers stay on the
+    device. Appends write in place (a slice update); a growth or a compaction copies the live
+    rows once into a fresh buffer."""
+
+    def __init__(self, shape: tuple, dtype: mx.Dtype, initial: int = 256):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.start = self.n = self.growths = 0
+        self.array = mx.zeros((initial,) + self.shape, dtype)
+
+    @property
+    def capacity(self) -> int:
+        return self.array.shape[0]
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def _moved(self, capacity: int) -> None:
+        """The live rows, first, in a fresh buffer of `capacity` rows."""
+        live = len(self)
+        new = mx.zeros((capacity,) + self.shape, self.dtype)
+        if live:
+            new[:live] = self.array[self.start: self.n]
+        self.array, self.start, self.n = new, 0, live
+
+    def append(self, rows: mx.array) -> None:
+        n = rows.shape[0]
+        if self.n + n > self.capacity and self.start:
+            self._moved(self.capacity)
+        if self.n + n > self.capacity:
+            cap = self.capacity
+            while cap < self.n + n:
+                cap *= 2
+            self._moved(cap)
+            self.growths += 1
+        self.array[self.n: self.n + n] = rows.astype(self.dtype)
+        self.n += n
+
+    def view(self) -> mx.array:
+        return self.array[self.start: self.n]
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest `n` live rows (the live rows move to the front once the dropped
+        ones outnumber them: amortised O(1) per dropped row)."""
+        self.start += min(n, len(self))
+        if self.start >= len(self):
+            self._moved(self.capacity)
+
+    def truncate(self, n: int) -> None:
+        self.n = self.start + min(len(self), n)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * int(np.prod(self.shape)) * self.dtype.size
+
+    def state(self) -> tuple[np.ndarray, dict]:
+        """The live rows in RAM (bf16 as its 16-bit patterns, as a `GrowingArray` keeps them, so
+        the file is the same whichever store wrote it) and the counters."""
+        rows = self.view()
+        rows = np.asarray(rows.view(mx.uint16) if self.dtype == mx.bfloat16 else rows)
+        return rows, {"n": len(self), "capacity": self.capacity, "growths": self.growths}
+
+    def load_state(self, entry: Any, meta: dict) -> None:
+        n = int(meta["n"])
+        if tuple(entry.shape) != (n,) + self.shape:
+            raise ValueError(f"saved rows have shape {tuple(entry.shape)}, expected {(n,) + self.shape}")
+        rows = mx.array(entry.np())
+        rows = rows.view(mx.bfloat16) if self.dtype == mx.bfloat16 else rows
+        self.array = mx.zeros((max(int(meta["capacity"]), n, 1),) + self.shape, self.dtype)
+        self.array[:n] = rows
+        self.start, self.n, self.growths = 0, n, int(meta.get("growths", 0))
+
+
 class ShadowStore:
     """Exact copies of the frozen tokens of the quantised sides, token-major [n, B*H, D], in
     RAM or memory-mapped in a private directory (removed when the store is collected).
@@ -76,6 +155,8 @@ class ShadowStore:
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
         self.storage = storage
         self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
+        #: a RAM shadow is an MLX buffer per side (`DeviceRows`: gathered on the device)
+        self.device = self.directory is None
         if self.directory is not None:
             remove_with(self, self.directory)
         self.label = "shadow_disk" if self.directory is not None else "shadow"
@@ -101,15 +182,28 @@ class ShadowStore:
             B, H, T, D = x.shape
             self.batch_heads = (B, H)
             x = x.astype(self.storage)
+            if self.device:
+                if self.arrays[i] is None:
+                    self.arrays[i] = DeviceRows((B * H, D), self.storage)
+                self.arrays[i].append(x.reshape(B * H, T, D).transpose(1, 0, 2))
+                continue
             rows = np.asarray(x.view(mx.uint16) if self.storage == mx.bfloat16 else x)
             rows = rows.reshape(B * H, T, D).transpose(1, 0, 2)
             if self.arrays[i] is None:
-                path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
-                self.arrays[i] = GrowingArray(rows.shape[1:], self._NP[self.storage], path)
+                self.arrays[i] = GrowingArray(rows.shape[1:], self._NP[self.storage], f"{self.directory}/{'kv'[i]}.bin")
             self.arrays[i].append(rows)
 
     def gather(self, side: int, idx: mx.array) -> mx.array:
-        """Exact rows (fp32) of tokens `idx` [B, Hkv, rep, L, k] of one side -> [B, Hkv, rep, L, k, D]."""
+        """Exact rows (fp32) of tokens `idx` [B, Hkv, rep, L, k] of one side -> [B, Hkv, rep, L, k, D]:
+        on the device from a RAM shadow (row (start + t) * B*H + b*H + h of its flat buffer), with
+        numpy from a disk one (the indices read to the host first)."""
+        if self.device:
+            rows = self.arrays[side]
+            B, H = idx.shape[:2]
+            bh = (mx.arange(B, dtype=mx.uint32)[:, None] * H + mx.arange(H, dtype=mx.uint32)[None, :])
+            flat = (idx.astype(mx.uint32) + rows.start) * (B * H) + bh.reshape(B, H, 1, 1, 1)
+            buf = rows.array.reshape(-1, rows.shape[-1])          # the whole buffer: contiguous, no copy
+            return mx.take(buf, flat, axis=0).astype(mx.float32)
         t = np.asarray(idx).astype(np.int64)
         B, H = t.shape[:2]
         bh = (np.arange(B)[:, None] * H + np.arange(H)[None, :]).reshape(B, H, 1, 1, 1)
@@ -117,7 +211,8 @@ class ShadowStore:
 
     def front(self, side: int, n: int) -> mx.array:
         """The oldest `n` rows of a side as [B, H, n, D] in the storage dtype."""
-        rows = self._mx(self.arrays[side].view()[:n])              # [n, B*H, D]
+        live = self.arrays[side].view()[:n]
+        rows = live if self.device else self._mx(live)              # [n, B*H, D]
         return rows.transpose(1, 0, 2).reshape(*self.batch_heads, n, self.dim(side))
 
     def exact_front(self, n: int, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -169,8 +264,11 @@ class ShadowStore:
             if m is None:
                 continue
             entry = arrays["kv"[i]]
-            path = None if self.directory is None else f"{self.directory}/{'kv'[i]}.bin"
-            self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
+            if self.device:
+                self.arrays[i] = DeviceRows(tuple(entry.shape[1:]), self.storage)
+            else:
+                path = f"{self.directory}/{'kv'[i]}.bin"
+                self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
             self.arrays[i].load_state(entry, m)
 
 
