@@ -569,14 +569,14 @@ def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_the
     assert np.array_equal(arr.view(), rows[8:11]) and arr.nbytes == 3 * 2 * 4
 
 
-def test_device_rows_keep_the_rows_a_growing_array_keeps():
-    """The RAM shadow's MLX buffer (`DeviceRows`) against the numpy `GrowingArray` it replaced
+def test_shadow_rows_keep_the_rows_a_growing_array_keeps():
+    """The RAM shadow's MLX buffer (`ShadowRows`) against the numpy `GrowingArray` it replaced
     for RAM: the same appends, drops (moving rows only when the dropped outnumber them),
     growths and truncations leave the same live rows and counters; its state round-trips."""
     from tinygpt_mlx.cache.arrays import GrowingArray
-    from tinygpt_mlx.cache.shadow import DeviceRows
+    from tinygpt_mlx.cache.shadow import ShadowRows
 
-    ref, dev = GrowingArray((3, 2), np.float32, None, initial=8), DeviceRows((3, 2), mx.float32, initial=8)
+    ref, dev = GrowingArray((3, 2), np.float32, None, initial=8), ShadowRows((3, 2), mx.float32, initial=8)
     rows = np.arange(40 * 6, dtype=np.float32).reshape(40, 3, 2)
     ops = [("append", 6), ("drop", 2), ("drop", 1), ("append", 6), ("drop", 5), ("append", 20),
            ("truncate", 12), ("drop", 4), ("append", 3)]
@@ -601,7 +601,7 @@ def test_device_rows_keep_the_rows_a_growing_array_keeps():
             return self.a
 
     saved, meta = dev.state()
-    back = DeviceRows((3, 2), mx.float32)
+    back = ShadowRows((3, 2), mx.float32)
     back.load_state(Entry(saved), meta)
     assert np.array_equal(np.array(back.view()), ref.view()) and back.capacity == dev.capacity
 

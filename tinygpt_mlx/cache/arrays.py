@@ -17,10 +17,77 @@ import numpy as np
 
 from ..quant import GROUP_SIZES
 
-__all__ = ["GrowingArray", "private_dir", "remove_with", "remove_dir", "remove_private_dirs"]
+__all__ = ["LiveRows", "GrowingArray", "private_dir", "remove_with", "remove_dir", "remove_private_dirs"]
 
 
-class GrowingArray:
+class LiveRows:
+    """What every token-major row buffer [capacity, *shape] here shares: the live rows are
+    `array[start:n]`; `append` doubles the capacity when full (after moving the live rows to the
+    front, where that makes room); `drop_front` only moves `start`, and the live rows move to the
+    front once the dropped ones outnumber them (amortised O(1) per dropped row). A subclass says
+    how to write rows, move them (`_compact`), grow (`_grow`) and its element size (`itemsize`)."""
+
+    shape: tuple
+    array: Any
+    start: int
+    n: int
+    growths: int
+
+    @property
+    def capacity(self) -> int:
+        return self.array.shape[0]
+
+    def __len__(self) -> int:
+        return self.n - self.start
+
+    def append(self, rows: Any) -> None:
+        n = rows.shape[0]
+        if self.n + n > self.capacity:
+            self._compact()
+        if self.n + n > self.capacity:
+            cap = self.capacity
+            while cap < self.n + n:
+                cap *= 2
+            self._grow(cap)
+            self.growths += 1
+        self._write(rows)
+        self.n += n
+
+    def view(self) -> Any:
+        return self.array[self.start: self.n]
+
+    def drop_front(self, n: int) -> None:
+        """Forget the oldest `n` live rows."""
+        self.start += min(n, len(self))
+        if self.start >= len(self):
+            self._compact()
+
+    def truncate(self, n: int) -> None:
+        """Keep only the oldest `n` live rows."""
+        self.n = self.start + min(len(self), n)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * int(np.prod(self.shape)) * self.itemsize
+
+    @property
+    def itemsize(self) -> int:
+        raise NotImplementedError
+
+    def _write(self, rows: Any) -> None:
+        """Rows into `array[n:n + len(rows)]` (room is there)."""
+        raise NotImplementedError
+
+    def _compact(self) -> None:
+        """Move the live rows to the front (where `start` is not 0)."""
+        raise NotImplementedError
+
+    def _grow(self, capacity: int) -> None:
+        """A buffer of `capacity` rows holding the live ones where they were."""
+        raise NotImplementedError
+
+
+class GrowingArray(LiveRows):
     """A token-major array [capacity, *shape] that doubles its capacity when full.
 
     RAM: a numpy array; a growth copies the live part once (amortised O(1) per row).
@@ -50,47 +117,20 @@ class GrowingArray:
         return np.memmap(self.path, dtype=self.dtype, mode=mode, shape=(capacity,) + self.shape)
 
     @property
-    def capacity(self) -> int:
-        return self.array.shape[0]
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
 
-    def __len__(self) -> int:
-        return self.n - self.start
+    def _write(self, rows: np.ndarray) -> None:
+        self.array[self.n: self.n + rows.shape[0]] = rows
 
-    def append(self, rows: np.ndarray) -> None:
-        n = rows.shape[0]
-        if self.n + n > self.capacity:
-            self._compact()
-        if self.n + n > self.capacity:
-            cap = self.capacity
-            while cap < self.n + n:
-                cap *= 2
-            self.array = self._allocate(cap, self.array)
-            self.growths += 1
-        self.array[self.n: self.n + n] = rows
-        self.n += n
-
-    def view(self) -> np.ndarray:
-        return self.array[self.start: self.n]
-
-    def drop_front(self, n: int) -> None:
-        """Forget the oldest `n` live rows."""
-        self.start += min(n, len(self))
-        if self.start >= len(self):
-            self._compact()
+    def _grow(self, capacity: int) -> None:
+        self.array = self._allocate(capacity, self.array)
 
     def _compact(self) -> None:
         if self.start:
             live = len(self)
             self.array[:live] = self.array[self.start: self.n]
             self.start, self.n = 0, live
-
-    def truncate(self, n: int) -> None:
-        """Keep only the oldest `n` live rows."""
-        self.n = self.start + min(len(self), n)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self) * int(np.prod(self.shape)) * self.dtype.itemsize
 
     # ----- prompt-cache files (cache/persist.py) ----------------------------------------------
     def state(self) -> tuple[np.ndarray, dict]:

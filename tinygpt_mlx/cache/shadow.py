@@ -2,7 +2,7 @@
 the frozen tokens (RAM or memory-mapped), the two-stage top-k selection, and gathering the
 chosen rows in query slices under a memory budget (kivi.py's module doc describes the method).
 
-Where the shadow lives decides who gathers: a RAM shadow is one MLX buffer (`DeviceRows`), so a
+Where the shadow lives decides who gathers: a RAM shadow is one MLX buffer (`ShadowRows`), so a
 decode step takes its chosen rows on the device and its graph never waits for the host; a disk
 shadow is a numpy memmap (`GrowingArray`), so each refined layer reads its top-k indices to the
 host (one wait per layer and step) and gathers with numpy.
@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import CacheConfig
-from .arrays import GrowingArray, private_dir, remove_dir, remove_with
+from .arrays import GrowingArray, LiveRows, private_dir, remove_dir, remove_with
 
 
 #: Bytes of exact rows gathered at once: a prefill chunk's queries are refined in slices so that
@@ -64,11 +64,12 @@ def top_k_indices(scores: mx.array, k: int, block: int) -> mx.array:
     return mx.take_along_axis(best, pick // block, axis=-1) * block + pick % block
 
 
-class DeviceRows:
-    """`GrowingArray`'s rows (token-major [capacity, *shape], doubling when full, the live rows
-    `array[start:n]`) as one MLX buffer: what a RAM shadow keeps, so that gathers stay on the
-    device. Appends write in place (a slice update); a growth or a compaction copies the live
-    rows once into a fresh buffer."""
+class ShadowRows(LiveRows):
+    """`GrowingArray`'s rows (`LiveRows`: token-major [capacity, *shape], doubling when full, the
+    live rows `array[start:n]`) as one MLX buffer: what a RAM shadow keeps, so that gathers stay
+    on the device. (Retrieval's cold store has its own, head-major and spillable, with no
+    `drop_front`: device_pages.DeviceRows.) Appends write in place (a slice update); a growth or a compaction copies the
+    live rows once into a fresh buffer."""
 
     def __init__(self, shape: tuple, dtype: mx.Dtype, initial: int = 256):
         self.shape, self.dtype = tuple(shape), dtype
@@ -76,11 +77,18 @@ class DeviceRows:
         self.array = mx.zeros((initial,) + self.shape, dtype)
 
     @property
-    def capacity(self) -> int:
-        return self.array.shape[0]
+    def itemsize(self) -> int:
+        return self.dtype.size
 
-    def __len__(self) -> int:
-        return self.n - self.start
+    def _write(self, rows: mx.array) -> None:
+        self.array[self.n: self.n + rows.shape[0]] = rows.astype(self.dtype)
+
+    def _grow(self, capacity: int) -> None:
+        self._moved(capacity)
+
+    def _compact(self) -> None:
+        if self.start:
+            self._moved(self.capacity)
 
     def _moved(self, capacity: int) -> None:
         """The live rows, first, in a fresh buffer of `capacity` rows."""
@@ -89,36 +97,6 @@ class DeviceRows:
         if live:
             new[:live] = self.array[self.start: self.n]
         self.array, self.start, self.n = new, 0, live
-
-    def append(self, rows: mx.array) -> None:
-        n = rows.shape[0]
-        if self.n + n > self.capacity and self.start:
-            self._moved(self.capacity)
-        if self.n + n > self.capacity:
-            cap = self.capacity
-            while cap < self.n + n:
-                cap *= 2
-            self._moved(cap)
-            self.growths += 1
-        self.array[self.n: self.n + n] = rows.astype(self.dtype)
-        self.n += n
-
-    def view(self) -> mx.array:
-        return self.array[self.start: self.n]
-
-    def drop_front(self, n: int) -> None:
-        """Forget the oldest `n` live rows (the live rows move to the front once the dropped
-        ones outnumber them: amortised O(1) per dropped row)."""
-        self.start += min(n, len(self))
-        if self.start >= len(self):
-            self._moved(self.capacity)
-
-    def truncate(self, n: int) -> None:
-        self.n = self.start + min(len(self), n)
-
-    @property
-    def nbytes(self) -> int:
-        return len(self) * int(np.prod(self.shape)) * self.dtype.size
 
     def state(self) -> tuple[np.ndarray, dict]:
         """The live rows in RAM (bf16 as its 16-bit patterns, as a `GrowingArray` keeps them, so
@@ -155,7 +133,7 @@ class ShadowStore:
     def __init__(self, config: CacheConfig, storage: mx.Dtype, keys: bool, values: bool):
         self.storage = storage
         self.directory = private_dir("shadow", config.cold_path) if config.shadow_store == "disk" else None
-        #: a RAM shadow is an MLX buffer per side (`DeviceRows`: gathered on the device)
+        #: a RAM shadow is an MLX buffer per side (`ShadowRows`: gathered on the device)
         self.device = self.directory is None
         if self.directory is not None:
             remove_with(self, self.directory)
@@ -184,7 +162,7 @@ class ShadowStore:
             x = x.astype(self.storage)
             if self.device:
                 if self.arrays[i] is None:
-                    self.arrays[i] = DeviceRows((B * H, D), self.storage)
+                    self.arrays[i] = ShadowRows((B * H, D), self.storage)
                 self.arrays[i].append(x.reshape(B * H, T, D).transpose(1, 0, 2))
                 continue
             rows = np.asarray(x.view(mx.uint16) if self.storage == mx.bfloat16 else x)
@@ -265,7 +243,7 @@ class ShadowStore:
                 continue
             entry = arrays["kv"[i]]
             if self.device:
-                self.arrays[i] = DeviceRows(tuple(entry.shape[1:]), self.storage)
+                self.arrays[i] = ShadowRows(tuple(entry.shape[1:]), self.storage)
             else:
                 path = f"{self.directory}/{'kv'[i]}.bin"
                 self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
