@@ -68,8 +68,8 @@ class ShadowRows(LiveRows):
     """`GrowingArray`'s rows (`LiveRows`: token-major [capacity, *shape], doubling when full, the
     live rows `array[start:n]`) as one MLX buffer: what a RAM shadow keeps, so that gathers stay
     on the device. (Retrieval's cold store has its own, head-major and spillable, with no
-    `drop_front`: device_pages.DeviceRows.) Appends write in place (a slice update); a growth or a compaction copies the
-    live rows once into a fresh buffer."""
+    `drop_front`: device_pages.DeviceRows.) Appends write in place (a slice update); a growth or
+    a compaction copies the live rows once into a fresh buffer."""
 
     def __init__(self, shape: tuple, dtype: mx.Dtype, initial: int = 256):
         self.shape, self.dtype = tuple(shape), dtype
@@ -160,16 +160,19 @@ class ShadowStore:
             B, H, T, D = x.shape
             self.batch_heads = (B, H)
             x = x.astype(self.storage)
+            if self.arrays[i] is None:
+                self.arrays[i] = self._new_rows(i, (B * H, D))
             if self.device:
-                if self.arrays[i] is None:
-                    self.arrays[i] = ShadowRows((B * H, D), self.storage)
                 self.arrays[i].append(x.reshape(B * H, T, D).transpose(1, 0, 2))
                 continue
             rows = np.asarray(x.view(mx.uint16) if self.storage == mx.bfloat16 else x)
-            rows = rows.reshape(B * H, T, D).transpose(1, 0, 2)
-            if self.arrays[i] is None:
-                self.arrays[i] = GrowingArray(rows.shape[1:], self._NP[self.storage], f"{self.directory}/{'kv'[i]}.bin")
-            self.arrays[i].append(rows)
+            self.arrays[i].append(rows.reshape(B * H, T, D).transpose(1, 0, 2))
+
+    def _new_rows(self, side: int, shape: tuple) -> LiveRows:
+        """The empty rows of a side: an MLX buffer (RAM) or a memory-mapped array (disk)."""
+        if self.device:
+            return ShadowRows(shape, self.storage)
+        return GrowingArray(shape, self._NP[self.storage], f"{self.directory}/{'kv'[side]}.bin")
 
     def gather(self, side: int, idx: mx.array) -> mx.array:
         """Exact rows (fp32) of tokens `idx` [B, Hkv, rep, L, k] of one side -> [B, Hkv, rep, L, k, D]:
@@ -242,11 +245,7 @@ class ShadowStore:
             if m is None:
                 continue
             entry = arrays["kv"[i]]
-            if self.device:
-                self.arrays[i] = ShadowRows(tuple(entry.shape[1:]), self.storage)
-            else:
-                path = f"{self.directory}/{'kv'[i]}.bin"
-                self.arrays[i] = GrowingArray(tuple(entry.shape[1:]), self._NP[self.storage], path)
+            self.arrays[i] = self._new_rows(i, tuple(entry.shape[1:]))
             self.arrays[i].load_state(entry, m)
 
 
