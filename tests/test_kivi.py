@@ -551,6 +551,39 @@ def test_shadow_follows_eviction_and_truncation_and_its_files_are_removed(tmp_pa
     assert not any(tmp_path.rglob("*.bin"))
 
 
+@pytest.mark.parametrize("where", ["ram", "disk"])
+def test_shadow_restored_from_a_checkpoint_taken_before_any_block_froze(tmp_path, where):
+    """A checkpoint of a windowed int4 + exact top-8 layer taken while its shadow holds nothing
+    (no block frozen yet), restored after blocks froze, then grown again: the exact rows read
+    back (`fetch(exact=True)`, what an exact prefill chunk attends) are the tokens stored, as in
+    a fresh layer fed the same tokens; the rows frozen before the restore are gone."""
+    from tinygpt_mlx.cache import checkpoint as checkpoints
+
+    cfg = CacheConfig(key_bits=4, value_bits=4, exact_topk=8, shadow_store=where, cold_path=str(tmp_path),
+                      sink=4, window=512, rope_mode="absolute", group_size=32, residual=32)
+    rng = np.random.RandomState(0)
+    chunks = [rng.randn(2, 1, 2, T, 32).astype(np.float32) for T in (20, 40, 40, 40, 100, 20)]
+    layer, fresh = layer_cache(cfg, rope=None), layer_cache(cfg, rope=None)
+    layer.update_and_fetch(mx.array(chunks[0][0]), mx.array(chunks[0][1]))
+    mark = checkpoints.take(layer)
+    for k, v in chunks[1:4]:
+        layer.update_and_fetch(mx.array(k), mx.array(v))
+    assert layer.body.shadow.arrays[0] is not None and len(layer.body.shadow.arrays[0]) > 0
+    checkpoints.restore(layer, mark)
+    assert layer.body.shadow.arrays == [None, None] and layer.body.held == 0
+    kept = [chunks[0], chunks[4], chunks[5]]
+    for i, (k, v) in enumerate(kept):
+        if i:
+            layer.update_and_fetch(mx.array(k), mx.array(v))
+        fresh.update_and_fetch(mx.array(k), mx.array(v))
+    K, V = (np.concatenate([c[j] for c in kept], 2) for j in (0, 1))
+    assert layer.body.held == fresh.body.held == 96
+    for cache in (layer, fresh):
+        k, v = cache.fetch(exact=True)
+        assert np.array_equal(np.array(k), K) and np.array_equal(np.array(v), V)
+        assert len(cache.body.shadow.arrays[0]) == 96
+
+
 @pytest.mark.parametrize("path", [False, True], ids=["ram", "disk"])
 def test_growing_array_drop_front_moves_rows_only_when_the_dropped_outnumber_them(tmp_path, path):
     from tinygpt_mlx.cache.arrays import GrowingArray

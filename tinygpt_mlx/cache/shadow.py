@@ -239,10 +239,13 @@ class ShadowStore:
         return arrays, {"batch_heads": list(self.batch_heads), "sides": sides}
 
     def load_state(self, arrays, meta: dict) -> None:
-        """Rows back into RAM, or copied into this store's private directory and mapped again."""
+        """Rows back into RAM, or copied into this store's private directory and mapped again.
+        A side saved empty is emptied (a checkpoint's restore loads into a store that has grown
+        since: its rows must not outlive the state loaded)."""
         self.batch_heads = tuple(meta["batch_heads"])
         for i, m in enumerate(meta["sides"]):
             if m is None:
+                self.arrays[i] = None
                 continue
             entry = arrays["kv"[i]]
             self.arrays[i] = self._new_rows(i, tuple(entry.shape[1:]))
