@@ -612,16 +612,19 @@ def test_shadow_rows_keep_the_rows_a_growing_array_keeps():
     ref, dev = GrowingArray((3, 2), np.float32, None, initial=8), ShadowRows((3, 2), mx.float32, initial=8)
     rows = np.arange(40 * 6, dtype=np.float32).reshape(40, 3, 2)
     ops = [("append", 6), ("drop", 2), ("drop", 1), ("append", 6), ("drop", 5), ("append", 20),
-           ("truncate", 12), ("drop", 4), ("append", 3)]
-    at = 0
+           ("drop", 3), ("truncate", 12), ("drop", 4), ("append", 3)]   # a truncation with start > 0
+    at, live = 0, []     # live: the rows held, as a plain list (an oracle sharing no code with LiveRows)
     for op, n in ops:
         if op == "append":
             ref.append(rows[at:at + n])
             dev.append(mx.array(rows[at:at + n]))
+            live += list(rows[at:at + n])
             at += n
         else:
             getattr(ref, {"drop": "drop_front", "truncate": "truncate"}[op])(n)
             getattr(dev, {"drop": "drop_front", "truncate": "truncate"}[op])(n)
+            live = live[n:] if op == "drop" else live[:n]
+        assert np.array_equal(np.array(dev.view()), np.array(live)), (op, n)
         assert np.array_equal(np.array(dev.view()), ref.view()), (op, n)
         assert (dev.start, dev.n, dev.capacity, dev.growths, dev.nbytes) == \
             (ref.start, ref.n, ref.capacity, ref.growths, ref.nbytes), (op, n)
