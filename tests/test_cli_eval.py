@@ -104,6 +104,75 @@ def test_needle_without_filler_runs_on_the_shipped_text(tmp_path, monkeypatch):
     assert 90 <= cell["prompt_tokens"] <= 96  # the document is cut to the asked length, +- a token
 
 
+def test_needle_resume_keeps_the_saved_cells_and_runs_the_others(tmp_path, monkeypatch):
+    """`--resume`: a grid stopped part way (its JSON saved cell by cell) goes on: the cells in the
+    file are kept as they are (not run again), the others run, and the file ends as the whole
+    grid's, in grid order, the new cells as a run from scratch gives them."""
+    from tinygpt_mlx.evaluate import needle as nd
+
+    out = tmp_path / "grid.json"
+    grid = ["--contexts", 96, "--depths", "0.3,0.7", "--seeds", 1, "--policies", "full,streaming",
+            "--streaming-llm-sink", 4, "--kiv-hot-budget", 32, "--json", out]
+    r = run("needle", SHIPPED_MODEL, *grid)
+    assert r.exit_code == 0, r.output
+    whole = json.loads(out.read_text())
+    assert [(c["policy"], c["depth"]) for c in whole["cells"]] == [
+        ("full", 0.3), ("streaming", 0.3), ("full", 0.7), ("streaming", 0.7)]
+    assert whole["filler"] == nd.filler_id(inputs.read_text(inputs.HELDOUT_KJV)) and whole["digits"] == 5
+
+    stopped = dict(whole, cells=[dict(c, output="kept") for c in whole["cells"][:3]])   # as if stopped there
+    out.write_text(json.dumps(stopped))
+    runs = []
+    real = nd.run_cell
+    monkeypatch.setattr(nd, "run_cell", lambda *a, **k: runs.append(a[2]) or real(*a, **k))
+    r = run("needle", SHIPPED_MODEL, *grid, "--resume")
+    assert r.exit_code == 0, r.output
+    assert f"resuming {out}: 3 cells kept, 1 to run" in r.stderr
+    assert len(runs) == 1 and runs[0].window is not None           # only the streaming cell at 0.7 ran
+    after = json.loads(out.read_text())
+    assert [c["output"] for c in after["cells"][:3]] == ["kept"] * 3
+    new, ref = after["cells"][3], whole["cells"][3]
+    assert (new["policy"], new["depth"], new["output"], new["passed"]) == \
+        (ref["policy"], ref["depth"], ref["output"], ref["passed"])
+    assert after["summary"]["streaming"]["cells"] == 2 and after["summary"]["full"]["cells"] == 2
+
+    # a file that does not exist yet: the grid starts afresh
+    fresh = tmp_path / "fresh.json"
+    r = run("needle", SHIPPED_MODEL, *grid[:-1], fresh, "--resume")
+    assert r.exit_code == 0 and "does not exist yet" in r.stderr and len(json.loads(fresh.read_text())["cells"]) == 4
+
+
+@pytest.mark.parametrize("change, needles", [
+    (["--prefill-chunk", 64], ["prefill_chunk 128", "64"]),
+    (["--digits", 6], ["digits 5", "6"]),
+    (["--streaming-llm-sink", 2], ["policy 'streaming' was configured otherwise"]),
+    (["--depths", "0.3"], ["a cell outside this grid", "depth 0.7"]),
+])
+def test_needle_resume_refuses_another_grids_file_in_one_line(tmp_path, change, needles):
+    out = tmp_path / "grid.json"
+    grid = {"--contexts": 96, "--depths": "0.3,0.7", "--seeds": 1, "--policies": "full,streaming",
+            "--streaming-llm-sink": 4, "--kiv-hot-budget": 32, "--json": out}
+    r = run("needle", SHIPPED_MODEL, *[x for kv in grid.items() for x in kv])
+    assert r.exit_code == 0, r.output
+    before = out.read_text()
+    grid.update(dict(zip(change[::2], change[1::2])))
+    r = run("needle", SHIPPED_MODEL, *[x for kv in grid.items() for x in kv], "--resume")
+    one_line_error(r, f"--resume {out}: not this grid's file", *needles)
+    assert out.read_text() == before                                # nothing written
+
+
+def test_needle_resume_needs_a_grid_json_before_loading(tmp_path, no_load):
+    r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--resume")
+    one_line_error(r, "--resume", "--json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"model": "x"}')
+    r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--json", bad, "--resume")
+    one_line_error(r, "'--resume'", str(bad), "not a needle grid's JSON")
+    bad.write_text("{not json")
+    one_line_error(run("needle", SHIPPED_MODEL, "--contexts", 96, "--json", bad, "--resume"), str(bad))
+    assert no_load.calls == 0
+
+
 def test_needle_progress_line_prints_the_cells_token_recall(tmp_path):
     """The progress line's "needle token recall" is the JSON's telemetry token_recall (the share of
     the needle's tokens fetched), not token_any (of layer-head steps fetching any): docs quoted the

@@ -145,6 +145,11 @@ def needle(
         "too (to count what it finds there beside StreamingLLM and retrieval; skipped otherwise).")] = False,
     json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the grid as JSON here.",
                                                       dir_okay=False)] = None,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Keep the cells already in --json (the grid is saved there cell by cell, so a "
+        "stopped run can go on) and run only the others. The file must come from this grid: the same "
+        "model, settings and policy flags, and no cell outside --contexts, --depths, --policies and "
+        "the seeds; where it does not exist yet the grid starts afresh.")] = False,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Write a heat map PNG here.",
                                                  dir_okay=False)] = None,
     *, cache_config,
@@ -183,8 +188,11 @@ def needle(
     if past_context and "full" not in names:
         raise typer.BadParameter(f"--past-context runs the full cache past the model's context: --policies "
                                  f"{policies!r} has no full")
+    if resume and json_path is None:
+        raise typer.BadParameter("--resume keeps the cells of the grid's --json file: give --json")
     c.check_writable(json_path, "--json")
     c.check_writable(plot, "--plot")
+    previous = _read_grid(json_path) if resume else None
     with c.flag_value():    # the names checked before loading anything (the message names the choices)
         configs = nd.policy_configs(cfg, names)
     with c.guarded():
@@ -192,6 +200,10 @@ def needle(
             inputs.require_plotting()
         text = inputs.read_text(filler or nd.DEFAULT_FILLER)
         loaded = c.load_model(model, weights)
+        done = _kept(json_path, previous, nd.grid_header(
+            loaded, cfg, names, ctx_list, depth_list, seeds, text, chunk=prefill_chunk, digits=digits, task=task,
+            facts=facts, chat=chat, lead_in=lead_in, first_seed=first_seed, tail=tail,
+            past_context=past_context)) if resume else []
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"retrieval policy: [green]{cfg.label()}[/green]" + _reads(cfg)
                   + (" · original RoPE positions where a cell fits the context, else shifted" if cfg.rope_auto else "")
@@ -201,6 +213,9 @@ def needle(
 
         fits = [n for n in ctx_list if past_context or not loaded.context_length or n <= loaded.context_length]
         n_cells = len(depth_list) * seeds * sum(len(fits) if name == "full" else len(ctx_list) for name in configs)
+        if resume:
+            err.print(f"resuming {json_path}: {len(done)} cells kept, {n_cells - len(done)} to run")
+            n_cells -= len(done)
 
         def progress(cell: dict) -> None:
             bar.advance(1)
@@ -231,7 +246,8 @@ def needle(
             result = nd.needle_grid(loaded, cfg, ctx_list, depth_list, seeds, names, text,
                                     chunk=prefill_chunk, digits=digits, task=task, facts=facts, progress=progress,
                                     on_chunk=PrefillReport(), partial=partial, chat=chat, lead_in=lead_in,
-                                    first_seed=first_seed, probe=probe, tail=tail, past_context=past_context)
+                                    first_seed=first_seed, probe=probe, tail=tail, past_context=past_context,
+                                    done=done)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=1))
@@ -239,6 +255,34 @@ def needle(
         if plot is not None:
             nd.plot_grid(result, plot)
             err.print(f"wrote {plot}")
+
+
+def _read_grid(path: Path) -> Optional[dict]:
+    """The grid JSON that `--resume` goes on from (None where it does not exist yet); one line
+    naming the file where it is not a needle grid's (read before the model is loaded)."""
+    if not path.exists():
+        err.print(f"--resume: {path} does not exist yet; the grid starts afresh")
+        return None
+    try:
+        old = json.loads(path.read_text())
+        if not isinstance(old, dict) or not isinstance(old.get("cells"), list) or "policies" not in old:
+            raise ValueError("no cells and policies in it")
+    except (OSError, ValueError) as e:
+        raise typer.BadParameter(f"{path}: not a needle grid's JSON ({e})", param_hint="'--resume'") from None
+    return old
+
+
+def _kept(path: Path, old: Optional[dict], header: dict) -> list[dict]:
+    """The cells of `old` that `--resume` keeps; one line naming what differs where `old` is not
+    this grid's."""
+    if old is None:
+        return []
+    why = nd.resume_check(old, header)
+    if why:
+        raise ValueError(f"--resume {path}: not this grid's file: {why}")
+    if "filler" not in old:
+        err.print(f"--resume: {path} does not record its filler text; taken to be this run's")
+    return old["cells"]
 
 
 def register(app: typer.Typer) -> None:

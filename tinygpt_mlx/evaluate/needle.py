@@ -28,6 +28,7 @@ the page ranking lost the needle, if not, it is out of the ranking's hands.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import random
 import re
 from pathlib import Path
@@ -224,7 +225,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 on_chunk: Optional[Callable[[int, int, Any], None]] = None,
                 partial: Optional[Callable[[dict], None]] = None, chat: bool = False,
                 lead_in: Optional[str] = None, first_seed: int = 0, probe: bool = False, tail: int = 0,
-                past_context: bool = False) -> dict:
+                past_context: bool = False, done: Optional[list[dict]] = None) -> dict:
     """Run the grid of documents of one `corpus.TASKS` kind (`facts` facts for the keyed ones);
     returns {"policies", "cells", "summary", ...} (JSON-ready). `progress(cell)`
     after each cell, `on_chunk(done, total, cache)` during each prefill, `partial(result so far)`
@@ -237,19 +238,28 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     pool (`run_cell(oracle=True)`), and the cell keeps what that gave (`probe_record`). `tail`: each
     prompt's last `tail` tokens are prefilled as a pass of their own (`generate.pass_end`; 0 = off).
     `past_context`: the full cache runs every cell, those longer than the model's context too
-    (otherwise it skips them: where it does not fit)."""
+    (otherwise it skips them: where it does not fit). `done`: cells of an earlier run of this grid
+    (`resume_check` has checked that it is this grid), kept as they are and not run again."""
     configs = policy_configs(retrieval, policies)
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
+    kept = {cell_key(c): c for c in done or []}
+    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text))
     cells = []
     for context in contexts:
         for depth in depths:
             for seed in range(first_seed, first_seed + seeds):
+                if all((name, context, depth, seed) in kept for name in configs):
+                    cells += [kept[(name, context, depth, seed)] for name in configs]
+                    continue     # (a full cell skipped past the context is never kept: the document is built)
                 prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
                 prompt = as_chat(tok, prompt, lead_in) if chat else with_lead_in(prompt, lead_in)
                 ids = list(tok.encode(prompt))
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
+                    if (name, context, depth, seed) in kept:
+                        cells.append(kept[(name, context, depth, seed)])
+                        continue
                     if name == "full" and not past_context and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
                     r = run_cell(loaded.model, tok, cfg, ids, answer, truth, chunk, on_chunk, context=ctx_len,
@@ -264,13 +274,60 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                         progress(cell)
                     if partial is not None:
                         partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed,
-                                        tail, past_context))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail, past_context)
+                                        tail, past_context, run))
+    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail, past_context,
+                   run)
+
+
+def filler_id(text: str) -> str:
+    """A short fingerprint of a grid's filler text (recorded in its JSON, checked on resume)."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def cell_key(cell: dict) -> tuple:
+    return cell["policy"], int(cell["context"]), float(cell["depth"]), int(cell["seed"])
+
+
+#: what a grid's JSON records of how its cells were run, and the value a JSON written before a
+#: field was recorded had (None: not known, not checked)
+RUN_FIELDS = {"model": None, "context_length": None, "task": "passkey", "facts": None, "prefill_chunk": None,
+              "prefill_tail": 0, "past_context": False, "digits": 5, "chat": False, "lead_in": None, "filler": None}
+
+
+def resume_check(old: dict, new: dict) -> Optional[str]:
+    """Why the grid JSON `old` cannot be resumed as the grid `new` (both `needle_grid` results;
+    `new` with no cells), or None. The run's settings must agree (a field `old` does not record
+    is taken as its default, the filler as the same), each policy `old` ran must be configured
+    as `new` configures it, and every cell of `old` must lie in `new`'s grid."""
+    for field, default in RUN_FIELDS.items():
+        was = old.get(field, default)
+        if was is not None and was != new.get(field):
+            return f"it was run with {field} {was!r}, this run has {new.get(field)!r}"
+    for name, described in old.get("policies", {}).items():
+        if name in new["policies"] and described != new["policies"][name]:
+            return f"its policy {name!r} was configured otherwise ({described}), this run: {new['policies'][name]}"
+    seeds = range(new["first_seed"], new["first_seed"] + new["seeds"])
+    for cell in old.get("cells", []):
+        p, n, d, s = cell_key(cell)
+        if p not in new["policies"] or n not in new["contexts"] or d not in new["depths"] or s not in seeds:
+            return (f"it holds a cell outside this grid ({p}, context {n}, depth {d:g}, seed {s}): give its "
+                    f"--policies, --contexts, --depths and seeds too")
+    return None
+
+
+def grid_header(loaded: Any, retrieval: CacheConfig, policies: list[str], contexts: list[int], depths: list[float],
+                seeds: int, filler_text: str, chunk: int = 128, digits: int = 5, task: str = "passkey",
+                facts: int = 4, chat: bool = False, lead_in: Optional[str] = None, first_seed: int = 0,
+                tail: int = 0, past_context: bool = False) -> dict:
+    """What `needle_grid` with these arguments records, without its cells (for `resume_check`)."""
+    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text))
+    return _result(loaded, policy_configs(retrieval, policies), [], contexts, depths, seeds, chunk, task, facts,
+                   first_seed, tail, past_context, run)
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
             seeds: int, chunk: int, task: str = "passkey", facts: int = 4, first_seed: int = 0,
-            tail: int = 0, past_context: bool = False) -> dict:
+            tail: int = 0, past_context: bool = False, run: Optional[dict] = None) -> dict:
     ctx_len = loaded.context_length
     summary = {}
     for name in configs:
@@ -285,7 +342,7 @@ def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], 
     return {"model": getattr(loaded, "name", "?"), "context_length": ctx_len,
             "task": task, "facts": facts if task in ("keyed", "keyed-all") else None,
             "contexts": contexts, "depths": depths, "seeds": seeds, "first_seed": first_seed, "prefill_chunk": chunk,
-            "prefill_tail": tail, "past_context": past_context,
+            "prefill_tail": tail, "past_context": past_context, **(run or {}),
             "policies": {n: c.describe() for n, c in configs.items()},
             "cells": cells, "summary": summary}
 
