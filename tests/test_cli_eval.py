@@ -147,6 +147,9 @@ def test_needle_resume_keeps_the_saved_cells_and_runs_the_others(tmp_path, monke
     (["--digits", 6], ["digits 5", "6"]),
     (["--streaming-llm-sink", 2], ["policy 'streaming' was configured otherwise"]),
     (["--depths", "0.3"], ["a cell outside this grid", "depth 0.7"]),
+    (["--lead-in", "The pass key is number"], ["lead_in None"]),          # recorded as None: no lead-in
+    (["--probe", None, "--policies", "full,streaming,retrieval"], ["probe False"]),
+    (["--seeds", 1, "CELLS", "values_right"], ["do not record values_right"]),
 ])
 def test_needle_resume_refuses_another_grids_file_in_one_line(tmp_path, change, needles):
     out = tmp_path / "grid.json"
@@ -154,11 +157,62 @@ def test_needle_resume_refuses_another_grids_file_in_one_line(tmp_path, change, 
             "--streaming-llm-sink": 4, "--kiv-hot-budget": 32, "--json": out}
     r = run("needle", SHIPPED_MODEL, *[x for kv in grid.items() for x in kv])
     assert r.exit_code == 0, r.output
+    if "CELLS" in change:             # a file whose cells lack a field the summary counts (an older version's)
+        saved = json.loads(out.read_text())
+        for cell in saved["cells"]:
+            del cell[change[change.index("CELLS") + 1]]
+        out.write_text(json.dumps(saved))
+        change = change[:change.index("CELLS")]
     before = out.read_text()
     grid.update(dict(zip(change[::2], change[1::2])))
-    r = run("needle", SHIPPED_MODEL, *[x for kv in grid.items() for x in kv], "--resume")
+    r = run("needle", SHIPPED_MODEL, *[x for kv in grid.items() for x in kv if x is not None], "--resume")
     one_line_error(r, f"--resume {out}: not this grid's file", *needles)
     assert out.read_text() == before                                # nothing written
+
+
+def test_needle_resume_of_an_older_file_says_what_it_does_not_record(tmp_path):
+    """A grid JSON written before digits, chat, lead_in, the filler and --probe were recorded is
+    resumed (they are taken to be this run's) with one line naming them, not refused as if it
+    recorded the defaults."""
+    out = tmp_path / "grid.json"
+    grid = ["--contexts", 96, "--depths", "0.3,0.7", "--seeds", 1, "--policies", "full", "--digits", 6,
+            "--json", out]
+    assert run("needle", SHIPPED_MODEL, *grid).exit_code == 0
+    saved = json.loads(out.read_text())
+    old = {k: v for k, v in saved.items() if k not in ("digits", "chat", "lead_in", "filler", "probe")}
+    old["cells"] = old["cells"][:1]
+    out.write_text(json.dumps(old))
+    r = run("needle", SHIPPED_MODEL, *grid, "--resume")
+    assert r.exit_code == 0, r.output
+    assert "does not record its digits, chat, lead_in, filler, probe" in r.stderr
+    assert len(json.loads(out.read_text())["cells"]) == 2
+
+
+def test_needle_resume_stopped_again_keeps_every_cell_of_its_file(tmp_path, monkeypatch):
+    """A resume that widens the grid (a policy added) and is stopped part way: the file still
+    holds every cell it held (each save carries the kept cells the run has not reached yet)."""
+    from tinygpt_mlx.evaluate import needle as nd
+
+    out = tmp_path / "grid.json"
+    grid = ["--contexts", 96, "--depths", "0.3,0.7", "--seeds", 1, "--streaming-llm-sink", 4,
+            "--kiv-hot-budget", 32, "--json", out]
+    assert run("needle", SHIPPED_MODEL, *grid, "--policies", "full").exit_code == 0
+    first = json.loads(out.read_text())["cells"]
+    calls = []
+    real = nd.run_cell
+
+    def stop_on_second(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(nd, "run_cell", stop_on_second)
+    r = run("needle", SHIPPED_MODEL, *grid, "--policies", "full,streaming", "--resume")
+    assert r.exit_code == 130 and "interrupted" in r.stderr, r.output
+    saved = json.loads(out.read_text())["cells"]
+    assert [(c["policy"], c["depth"]) for c in saved] == [("full", 0.3), ("streaming", 0.3), ("full", 0.7)]
+    assert [c for c in saved if c["policy"] == "full"] == first
 
 
 def test_needle_resume_needs_a_grid_json_before_loading(tmp_path, no_load):

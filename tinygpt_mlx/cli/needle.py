@@ -202,7 +202,7 @@ def needle(
         loaded = c.load_model(model, weights)
         done = _kept(json_path, previous, nd.grid_header(
             loaded, cfg, names, ctx_list, depth_list, seeds, text, chunk=prefill_chunk, digits=digits, task=task,
-            facts=facts, chat=chat, lead_in=lead_in, first_seed=first_seed, tail=tail,
+            facts=facts, chat=chat, lead_in=lead_in, first_seed=first_seed, probe=probe, tail=tail,
             past_context=past_context)) if resume else []
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
                   f"retrieval policy: [green]{cfg.label()}[/green]" + _reads(cfg)
@@ -280,8 +280,10 @@ def _kept(path: Path, old: Optional[dict], header: dict) -> list[dict]:
     why = nd.resume_check(old, header)
     if why:
         raise ValueError(f"--resume {path}: not this grid's file: {why}")
-    if "filler" not in old:
-        err.print(f"--resume: {path} does not record its filler text; taken to be this run's")
+    unknown = nd.unrecorded(old)
+    if unknown:
+        err.print(f"--resume: {path} does not record its {', '.join(unknown)} (written by an older version); "
+                  "taken to be this run's")
     return old["cells"]
 
 

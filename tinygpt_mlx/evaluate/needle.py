@@ -244,13 +244,13 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
     kept = {cell_key(c): c for c in done or []}
-    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text))
+    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text), probe=probe)
     cells = []
     for context in contexts:
         for depth in depths:
             for seed in range(first_seed, first_seed + seeds):
                 if all((name, context, depth, seed) in kept for name in configs):
-                    cells += [kept[(name, context, depth, seed)] for name in configs]
+                    cells += [kept.pop((name, context, depth, seed)) for name in configs]
                     continue     # (a full cell skipped past the context is never kept: the document is built)
                 prompt, answer = cell_document(tok, filler_text, context, depth, seed, task, digits, facts, template)
                 prompt = as_chat(tok, prompt, lead_in) if chat else with_lead_in(prompt, lead_in)
@@ -258,7 +258,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                 truth = needle_positions(tok.encode, prompt, answer)
                 for name, cfg in configs.items():
                     if (name, context, depth, seed) in kept:
-                        cells.append(kept[(name, context, depth, seed)])
+                        cells.append(kept.pop((name, context, depth, seed)))
                         continue
                     if name == "full" and not past_context and ctx_len and len(ids) > ctx_len:
                         continue   # the full cache does not fit the model's context
@@ -272,11 +272,11 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
                     cells.append(cell)
                     if progress is not None:
                         progress(cell)
-                    if partial is not None:
-                        partial(_result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed,
-                                        tail, past_context, run))
-    return _result(loaded, configs, cells, contexts, depths, seeds, chunk, task, facts, first_seed, tail, past_context,
-                   run)
+                    if partial is not None:   # (with the kept cells not reached yet: a stop loses none)
+                        partial(_result(loaded, configs, cells + list(kept.values()), contexts, depths, seeds, chunk,
+                                        task, facts, first_seed, tail, past_context, run))
+    return _result(loaded, configs, cells + list(kept.values()), contexts, depths, seeds, chunk, task, facts,
+                   first_seed, tail, past_context, run)
 
 
 def filler_id(text: str) -> str:
@@ -288,26 +288,39 @@ def cell_key(cell: dict) -> tuple:
     return cell["policy"], int(cell["context"]), float(cell["depth"]), int(cell["seed"])
 
 
-#: what a grid's JSON records of how its cells were run, and the value a JSON written before a
-#: field was recorded had (None: not known, not checked)
-RUN_FIELDS = {"model": None, "context_length": None, "task": "passkey", "facts": None, "prefill_chunk": None,
-              "prefill_tail": 0, "past_context": False, "digits": 5, "chat": False, "lead_in": None, "filler": None}
+#: what a grid's JSON records of how its cells were run: field -> the value a JSON written before
+#: the field was recorded had (the option did not exist yet), or UNKNOWN (it may have been anything)
+UNKNOWN = object()
+RUN_FIELDS = {"model": UNKNOWN, "context_length": UNKNOWN, "task": "passkey", "facts": UNKNOWN,
+              "prefill_chunk": UNKNOWN, "prefill_tail": 0, "past_context": False, "digits": UNKNOWN,
+              "chat": UNKNOWN, "lead_in": UNKNOWN, "filler": UNKNOWN, "probe": UNKNOWN}
+#: what `_result` reads of every cell
+CELL_FIELDS = ("policy", "context", "depth", "seed", "passed", "values", "values_right")
+
+
+def unrecorded(old: dict) -> list[str]:
+    """The run settings the grid JSON `old` does not record and whose value is not known."""
+    return [f for f, default in RUN_FIELDS.items() if f not in old and default is UNKNOWN]
 
 
 def resume_check(old: dict, new: dict) -> Optional[str]:
     """Why the grid JSON `old` cannot be resumed as the grid `new` (both `needle_grid` results;
     `new` with no cells), or None. The run's settings must agree (a field `old` does not record
-    is taken as its default, the filler as the same), each policy `old` ran must be configured
-    as `new` configures it, and every cell of `old` must lie in `new`'s grid."""
+    is taken as it was before the field was recorded, or as this run's where that is not known:
+    `unrecorded`), each policy `old` ran must be configured as `new` configures it, and every
+    cell of `old` must lie in `new`'s grid and hold what the summary counts."""
     for field, default in RUN_FIELDS.items():
         was = old.get(field, default)
-        if was is not None and was != new.get(field):
+        if was is not UNKNOWN and was != new.get(field):
             return f"it was run with {field} {was!r}, this run has {new.get(field)!r}"
     for name, described in old.get("policies", {}).items():
         if name in new["policies"] and described != new["policies"][name]:
             return f"its policy {name!r} was configured otherwise ({described}), this run: {new['policies'][name]}"
     seeds = range(new["first_seed"], new["first_seed"] + new["seeds"])
     for cell in old.get("cells", []):
+        lacks = [f for f in CELL_FIELDS if f not in cell]
+        if lacks:
+            return f"its cells do not record {', '.join(lacks)} (written by an older version): run the grid afresh"
         p, n, d, s = cell_key(cell)
         if p not in new["policies"] or n not in new["contexts"] or d not in new["depths"] or s not in seeds:
             return (f"it holds a cell outside this grid ({p}, context {n}, depth {d:g}, seed {s}): give its "
@@ -318,9 +331,9 @@ def resume_check(old: dict, new: dict) -> Optional[str]:
 def grid_header(loaded: Any, retrieval: CacheConfig, policies: list[str], contexts: list[int], depths: list[float],
                 seeds: int, filler_text: str, chunk: int = 128, digits: int = 5, task: str = "passkey",
                 facts: int = 4, chat: bool = False, lead_in: Optional[str] = None, first_seed: int = 0,
-                tail: int = 0, past_context: bool = False) -> dict:
+                probe: bool = False, tail: int = 0, past_context: bool = False) -> dict:
     """What `needle_grid` with these arguments records, without its cells (for `resume_check`)."""
-    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text))
+    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text), probe=probe)
     return _result(loaded, policy_configs(retrieval, policies), [], contexts, depths, seeds, chunk, task, facts,
                    first_seed, tail, past_context, run)
 
