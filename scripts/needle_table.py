@@ -75,7 +75,8 @@ def label(policy: str, config: dict, tail: int | None, fits: bool = True) -> str
 def _git_added(results: Path) -> dict[str, int]:
     """When git last added each file under `results` (seconds since the epoch)."""
     try:
-        out = subprocess.run(["git", "log", "--diff-filter=A", "--format=%x00%ct", "--name-only", "--", str(results)],
+        out = subprocess.run(["git", "log", "--no-renames", "--diff-filter=A", "--format=%x00%ct", "--name-only", "--",
+                              str(results)],
                              cwd=results, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return {}
@@ -92,11 +93,40 @@ def _git_added(results: Path) -> dict[str, int]:
     return added
 
 
+#: config fields that do not change what a cell computes (where the cold rows live) or that the
+#: label already reads (the positions)
+IGNORED = {"cold_store", "rope_auto", "rope_mode"}
+#: a grid's own settings that change its prompts (recorded since 2026-12-07; absent before)
+PROMPT_FIELDS = ("digits", "chat", "lead_in")
+
+
+def _leaves(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_leaves(v, f"{prefix}{k}."))
+        elif k not in IGNORED:
+            out[prefix + k] = v
+    return out
+
+
+def _fits(cell: dict, context_length) -> bool:
+    """Whether `rope_auto` would have given the cell original positions: its prompt and answer
+    (`run_cell`: the answer's tokens + 1; a digit a token, plus its leading space) inside the
+    model's context."""
+    if not context_length:
+        return True
+    tokens = int(cell.get("prompt_tokens", cell["context"])) + len(str(cell.get("answer", ""))) + 2
+    return tokens <= int(context_length)
+
+
 def gather(results: Path, model: str) -> tuple[dict, list, list]:
     """(cells, reruns that disagree, files read): cells maps (label, context, seed, depth) to the
-    newest run's {passed, output, answer, file}."""
+    newest run's {passed, output, answer, file}. Cells whose configs differ in a field `label`
+    does not name (e.g. SmolLM2's page summaries) are told apart: the config most cells of a
+    label ran keeps the label, the others add what differs from it in brackets."""
     added = _git_added(results)
-    runs: dict[tuple, list] = {}
+    entries = []        # (base label, signature, leaves, key rest, order, path, cell)
     files = []
     for path in sorted(glob.glob(str(results / "*.json"))):
         try:
@@ -110,12 +140,26 @@ def gather(results: Path, model: str) -> tuple[dict, list, list]:
             continue
         files.append(path)
         order = added.get(os.path.realpath(path), float("inf"))   # untracked: newest
+        prompt = {f: d.get(f) for f in PROMPT_FIELDS}
         for c in d["cells"]:
-            limit = d.get("context_length")
-            fits = not limit or int(c.get("prompt_tokens", c["context"])) <= int(limit)
-            lab = label(c["policy"], d["policies"][c["policy"]], d.get("prefill_tail"), fits)
-            key = (lab, int(c["context"]), int(c["seed"]), round(float(c["depth"]), 3))
-            runs.setdefault(key, []).append((order, path, c))
+            config = d["policies"][c["policy"]]
+            base = label(c["policy"], config, d.get("prefill_tail"), _fits(c, d.get("context_length")))
+            leaves = {**_leaves(config), **prompt}
+            entries.append((base, json.dumps(leaves, sort_keys=True), leaves,
+                            (int(c["context"]), int(c["seed"]), round(float(c["depth"]), 3)), order, path, c))
+    counts: dict[str, dict[str, int]] = {}
+    for base, sig, *_ in entries:
+        counts.setdefault(base, {}).setdefault(sig, 0)
+        counts[base][sig] += 1
+    main = {base: max(sigs, key=lambda g: (sigs[g], g)) for base, sigs in counts.items()}
+    runs: dict[tuple, list] = {}
+    for base, sig, leaves, rest, order, path, c in entries:
+        lab = base
+        if sig != main[base]:
+            ref = json.loads(main[base])
+            diff = [f"{k}={leaves.get(k, '-')}" for k in sorted(set(leaves) | set(ref)) if leaves.get(k) != ref.get(k)]
+            lab = f"{base} [{', '.join(diff)}]"
+        runs.setdefault((lab, *rest), []).append((order, path, c))
     cells, disagree = {}, []
     for key, rs in runs.items():
         rs.sort(key=lambda r: (r[0], r[1]))

@@ -96,3 +96,26 @@ def test_refusals_name_the_folder_or_the_model(tmp_path, capsys):
     assert "nope: not a folder" in capsys.readouterr().err
     assert nt.main(["--results", str(tmp_path), "--model", "qq"]) == 1
     assert "no needle cells of model 'qq'" in capsys.readouterr().err
+
+
+def test_configs_the_label_does_not_name_are_told_apart(tmp_path):
+    """Two runs under one label whose configs differ elsewhere (a page summary) are not reruns of
+    one cell: the config most cells ran keeps the label, the other names what differs."""
+    minmax = {"storage": "fp32", "retrieval": {**RET, "summary": "minmax"}}
+    mean = {"storage": "fp32", "retrieval": {**RET, "summary": "mean"}}
+    cells = [(8192, 0, d, True) for d in (0.1, 0.3)]
+    (tmp_path / "a.json").write_text(json.dumps(_grid("retrieval", minmax, cells)))
+    (tmp_path / "b.json").write_text(json.dumps(_grid("retrieval", mean, cells[:1])))
+    # where the store lives does not change a cell: the same label, a rerun
+    (tmp_path / "c.json").write_text(json.dumps(_grid("retrieval", {**minmax, "retrieval": {
+        **minmax["retrieval"], "cold_store": "disk"}}, cells[1:])))
+    got, disagree, _ = nt.gather(tmp_path, "m")
+    assert set(got) == {("retrieval", 8192, 0, 0.1), ("retrieval", 8192, 0, 0.3),
+                        ("retrieval [retrieval.summary=mean]", 8192, 0, 0.1)}
+    assert got[("retrieval", 8192, 0, 0.3)]["runs"] == 2 and not disagree
+
+
+def test_fits_counts_the_answer_as_the_run_does():
+    """rope_auto's choice: prompt + answer tokens + 1 inside the context (run_cell)."""
+    assert nt._fits({"context": 32768, "prompt_tokens": 32761, "answer": "12345"}, 32768)
+    assert not nt._fits({"context": 32768, "prompt_tokens": 32762, "answer": "12345"}, 32768)
