@@ -10,6 +10,7 @@ disagree the cell is listed under "reruns that disagree".
     python scripts/needle_table.py                          # Gemma 3's table (markdown)
     python scripts/needle_table.py --cells                  # and every cell, with its file
     python scripts/needle_table.py --missing                # the issue grid's cells not yet run
+    python scripts/needle_table.py --commands               # a `needle` command for each group of them
     python scripts/needle_table.py --model SmolLM2-135M-Instruct.Q4_1 --results DIR
 """
 
@@ -203,12 +204,38 @@ def missing(cells: dict) -> list[tuple]:
             if (lab, n, s, d) not in cells]
 
 
+#: the flags of each of the issue grid's columns (`needle`), as its cells above were run
+COLUMN_FLAGS = {"full": "--policies full", "streaming": "--policies streaming", "retrieval": "--policies retrieval",
+                "int4": "--policies full --kv-quantize int4", "int4+retrieval": "--policies retrieval --kv-quantize int4"}
+GRID_FLAGS = "--seeds 1 --streaming-llm-sink 4 --kiv-hot-budget 1024 --prefill-chunk 512"
+TRAINED_CONTEXT = 32768
+
+
+def commands(gaps: list[tuple], model_file: str) -> list[str]:
+    """One `needle` command per (column, context, seed) with cells not run: its missing depths,
+    into its own JSON under docs/results, `--resume` so that a stopped run goes on."""
+    groups: dict[tuple, list] = {}
+    for lab, n, s, d in gaps:
+        groups.setdefault((lab, n, s), []).append(d)
+    out = []
+    for (lab, n, s), ds in groups.items():
+        past = " --past-context" if lab in ("full", "int4") and n > TRAINED_CONTEXT else ""
+        name = f"gemma3_needle_{_ctx(n).lower()}_{lab.replace('+', '_')}_seed{s}_d{''.join(f'{round(d * 10):d}' for d in ds)}"
+        out.append(f"posttrainllm needle {model_file} --contexts {n} --depths {','.join(f'{d:g}' for d in ds)} "
+                   f"--first-seed {s} {COLUMN_FLAGS[lab]}{past} {GRID_FLAGS} --json docs/results/{name}.json --resume")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--results", type=Path, default=RESULTS, help="the folder of needle JSONs (default docs/results)")
     ap.add_argument("--model", default="gemma-3-270m-q4_k_m", help="the model name the JSONs record")
     ap.add_argument("--cells", action="store_true", help="also list every cell, its answer and its file")
     ap.add_argument("--missing", action="store_true", help="list the issue grid's cells not yet run, by column and context")
+    ap.add_argument("--commands", action="store_true",
+                    help="print a `needle` command for each column, context and seed with cells not run")
+    ap.add_argument("--model-file", default="~/.cache/posttrainllm/gemma-3-270m-q4_k_m.gguf",
+                    help="the model the --commands name")
     a = ap.parse_args(argv)
     if not a.results.is_dir():
         print(f"needle_table: --results {a.results}: not a folder", file=sys.stderr)
@@ -239,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                 g = [(s, d) for (l2, n2, s, d) in gaps if l2 == lab and n2 == n]
                 if g:
                     print(f"  {lab} {_ctx(n)}: " + ", ".join(f"s{s} d{d}" for s, d in g))
+    if a.commands:
+        print()
+        print("\n".join(commands(missing(cells), a.model_file)))
     return 0
 
 

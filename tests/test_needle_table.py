@@ -119,3 +119,15 @@ def test_fits_counts_the_answer_as_the_run_does():
     """rope_auto's choice: prompt + answer tokens + 1 inside the context (run_cell)."""
     assert nt._fits({"context": 32768, "prompt_tokens": 32761, "answer": "12345"}, 32768)
     assert not nt._fits({"context": 32768, "prompt_tokens": 32762, "answer": "12345"}, 32768)
+
+
+def test_commands_run_each_group_of_missing_cells_with_the_columns_flags():
+    gaps = [("int4", 131072, 2, 0.1), ("int4", 131072, 2, 0.7), ("streaming", 32768, 0, 0.9)]
+    got = nt.commands(gaps, "M.gguf")
+    assert got == [
+        "posttrainllm needle M.gguf --contexts 131072 --depths 0.1,0.7 --first-seed 2 --policies full --kv-quantize int4"
+        " --past-context --seeds 1 --streaming-llm-sink 4 --kiv-hot-budget 1024 --prefill-chunk 512"
+        " --json docs/results/gemma3_needle_128k_int4_seed2_d17.json --resume",
+        "posttrainllm needle M.gguf --contexts 32768 --depths 0.9 --first-seed 0 --policies streaming"
+        " --seeds 1 --streaming-llm-sink 4 --kiv-hot-budget 1024 --prefill-chunk 512"
+        " --json docs/results/gemma3_needle_32k_streaming_seed0_d9.json --resume"]
