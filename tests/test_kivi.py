@@ -569,8 +569,11 @@ def test_shadow_restored_from_a_checkpoint_taken_before_any_block_froze(tmp_path
     for k, v in chunks[1:4]:
         layer.update_and_fetch(mx.array(k), mx.array(v))
     assert layer.body.shadow.arrays[0] is not None and len(layer.body.shadow.arrays[0]) > 0
+    files = sorted(tmp_path.rglob("*.bin"))
+    assert len(files) == (2 if where == "disk" else 0)
     checkpoints.restore(layer, mark)
     assert layer.body.shadow.arrays == [None, None] and layer.body.held == 0
+    assert not any(f.exists() for f in files)            # a disk side emptied gives its file back
     kept = [chunks[0], chunks[4], chunks[5]]
     for i, (k, v) in enumerate(kept):
         if i:

@@ -14,6 +14,8 @@ nothing from the others.
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable
 
 import mlx.core as mx
@@ -245,7 +247,9 @@ class ShadowStore:
         self.batch_heads = tuple(meta["batch_heads"])
         for i, m in enumerate(meta["sides"]):
             if m is None:
-                self.arrays[i] = None
+                old, self.arrays[i] = self.arrays[i], None
+                if getattr(old, "path", None) and os.path.exists(old.path):
+                    os.unlink(old.path)    # its disk space back (a map still open keeps its own inode)
                 continue
             entry = arrays["kv"[i]]
             self.arrays[i] = self._new_rows(i, tuple(entry.shape[1:]))
