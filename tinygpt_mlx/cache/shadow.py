@@ -15,7 +15,6 @@ nothing from the others.
 from __future__ import annotations
 
 import os
-
 from typing import Any, Callable
 
 import mlx.core as mx

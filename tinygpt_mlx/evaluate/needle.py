@@ -244,7 +244,7 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
     tok = loaded.tokenizer
     ctx_len = loaded.context_length
     kept = {cell_key(c): c for c in done or []}
-    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text), probe=probe)
+    run = run_record(digits, chat, lead_in, filler_text, probe)
     cells = []
     for context in contexts:
         for depth in depths:
@@ -282,6 +282,11 @@ def needle_grid(loaded: Any, retrieval: CacheConfig, contexts: list[int], depths
 def filler_id(text: str) -> str:
     """A short fingerprint of a grid's filler text (recorded in its JSON, checked on resume)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def run_record(digits: int, chat: bool, lead_in: Optional[str], filler_text: str, probe: bool) -> dict:
+    """The settings a grid's JSON records beside `_result`'s own, for `resume_check`."""
+    return dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text), probe=probe)
 
 
 def cell_key(cell: dict) -> tuple:
@@ -333,9 +338,8 @@ def grid_header(loaded: Any, retrieval: CacheConfig, policies: list[str], contex
                 facts: int = 4, chat: bool = False, lead_in: Optional[str] = None, first_seed: int = 0,
                 probe: bool = False, tail: int = 0, past_context: bool = False) -> dict:
     """What `needle_grid` with these arguments records, without its cells (for `resume_check`)."""
-    run = dict(digits=digits, chat=chat, lead_in=lead_in, filler=filler_id(filler_text), probe=probe)
     return _result(loaded, policy_configs(retrieval, policies), [], contexts, depths, seeds, chunk, task, facts,
-                   first_seed, tail, past_context, run)
+                   first_seed, tail, past_context, run_record(digits, chat, lead_in, filler_text, probe))
 
 
 def _result(loaded: Any, configs: dict, cells: list[dict], contexts: list[int], depths: list[float],
