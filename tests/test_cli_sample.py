@@ -96,6 +96,9 @@ BAD_FLAGS = [
     ("sample", ["--top-p", "1.5"], "--top-p", "top_p"),
     ("sample", ["--top-k", "-1"], "--top-k", "top_k"),
     ("sample", ["--prefill-chunk", "0"], "--prefill-chunk", "prefill_chunk"),
+    ("sample", ["--seed", "-5"], "--seed", "seed"),     # was mx.random.key's TypeError after the banner
+    ("sample", ["--seed", str(2**64)], "--seed", "seed"),
+    ("chat", ["--seed", "-1"], "--seed", "seed"),
     ("serve", ["--port", "0"], "--port", "port"),
     ("serve", ["--port", "70000"], "--port", "port"),
     ("serve", ["--max-slots", "0"], "--max-slots", "max_slots"),

@@ -492,6 +492,9 @@ class SampleConfig:
         if not (0 < self.top_p <= 1):
             raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p!r}")
         _positive("top_k", self.top_k, 0)
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed < 2**64):   # what mx.random.key takes
+            raise ConfigError("seed", f"must be an integer in [0, 2**64), got {self.seed!r}")
         _positive("prefill_chunk", self.prefill_chunk)
         _positive("prefill_tail", self.prefill_tail, 0)
 
