@@ -215,6 +215,16 @@ def test_needle_resume_stopped_again_keeps_every_cell_of_its_file(tmp_path, monk
     assert [c for c in saved if c["policy"] == "full"] == first
 
 
+@pytest.mark.parametrize("flag, value, named", [("--contexts", "1k,2k", "integers"),
+                                                ("--contexts", "256,abc", "'abc'"),
+                                                ("--depths", "0.5,deep", "numbers")])
+def test_needle_non_numeric_list_says_what_it_needs_before_loading(no_load, flag, value, named):
+    """`--contexts 1k,2k` is a comma list: the error says it must be one of integers and names
+    the item (it said "must be a comma list, got '1k,2k'")."""
+    line = one_line_error(run("needle", SHIPPED_MODEL, flag, value), f"'{flag}'", named, "comma list of")
+    assert line.startswith("error:") and no_load.calls == 0
+
+
 def test_needle_resume_needs_a_grid_json_before_loading(tmp_path, no_load):
     r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--resume")
     one_line_error(r, "--resume", "--json")

@@ -23,10 +23,14 @@ nd = lazy("tinygpt_mlx.evaluate.needle")
 
 
 def _list(text: str, name: str, kind=int) -> list:
-    try:
-        values = [kind(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise typer.BadParameter(f"{name} must be a comma list, got {text!r}") from None
+    values = []
+    for x in (x for x in text.split(",") if x.strip()):
+        try:
+            values.append(kind(x))
+        except ValueError:
+            what = "integers" if kind is int else "numbers"
+            raise typer.BadParameter(f"must be a comma list of {what}, got {x.strip()!r} in {text!r}",
+                                     param_hint=f"'{name}'") from None
     if not values:
         raise typer.BadParameter(f"{name} is empty")
     return values
