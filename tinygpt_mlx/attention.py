@@ -49,11 +49,27 @@ def scaled_dot_product_attention(queries: mx.array, keys: mx.array, values: mx.a
 
 def _mlx_sdpa() -> Any:
     """mlx-lm's `scaled_dot_product_attention`, imported the first time a cache that is not ours
-    needs it (or an mlx-lm model is routed), before anything here could have replaced it."""
+    needs it (or an mlx-lm model is routed), before anything here could have replaced it. While
+    mlx-lm is not loaded (a native model with a full exact cache, `FullLayer`: no cache here can
+    be one of mlx-lm's quantised ones), `_dense_sdpa`, the very call mlx-lm's function makes for
+    such a cache: importing mlx-lm for it cost seconds (transformers) and ~200 MB of RSS,
+    billed to the first prefill of `posttrainllm sample` with no cache flags."""
     global _original_sdpa
     if _original_sdpa is None:
+        if "mlx_lm" not in sys.modules:
+            return _dense_sdpa
         _original_sdpa = mlx_base.scaled_dot_product_attention
     return _original_sdpa
+
+
+def _dense_sdpa(queries: mx.array, keys: mx.array, values: mx.array, cache: Any, scale: float,
+                mask: Optional[Any], sinks: Optional[mx.array] = None) -> mx.array:
+    """mlx-lm's `scaled_dot_product_attention` for a cache without `bits` (mlx_lm/models/base.py):
+    `mx.fast.scaled_dot_product_attention` over the keys and values as given."""
+    if hasattr(cache, "bits"):      # an mlx-lm QuantizedKVCache: mlx-lm is loaded, take its own
+        return mlx_base.scaled_dot_product_attention(queries, keys, values, cache=cache, scale=scale,
+                                                     mask=mask, sinks=sinks)
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks)
 
 
 def _attention_modules(model: Any) -> list[str]:
