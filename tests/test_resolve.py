@@ -224,6 +224,30 @@ def test_missing_models(tmp_path, monkeypatch, spec, message):
         resolve(spec)
 
 
+@pytest.mark.parametrize("spec, hint", [
+    ("models/tinygpt-bse.tinygpt", "; did you mean models/tinygpt-base.tinygpt?"),       # a typo
+    ("models/tinygpt-base.gguf", "; did you mean models/tinygpt-base.tinygpt?"),         # another extension
+    ("tinygpt-keyed", "; did you mean models/tinygpt-keyed.tinygpt?"),                   # the name serve lists
+    ("mymodel.gguf", "; did you mean mymodel.tinygpt?"),                                 # one beside it
+    ("And God said", "; MODEL is the first argument: give the prompt with --prompt"),    # a prompt
+    ("models/nothing.tinygpt", ""),
+    ("nomodel", ""),
+])
+def test_missing_model_suggests_what_is_there(tmp_path, monkeypatch, spec, hint):
+    """A MODEL that names nothing says what it nearly names (it said only `no such file or
+    directory`, and `sample "And God said"` gave no clue that the prompt needs --prompt)."""
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "empty"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mymodel.tinygpt").write_bytes(b"")
+    with pytest.raises(ModelFormatError) as e:
+        resolve(spec)
+    message = str(e.value)
+    assert message.startswith(f"{spec}: no such file or directory"), message
+    assert message.endswith(hint) and message.count("; did you mean") <= 1, message
+    if not hint:
+        assert "did you mean" not in message and "--prompt" not in message, message
+
+
 def test_readme_models_path_outside_the_checkout_is_the_shipped_model(tmp_path, monkeypatch):
     """README's `models/tinygpt-keyed.tinygpt`, run where there is no models/ folder (a wheel or
     pipx install: the models are package data), is the shipped file; a models/ file here wins; a

@@ -13,6 +13,7 @@ Nothing is ever written into the ollama or Hugging Face folders by resolving.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import re
@@ -71,14 +72,38 @@ def resolve(spec: Union[str, Path, None], default: Optional[Path] = None) -> Res
     if shipped is not None:
         return shipped
     if _looks_like_path(text):
-        raise ModelFormatError(f"{text}: no such file or directory")
+        raise ModelFormatError(f"{text}: no such file or directory{did_you_mean(text)}")
     found = _ollama(text)
     if found is not None:
         return found
     if _HF_REPO.match(text) and ":" not in text:
         return _huggingface(text)
     raise ModelFormatError(f"{text}: no such file or directory, and no ollama model of that name "
-                           f"in {ollama_root()} ({_ollama_listing()})")
+                           f"in {ollama_root()} ({_ollama_listing()}){did_you_mean(text)}")
+
+
+def did_you_mean(text: str) -> str:
+    """`; did you mean models/tinygpt-base.tinygpt?` for a MODEL that names no file, where one
+    beside it has its name with another (or no) extension, or nearly its name (a typo): looked
+    for in its folder, and among the shipped models for `NAME` and `models/NAME`. A name with a
+    space is likely a prompt typed where MODEL goes: said so. Else ""."""
+    path = Path(text).expanduser()
+    candidates: dict[str, str] = {}      # a file's name -> how to write it
+    folder = path.parent
+    try:
+        if folder.is_dir():
+            candidates.update((p.name, str(folder / p.name)) for p in folder.iterdir())
+    except OSError:
+        pass
+    if folder in (Path("."), Path("models")) and MODELS_DIR.is_dir():
+        for p in MODELS_DIR.glob("*.tinygpt"):
+            candidates.setdefault(p.name, f"models/{p.name}")
+    stem = path.name.rsplit(".", 1)[0] if path.suffix in (".gguf", ".tinygpt") else path.name
+    same = sorted(n for n in candidates if n.rsplit(".", 1)[0] == stem and n != path.name)
+    close = same or difflib.get_close_matches(path.name, list(candidates), n=1, cutoff=0.8)
+    if close:
+        return f"; did you mean {candidates[close[0]]}?"
+    return "; MODEL is the first argument: give the prompt with --prompt" if " " in path.name.strip() else ""
 
 
 def _shipped(text: str) -> Optional[Resolved]:
@@ -184,7 +209,7 @@ def _ollama(text: str) -> Optional[Resolved]:
         if m["tag"] or (m["ns"] is None and "/" not in text):
             # name:tag or a bare name can only be ollama's
             raise ModelFormatError(f"{text}: no such file or directory, and no ollama model "
-                                   f"{ns}/{m['name']}:{tag} in {root} ({_ollama_listing()})")
+                                   f"{ns}/{m['name']}:{tag} in {root} ({_ollama_listing()}){did_you_mean(text)}")
         return None
     try:
         layers = json.loads(manifest.read_text()).get("layers", [])
@@ -248,6 +273,7 @@ def _huggingface(repo: str) -> Resolved:
             raise ModelFormatError(f"{repo}: not a file, not an ollama model, and not in the Hugging Face "
                                    f"cache ({cache}); downloads are off (HF_HUB_OFFLINE=1)") from None
         raise ModelFormatError(f"{repo}: not a file or an ollama model, and the Hugging Face download "
-                               f"failed ({why}: {str(e).splitlines()[0][:160] if str(e) else ''})") from None
+                               f"failed ({why}: {str(e).splitlines()[0][:160] if str(e) else ''})"
+                               f"{did_you_mean(repo)}") from None
     resolved = _from_path(local, "huggingface", repo)
     return Resolved(resolved.path, resolved.format, "huggingface", repo, f"Hugging Face {repo} ({local})")
