@@ -172,8 +172,8 @@ def _run_the_model_block() -> list[str]:
 @pytest.mark.slow
 def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf, tokenizer_json):
     """README's "Run the model you already have" lines, each run by bash as written, with SmolLM2
-    where each looks for it: an ollama store under $OLLAMA_MODELS, the GGUF at ~/models (HOME is a
-    temporary folder), and a Hugging Face cache (offline) holding it under the repo id README
+    where each looks for it: an ollama store under $OLLAMA_MODELS, the GGUF at ~/.cache/posttrainllm (HOME
+    is a temporary folder), and a Hugging Face cache (offline) holding it under the repo id README
     names (the real repo holds safetensors; a directory of those is tested in test_resolve.py).
     Questions are answered right. `serve` runs as written too, on a free port named by OLLAMA_HOST
     (as `ollama serve` reads it), until both its models answer a request; `llama3.2:1b` (1.2 GB)
@@ -185,8 +185,8 @@ def test_readme_real_model_commands_run_as_written(tmp_path, smollm2_gguf, token
     make_ollama_store(tmp_path / "ollama", smollm2_gguf, "smollm2", "135m", link=True)
     stand_in = write_gguf(build_llama_dir(tmp_path / "llama-src", tokenizer_json), tmp_path / "tiny.gguf", "llama")
     make_ollama_store(tmp_path / "ollama", stand_in, "llama3.2", "1b")
-    (tmp_path / "home" / "models").mkdir(parents=True)
-    (tmp_path / "home" / "models" / smollm2_gguf.name).symlink_to(smollm2_gguf)
+    (tmp_path / "home" / ".cache" / "posttrainllm").mkdir(parents=True)
+    (tmp_path / "home" / ".cache" / "posttrainllm" / smollm2_gguf.name).symlink_to(smollm2_gguf)
     make_hf_cache(tmp_path / "hub", "mlx-community/SmolLM2-135M-Instruct", {smollm2_gguf.name: smollm2_gguf})
     env = dict(os.environ, HOME=str(tmp_path / "home"), OLLAMA_MODELS=str(tmp_path / "ollama"),
                HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1",
