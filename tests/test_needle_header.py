@@ -20,6 +20,20 @@ def test_header_says_what_a_query_reads_and_the_pool_top_pages_counts(native_pat
     retrieval = json.loads(out.read_text())["policies"]["retrieval"]["retrieval"]
     pages = retrieval["retrieve_tokens"] // retrieval["page_size"]
     header = " ".join(r.output.split())     # rich wraps the line
-    assert (f"a query reads its top {pages} pages ({retrieval['retrieve_tokens']} tokens) of a pool of its "
-            f"top_pages {retrieval['top_pages']} pages of {retrieval['page_size']}") in header
+    assert (f"a query reads its top {pages} pages ({retrieval['retrieve_tokens']} tokens) of a pool of "
+            f"{retrieval['top_pages']} pages of {retrieval['page_size']} per query row: --kiv-top-pages, "
+            "the JSON's top_pages") in header
     assert retrieval["top_pages"] != pages    # the two numbers the header used to leave apart
+
+
+def test_header_names_each_policy_the_grid_runs_and_no_other(native_path, tmp_path):
+    """A grid of StreamingLLM and the full cache names those two, each by its label, and says
+    nothing of retrieval (the header named the retrieval config alone, whatever --policies said)."""
+    r = CliRunner().invoke(app, ["needle", str(native_path), "--contexts", "128", "--depths", "0.5",
+                                 "--seeds", "1", "--policies", "streaming,full", "--kiv-hot-budget", "64",
+                                 "--streaming-llm-sink", "4", "--kv-quantize", "fp16"])
+    assert r.exit_code == 0, r.output
+    header = " ".join(r.output.split())
+    assert "policies streaming: fp16 + StreamingLLM sink 4 + window 64" in header, header
+    assert "; full: fp16" in header, header
+    assert "retrieval" not in header.split("needle grid")[0], header

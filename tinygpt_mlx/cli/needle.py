@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from tinygpt_mlx.corpus import NAMES, TASKS
@@ -103,7 +104,21 @@ def _reads(cfg) -> str:
     1,024 window, where the label says top 32 pages)."""
     what = (f"{cfg.retrieve_tokens} tokens" if cfg.retrieve_unit == "tokens" else
             f"{max(1, cfg.retrieve_tokens // cfg.page_size)} pages ({cfg.retrieve_tokens} tokens)")
-    return f" (a query reads its top {what} of a pool of its top_pages {cfg.top_pages} pages of {cfg.page_size})"
+    return (f" (a query reads its top {what} of a pool of {cfg.top_pages} pages of {cfg.page_size} per query "
+            f"row: --kiv-top-pages, the JSON's top_pages)")
+
+
+def _policies_line(configs: dict) -> str:
+    """The banner's policies, each by its label, as the grid runs them (before 2026-12-07 it named
+    the retrieval config alone, even for a grid that runs none)."""
+    parts = []
+    for name, cfg in configs.items():
+        part = f"{name}: [green]{escape(cfg.label())}[/green]"
+        if name == "retrieval":
+            part += _reads(cfg) + (" · original RoPE positions where a cell fits the context, else shifted"
+                                   if cfg.rope_auto else "")
+        parts.append(part)
+    return "policies " + "; ".join(parts)
 
 
 @c.with_cache_options(hot_budget=256)
@@ -209,8 +224,7 @@ def needle(
             facts=facts, chat=chat, lead_in=lead_in, first_seed=first_seed, probe=probe, tail=tail,
             past_context=past_context)) if resume else []
         err.print(f"[bold]needle[/bold] · model [cyan]{loaded.name}[/cyan] (context {loaded.context_length}) · "
-                  f"retrieval policy: [green]{cfg.label()}[/green]" + _reads(cfg)
-                  + (" · original RoPE positions where a cell fits the context, else shifted" if cfg.rope_auto else "")
+                  + _policies_line(configs)
                   + f" · prefill chunk {prefill_chunk}" + (f", the last {tail} tokens apart" if tail else "")
                   + f" · task {task}"
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
