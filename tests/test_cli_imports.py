@@ -112,3 +112,26 @@ def test_sample_on_the_shipped_model_loads_neither_mlx_lm_nor_transformers(polic
     loaded = set(out.stdout.split("---modules---")[1].split())
     assert "tinygpt_mlx.cache" in loaded and "tinygpt_mlx.loading" in loaded
     assert not {"mlx_lm", "transformers", "torch"} & loaded, {"mlx_lm", "transformers", "torch"} & loaded
+
+
+def test_ctrl_c_while_the_command_starts_says_interrupted_without_a_traceback():
+    """A Ctrl-C during the CLI's own imports (before click or `guarded` can catch one): the line
+    `interrupted` and exit code 130, as later; it printed a KeyboardInterrupt traceback. The
+    signal is sent from inside the import of a command module, so the moment is the same every run."""
+    probe = (
+        "import importlib.abc, os, signal, sys, time\n"
+        "sys.argv[0] = 'posttrainllm'\n"
+        "class Hit(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tinygpt_mlx.cli.sample':\n"
+        "            os.kill(os.getpid(), signal.SIGINT)\n"
+        "            time.sleep(2)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Hit())\n"
+        "import tinygpt_mlx.cli.main\n"
+        "print('imported')\n")
+    env = {**__import__("os").environ, "POSTTRAINLLM_NO_BLAS_PRELOAD": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=env)
+    assert out.returncode == 130, (out.returncode, out.stderr)
+    assert out.stderr.strip() == "interrupted" and "imported" not in out.stdout, out.stderr

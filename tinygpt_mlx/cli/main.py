@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import signal
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -41,7 +42,16 @@ def refuse_bad_switches(environ=os.environ) -> None:
         sys.exit(2)
 
 
+def interrupted_while_starting(signum, frame) -> None:
+    """A Ctrl-C while the command's modules import (about half a second, before `guarded` or
+    click can catch one): `interrupted`, exit code 130, as a Ctrl-C later says it (no traceback)."""
+    sys.stderr.write("interrupted\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
 if blas.started_as_command(__name__):
+    signal.signal(signal.SIGINT, interrupted_while_starting)   # Python's own handler again below
     refuse_bad_switches()     # (before the re-execution and the heap's tuning read their switches)
     blas.reexec_with_openblas(sys.argv[1:])
     heap.keep_large_blocks()
@@ -202,6 +212,9 @@ for _name in COMMANDS:
 for _info in app.registered_commands:
     _info.cls = PanelledHelp if _info.cls in (None, TyperCommand) else _info.cls
 COMMAND_NAMES = frozenset(c.name or c.callback.__name__.replace("_", "-") for c in app.registered_commands)
+
+if blas.started_as_command(__name__):
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # the commands' own handling from here on
 
 if __name__ == "__main__":
     app()
