@@ -386,3 +386,17 @@ def test_help_shows_flags_as_flags_and_explains_each():
         assert " ".join(param.help.split())[:30] in text, param.name
     for rule in ("unconditionally", "prefill only", "KIVI", "G - 1"):
         assert rule in text, rule
+
+
+def test_a_run_without_seed_draws_one_and_the_banner_says_how_to_repeat_it(native_path):
+    """With a temperature and no --seed the banner names the seed drawn (it said `seed None`),
+    and --seed with it gives the same text; greedy runs say they need none."""
+    first = run("sample", native_path, "--prompt", "ab", "--tokens", "12", "--temperature", "1.0")
+    assert first.exit_code == 0, first.output
+    m = re.search(r"seed (\d+) \(drawn: --seed \1 repeats the run\)", " ".join(first.stderr.split()))
+    assert m, first.stderr
+    again = run("sample", native_path, "--prompt", "ab", "--tokens", "12", "--temperature", "1.0", "--seed", m[1])
+    assert again.exit_code == 0 and again.stdout == first.stdout, (first.stdout, again.stdout)
+    assert "drawn" not in again.stderr and f"seed {m[1]}," in again.stderr
+    greedy = run("sample", native_path, "--prompt", "ab", "--tokens", "4", "--temperature", "0")
+    assert greedy.exit_code == 0 and "no seed (greedy)" in greedy.stderr, greedy.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,7 +32,7 @@ _S = SampleConfig
 PREFILL_PROGRESS_TOKENS = 1024
 
 
-def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
+def banner(loaded, cache_config, sample_config, prompt_tokens: int, drawn_seed: bool = False) -> None:
     info = loaded.info
     kind = loaded.kind
     if loaded.format == "gguf":
@@ -40,7 +41,9 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int) -> None:
               f"{info.get('parameters', 0) / 1e6:.2f}M parameters, context {loaded.context_length})")
     err.print(f"cache policy: [green]{escape(cache_config.label())}[/green]")
     s = sample_config
-    err.print(f"sampling: temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}, seed {s.seed}, "
+    seed = (f"seed {s.seed}" + (f" (drawn: --seed {s.seed} repeats the run)" if drawn_seed else "")
+            if s.seed is not None else "no seed (greedy)")
+    err.print(f"sampling: temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}, {seed}, "
               f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}"
               + (f", the last {s.prefill_tail} tokens apart" if s.prefill_tail else ""))
 
@@ -229,6 +232,9 @@ def sample(
             if v is not None})
     except ValueError as e:
         raise c.config_error(e) from None
+    drawn_seed = sample_config.seed is None and sample_config.temperature > 0
+    if drawn_seed:     # drawn here, so that the banner can say how to repeat the run
+        sample_config = dataclasses.replace(sample_config, seed=int.from_bytes(os.urandom(4), "little") >> 1)
     c.check_writable(report_json, "--report-json")
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
@@ -244,7 +250,7 @@ def sample(
                              "cache; they are not supported under several ranks yet")
         if saved is not None:
             run_from_prompt_cache(loaded, saved, turn, text, no_chat_template, sample_config, report_json,
-                                  save_prompt_cache, cache_config)
+                                  save_prompt_cache, cache_config, drawn_seed)
             return
         if world.group is not None:
             world.shard(loaded)
@@ -267,7 +273,7 @@ def sample(
         narrowed = prefill_chunk is None and fit is not None and fit < sample_config.prefill_chunk
         if narrowed:   # the default chunk, narrowed so that prefill stays inside the trained context
             sample_config = dataclasses.replace(sample_config, prefill_chunk=fit)
-        banner(loaded, cache_config, sample_config, len(ids))
+        banner(loaded, cache_config, sample_config, len(ids), drawn_seed)
         if narrowed:
             note(f"prefill chunk {fit}: the widest whose queries stay inside the model's trained context "
                  f"({context}) with this policy (--prefill-chunk sets it)")
@@ -392,7 +398,7 @@ def continuation(loaded, saved, turn: Optional[PromptTurn], text: Optional[str],
 
 def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optional[str], raw: bool,
                           sample_config: SampleConfig, report_json: Optional[Path], save_to: Optional[Path],
-                          flags: CacheConfig) -> None:
+                          flags: CacheConfig, drawn_seed: bool = False) -> None:
     """`sample --prompt-cache`: load the cache (the model's fingerprint and the file's checksum
     checked first), feed what follows the cached tokens (`continuation`), generate, report. The
     file's policy is used; where its stores live is the flags' (`--kiv-cold-store`, default ram,
@@ -409,7 +415,7 @@ def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optio
         ids, notes = continuation(loaded, saved, turn, text, raw)
         if not ids and info.logits is None:
             raise ValueError(f"{saved.path} holds no logits to continue from; give --prompt")
-        banner(loaded, cache_config, sample_config, len(ids))
+        banner(loaded, cache_config, sample_config, len(ids), drawn_seed)
         note(f"prompt cache {saved.path}: {len(cached)} cached tokens (stored {cache.stored_count}), "
              f"loaded in {load_seconds:.2f} s; {len(ids)} new prompt tokens")
         for line in notes:
