@@ -4,6 +4,15 @@ reply by default, a default context, the context /api/ps reports, and --name."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
 import pytest
 from typer.testing import CliRunner
 
@@ -154,3 +163,33 @@ def test_stop_loops_stops_where_the_loop_is_found(native):
         stopped = s.ollama.generate(name, "the the the", options=opts)
     assert stopped.eval_count == first and stopped.done_reason == "stop"
     assert stopped.context[-first:] == answer[:first]
+
+
+@pytest.mark.slow
+def test_serve_writes_nothing_on_stdout_its_access_log_on_stderr(native_path):
+    """`posttrainllm serve` as a process: a request's access line goes to stderr with the rest of
+    the server's diagnostics; stdout stays empty (uvicorn's own logging sent it to stdout)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    p = subprocess.Popen([sys.executable, "-m", "tinygpt_mlx.cli.main", "serve", str(native_path), "--port", str(port)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, POSTTRAINLLM_NO_BLAS_PRELOAD="1"))
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert p.poll() is None, p.communicate()[1][-2000:]
+            try:
+                body = json.dumps({"model": native_path.stem, "prompt": "ab", "stream": False,
+                                   "options": {"num_predict": 2}}).encode()
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/generate", data=body, timeout=60) as r:
+                    assert r.status == 200
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "no answer in 120 s"
+                time.sleep(0.3)
+    finally:
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    assert out == "", out
+    assert "POST /api/generate" in err, err

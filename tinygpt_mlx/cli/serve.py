@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import errno
 import logging
 import os
@@ -168,7 +169,17 @@ def serve(
         if not cfg.loopback:
             err.print(f"[yellow]warning:[/yellow] listening on {cfg.host}: anyone who can reach this port can "
                       "use the model (there is no authentication)")
-        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level.lower())
+        uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=log_level.lower(), log_config=log_config())
+
+
+def log_config() -> dict:
+    """uvicorn's logging, every line on stderr: its own sends the access log (a line per request)
+    to stdout, where none of the server's diagnostics go (they are on stderr)."""
+    out = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for handler in out["handlers"].values():
+        if "stream" in handler:
+            handler["stream"] = "ext://sys.stderr"
+    return out
 
 
 def check_listen(host: str, port: int) -> None:
