@@ -529,7 +529,20 @@ def test_positions_left_to_the_run_take_the_file_s(native_path, tmp_path):
     assert r.exit_code == 0, r.output
     named = cli("sample", native_path, "--prompt-cache", f, "--kiv-hot-budget", "16", "--streaming-llm-rope",
                 "shifted", "-n", "2")
-    assert named.exit_code != 0 and "rope_mode='absolute'" in named.output
+    assert named.exit_code != 0 and "was made with --streaming-llm-rope absolute, not shifted" in named.output
+
+
+def test_a_policy_mismatch_names_flags_and_precisions_not_fields(native_path, tmp_path):
+    """A file made with int8 keys continued with int4 keys: the line says so in the flags' terms
+    (--kv-quantize sets both sides, so it is named beside --kv-quantize-keys), never `key_bits=8`."""
+    f, doc = tmp_path / "k8.ptc", tmp_path / "doc.txt"
+    doc.write_text("the word of the keeper and the number " * 2)
+    made = cli("cache-prompt", native_path, "--prompt-file", doc, "--kv-quantize-keys", "int8", "--out", f)
+    assert made.exit_code == 0, made.output
+    r = cli("sample", native_path, "--prompt-cache", f, "--kv-quantize-keys", "int4", "-p", "x")
+    one_line_error(r, "made with int8 keys, not int4", "leave --kv-quantize and --kv-quantize-keys out",
+                   "'--kv-quantize' / '--kv-quantize-keys'")
+    assert "key_bits" not in r.stderr, r.stderr
 
 
 def test_int4_default_tier_matches_whether_named_or_not():

@@ -310,12 +310,27 @@ def read_prompt_cache(path: Path, cache_config: CacheConfig):
     except persist.PromptCacheError as e:
         raise typer.BadParameter(str(e), param_hint="'--prompt-cache'") from None
     field = persist.config_mismatch(info.config, cache_config)
-    if field is not None:
-        flag = c.CONFIG_FLAGS.get(field, field)
-        raise typer.BadParameter(f"{path} was made with {field}={info.config.in_effect(field)!r}, not "
-                                 f"{cache_config.in_effect(field)!r}; leave {flag} out to use the file's policy "
-                                 f"({info.config.label()})", param_hint=f"'{flag}'")
-    return info
+    if field is None:
+        return info
+    flag = c.CONFIG_FLAGS.get(field, field)
+    made, given = info.config.in_effect(field), cache_config.in_effect(field)
+    if field in _SIDES:    # --kv-quantize sets both sides: name it beside the side's own flag
+        side = _SIDES[field]
+        raise typer.BadParameter(
+            f"{path} was made with {_precision(info.config, made)} {side}, not {_precision(cache_config, given)}; "
+            f"leave --kv-quantize and {flag} out to use the file's policy ({info.config.label()})",
+            param_hint=f"'--kv-quantize' / '{flag}'")
+    raise typer.BadParameter(f"{path} was made with {flag} {made}, not {given}; leave {flag} out to use the "
+                             f"file's policy ({info.config.label()})", param_hint=f"'{flag}'")
+
+
+#: the KIVI precision fields of a policy and the side of the cache each sets
+_SIDES = {"key_bits": "keys", "value_bits": "values"}
+
+
+def _precision(config: CacheConfig, bits: Optional[int]) -> str:
+    """A side's precision as --kv-quantize names it: int8, or the exact storage (fp32...)."""
+    return f"int{bits}" if bits else config.storage
 
 
 def check_turn(saved, text: Optional[str], system: Optional[str], raw: bool) -> Optional[PromptTurn]:
