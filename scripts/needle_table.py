@@ -97,8 +97,10 @@ def _git_added(results: Path) -> dict[str, int]:
 #: config fields that do not change what a cell computes (where the cold rows live) or that the
 #: label already reads (the positions)
 IGNORED = {"cold_store", "rope_auto", "rope_mode"}
-#: a grid's own settings that change its prompts (recorded since 2026-12-07; absent before)
-PROMPT_FIELDS = ("digits", "chat", "lead_in")
+#: a grid's own settings that change its prompts, with `needle`'s defaults: recorded since
+#: 2026-12-07; a file from before records none of them and counts as the defaults (every Gemma 3
+#: needle command in docs/gguf.md ran them), so that a grid resumed or rerun since is the same row
+PROMPT_FIELDS = {"digits": 5, "chat": False, "lead_in": None}
 
 
 def _leaves(config: dict, prefix: str = "") -> dict:
@@ -141,7 +143,7 @@ def gather(results: Path, model: str) -> tuple[dict, list, list]:
             continue
         files.append(path)
         order = added.get(os.path.realpath(path), float("inf"))   # untracked: newest
-        prompt = {f: d.get(f) for f in PROMPT_FIELDS}
+        prompt = {f: d.get(f, default) for f, default in PROMPT_FIELDS.items()}
         for c in d["cells"]:
             config = d["policies"][c["policy"]]
             base = label(c["policy"], config, d.get("prefill_tail"), _fits(c, d.get("context_length")))

@@ -115,6 +115,19 @@ def test_configs_the_label_does_not_name_are_told_apart(tmp_path):
     assert got[("retrieval", 8192, 0, 0.3)]["runs"] == 2 and not disagree
 
 
+def test_a_file_that_records_no_prompt_settings_counts_as_needle_s_defaults(tmp_path):
+    """Files written before digits, chat and lead_in were recorded ran `needle`'s defaults: a grid
+    that records the defaults (a resumed one) is the same row; one that records others is apart."""
+    full = {"storage": "fp32"}
+    old = _grid("full", full, [(65536, 0, 0.1, False)])
+    new = {**_grid("full", full, [(65536, 0, 0.3, True)]), "digits": 5, "chat": False, "lead_in": None}
+    chat = {**_grid("full", full, [(65536, 0, 0.5, True)]), "digits": 5, "chat": True, "lead_in": None}
+    for name, grid in (("old", old), ("new", new), ("chat", chat)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(grid))
+    got, _, _ = nt.gather(tmp_path, "m")
+    assert set(got) == {("full", 65536, 0, 0.1), ("full", 65536, 0, 0.3), ("full [chat=True]", 65536, 0, 0.5)}, got
+
+
 def test_fits_counts_the_answer_as_the_run_does():
     """rope_auto's choice: prompt + answer tokens + 1 inside the context (run_cell)."""
     assert nt._fits({"context": 32768, "prompt_tokens": 32761, "answer": "12345"}, 32768)
