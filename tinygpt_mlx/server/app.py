@@ -78,6 +78,8 @@ def create_app(loaded: Any, cache_config: Any, max_slots: Optional[int] = None,
     @asynccontextmanager
     async def lifespan(app):
         yield
+        # a swap in flight finished first (its thread's MLX work done, its server the resident)
+        await models.settle()
         # the resident model's worker, slots (saved to --slot-dir) and caches (disk cold stores,
         # KIVI shadows removed); the model itself stays loaded for whoever passed it in
         resident = models.resident

@@ -10,12 +10,14 @@ model); its slots are saved there when it is swapped out and restored when it co
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import gguf
 import mlx.core as mx
@@ -25,6 +27,7 @@ from ..ggml.header import Header, read_header
 from ..resolve import Resolved
 from .ollama import quant_level
 from .state import ApiError, Server, names_for
+from .worker import run_released, wait_os_thread
 
 log = logging.getLogger("posttrainllm.server")
 
@@ -87,6 +90,8 @@ class Models:
         self._make = make
         self._lock = asyncio.Lock()
         self.swaps = 0
+        #: the last swap's (future, thread) (`run_released`), waited for at shutdown (`settle`)
+        self._swapping: Optional[tuple[concurrent.futures.Future, threading.Thread]] = None
 
     def entry(self, name: Any) -> Entry:
         if not isinstance(name, str) or not name:
@@ -105,6 +110,7 @@ class Models:
         if name in self.resident.names:
             return self.resident
         async with self._lock:
+            await self._swapped()             # (a swap whose request was cancelled: still running)
             if name in self.resident.names:   # swapped in while this request waited
                 return self.resident
             old = self.resident
@@ -113,16 +119,43 @@ class Models:
             entry = self.entry(name)
             log.info("model %s: unloading %s, loading %s", name, old.names[1], entry.names[1])
             started = time.monotonic()
-            self.resident = await asyncio.to_thread(self._swap, old, entry.resolved)
-            self.swaps += 1
+            # on a thread of its own that drops its MLX state before it answers (`run_released`;
+            # not asyncio's executor, whose threads kept theirs until the process exited)
+            self._swapping = run_released(lambda: self._swap(old, entry.resolved), "posttrainllm-swap")
+            new = await asyncio.wrap_future(self._swapping[0])
             log.info("model %s loaded in %.1f s", entry.names[1], time.monotonic() - started)
-            return self.resident
+            return new
 
     def _swap(self, old: Server, resolved: Resolved) -> Server:
+        """On the swap's thread: `old` closed, `resolved` loaded and made resident (here, not by
+        the request that asked: a swap whose request is cancelled still leaves its server resident,
+        for the shutdown to stop)."""
         self.close(old)
         gc.collect()
         mx.clear_cache()
-        return self._make(resolved)
+        self.resident = self._make(resolved)
+        self.swaps += 1
+        return self.resident
+
+    async def settle(self) -> None:
+        """At shutdown, before the resident server stops: a swap still running (its request gone)
+        finished, so that its server is the resident one stopped next, and its thread ended with
+        nothing of MLX's left on it (`run_released`; on Linux the OS thread waited for too, as
+        `Worker.stop` waits for the worker's) before the interpreter finalizes."""
+        await self._swapped()
+        if self._swapping is not None:
+            thread = self._swapping[1]
+            thread.join(timeout=10)
+            wait_os_thread(thread.native_id, 10)
+
+    async def _swapped(self) -> None:
+        """The last swap finished, if one ran (its error, reported to its request, ignored)."""
+        if self._swapping is None or self._swapping[0].done():
+            return
+        try:
+            await asyncio.wrap_future(self._swapping[0])
+        except Exception:  # noqa: BLE001
+            pass
 
     @staticmethod
     def close(srv: Server) -> None:

@@ -184,6 +184,37 @@ def release_thread_state() -> None:
     mx.clear_streams()
 
 
+def run_released(fn: Any, name: str) -> tuple[concurrent.futures.Future, threading.Thread]:
+    """`fn()` on a thread of its own, named `name`, that drops its MLX state (`release_thread_state`)
+    as its last act, before it hands `fn`'s result or error to the returned future: (that future,
+    the thread). For MLX work off the worker's thread (`Models`' swap: a model loaded and probed,
+    which traces `nn.silu`'s compiled function on the thread that runs it). asyncio's default
+    executor (`asyncio.to_thread`) kept that trace in its thread's compile cache until the thread
+    ended, when `asyncio.run` shuts the executor down as the server stops: destroyed there as the
+    interpreter finalized, the process aborted ("terminate called without an active exception",
+    the same race as the worker's, `release_thread_state`). Not a daemon: an interpreter exiting
+    waits for it (as it waited for the executor's threads) rather than ending it inside MLX. Its
+    streams are gone after it: what `fn` builds for another thread must be evaluated by `fn`
+    (an array left lazy there could not be evaluated elsewhere, with the streams kept or not)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_running_or_notify_cancel()     # (running: a caller cancelled does not cancel it)
+
+    def body() -> None:
+        try:
+            settle, value = done.set_result, fn()
+        except BaseException as e:  # noqa: BLE001 — handed to the caller
+            settle, value = done.set_exception, e
+        try:
+            release_thread_state()
+        except Exception:  # noqa: BLE001 — the result is still handed back
+            log.exception("dropping the MLX state of thread %s", name)
+        settle(value)
+
+    thread = threading.Thread(target=body, name=name)
+    thread.start()
+    return done, thread
+
+
 def wait_os_thread(tid: Optional[int], timeout: float) -> bool:
     """Wait until the OS thread `tid` of this process has ended, at most `timeout` seconds
     (Linux: while /proc/self/task/`tid` exists; elsewhere not waited for). Whether it ended.
