@@ -358,7 +358,9 @@ def test_serve_command(native_path, monkeypatch):
                                  "--streaming-llm-sink", "4", "--streaming-llm-window", "64"])
     assert r.exit_code == 0, r.output
     served, kw = calls[0]
+    log_config = kw.pop("log_config")
     assert kw == {"host": "127.0.0.1", "port": 12345, "log_level": "info"}
+    assert {h["stream"] for h in log_config["handlers"].values()} == {"ext://sys.stderr"}   # access log too
     srv = served.state.server
     assert len(srv.pool.slots) == 3 and srv.cache_config.window == 64
     srv.worker.stop()
