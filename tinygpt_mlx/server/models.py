@@ -104,10 +104,13 @@ class Models:
         raise ApiError(404, f"model '{name}' not found")
 
     async def server(self, body: dict) -> Server:
-        """The server for the request's model, swapping it in if another is resident."""
+        """The server for the request's model, swapping it in if another is resident. While a swap
+        waits or runs, every request waits its turn behind it, its own model's too: the resident
+        server then is the one being drained and closed (a request handed to it was queued on a
+        stopped worker and never answered)."""
         name = body.get("model")
         self.entry(name)
-        if name in self.resident.names:
+        if name in self.resident.names and not self._lock.locked():
             return self.resident
         async with self._lock:
             await self._swapped()             # (a swap whose request was cancelled: still running)
@@ -133,9 +136,24 @@ class Models:
         self.close(old)
         gc.collect()
         mx.clear_cache()
-        self.resident = self._make(resolved)
+        try:
+            self.resident = self._make(resolved)
+        except BaseException:
+            self._restore(old)
+            raise
         self.swaps += 1
         return self.resident
+
+    def _restore(self, old: Server) -> None:
+        """After a swap's load failed (its request gets the error): `old`'s model loaded again and
+        resident, so that the server still serves it (it stayed resident closed: every later
+        request for it was queued on a stopped worker). Its slots come back from --slot-dir."""
+        if old.loaded.resolved is None:
+            return
+        try:
+            self.resident = self._make(old.loaded.resolved)
+        except Exception:  # noqa: BLE001 — the swap's own error is what the request reports
+            log.exception("model %s: could not be loaded again after a failed swap", old.names[1])
 
     async def settle(self) -> None:
         """At shutdown, before the resident server stops: a swap still running (its request gone)
