@@ -407,6 +407,9 @@ def test_compare_table_prints_a_multi_line_prompt_on_one_row(capsys):
     ("perplexity", ["--prefill-tokens", "0"], ["'--prefill-tokens'"]),
     ("perplexity", ["--modes", "int4", "--kv-quantize", "int8"], ["--modes or cache flags"]),
     ("cache-report", ["--prefill-chunk", "0"], ["'--prefill-chunk'", "got 0"]),
+    # the KIVI rows' residual of 32 under --kv-group-size 64: it measured two rows first, then exit 1
+    ("cache-report", ["--kv-group-size", "64"], ["'--kv-residual'", "--kv-group-size (64)", "got 32"]),
+    ("cache-report", ["--policies", "int4", "--kv-residual", "48"], ["'--kv-residual'", "got 48"]),
 ])
 def test_a_bad_value_is_a_usage_error_before_the_model_loads(no_load, command, args, named):
     """Every bad value of bench, needle, compare, perplexity and cache-report exits 2 (a usage

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
+from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.modes import parse_policies
 from tinygpt_mlx.lazy import lazy
 
@@ -44,6 +46,7 @@ def cache_report(
     chunk = c.prefill_chunk(prefill_chunk)
     with c.flag_value("--policies"):
         chosen = parse_policies(policies) if policies else None
+    check_rows(chosen, kv_group_size, kv_residual)
     with c.guarded():
         loaded = c.load_model(model, weights)
         vocab = loaded.tokenizer.vocab_size or loaded.info.get("config", {}).get("vocab_size")
@@ -80,6 +83,27 @@ def cache_report(
     if sliding:
         err.print("global: the layers under each policy; sliding: the sliding-window layers, each an exact "
                   "ring of its own window whatever the policy")
+
+
+def check_rows(chosen: Optional[dict], group_size: Optional[int], residual: Optional[int]) -> None:
+    """--kv-group-size / --kv-residual as every row will take them (`report.bytes_table` applies
+    them to each), before the model loads: `--kv-group-size 64` alone leaves the rows' residual of
+    32, which a KIVI row refuses. A bad combination is a usage error naming the flag (it was an
+    `error: residual must be a multiple of group_size` after the model loaded and the first rows
+    were measured)."""
+    given = {k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None}
+    if not given:
+        return
+    for label, row in (chosen or report.REPORT_POLICIES).items():
+        try:
+            if isinstance(row, CacheConfig):
+                dataclasses.replace(row, **given)
+            else:
+                CacheConfig.from_flags(**row, **given)
+        except ValueError as e:
+            bad = c.config_error(e)
+            bad.message = f"{bad.message} (row {label})"
+            raise bad from None
 
 
 def register(app: typer.Typer) -> None:
