@@ -401,6 +401,15 @@ def test_compare_table_prints_a_multi_line_prompt_on_one_row(capsys):
     ("needle", ["--depths", "0.5,2"], ["--depths"]),
     ("needle", ["--policies", "bogus"], ["'bogus'", "retrieval"]),
     ("needle", ["--policies", ","], ["'--policies'"]),
+    # each names the flag and what was typed (before: 'Invalid value: --depths must lie in [0, 1]',
+    # '--seeds, --digits and --prefill-chunk must be positive', no flag for a bad policy name)
+    ("needle", ["--depths", "0.5,1.5"], ["'--depths'", "got 1.5"]),
+    ("needle", ["--contexts", "8"], ["'--contexts'", "got 8"]),
+    ("needle", ["--contexts", ","], ["'--contexts'", "','"]),
+    ("needle", ["--seeds", "0"], ["'--seeds'", "got 0"]),
+    ("needle", ["--digits", "0"], ["'--digits'", "got 0"]),
+    ("needle", ["--prefill-chunk", "0"], ["'--prefill-chunk'", "got 0"]),
+    ("needle", ["--policies", "full,Retrieval"], ["'--policies'", "'Retrieval'", "streaming"]),
     ("compare", ["--tokens", "0"], ["'--tokens'"]),
     ("compare", ["--modes", "int4,int4"], ["'--modes'", "'int4' given twice"]),
     ("perplexity", ["--max-tokens", "1"], ["'--max-tokens'"]),
@@ -449,6 +458,14 @@ def test_the_brief_spec_examples_are_specs():
     for spec in examples:
         CacheConfig.from_spec(spec)
     CacheConfig.from_spec("int4+sink4/hot1024")
+
+
+def test_needle_policy_names_are_the_grid_s():
+    """needle's --policies names, checked before MLX imports (cli/needle.py), are the grid's own."""
+    from tinygpt_mlx.cli.needle import NEEDLE_POLICIES
+    from tinygpt_mlx.evaluate.needle import POLICIES
+
+    assert NEEDLE_POLICIES == POLICIES
 
 
 def test_weights_choices_are_the_loaders():

@@ -22,6 +22,9 @@ from .common import err
 generate = lazy("tinygpt_mlx.generate")
 nd = lazy("tinygpt_mlx.evaluate.needle")
 
+#: --policies' names (evaluate/needle.py POLICIES, which imports MLX: not for a typo)
+NEEDLE_POLICIES = ("full", "streaming", "retrieval")
+
 
 def _list(text: str, name: str, kind=int) -> list:
     values = []
@@ -33,7 +36,7 @@ def _list(text: str, name: str, kind=int) -> list:
             raise typer.BadParameter(f"must be a comma list of {what}, got {x.strip()!r} in {text!r}",
                                      param_hint=f"'{name}'") from None
     if not values:
-        raise typer.BadParameter(f"{name} is empty")
+        raise typer.BadParameter(f"no value in {text!r}", param_hint=f"'{name}'")
     return values
 
 
@@ -181,14 +184,17 @@ def needle(
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     ctx_list = _list(contexts, "--contexts")
     depth_list = _list(depths, "--depths", float)
+    # each a usage error naming the flag and what was typed
     if min(ctx_list) < 16:
-        raise typer.BadParameter("--contexts must be at least 16 tokens")
-    if any(not 0 <= d <= 1 for d in depth_list):
-        raise typer.BadParameter("--depths must lie in [0, 1]")
+        raise typer.BadParameter(f"must be at least 16 tokens, got {min(ctx_list)}", param_hint="'--contexts'")
+    outside = [d for d in depth_list if not 0 <= d <= 1]
+    if outside:
+        raise typer.BadParameter(f"must lie in [0, 1], got {outside[0]:g}", param_hint="'--depths'")
     if lead_in is not None and not lead_in.strip():
         raise typer.BadParameter(f"--lead-in {lead_in!r}: give the words that start the answer")
-    if seeds < 1 or digits < 1 or prefill_chunk < 1:
-        raise typer.BadParameter("--seeds, --digits and --prefill-chunk must be positive")
+    for flag, value in (("--seeds", seeds), ("--digits", digits), ("--prefill-chunk", prefill_chunk)):
+        if value < 1:
+            raise typer.BadParameter(f"must be positive, got {value}", param_hint=f"'{flag}'")
     if first_seed < 0:
         raise typer.BadParameter(f"--first-seed {first_seed}: must be 0 or more")
     if task not in TASKS:
@@ -198,6 +204,10 @@ def needle(
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if not names:
         raise typer.BadParameter(f"no policy in {policies!r}", param_hint="'--policies'")
+    unknown = [n for n in names if n not in NEEDLE_POLICIES]
+    if unknown:
+        raise typer.BadParameter(f"unknown needle policy {unknown[0]!r}; choose from {', '.join(NEEDLE_POLICIES)}",
+                                 param_hint="'--policies'")
     cfg = cache_config
     if probe and "retrieval" not in names:
         raise typer.BadParameter(f"--probe re-runs failed retrieval cells: --policies {policies!r} has no retrieval")
