@@ -479,3 +479,18 @@ def test_an_empty_answer_is_said_on_stderr(templated, capsys):
     assert out == "Paris.\n" and "without any text" not in errs
     assert chat_cli.answer(_fake_session([" "], templated, finish="length"), "hi")
     assert "without any text" not in capsys.readouterr()[1]
+
+
+def test_save_to_a_missing_folder_names_the_folder_not_a_temporary_file(tmp_path):
+    """/save into a folder that does not exist: one line naming what was typed and the folder,
+    and the chat goes on (before: `[Errno 2] No such file or directory: '.../.x.pc.1234-ab12cd34.tmp'`,
+    the temporary file the save writes through)."""
+    target = tmp_path / "missing" / "x.pc"
+    r = run("chat", SHIPPED, "--temperature", "0", "--tokens", "2",
+            input=f"Hello\n/save {target}\n/save {tmp_path}\n/stats\n")
+    assert r.exit_code == 0, r.output
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: /save {target}: folder {target.parent} does not exist",
+                      f"error: /save {tmp_path}: {tmp_path} is a directory, not a file"], r.stderr
+    assert ".tmp" not in r.stderr and not target.parent.exists()
+    assert "conversation: 1 turns" in r.stderr                 # the chat went on

@@ -141,8 +141,13 @@ def command(session, line: str) -> bool:
         if not arg.strip():
             c.fail("/save needs a file name: /save FILE")
         else:
+            path = Path(arg.strip()).expanduser()
             try:
-                err.print(escape(save(session, arg.strip())))
+                c.check_writable(path, "/save")     # its folder, before the cache is written
+                err.print(escape(save(session, str(path))))
+            except typer.BadParameter as e:
+                # what the user typed, not the temporary file the write goes through
+                c.fail(f"/save {arg.strip()}: {e.message}")
             except (ValueError, OSError) as e:
                 c.fail(str(e))
     else:
