@@ -183,6 +183,17 @@ def test_empty_prompt_and_empty_prompt_file_are_errors(native_path, tmp_path):
     assert_one_line_error(r, "'--prompt-file'", str(empty), "empty", "omit --prompt-file")
 
 
+def test_cache_prompt_s_empty_prompt_file_is_not_told_to_omit_it(native_path, tmp_path):
+    """cache-prompt requires --prompt-file: an empty one says what it needs (before: sample's
+    'omit --prompt-file to sample unconditionally from the start token', which cache-prompt then
+    refuses as a missing option)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = refuse("cache-prompt", native_path, "--prompt-file", empty, "--out", tmp_path / "x.ptc")
+    assert_one_line_error(r, "'--prompt-file'", str(empty), "empty", "a document to prefill")
+    assert "omit" not in r.stderr and "unconditionally" not in r.stderr
+
+
 def test_no_prompt_samples_unconditionally_with_a_note(native_path):
     r = run("sample", native_path, "-n", 8, "--temperature", 0, "--ignore-eos")
     assert r.exit_code == 0, r.output

@@ -71,7 +71,7 @@ def cache_prompt(
         raise c.config_error(e) from None
     c.check_writable(out, "--out")
     c.check_writable(report_json, "--report-json")
-    text = read_prompt_file(prompt_file)
+    text = read_prompt_file(prompt_file, "cache-prompt needs a document to prefill")
     with c.guarded():
         loaded = c.load_model(model, weights)
         templated = not no_chat_template and has_template(loaded.tokenizer)

@@ -87,8 +87,12 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/yellow] {escape(message)}")
 
 
-def read_prompt_file(path: Path) -> str:
-    """The prompt file's text; an unreadable, non-UTF-8 or empty file is a usage error naming it."""
+EMPTY_PROMPT_FILE = "omit --prompt-file to sample unconditionally from the start token"
+
+
+def read_prompt_file(path: Path, if_empty: str = EMPTY_PROMPT_FILE) -> str:
+    """The prompt file's text; an unreadable, non-UTF-8 or empty file is a usage error naming it
+    (an empty one says `if_empty`: what the command can do instead)."""
     hint = "'--prompt-file'"
     try:
         data = path.read_bytes()
@@ -100,8 +104,7 @@ def read_prompt_file(path: Path) -> str:
         raise typer.BadParameter(f"{path} is not UTF-8 text ({e.reason}: byte 0x{data[e.start]:02x} at offset "
                                  f"{e.start})", param_hint=hint) from None
     if not text:
-        raise typer.BadParameter(f"{path} is empty; omit --prompt-file to sample unconditionally from the "
-                                 "start token", param_hint=hint)
+        raise typer.BadParameter(f"{path} is empty; {if_empty}", param_hint=hint)
     return text
 
 
