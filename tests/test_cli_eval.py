@@ -387,6 +387,19 @@ def test_compare_table_prints_a_multi_line_prompt_on_one_row(capsys):
     assert "First line second [bold]" in rows[0] and "short" in rows[1], out
 
 
+@pytest.mark.parametrize("baseline, title", [("fp32", "vs fp32 full cache,"), ("int4", "vs int4 full cache,"),
+                                             ("sink4/window64", "vs sink4/window64,"), ("hot64", "vs hot64,")])
+def test_compare_title_calls_only_a_full_cache_baseline_a_full_cache(capsys, baseline, title):
+    """compare --baseline sink4/window64: the title said 'vs sink4/window64 full cache'."""
+    from tinygpt_mlx.cli.compare import print_table
+    from tinygpt_mlx.config import CacheConfig
+
+    print_table({"baseline": baseline, "baseline_policy": CacheConfig.from_spec(baseline).describe(), "tokens": 4,
+                 "modes": {"int4": {"prompts": [{"prompt": "p", "prefix_match": 1.0}], "mean_prefix_match": 1.0}}})
+    out = " ".join(capsys.readouterr().out.split())     # the title may wrap
+    assert title in out, out
+
+
 # --- a bad value of an evaluation command: one short line, exit 2, before the model loads ------
 
 @pytest.mark.parametrize("command, args, named", [
