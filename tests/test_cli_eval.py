@@ -400,6 +400,24 @@ def test_compare_title_calls_only_a_full_cache_baseline_a_full_cache(capsys, bas
     assert title in out, out
 
 
+@pytest.mark.parametrize("flags, named", [
+    ([], ["the full cache (fp32)", "--streaming-llm-window or --kiv-hot-budget"]),
+    (["--modes", "int4,sink4/window64"], ["the full cache (int4)", "in --modes"]),
+    (["--streaming-llm-sink", "4", "--streaming-llm-window", "64"], ["baseline (fp32)", "--baseline none"])])
+def test_perplexity_past_the_context_says_what_to_give(flags, named):
+    """A text longer than the model's context under a full cache (the policy's or the baseline's):
+    one line in perplexity's terms before the scoring starts (before: generate's 'prompt has 600
+    tokens ...; use --streaming-llm-window or retrieval, or shorten the prompt', after 'scoring',
+    which offered the window to a run that had one and named neither --max-tokens nor --past-context)."""
+    r = run("perplexity", SHIPPED_MODEL, "--max-tokens", 600, *flags)
+    assert r.exit_code == 1, r.output
+    last = r.stderr.strip().splitlines()[-1]
+    for n in ["error: the text has 600 tokens but the model's context is 512", "--max-tokens 512", "--past-context",
+              *named]:
+        assert n in last, last
+    assert "scoring" not in r.stderr and "Traceback" not in r.output
+
+
 # --- a bad value of an evaluation command: one short line, exit 2, before the model loads ------
 
 @pytest.mark.parametrize("command, args, named", [

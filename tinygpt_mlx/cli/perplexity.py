@@ -82,6 +82,8 @@ def perplexity(
                   f"{reference.label() if reference else 'none'}")
         for name, policy in policies.items():
             err.print(f"  {name}: [green]{policy.label()}[/green]")
+        if not past_context:
+            check_context(len(ids), loaded.context_length, policies, reference, modes is not None)
         with c.Progress("perplexity: scoring", total=max(len(ids) - 1, 0), unit="tok") as bar:
             results = ppl.perplexities(
                 loaded.model, ids, policies, reference,
@@ -100,6 +102,27 @@ def perplexity(
                 out = {"tokens": first.tokens, "baseline": baseline,
                        "baseline_perplexity": first.baseline_perplexity, "modes": rows}
             c.write_atomic(json_path, json.dumps(out, indent=2))
+
+
+def check_context(tokens: int, context: Optional[int], policies: dict, reference: Optional[CacheConfig],
+                  modes: bool) -> None:
+    """A full cache (a policy's or the baseline's) cannot score more tokens than the model's
+    trained context: one line in perplexity's terms (the text, --max-tokens, --past-context,
+    --baseline none), before the scoring starts. The library's own check (`generate.check_context`)
+    speaks of a prompt to shorten and offers the window to a user who already gave one."""
+    if not context or tokens <= context:
+        return
+    full = [name for name, p in policies.items() if not (p.streaming or p.retrieval)]
+    what = f"the text has {tokens} tokens but the model's context is {context}"
+    fewer = f"score at most {context} (--max-tokens {context}) or let it run past the context (--past-context)"
+    if full:
+        evicting = ("a window or hot part in --modes, e.g. sink4/window256 or hot256" if modes else
+                    "--streaming-llm-window or --kiv-hot-budget")
+        raise ValueError(f"{what}: the full cache ({', '.join(full)}) cannot hold it; take an evicting policy "
+                         f"({evicting}), {fewer}")
+    if reference is not None and not (reference.streaming or reference.retrieval):
+        raise ValueError(f"{what}: the full-cache baseline ({reference.label()}) cannot hold it; skip it with "
+                         f"--baseline none, or {fewer}")
 
 
 def table_console() -> Console:
