@@ -418,6 +418,20 @@ def test_perplexity_past_the_context_says_what_to_give(flags, named):
     assert "scoring" not in r.stderr and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("device, said", [("cpu", True), ("gpu", False), (None, True)])
+def test_bench_caption_says_cpu_only_of_a_cpu_run(capsys, device, said):
+    """bench's kernels/step caption said 'this CPU build unfuses RoPE and attention' on every device;
+    a GPU run (Metal, CUDA) has them fused. A result without "device" (JSON from before) was a CPU run."""
+    from tinygpt_mlx.cli.bench import print_table
+
+    row = {"policy": "fp32", "context": 64, "prefill_tokens_per_s": 1.0, "decode_tokens_per_s": 1.0,
+           "decode_kernels": 3.0, "cache_bytes": 1024, "prefill_tokens_per_s_vs_fp32": 1.0,
+           "decode_tokens_per_s_vs_fp32": 1.0, "cache_bytes_vs_fp32": 1.0}
+    print_table({"decode_steps": 2, "reference": "fp32", "rows": [row], **({"device": device} if device else {})})
+    out = " ".join(capsys.readouterr().out.split())
+    assert "kernel launches on a GPU" in out and ("this CPU build unfuses" in out) == said, out
+
+
 # --- a bad value of an evaluation command: one short line, exit 2, before the model loads ------
 
 @pytest.mark.parametrize("command, args, named", [

@@ -18,6 +18,7 @@ from . import common as c
 from .common import err
 
 b = lazy("tinygpt_mlx.evaluate.bench")
+mx = lazy("mlx.core")
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -39,10 +40,12 @@ def print_table(result: dict) -> None:
     ref = result.get("reference", defaults.BENCH_REFERENCE)
     grown = (f" of {result['grown_from']} tokens, each cache then filled to the context with copies of its rows"
              if result.get("grown_from") else "")
+    # (a result without "device": written on the CPU, as every one before it was recorded)
+    unfused = "; this CPU build unfuses RoPE and attention" if result.get("device", "cpu") == "cpu" else ""
     table = Table(title=f"bench: ×ratio vs {ref} in the same run; "
                         f"{result['decode_steps']} decode steps after each prefill{grown}",
                   caption="kernels/step: the nodes of one decode step's MLX graph that are not views "
-                          "(kernel launches on a GPU; this CPU build unfuses RoPE and attention)")
+                          f"(kernel launches on a GPU{unfused})")
     for col in ("policy", "context", "prefill tok/s", "decode tok/s", "kernels/step", "cache"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     last = None
@@ -168,6 +171,7 @@ def bench(
             result = b.bench(loaded.model, specs, ctx, decode_steps, chunk,
                              progress=advance, reference=reference, stages=stages, parts=parts,
                              parts_own=parts_own, grow_from=grow_from, abba=abba)
+        result["device"] = "cpu" if mx.default_device().type == mx.cpu else "gpu"
         for name, why in result["skipped"].items():
             err.print(f"[yellow]skipped[/yellow] {name}: {why}")
         print_table(result)
