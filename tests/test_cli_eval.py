@@ -432,6 +432,17 @@ def test_bench_caption_says_cpu_only_of_a_cpu_run(capsys, device, said):
     assert "kernel launches on a GPU" in out and ("this CPU build unfuses" in out) == said, out
 
 
+def test_needle_says_why_the_full_cache_skips_a_context():
+    """needle --contexts 600 --policies full on a 512-token model ran no cell and printed a table of
+    '-' with exit 0, saying nothing of why; a note names the contexts skipped and --past-context."""
+    r = run("needle", SHIPPED_MODEL, "--contexts", "600,1024", "--depths", 0.5, "--seeds", 1,
+            "--kiv-hot-budget", 64, "--policies", "full")
+    assert r.exit_code == 0, r.output
+    notes = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert notes == ["note: the full cache skips contexts 600, 1024: past the model's context of 512 tokens "
+                     "(--past-context runs it there too)"], r.stderr
+
+
 # --- a bad value of an evaluation command: one short line, exit 2, before the model loads ------
 
 @pytest.mark.parametrize("command, args, named", [

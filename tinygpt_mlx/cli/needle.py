@@ -240,6 +240,11 @@ def needle(
                   + (f" ({facts} facts)" if task in ("keyed", "keyed-all") else ""))
 
         fits = [n for n in ctx_list if past_context or not loaded.context_length or n <= loaded.context_length]
+        if "full" in configs and len(fits) < len(ctx_list):   # its '-' cells in the table, said why
+            past = [n for n in ctx_list if n not in fits]
+            err.print(f"note: the full cache skips context{'s' if len(past) > 1 else ''} "
+                      f"{', '.join(map(str, past))}: past the model's context of {loaded.context_length} "
+                      "tokens (--past-context runs it there too)")
         n_cells = len(depth_list) * seeds * sum(len(fits) if name == "full" else len(ctx_list) for name in configs)
         if resume:
             err.print(f"resuming {json_path}: {len(done)} cells kept, {n_cells - len(done)} to run")
