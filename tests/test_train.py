@@ -450,3 +450,26 @@ def test_fine_tune_from_a_model_file_adopts_its_shape_and_tokenizer(tmp_path):
         run(_args(tmp_path / "c", init_from=str(src)), console=_quiet_console())
     with pytest.raises(ValueError, match="sum to at most 1"):
         run(_args(tmp_path / "d", keyed_fraction=0.6, chat_fraction=0.5), console=_quiet_console())
+
+
+@pytest.mark.parametrize("flags, named", [(["--steps", "0"], "'--steps'"), (["--tokens", "0"], "'--tokens'"),
+                                          (["--steps", "-5"], "'--steps'"),
+                                          (["--steps", "1", "--eval-every", "0"], "'--eval-every'"),
+                                          (["--steps", "1", "--ckpt-every", "0"], "'--ckpt-every'"),
+                                          (["--steps", "1", "--batch-size", "0"], "'--batch-size'")])
+def test_train_refuses_a_count_below_one_before_any_work(tmp_path, monkeypatch, flags, named):
+    """A step count, interval or size below 1 is a usage error naming the flag, before the corpus or
+    torch is touched (before: --steps 0 said 'give --steps or --tokens', --steps -5 went on into
+    training, and --eval-every 0 ended in a ZeroDivisionError traceback after the first step)."""
+    from typer.testing import CliRunner
+
+    from tinygpt_mlx.cli.main import app
+
+    def started(*a, **k):
+        raise AssertionError("training started")
+
+    monkeypatch.setattr("tinygpt_mlx.train.run", started)
+    r = CliRunner().invoke(app, ["train", "--out", str(tmp_path / "x.tinygpt"), "--data", str(tmp_path), *flags])
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: Invalid value for") and named in lines[0], r.stderr

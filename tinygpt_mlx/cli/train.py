@@ -21,15 +21,15 @@ def train(
     out: Path = typer.Option(..., "--out", help="Output model file, e.g. models/tinygpt-base.tinygpt."),
     heldout: Optional[Path] = typer.Option(None, "--heldout", help="Held-out text (default: the last 2% of --data)."),
     work_dir: Optional[Path] = typer.Option(None, "--work-dir", help="Tokenizer, token cache, checkpoint and metrics (default: runs/<out stem>)."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (or give --tokens)."),
-    tokens: Optional[int] = typer.Option(None, "--tokens", help="Training tokens (steps = tokens / (batch * seq-len))."),
-    seq_len: int = typer.Option(field_default(ModelConfig, "context_length"), "--seq-len", help="Training context length (= the model's context_length)."),
-    batch_size: int = typer.Option(16, "--batch-size", help="Rows of --seq-len tokens per optimizer step."),
+    steps: Optional[int] = typer.Option(None, "--steps", min=1, help="Optimizer steps (or give --tokens)."),
+    tokens: Optional[int] = typer.Option(None, "--tokens", min=1, help="Training tokens (steps = tokens / (batch * seq-len))."),
+    seq_len: int = typer.Option(field_default(ModelConfig, "context_length"), "--seq-len", min=1, help="Training context length (= the model's context_length)."),
+    batch_size: int = typer.Option(16, "--batch-size", min=1, help="Rows of --seq-len tokens per optimizer step."),
     lr: float = typer.Option(3e-3, "--lr", help="Peak learning rate (warmup, then cosine decay to 10%)."),
-    warmup: Optional[int] = typer.Option(None, "--warmup", help="Warmup steps (default 5% of steps, at most 200)."),
+    warmup: Optional[int] = typer.Option(None, "--warmup", min=0, help="Warmup steps (default 5% of steps, at most 200)."),
     seed: int = typer.Option(0, "--seed", help="Seeds initialisation and every batch."),
     resume: bool = typer.Option(False, "--resume", help="Continue from the checkpoint in the work dir."),
-    stop_after: Optional[int] = typer.Option(None, "--stop-after", help="Stop with a checkpoint after this step (the schedule still ends at --steps)."),
+    stop_after: Optional[int] = typer.Option(None, "--stop-after", min=1, help="Stop with a checkpoint after this step (the schedule still ends at --steps)."),
     vocab_size: int = typer.Option(4096, "--vocab-size", help="Size of the BPE tokenizer trained on --data (an existing one in the work dir is reused)."),
     d_model: int = typer.Option(field_default(ModelConfig, "d_model"), "--d-model", help="Width of the model (embedding and residual stream)."),
     n_layers: int = typer.Option(field_default(ModelConfig, "n_layers"), "--n-layers", help="Transformer layers."),
@@ -45,9 +45,9 @@ def train(
     keyed_fraction: float = typer.Option(0.0, "--keyed-fraction", help="Share of rows with 2-6 keyed facts asked for one or all of them, or a phone book of look-alike entries (KIV's limits; `needle --task`)."),
     chat_fraction: float = typer.Option(0.0, "--chat-fraction", help="Share of rows that are plain-format conversations whose last question asks for a fact from an earlier user turn."),
     init_from: Optional[Path] = typer.Option(None, "--init-from", help="Warm start (fresh optimizer and schedule) from a training checkpoint.pt (same tokenizer: reuse its work dir's tokenizer.json) or a .tinygpt model (its shape and tokenizer are used; fine-tuning)."),
-    eval_every: int = typer.Option(100, "--eval-every", help="Evaluate on the held-out text every this many steps (and at the end), appended to the work dir's metrics.jsonl."),
-    ckpt_every: int = typer.Option(100, "--ckpt-every", help="Write the work dir's checkpoint every this many steps (and at the end; --resume continues from it)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's choice)."),
+    eval_every: int = typer.Option(100, "--eval-every", min=1, help="Evaluate on the held-out text every this many steps (and at the end), appended to the work dir's metrics.jsonl."),
+    ckpt_every: int = typer.Option(100, "--ckpt-every", min=1, help="Write the work dir's checkpoint every this many steps (and at the end; --resume continues from it)."),
+    threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
     precision: str = typer.Option("bf16", "--precision", help="bf16 (autocast, fp32 weights) or fp32."),
 ) -> None:
     """Train a TinyGPT (PyTorch on CPU, needs the `train` extra) and export it for MLX."""
@@ -71,5 +71,5 @@ def register(app: typer.Typer) -> None:
     app.command("train")(train)
 
 
-if __name__ == "__main__":  # python -m cli.train ...
+if __name__ == "__main__":  # python -m tinygpt_mlx.cli.train ...
     typer.run(train)
