@@ -566,3 +566,20 @@ def test_int4_default_tier_matches_whether_named_or_not():
     assert config_mismatch(grown, CacheConfig.from_spec("int8+lr64")) is None
     windowed = (CacheConfig.from_spec(s) for s in ("int8+sink4/window256", "int8+sink4/window256+lr0"))
     assert policy_difference(*windowed) is None
+
+
+def test_a_prompt_cache_given_as_the_model_says_what_it_is(native_path, tmp_path):
+    """`posttrainllm info FILE` / `sample FILE` with cache-prompt's file in MODEL's place: one line
+    saying it is a prompt-cache file and how to continue it (before: "not a .tinygpt file (format
+    'posttrainllm-prompt-cache')")."""
+    from tinygpt_mlx import format as fmt
+    from tinygpt_mlx.cache.persist import FORMAT_NAME
+
+    assert fmt.PROMPT_CACHE_FORMAT == FORMAT_NAME
+    doc, out = tmp_path / "doc.txt", tmp_path / "doc.ptc"
+    doc.write_text(TEXT[:200])
+    assert cli("cache-prompt", native_path, "--prompt-file", doc, "--out", out).exit_code == 0
+    for args in (["info", out], ["sample", out, "-p", "x", "-n", "1"]):
+        r = cli(*args)
+        assert r.exit_code == 1, r.output
+        one_line_error(r, f"{out}: a prompt-cache file", f"--prompt-cache {out}")

@@ -33,6 +33,8 @@ from .errors import ModelFormatError
 from .model import Model
 
 FORMAT_NAME = "tinygpt"
+#: a prompt-cache file's format (cache/persist.py FORMAT_NAME), named where one is given as a model
+PROMPT_CACHE_FORMAT = "posttrainllm-prompt-cache"
 FORMAT_VERSION = 1
 SUFFIX = ".tinygpt"
 CHECKSUM_KEY = "checksum"
@@ -208,6 +210,9 @@ def load_file(path: Union[str, Path]) -> NativeFile:
     if path.is_dir():
         raise ModelFormatError(f"{path}: is a directory, not a .tinygpt file")
     header, meta, data_start = read_header(path)
+    if meta.get("format") == PROMPT_CACHE_FORMAT:     # given as MODEL instead of to --prompt-cache
+        raise ModelFormatError(f"{path}: a prompt-cache file (cache-prompt's), not a model; continue it with "
+                               f"posttrainllm sample MODEL --prompt-cache {path} --prompt QUESTION")
     if meta.get("format") != FORMAT_NAME:
         raise ModelFormatError(f"{path}: not a .tinygpt file (format {meta.get('format')!r})")
     if meta.get("format_version") != str(FORMAT_VERSION):
