@@ -494,3 +494,26 @@ def test_save_to_a_missing_folder_names_the_folder_not_a_temporary_file(tmp_path
                       f"error: /save {tmp_path}: {tmp_path} is a directory, not a file"], r.stderr
     assert ".tmp" not in r.stderr and not target.parent.exists()
     assert "conversation: 1 turns" in r.stderr                 # the chat went on
+
+
+@pytest.mark.parametrize("typed, sent, note", [
+    (['"""', "first", "second"], [], True),             # Ctrl-D inside a """ block
+    (["one \\"], [], True),                              # ... after a line ending in \
+    (["whole", '"""'], ["whole"], True),
+    (["whole"], ["whole"], False)])
+def test_ctrl_d_inside_a_message_says_it_was_not_sent(monkeypatch, capsys, typed, sent, note):
+    """At the terminal prompt, Ctrl-D in the middle of a multi-line message ended the chat without
+    a word; the message, never sent, is said to be dropped."""
+    from tinygpt_mlx.cli import chat as chat_cli
+
+    lines = iter(typed)
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert list(chat_cli.read_messages(True)) == sent
+    assert ("unfinished message was not sent" in capsys.readouterr().err) == note

@@ -66,21 +66,23 @@ def read_messages(interactive: bool) -> Iterator[str]:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401, PLC0415 (line editing and history for input())
     while True:
+        parts: list[str] = []
         try:
             line = input(PROMPT)
             if line.strip() == '"""':
-                parts = []
+                parts.append("")      # (an open block, even before its first line)
                 while (more := input(MORE)).strip() != '"""':
                     parts.append(more)
-                yield "\n".join(parts)
+                yield "\n".join(parts[1:])
                 continue
-            parts = []
             while line.endswith("\\"):
                 parts.append(line[:-1])
                 line = input(MORE)
             yield "\n".join(parts + [line])
         except (EOFError, KeyboardInterrupt):
             sys.stdout.write("\n")
+            if parts:   # Ctrl-D / Ctrl-C inside a message: say it was not sent
+                err.print("[yellow]the unfinished message was not sent[/yellow]")
             return
 
 
