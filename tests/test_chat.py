@@ -517,3 +517,10 @@ def test_ctrl_d_inside_a_message_says_it_was_not_sent(monkeypatch, capsys, typed
     monkeypatch.setattr("builtins.input", fake_input)
     assert list(chat_cli.read_messages(True)) == sent
     assert ("unfinished message was not sent" in capsys.readouterr().err) == note
+
+
+def test_zero_tokens_per_answer_is_refused():
+    """chat -n 0 answered every message with nothing ('0 generated (token limit), 0.0 tok/s'), exit 0."""
+    r = run("chat", SHIPPED, "-n", "0", input="hello\n")
+    assert r.exit_code == 2, r.output
+    assert r.stderr.startswith("error: Invalid value for '--tokens' / '-n'") and "got '0'" in r.stderr, r.stderr

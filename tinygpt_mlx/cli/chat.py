@@ -168,7 +168,8 @@ def chat(
         "--no-chat-template", help="Use the plain 'User: / Assistant:' turn format even where the model "
         "has a chat template.")] = False,
     tokens: Annotated[Optional[int], typer.Option(
-        "--tokens", "-n", help=f"Most tokens per answer. Default {DEFAULT_CHAT_TOKENS}.", show_default=False)] = None,
+        "--tokens", "-n", min=1, help=f"Most tokens per answer. Default {DEFAULT_CHAT_TOKENS}.",
+        show_default=False)] = None,
     temperature: c.Temperature = None,
     top_p: c.TopP = None,
     top_k: c.TopK = None,
