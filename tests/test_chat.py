@@ -524,3 +524,12 @@ def test_zero_tokens_per_answer_is_refused():
     r = run("chat", SHIPPED, "-n", "0", input="hello\n")
     assert r.exit_code == 2, r.output
     assert r.stderr.startswith("error: Invalid value for '--tokens' / '-n'") and "got '0'" in r.stderr, r.stderr
+
+
+def test_an_unknown_command_says_how_to_send_a_slash_message():
+    """A message that starts with / ('/etc/hosts lists ...') is taken for an unknown command; the
+    error and /help say that // sends it (docs/chat.md did, the chat did not)."""
+    r = run("chat", SHIPPED, "-n", "1", input="/etc/hosts lists names\n/help\n")
+    assert r.exit_code == 0, r.output
+    said = [line for line in r.stderr.splitlines() if "//" in line]
+    assert len(said) == 2 and said[0].startswith("error: unknown command /etc/hosts"), r.stderr

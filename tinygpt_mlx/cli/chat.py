@@ -26,8 +26,9 @@ _S = SampleConfig
 DEFAULT_CHAT_TOKENS = 256
 PROMPT, MORE = ">>> ", "... "
 HELP = ("commands: /stats (cache and speed), /reset (forget the conversation), /save FILE (prompt-cache "
-        "file), /help, /quit. End a line with \\ to continue it; \"\"\" opens and closes a multi-line "
-        "message. Ctrl-C stops an answer; Ctrl-C at the prompt or Ctrl-D ends the chat.")
+        "file), /help, /quit. A message that starts with / is sent by writing // (//etc sends /etc). End a "
+        "line with \\ to continue it; \"\"\" opens and closes a multi-line message. Ctrl-C stops an answer; "
+        "Ctrl-C at the prompt or Ctrl-D ends the chat.")
 
 
 class Interrupts:
