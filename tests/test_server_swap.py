@@ -5,11 +5,10 @@ leaves the old model serving."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
-from tests.test_server_swap_exit import _app
+from tests.test_server_swap_exit import _app, hold_loads
 
 
 def _alive(srv) -> bool:
@@ -23,15 +22,7 @@ def test_a_request_for_the_old_model_during_a_swap_waits_and_gets_a_live_server(
     app = _app(native_path, wide_path)
     models = app.state.models
     a, b = app.state.server.names[0], models.entries[1].names[0]
-    make, loading, go = models._make, threading.Event(), threading.Event()
-
-    def slow_make(resolved):
-        if not go.is_set():
-            loading.set()
-            go.wait(30)
-        return make(resolved)
-
-    models._make = slow_make
+    loading, go = hold_loads(models)
 
     async def main():
         async with app.router.lifespan_context(app):

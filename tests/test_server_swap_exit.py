@@ -28,6 +28,20 @@ from tinygpt_mlx.server.app import create_app
 MB16 = 4_000_000
 
 
+def hold_loads(models) -> tuple[threading.Event, threading.Event]:
+    """(loading, go): the swap's model loads wait, `loading` set, until `go` is set."""
+    make, loading, go = models._make, threading.Event(), threading.Event()
+
+    def held(resolved):
+        if not go.is_set():
+            loading.set()
+            go.wait(30)
+        return make(resolved)
+
+    models._make = held
+    return loading, go
+
+
 def _app(native_path, wide_path):
     return create_app(load(resolve(str(native_path))), CacheConfig(), max_slots=1,
                       others=[resolve(str(wide_path))])
@@ -74,14 +88,7 @@ def test_the_shutdown_waits_for_a_swap_whose_request_is_gone(native_path, wide_p
     left running."""
     app = _app(native_path, wide_path)
     models = app.state.models
-    make, loading, go = models._make, threading.Event(), threading.Event()
-
-    def slow_make(resolved):
-        loading.set()
-        go.wait(30)
-        return make(resolved)
-
-    models._make = slow_make
+    loading, go = hold_loads(models)
 
     async def main():
         async with app.router.lifespan_context(app):
