@@ -76,10 +76,16 @@ def bytes_table(model: Any, vocab_size: int, lengths: Iterable[int],
     """One row per policy (flags as for `CacheConfig.from_flags`, or a `CacheConfig`; `flags`
     such as group_size apply to each), one `CacheBytes` per length."""
     rows = []
-    given = {k: v for k, v in flags.items() if v is not None}
     for label, pflags in (policies or REPORT_POLICIES).items():
-        config = (dataclasses.replace(pflags, **given) if isinstance(pflags, CacheConfig)
-                  else CacheConfig.from_flags(**pflags, **flags))
-        rows.append(fill_and_measure(model, config, lengths, vocab_size, chunk, label=label,
+        rows.append(fill_and_measure(model, row_config(pflags, **flags), lengths, vocab_size, chunk, label=label,
                                      progress=progress))
     return rows
+
+
+def row_config(policy: Any, **flags: Any) -> CacheConfig:
+    """One row's policy (flags as for `CacheConfig.from_flags`, or a `CacheConfig`) with `flags`
+    applied (None: not given); raises as the config does (`cache-report` checks every row with it
+    before the model loads)."""
+    if isinstance(policy, CacheConfig):
+        return dataclasses.replace(policy, **{k: v for k, v in flags.items() if v is not None})
+    return CacheConfig.from_flags(**policy, **flags)

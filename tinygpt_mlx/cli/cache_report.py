@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from tinygpt_mlx.config import CacheConfig
 from tinygpt_mlx.evaluate.modes import parse_policies
 from tinygpt_mlx.lazy import lazy
 
@@ -91,15 +89,11 @@ def check_rows(chosen: Optional[dict], group_size: Optional[int], residual: Opti
     32, which a KIVI row refuses. A bad combination is a usage error naming the flag (it was an
     `error: residual must be a multiple of group_size` after the model loaded and the first rows
     were measured)."""
-    given = {k: v for k, v in (("group_size", group_size), ("residual", residual)) if v is not None}
-    if not given:
+    if group_size is None and residual is None:
         return
     for label, row in (chosen or report.REPORT_POLICIES).items():
         try:
-            if isinstance(row, CacheConfig):
-                dataclasses.replace(row, **given)
-            else:
-                CacheConfig.from_flags(**row, **given)
+            report.row_config(row, group_size=group_size, residual=residual)
         except ValueError as e:
             bad = c.config_error(e)
             bad.message = f"{bad.message} (row {label})"
