@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -468,6 +469,12 @@ class CacheConfig:
 #: out once per config on its first read and a plain attribute after (`functools.cached_property`;
 #: the config is frozen), so the per-token code that reads them does not re-run them per layer
 _DERIVED = tuple(n for n, v in vars(CacheConfig).items() if isinstance(v, functools.cached_property))
+
+
+def random_seed() -> int:
+    """A seed for a run that names none (31 bits, from the OS): drawn once, so that it can be
+    printed and given back with --seed (`sample`), or shared by every rank (`distributed`)."""
+    return int.from_bytes(os.urandom(4), "little") >> 1
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional
 import mlx.core as mx
 
 from . import switches
+from .config import random_seed
 from .errors import PosttrainError
 
 #: seconds one model call (a prefill chunk or a decode step) may take before a rank gives up
@@ -150,7 +151,7 @@ def agree_seed(seed: Optional[int], group: Any) -> int:
     """A seed every rank shares: `seed`, or rank 0's random one (so that sampling with a
     temperature draws the same token on every rank)."""
     if seed is None:
-        seed = int.from_bytes(os.urandom(4), "little") >> 1
+        seed = random_seed()
     return gather_ints(seed, group)[0]
 
 

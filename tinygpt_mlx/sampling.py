@@ -6,13 +6,15 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from .config import random_seed
+
 
 def make_sampler(temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  seed: Optional[int] = None) -> Callable[[mx.array], mx.array]:
     """Sampler over logits [..., V] (computed in fp32). Deterministic for a given `seed`."""
     if temperature == 0:
         return lambda logits: mx.argmax(logits, axis=-1)
-    key = [mx.random.key(seed if seed is not None else int.from_bytes(__import__("os").urandom(4), "little"))]
+    key = [mx.random.key(seed if seed is not None else random_seed())]
 
     def sample(logits: mx.array) -> mx.array:
         logits = logits.astype(mx.float32) / temperature

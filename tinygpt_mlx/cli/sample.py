@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ import typer
 from rich.markup import escape
 
 from tinygpt_mlx.chat_template import PromptTurn, has_template, template_id, user_prompt_ids
-from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default
+from tinygpt_mlx.config import CacheConfig, SampleConfig, field_default, random_seed
 from tinygpt_mlx.lazy import lazy
 
 from . import common as c
@@ -237,7 +236,7 @@ def sample(
         raise c.config_error(e) from None
     drawn_seed = sample_config.seed is None and sample_config.temperature > 0
     if drawn_seed:     # drawn here, so that the banner can say how to repeat the run
-        sample_config = dataclasses.replace(sample_config, seed=int.from_bytes(os.urandom(4), "little") >> 1)
+        sample_config = dataclasses.replace(sample_config, seed=random_seed())
     c.check_writable(report_json, "--report-json")
     c.check_writable(save_prompt_cache, "--save-prompt-cache")
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
