@@ -451,7 +451,7 @@ def test_a_cancelled_prefill_keeps_the_rest_of_the_message_for_the_next_turn(nat
 def _fake_session(pieces, templated, finish="stop"):
     from types import SimpleNamespace
     turn = SimpleNamespace(index=1, prefilled=5, generated=3, finish_reason=finish, decode_tokens_per_s=1.0,
-                           stored_count=8, current_length=8, cache_bytes=64)
+                           kernels_built=0, stored_count=8, current_length=8, cache_bytes=64)
 
     class Fake:
         def __init__(self):

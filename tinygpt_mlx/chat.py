@@ -97,6 +97,7 @@ class Turn:
     cache_bytes: int = 0
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    kernels_built: int = 0          # MLX CPU kernels compiled inside this turn's timings (first use)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -230,3 +231,4 @@ class ChatSession:
             turn.current_length, turn.stored_count = cache.current_length, cache.stored_count
             turn.cold_count, turn.cache_bytes = self.cold_count, cache.nbytes
             turn.prefill_seconds, turn.decode_seconds = stats.prefill_seconds, stats.decode_seconds
+            turn.kernels_built = sum(stats.kernels_built().values())

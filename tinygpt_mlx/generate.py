@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import mlx.core as mx
 
+from . import kernel_cache
 from .cache import KVCache, compiled, make_cache
 from .config import CacheConfig, SampleConfig
 from .errors import ContextLengthError
@@ -39,6 +40,10 @@ class GenerationStats:
     #: token fed): what `--save-prompt-cache` writes (cache/persist.py); not in the report
     tokens: list[int] = field(default_factory=list)
     logits: Optional[mx.array] = None
+    #: MLX's built CPU kernels (kernel_cache.count) as the prefill starts and ends: the report
+    #: says how many this run had to compile (None off the CPU)
+    kernels_at_start: Optional[int] = None
+    kernels_after_prefill: Optional[int] = None
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -70,7 +75,18 @@ class GenerationStats:
             "finish_reason": self.finish_reason,
             "peak_rss_bytes": peak_rss_bytes(),
             "policy": c.config.describe() if c is not None else {},
+            # kernels MLX's CPU backend compiled during the prefill and the decode: their
+            # seconds are inside the speeds above (a policy's first run on a machine)
+            "kernels_built": self.kernels_built(),
         }
+
+    def kernels_built(self) -> dict[str, int]:
+        """MLX CPU kernels compiled during the prefill and during the decode so far (zeros on
+        Metal or CUDA, and when no generation ran)."""
+        if self.kernels_at_start is None:
+            return {"prefill": 0, "decode": 0}
+        return {"prefill": kernel_cache.built(self.kernels_at_start, self.kernels_after_prefill),
+                "decode": kernel_cache.built(self.kernels_after_prefill, kernel_cache.count())}
 
 
 def peak_rss_bytes() -> int:
@@ -184,6 +200,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
     stats = stats if stats is not None else GenerationStats(cache=cache)
     stats.prompt_tokens = len(prompt)
     stopped = should_stop or (lambda: False)
+    stats.kernels_at_start = kernel_cache.count()
     t0 = time.perf_counter()
     fed, logits = [], first_logits
     done = 0
@@ -199,6 +216,7 @@ def steps(model: Any, prompt: list[int], cache: Any, sampler: Callable, max_toke
                 stats.finish_reason = "cancel"
                 return
     stats.prefill_seconds = time.perf_counter() - t0
+    stats.kernels_after_prefill = kernel_cache.count()
     stats.logits = logits
     t0 = time.perf_counter()
     stats.finish_reason = "length"

@@ -23,6 +23,7 @@ from .ranks import Ranks, print_ranks, ranks
 
 caches = lazy("tinygpt_mlx.cache")
 generate = lazy("tinygpt_mlx.generate")
+kernel_cache = lazy("tinygpt_mlx.kernel_cache")
 persist = lazy("tinygpt_mlx.cache.persist")
 
 _S = SampleConfig
@@ -69,6 +70,8 @@ def print_report(r: dict) -> None:
     err.print(f"\n[bold]report[/bold]: prompt {r['prompt_tokens']} tokens, generated {r['generated_tokens']} "
               f"({escape(r['finish_reason'])}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
+    if compiling := kernels_note(r.get("kernels_built") or {}):
+        note(compiling)
     disk = r["cache_disk_bytes"]
     where = (f", {c.fmt_bytes(r['cache_bytes'] - disk)} in RAM + {c.fmt_bytes(disk)} memory-mapped on disk"
              if disk else "")
@@ -76,6 +79,20 @@ def print_report(r: dict) -> None:
               f"{' (' + parts + ')' if parts else ''}; peak RSS {c.fmt_bytes(r['peak_rss_bytes'])}; currentLength {r['current_length']}, {stored}")
     if r.get("world_size", 1) > 1:
         print_ranks(r)
+
+
+def kernels_note(built: dict) -> str:
+    """What a report adds when MLX's CPU backend compiled kernels inside the timed phases (a
+    policy's first run on a machine: tinygpt_mlx/kernel_cache.py), else ""."""
+    prefill, decode = built.get("prefill", 0), built.get("decode", 0)
+    if not prefill + decode:
+        return ""
+    where = " and ".join(f"{n} during the {phase}" for phase, n in (("prefill", prefill), ("decode", decode)) if n)
+    n = prefill + decode
+    kernels, them = ("CPU kernel", "it") if n == 1 else ("CPU kernels", "them")
+    return (f"MLX compiled {n} {kernels} for this run ({where}) and keeps {them} in "
+            f"{kernel_cache.folder()} for later runs: the speeds above include compiling; a second run shows "
+            f"the steady ones")
 
 
 def note(message: str) -> None:
