@@ -275,9 +275,22 @@ def test_missing_corpus_file_says_how_to_get_it(tmp_path, monkeypatch, no_load):
     monkeypatch.chdir(tmp_path)
     r = run("needle", SHIPPED_MODEL, "--contexts", 96, "--depths", 0.5, "--seeds", 1,
             "--filler", "data/heldout.txt")
-    one_line_error(r, "data/heldout.txt", "scripts/fetch_corpus.sh")
+    one_line_error(r, "'--filler'", "data/heldout.txt", "scripts/fetch_corpus.sh")
     r = run("perplexity", SHIPPED_MODEL, "--text", "data/heldout.txt")
-    one_line_error(r, "data/heldout.txt", "scripts/fetch_corpus.sh")
+    one_line_error(r, "'--text'", "data/heldout.txt", "scripts/fetch_corpus.sh")
+    assert no_load.calls == 0
+
+
+@pytest.mark.parametrize("command, flag", [("needle", "--filler"), ("perplexity", "--text"),
+                                           ("compare", "--prompts")])
+def test_a_text_file_that_is_not_there_is_a_usage_error_naming_the_flag(tmp_path, no_load, command, flag):
+    """As `sample --prompt-file` says it: exit code 2, the flag and what was typed (these said
+    `error: nope.txt: no such file`, exit code 1, the flag unnamed)."""
+    for typed in (tmp_path / "nope.txt", tmp_path):
+        r = run(command, SHIPPED_MODEL, flag, typed)
+        assert r.exit_code == 2, r.output
+        one_line_error(r, f"Invalid value for '{flag}': {typed}: ",
+                       "no such file" if typed.name == "nope.txt" else "is a directory")
     assert no_load.calls == 0
 
 
@@ -289,8 +302,8 @@ def test_non_utf8_text_is_one_line_naming_the_file(tmp_path, no_load, command, f
     bad = tmp_path / "latin1.txt"
     bad.write_bytes("Caf\u00e9 au lait\n".encode("latin-1"))
     r = run(command, SHIPPED_MODEL, flag, bad)
-    assert r.exit_code == 1
-    line = one_line_error(r, f"error: {bad}: not UTF-8 text (")
+    assert r.exit_code == 2
+    line = one_line_error(r, f"error: Invalid value for '{flag}': {bad}: not UTF-8 text (")
     assert "byte 3" in line
     assert no_load.calls == 0
 

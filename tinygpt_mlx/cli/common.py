@@ -212,6 +212,20 @@ def flag_value(flag: Optional[str] = None) -> Iterator[None]:
         raise typer.BadParameter(str(e), param_hint=f"'{flag}'" if flag else None) from None
 
 
+@contextlib.contextmanager
+def flag_file(flag: Optional[str]) -> Iterator[None]:
+    """A text file the user named for `flag` that cannot be read (missing, a folder, not UTF-8, a
+    bad line: `evaluate.inputs.read_text`'s FileNotFoundError and ValueError) is what the user
+    typed: a usage error naming the flag and the file, exit code 2, before the model loads, as
+    `sample --prompt-file` says it. `flag` None (the shipped default file): left as it is."""
+    try:
+        yield
+    except (FileNotFoundError, ValueError) as e:
+        if flag is None:
+            raise
+        raise typer.BadParameter(str(e), param_hint=f"'{flag}'") from None
+
+
 def fail(message: str) -> None:
     """One red `error:` line on stderr; the message is printed verbatim (no rich markup, so
     square brackets in paths and pip extras survive)."""

@@ -69,7 +69,8 @@ def compare(
     with c.flag_value("--baseline"):
         reference = (baseline, parse_policy(baseline))
     with c.guarded():
-        texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
+        with c.flag_file("--prompts" if prompts else None):
+            texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
         loaded = c.load_model(model, weights)
         err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "
                   f"baseline [green]{reference[1].label()}[/green]")

@@ -227,7 +227,8 @@ def needle(
     with c.guarded():
         if plot is not None:
             inputs.require_plotting()
-        text = inputs.read_text(filler or nd.DEFAULT_FILLER)
+        with c.flag_file("--filler" if filler else None):
+            text = inputs.read_text(filler or nd.DEFAULT_FILLER)
         loaded = c.load_model(model, weights)
         done = _kept(json_path, previous, nd.grid_header(
             loaded, cfg, names, ctx_list, depth_list, seeds, text, chunk=prefill_chunk, digits=digits, task=task,

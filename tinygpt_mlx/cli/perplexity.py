@@ -68,7 +68,8 @@ def perplexity(
     with c.flag_value("--baseline"):
         reference = None if baseline.strip().lower() == "none" else parse_policy(baseline)
     with c.guarded():
-        source = inputs.read_text(text or inputs.HELDOUT_KJV)
+        with c.flag_file("--text" if text else None):
+            source = inputs.read_text(text or inputs.HELDOUT_KJV)
         loaded = c.load_model(model, weights)
         if text is None and max_tokens is None and loaded.context_length:
             max_tokens = loaded.context_length  # the shipped text is longer than a full cache holds
