@@ -146,6 +146,26 @@ def test_train_bad_flags_give_one_line_errors(tmp_path):
     assert len(r.output.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--precision", "fp8"], "Invalid value for '--precision': 'fp8' is not one of 'bf16', 'fp32'"),
+    (["--d-model", 0], "--d-model must be an integer >= 1, got 0"),
+    (["--n-heads", 5], "--d-model 256 is not divisible by --n-heads 5"),
+    (["--n-kv-heads", 3], "--n-heads 8 is not divisible by --n-kv-heads 3"),
+    (["--d-model", 24, "--n-heads", 8], "the head dimension (--d-model / --n-heads) must be even"),
+    (["--seq-len", 64, "--n-layers", 1, "--yoco"], "--yoco needs at least 2 layers")])
+def test_train_shape_and_precision_errors_name_the_flags_before_any_work(tmp_path, flags, said):
+    """The model's shape and --precision are checked before the corpus is read or a tokenizer
+    trained, in the flags' names (they said `d_model 256 is not divisible by n_heads 5` or
+    `precision must be bf16 or fp32`, exit code 1, some after training the tokenizer)."""
+    work = tmp_path / "work"
+    r = run("train", "--data", tmp_path / "nothing", "--out", tmp_path / "m.tinygpt", "--steps", 1,
+            "--work-dir", work, *flags)
+    assert r.exit_code == 2, r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and said in lines[0], r.stderr
+    assert not work.exists()
+
+
 def test_atomic_writes_get_the_mode_a_plain_open_gives(tmp_path):
     """write_atomic goes through a mkstemp file (mode 0600); the file it leaves has the mode a
     plain `open()` would give it (0666 less the umask), so others can read a --json report."""

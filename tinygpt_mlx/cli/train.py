@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -14,6 +15,35 @@ from tinygpt_mlx.lazy import lazy
 from . import common as c
 
 training = lazy("tinygpt_mlx.train")   # the training loop (and, through it, numpy and the data code)
+
+PRECISIONS = ("bf16", "fp32")
+#: ModelConfig's fields as `train` spells them, for its shape errors
+SHAPE_FLAGS = {"vocab_size": "--vocab-size", "d_model": "--d-model", "n_layers": "--n-layers",
+               "n_kv_heads": "--n-kv-heads", "n_heads": "--n-heads", "d_ff": "--d-ff", "context_length": "--seq-len",
+               "head dimension": "the head dimension (--d-model / --n-heads)", "yoco": "--yoco"}
+
+
+def _precision(value: str) -> str:
+    if value not in PRECISIONS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(map(repr, PRECISIONS))}")
+    return value
+
+
+def check_shape(init_from: Optional[Path], **shape: int) -> None:
+    """The model the shape flags describe, checked before any work (ModelConfig's own rules: every
+    size >= 1, --d-model divisible by --n-heads into an even head dimension, --n-heads by
+    --n-kv-heads), the error in the flags' names (it said `d_model 256 is not divisible by n_heads
+    5`, or `d_model must be ...` after the tokenizer was trained). A warm start from a .tinygpt
+    takes that model's shape, so its flags are not checked."""
+    if init_from is not None and init_from.suffix == ".tinygpt":
+        return
+    try:
+        ModelConfig(**shape)
+    except ValueError as e:
+        message = str(e)
+        for field_name, flag in SHAPE_FLAGS.items():
+            message = re.sub(rf"\b{field_name}\b", flag, message)
+        raise typer.BadParameter(message) from None
 
 
 def train(
@@ -48,10 +78,12 @@ def train(
     eval_every: int = typer.Option(100, "--eval-every", min=1, help="Evaluate on the held-out text every this many steps (and at the end), appended to the work dir's metrics.jsonl."),
     ckpt_every: int = typer.Option(100, "--ckpt-every", min=1, help="Write the work dir's checkpoint every this many steps (and at the end; --resume continues from it)."),
     threads: Optional[int] = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's choice)."),
-    precision: str = typer.Option("bf16", "--precision", help="bf16 (autocast, fp32 weights) or fp32."),
+    precision: str = typer.Option("bf16", "--precision", callback=_precision, help="bf16 (autocast, fp32 weights) or fp32."),
 ) -> None:
     """Train a TinyGPT (PyTorch on CPU, needs the `train` extra) and export it for MLX."""
     console = Console(stderr=True)
+    check_shape(init_from, vocab_size=vocab_size, d_model=d_model, n_layers=n_layers, n_heads=n_heads,
+                n_kv_heads=n_kv_heads, d_ff=d_ff, context_length=seq_len, yoco=yoco)
     with c.guarded():
         args = training.TrainArgs(
             data=str(data), out=str(out), heldout=str(heldout) if heldout else None,
