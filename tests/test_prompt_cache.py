@@ -482,6 +482,31 @@ def test_cli_cache_prompt_then_sample(native_path, tmp_path, flags):
     assert full.exit_code == 0 and "note: prompt cache" in full.stderr
 
 
+def test_cache_prompt_takes_the_document_as_prompt_text(native_path, tmp_path):
+    """`cache-prompt --prompt TEXT` saves the file `--prompt-file` saves for the same text (it took
+    only a file: `--prompt`, as sample spells it, was 'No such option'); one of the two, not both,
+    not empty; sample's report says the cached tokens once (the note before the text)."""
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT[:400])
+    from_file, from_text = tmp_path / "file.ptc", tmp_path / "text.ptc"
+    assert cli("cache-prompt", native_path, "--prompt-file", doc, "--out", from_file).exit_code == 0
+    r = cli("cache-prompt", native_path, "--prompt", TEXT[:400], "--out", from_text)
+    assert r.exit_code == 0, r.output
+    from tinygpt_mlx.cache.persist import read_prompt_cache_info
+    assert read_prompt_cache_info(from_text).tokens == read_prompt_cache_info(from_file).tokens
+    asked = ["sample", native_path, "-p", " The keeper", "-n", "6", "--temperature", "0", "--prompt-cache"]
+    one, other = cli(*asked, from_file), cli(*asked, from_text)
+    assert one.exit_code == 0 and one.stdout == other.stdout, one.output
+    assert one.stderr.count("cached tokens") == 1, one.stderr
+    for flags, said in ((["--prompt", "x", "--prompt-file", doc], "not both"),
+                        ([], "--prompt-file FILE or --prompt TEXT"),
+                        (["--prompt", ""], "'--prompt': the document is empty")):
+        failed = cli("cache-prompt", native_path, *flags, "--out", tmp_path / "x.ptc")
+        assert failed.exit_code == 2
+        one_line_error(failed, said)
+    assert not (tmp_path / "x.ptc").exists()
+
+
 def test_cli_errors_and_save_extended(native_path, tmp_path, tokenizer_json):
     doc = tmp_path / "doc.txt"
     doc.write_text(TEXT[:400])

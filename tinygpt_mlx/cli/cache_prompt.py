@@ -31,9 +31,11 @@ def cache_prompt(
     cache_config: CacheConfig,
     model: c.ModelArg = None,
     weights: c.Weights = "auto",
-    prompt_file: Annotated[Path, typer.Option(
-        "--prompt-file", help="The document to prefill (UTF-8, not empty).", exists=True, dir_okay=False,
-        show_default=False)] = ...,
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", "-p", help="The document to prefill, as text (or --prompt-file).", show_default=False)] = None,
+    prompt_file: Annotated[Optional[Path], typer.Option(
+        "--prompt-file", help="The document to prefill, from a file (UTF-8, not empty; or --prompt).", exists=True,
+        dir_okay=False, show_default=False)] = None,
     out: Annotated[Path, typer.Option(
         "--out", "-o", help="The prompt-cache file to write (replaced atomically: an interrupted save leaves "
         "an existing file whole).", dir_okay=False, show_default=False)] = ...,
@@ -49,7 +51,8 @@ def cache_prompt(
         "(continue it with sample --no-chat-template). By default a templated model's document opens the "
         "user's message, which the question given to sample --prompt-cache completes.")] = False,
 ) -> None:
-    """Prefill --prompt-file under the cache policy (with progress) and save the cache to --out.
+    """Prefill a document (--prompt-file or --prompt) under the cache policy (with progress) and
+    save the cache to --out.
 
     Where the model has a chat template, the document (trailing whitespace dropped) opens the
     user's message, as `sample` would send it: `sample --prompt-cache FILE --prompt QUESTION`
@@ -71,19 +74,26 @@ def cache_prompt(
         raise c.config_error(e) from None
     c.check_writable(out, "--out")
     c.check_writable(report_json, "--report-json")
-    text = read_prompt_file(prompt_file, "cache-prompt needs a document to prefill")
+    if (prompt is None) == (prompt_file is None):
+        raise typer.BadParameter("give the document as --prompt-file FILE or --prompt TEXT" if prompt is None
+                                 else "give --prompt or --prompt-file, not both", param_hint="'--prompt-file'")
+    if prompt is not None and not prompt:
+        raise typer.BadParameter("the document is empty: cache-prompt needs a document to prefill",
+                                 param_hint="'--prompt'")
+    text = prompt if prompt is not None else read_prompt_file(prompt_file, "cache-prompt needs a document to prefill")
+    source = str(prompt_file) if prompt_file is not None else "--prompt"
     with c.guarded():
         loaded = c.load_model(model, weights)
         templated = not no_chat_template and has_template(loaded.tokenizer)
         if templated:
             if not text.strip():
-                raise ValueError(f"{prompt_file} holds only whitespace: there is no document to open the "
+                raise ValueError(f"{source} holds only whitespace: there is no document to open the "
                                  "user's message with")
             ids, turn = open_turn(loaded.tokenizer, text, system)
         else:
             ids, turn = loaded.tokenizer.encode(f"{system}\n\n{text}" if system else text), PromptTurn()
         if not ids:
-            raise ValueError(f"{prompt_file} encodes to no tokens")
+            raise ValueError(f"{source} encodes to no tokens")
         generate.check_context(len(ids), loaded.context_length, cache_config)
         err.print(f"[bold]posttrainllm cache-prompt[/bold] · model [cyan]{escape(loaded.name)}[/cyan] · "
                   f"policy [green]{escape(cache_config.label())}[/green] · {len(ids)} tokens")

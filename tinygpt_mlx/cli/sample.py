@@ -49,10 +49,7 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int, drawn_seed: 
 
 
 def print_report(r: dict) -> None:
-    if r.get("prompt_cache"):
-        p = r["prompt_cache"]
-        err.print(f"prompt cache: {p['cached_tokens']} cached tokens from {escape(p['path'])} "
-                  f"(loaded in {p['load_seconds']:.2f} s)")
+    # (a prompt cache's file, tokens and load time: the note before the text says them; the JSON keeps them)
     stored = f"stored {r['stored_count']}"
     if r["stored_count"] != r["current_length"]:
         stored += " (StreamingLLM cap)" if "streaming_llm" in r["policy"] else " (policy cap)"
