@@ -212,6 +212,28 @@ def test_compare_honours_it(native, spy):
     assert spy == 2 * (plain(n - 5, cmp.PREFILL_CHUNK) + [5, 1]), spy
 
 
+def test_compare_takes_a_prefill_chunk(native_path, tmp_path, spy):
+    """`compare --prefill-chunk` (its --prefill-tail help spoke of --prefill-chunk pieces, and it had
+    no such flag: every run prefilled in 512s): every run's passes, the baseline's and each mode's,
+    are the plain chunking of all but the tail, then the tail, then the decode steps."""
+    prompts = tmp_path / "p.txt"
+    prompt = "And God said unto Moses, I am that I am: and he said, Thus shalt thou say unto the children"
+    prompts.write_text(prompt + "\n")
+    n = len(_native_tokens(native_path, prompt))
+    r = _cli("compare", native_path, "--prompts", prompts, "--modes", "fp16", "-n", 2, "--prefill-chunk", 7,
+             "--prefill-tail", 3, "--json", tmp_path / "c.json")
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "c.json").read_text())["prefill_chunk"] == 7
+    assert spy == 2 * (plain(n - 3, 7) + [3, 1]), spy
+    r = _cli("compare", native_path, "--prefill-chunk", 0)
+    assert r.exit_code == 2 and "Invalid value for '--prefill-chunk'" in r.stderr, r.output
+
+
+def _native_tokens(path, text: str) -> list[int]:
+    from tinygpt_mlx.loading import load
+    return load(path).tokenizer.encode(text)
+
+
 @pytest.mark.parametrize("command", ["sample", "chat", "serve", "needle", "compare"])
 @pytest.mark.parametrize("value, said", [("-1", "must be an integer >= 0, got -1"), ("abc", "got 'abc'"),
                                          ("2.5", "got '2.5'")])

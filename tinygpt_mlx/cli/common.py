@@ -80,7 +80,7 @@ def _sample_field(field: str, value: Optional[int]) -> int:
 
 
 def prefill_chunk(value: Optional[int]) -> int:
-    """`--prefill-chunk` for bench and cache-report (`_sample_field`)."""
+    """`--prefill-chunk` for bench, cache-report and compare (`_sample_field`)."""
     return _sample_field("prefill_chunk", value)
 
 

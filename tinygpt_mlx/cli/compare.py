@@ -58,9 +58,11 @@ def compare(
         "--baseline", help="The reference policy (same syntax as a mode).")] = "fp32",
     json_path: Annotated[Optional[Path], typer.Option(
         "--json", help="Also write the results as JSON to this path.", dir_okay=False)] = None,
+    prefill_chunk: c.PrefillChunk = None,
     prefill_tail: c.PrefillTail = None,
 ) -> None:
     """Greedy generation per prompt per mode; prefix-match rate against the baseline."""
+    chunk = c.prefill_chunk(prefill_chunk)
     tail = c.prefill_tail(prefill_tail)
     model = c.resolve_model(model)  # a bad MODEL fails before the heavy imports
     c.check_writable(json_path, "--json")
@@ -80,7 +82,7 @@ def compare(
         runs = len(texts) * (1 + len(policies))
         with c.Progress(f"compare: {runs} greedy runs of {n} tokens", total=runs * n, unit="tok") as bar:
             result = cmp.compare(loaded, texts, policies, n, reference, progress=lambda: bar.advance(n),
-                                 prefill_tail=tail)
+                                 prefill_tail=tail, prefill_chunk=chunk)
         print_table(result)
         if json_path is not None:
             c.write_atomic(json_path, json.dumps(result, indent=2))

@@ -75,12 +75,13 @@ def greedy_tokens(model, prompt_ids: list[int], config: CacheConfig, tokens: int
 
 def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: int = DEFAULT_TOKENS,
             baseline: tuple[str, CacheConfig] = ("fp32", CacheConfig()),
-            progress: Optional[Callable[[], None]] = None, prefill_tail: int = 0) -> dict:
+            progress: Optional[Callable[[], None]] = None, prefill_tail: int = 0,
+            prefill_chunk: int = PREFILL_CHUNK) -> dict:
     """Prefix match of every mode against the baseline on every prompt (JSON-shaped result).
 
     `progress` is called after each generation (len(prompts) * (1 + len(modes)) calls).
     `prefill_tail`: every run (the baseline's too) prefills the prompt's last that many tokens as
-    a pass of their own (`generate.pass_end`; 0 = off).
+    a pass of their own (`generate.pass_end`; 0 = off); the rest in passes of `prefill_chunk`.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
@@ -95,12 +96,13 @@ def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: i
     results = {name: [] for name in modes}
     references = []
     for prompt, ids in zip(prompts, encoded):
-        ref = greedy_tokens(loaded.model, ids, baseline[1], tokens, prefill_tail=prefill_tail)
+        ref = greedy_tokens(loaded.model, ids, baseline[1], tokens, prefill_chunk, prefill_tail)
         references.append(loaded.tokenizer.decode(ref))
         if progress:
             progress()
         for name, config in modes.items():
-            matched, rate = prefix_match(ref, greedy_tokens(loaded.model, ids, config, tokens, prefill_tail=prefill_tail))
+            matched, rate = prefix_match(ref, greedy_tokens(loaded.model, ids, config, tokens, prefill_chunk,
+                                                            prefill_tail))
             results[name].append({"prompt": prompt, "prefix_match": rate, "matched_tokens": matched})
             if progress:
                 progress()
@@ -109,6 +111,7 @@ def compare(loaded, prompts: list[str], modes: dict[str, CacheConfig], tokens: i
         "baseline_policy": baseline[1].describe(),
         "tokens": tokens,
         "prefill_tail": prefill_tail,
+        "prefill_chunk": prefill_chunk,
         "baseline_texts": references,
         "modes": {name: {"policy": modes[name].describe(), "label": modes[name].label(),
                          "mean_prefix_match": sum(r["prefix_match"] for r in rows) / len(rows),
