@@ -361,6 +361,20 @@ def test_bench_parts_split_each_decode_step(wide, native):
     assert not plain["parts"] and all("decode_step_us" not in x for x in plain["rows"])
 
 
+@pytest.mark.parametrize("own", [False, True])
+def test_bench_progress_covers_the_parts_phase(wide, own):
+    """The bar follows `--parts` too (it sat at the end of the timed steps while the split ran
+    minutes at 32K): the last call says total of total, after calls that name the parts phase,
+    one per policy and round (warm-up included), never past the total."""
+    calls = []
+    bench.bench(wide.model, ["sink2/window8"], [40], decode_steps=3, prefill_chunk=16, parts=not own,
+                parts_own=own, progress=lambda done, total, what: calls.append((done, total, what)))
+    total = calls[-1][1]
+    assert [d for d, _, _ in calls] == list(range(1, total + 1)) and {t for _, t, _ in calls} == {total}
+    named = [w for _, _, w in calls if w.endswith("(decode step parts)")]
+    assert len(named) == 2 * (bench.PARTS_WARMUP + 3) and calls[-1][2] in named
+
+
 def test_bench_parts_builds_follow_every_other_cache(wide, monkeypatch):
     """`step_parts` shuffles the caches' order every round: each cache's step follows each other
     cache's (at 8K a build after a long cache's evaluation was up to a third slower, so a fixed

@@ -64,6 +64,8 @@ from .retrieval_bench import grow
 PREFILL_CHUNK = field_default(SampleConfig, "prefill_chunk")
 #: a spec of ours ending in this runs its decode steps eagerly (module doc)
 EAGER = "@eager"
+#: untimed rounds of `step_parts` before its timed ones
+PARTS_WARMUP = 5
 _MLX = re.compile(r"mlx(?:-rotating(\d+)|-q([248]))?")
 
 
@@ -255,8 +257,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 for store in _cold_stores(cache):
                     store.stages.enabled = False
             live = [i for i in range(len(caches)) if i not in failed]
+            stepped = None if tick is None else (lambda k: tick(f"{policies[live[k]].name} (decode step parts)"))
             for i, us in zip(live, step_parts(model, [caches[i] for i in live], decode_steps,
-                                                     after_own=parts_own, abba=abba)):
+                                                     after_own=parts_own, abba=abba, progress=stepped)):
                 split[i] = us
         # the median step: robust to the scheduler pausing us on a shared machine
         context = len(tokens) if fill_to is None else fill_to
@@ -278,8 +281,9 @@ def measure(model: Any, policies: list[Policy], tokens: list[int], decode_steps:
                 cache.close()
 
 
-def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int = 0,
-               after_own: bool = False, abba: bool = False) -> list[dict]:
+def step_parts(model: Any, caches: list, steps: int, warmup: int = PARTS_WARMUP, seed: int = 0,
+               after_own: bool = False, abba: bool = False,
+               progress: Optional[Callable[[int], None]] = None) -> list[dict]:
     """Median microseconds of one decode step on each of `caches`, split into building its graph
     (`build`: the engine's model call, `generate.forward`, before evaluation) and evaluating it
     (`eval`), and the `whole`; the caches stepped in turn (interleaved), `warmup` untimed steps
@@ -293,7 +297,9 @@ def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int 
     of its own, so its build follows its own evaluation, as in a decode loop (the caches still
     shuffled every round; two steps per cache and round). `abba` (`bench --abba`): the rounds
     step the caches in their given order and in its reverse in turn (A B, B A, A B, ...: each
-    cache first as often as last, warm-up rounds included), not shuffled."""
+    cache first as often as last, warm-up rounds included), not shuffled. `progress(i)` after each
+    of cache i's rounds, warm-up included, outside the timed region (`bench`'s bar: this phase
+    runs `warmup + steps` rounds, twice as many model calls with `after_own`)."""
     build: list[list[float]] = [[] for _ in caches]
     whole: list[list[float]] = [[] for _ in caches]
     rng = random.Random(seed)
@@ -315,6 +321,8 @@ def step_parts(model: Any, caches: list, steps: int, warmup: int = 5, seed: int 
             if step >= warmup:
                 build[i].append(t1 - t0)
                 whole[i].append(t2 - t0)
+            if progress is not None:
+                progress(i)
     out = []
     for b, w in zip(build, whole):
         b_us, w_us = statistics.median(b) * 1e6, statistics.median(w) * 1e6
@@ -371,7 +379,7 @@ def bench(model: Any, specs: list[str], contexts: list[int], decode_steps: int =
     # (its head at the last position, as every timed prefill pass computes it)
     mx.eval(last_logits(model, mx.zeros((1, min(prefill_chunk, max(contexts))), dtype=mx.int32), None))
     total = len(policies) * sum(-(-(c if grow_from is None else grow_from) // prefill_chunk) + decode_steps
-                                for c in contexts)
+                                + (PARTS_WARMUP + decode_steps if parts else 0) for c in contexts)
     done = 0
     rows = []
     for context in contexts:
