@@ -143,13 +143,14 @@ def test_needle_resume_keeps_the_saved_cells_and_runs_the_others(tmp_path, monke
 
 
 @pytest.mark.parametrize("change, needles", [
-    (["--prefill-chunk", 64], ["prefill_chunk 128", "64"]),
-    (["--digits", 6], ["digits 5", "6"]),
+    (["--prefill-chunk", 64], ["--prefill-chunk 128", "64"]),
+    (["--digits", 6], ["--digits 5", "6"]),
     (["--streaming-llm-sink", 2], ["policy 'streaming' was configured otherwise"]),
     (["--depths", "0.3"], ["a cell outside this grid", "depth 0.7"]),
-    (["--lead-in", "The pass key is number"], ["lead_in None"]),          # recorded as None: no lead-in
-    (["--probe", None, "--policies", "full,streaming,retrieval"], ["probe False"]),
+    (["--lead-in", "The pass key is number"], ["--lead-in None"]),          # recorded as None: no lead-in
+    (["--probe", None, "--policies", "full,streaming,retrieval"], ["--probe False"]),
     (["--seeds", 1, "CELLS", "values_right"], ["do not record values_right"]),
+    (["--filler", ROOT / "README.md"], ["run on a --filler text hashing to", "this run's hashes to"]),
 ])
 def test_needle_resume_refuses_another_grids_file_in_one_line(tmp_path, change, needles):
     out = tmp_path / "grid.json"

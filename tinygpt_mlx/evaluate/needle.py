@@ -299,6 +299,11 @@ UNKNOWN = object()
 RUN_FIELDS = {"model": UNKNOWN, "context_length": UNKNOWN, "task": "passkey", "facts": UNKNOWN,
               "prefill_chunk": UNKNOWN, "prefill_tail": 0, "past_context": False, "digits": UNKNOWN,
               "chat": UNKNOWN, "lead_in": UNKNOWN, "filler": UNKNOWN, "probe": UNKNOWN}
+#: how `needle` spells each run setting (a --resume mismatch names what to type)
+RUN_FLAGS = {"model": "MODEL", "context_length": "a model of context", "task": "--task", "facts": "--facts",
+             "prefill_chunk": "--prefill-chunk", "prefill_tail": "--prefill-tail", "past_context": "--past-context",
+             "digits": "--digits", "chat": "--chat", "lead_in": "--lead-in", "filler": "--filler",
+             "probe": "--probe"}
 #: what `_result` reads of every cell
 CELL_FIELDS = ("policy", "context", "depth", "seed", "passed", "values", "values_right")
 
@@ -317,7 +322,10 @@ def resume_check(old: dict, new: dict) -> Optional[str]:
     for field, default in RUN_FIELDS.items():
         was = old.get(field, default)
         if was is not UNKNOWN and was != new.get(field):
-            return f"it was run with {field} {was!r}, this run has {new.get(field)!r}"
+            said = RUN_FLAGS.get(field, field)
+            if field == "filler":
+                return f"it was run on a {said} text hashing to {was}, this run's hashes to {new.get(field)}"
+            return f"it was run with {said} {was!r}, this run has {new.get(field)!r}"
     for name, described in old.get("policies", {}).items():
         if name in new["policies"] and described != new["policies"][name]:
             return f"its policy {name!r} was configured otherwise ({described}), this run: {new['policies'][name]}"
