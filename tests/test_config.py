@@ -25,7 +25,7 @@ RULES = [
     (dict(rope_mode="shifted"), "rope_mode", "needs window"),
     (dict(key_bits=4, value_bits=4, rope_mode="absolute"), "rope_mode", "needs window"),
     (dict(window=8, rope_mode="sideways"), "rope_mode", "must be one of shifted, absolute"),
-    (dict(key_bits=4, value_bits=4, hot_budget=64, exact_topk=8), "rope_mode", "must be absolute for KIVI's exact top-k"),
+    (dict(key_bits=4, value_bits=4, hot_budget=64, exact_topk=8), "rope_mode", "retrieval's default: set it to absolute"),
     (dict(key_bits=8, hot_budget=64, rope_mode="shifted", exact_topk=8), "rope_mode", "must be absolute for KIVI's"),
     (dict(value_bits=2, hot_budget=64, sink=4, exact_topk=4), "rope_mode", "must be absolute for KIVI's"),
     (dict(key_bits=4, value_bits=4, group_size=16, residual=16), "group_size", "must be one of 32, 64, 128"),

@@ -288,7 +288,8 @@ class CacheConfig:
         if self.exact_topk and self.retrieval and self.rope_mode == "shifted":
             raise ConfigError("rope_mode", "must be absolute for KIVI's exact top-k ({exact_topk}) with retrieval "
                               "({hot_budget}): its shadow keeps keys before RoPE, where the retrieval slots "
-                              "move the frozen body's slots", ("exact_topk", "hot_budget"))
+                              "move the frozen body's slots (shifted is retrieval's default: set it to absolute)",
+                              ("exact_topk", "hot_budget"))
         fetched, pool = fetch_budget(self.hot_budget, self.retrieve_tokens)
         if self.retrieve_tokens is None:   # frozen: set once, here
             object.__setattr__(self, "retrieve_tokens", fetched)
