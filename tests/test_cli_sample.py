@@ -198,7 +198,7 @@ def test_no_prompt_samples_unconditionally_with_a_note(native_path):
     r = run("sample", native_path, "-n", 8, "--temperature", 0, "--ignore-eos")
     assert r.exit_code == 0, r.output
     assert "note: no prompt given: sampling unconditionally" in r.stderr
-    assert "prompt 1 tokens" in r.stderr and r.stdout.strip()
+    assert "prompt 1 token," in r.stderr and r.stdout.strip()
     r = run("sample", native_path, "-p", "The", "-n", 2)
     assert "unconditionally" not in r.stderr
 

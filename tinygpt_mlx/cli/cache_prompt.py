@@ -96,7 +96,7 @@ def cache_prompt(
             raise ValueError(f"{source} encodes to no tokens")
         generate.check_context(len(ids), loaded.context_length, cache_config)
         err.print(f"[bold]posttrainllm cache-prompt[/bold] · model [cyan]{escape(loaded.name)}[/cyan] · "
-                  f"policy [green]{escape(cache_config.label())}[/green] · {len(ids)} tokens")
+                  f"policy [green]{escape(cache_config.label())}[/green] · {c.counted(len(ids), 'token')}")
         if templated:
             note("the document opens the user's message in the model's chat template; sample --prompt-cache "
                  "--prompt QUESTION completes it after a blank line (--no-chat-template: raw text)")
@@ -116,7 +116,7 @@ def cache_prompt(
                       "cache_bytes_breakdown": cache.nbytes_breakdown(), "file_bytes": out.stat().st_size,
                       "prefill_seconds": t_prefill, "save_seconds": t_save, "policy": cache_config.describe(),
                       "chat": {"template": turn.template, "turn": turn.turn, "system": turn.system}}
-        err.print(f"saved {len(ids)} tokens (stored {report['stored_count']}, cache {c.fmt_bytes(report['cache_bytes'])}) "
+        err.print(f"saved {c.counted(len(ids), 'token')} (stored {report['stored_count']}, cache {c.fmt_bytes(report['cache_bytes'])}) "
                   f"to {escape(str(out))}: {c.fmt_bytes(report['file_bytes'])}; prefill {t_prefill:.2f} s, "
                   f"save {t_save:.2f} s")
         if report_json is not None:

@@ -347,6 +347,11 @@ class Progress:
             self.console.print(f"{escape(self.description)}: done, {self.done} {self.unit} in {dt:.1f} s".replace("  ", " "))
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and the noun, plural unless n is 1: "1 token", "3 tokens"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def fmt_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":

@@ -74,7 +74,7 @@ def compare(
         with c.flag_file("--prompts" if prompts else None):
             texts = cmp.read_prompts(prompts) if prompts else cmp.default_prompts()
         loaded = c.load_model(model, weights)
-        err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {len(texts)} prompts · "
+        err.print(f"[bold]compare[/bold] · model [cyan]{loaded.name}[/cyan] · {c.counted(len(texts), 'prompt')} · "
                   f"baseline [green]{reference[1].label()}[/green]")
         for name, config in policies.items():
             err.print(f"  {name}: {config.label()}")

@@ -44,7 +44,7 @@ def banner(loaded, cache_config, sample_config, prompt_tokens: int, drawn_seed: 
     seed = (f"seed {s.seed}" + (f" (drawn: --seed {s.seed} repeats the run)" if drawn_seed else "")
             if s.seed is not None else "no seed (greedy)")
     err.print(f"sampling: temperature {s.temperature}, top-p {s.top_p}, top-k {s.top_k}, {seed}, "
-              f"prompt {prompt_tokens} tokens, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}"
+              f"prompt {c.counted(prompt_tokens, 'token')}, up to {s.max_tokens} new, prefill chunk {s.prefill_chunk}"
               + (f", the last {s.prefill_tail} tokens apart" if s.prefill_tail else ""))
 
 
@@ -64,7 +64,7 @@ def print_report(r: dict) -> None:
                    f"{' (' + parts + ')' if parts else ''}, {n_sliding} sliding-window ({at}) "
                    f"{c.fmt_bytes(split['sliding'])}")
         parts = ""
-    err.print(f"\n[bold]report[/bold]: prompt {r['prompt_tokens']} tokens, generated {r['generated_tokens']} "
+    err.print(f"\n[bold]report[/bold]: prompt {c.counted(r['prompt_tokens'], 'token')}, generated {r['generated_tokens']} "
               f"({escape(r['finish_reason'])}); prefill {r['prefill_tokens_per_s']:.1f} tok/s, "
               f"decode {r['decode_tokens_per_s']:.1f} tok/s")
     if compiling := kernels_note(r.get("kernels_built") or {}):
@@ -389,7 +389,7 @@ def saver(path: Optional[Path], loaded, ids: list[int], cache, turn: PromptTurn)
     def done(stats) -> None:
         fed = (list(ids) + stats.tokens)[:cache.current_length]
         persist.save_prompt_cache(path, cache, loaded, fed, stats.logits, chat=turn.as_dict())
-        note(f"saved the extended cache ({len(fed)} tokens) to {path}")
+        note(f"saved the extended cache ({c.counted(len(fed), 'token')}) to {path}")
     return done
 
 
@@ -447,8 +447,8 @@ def run_from_prompt_cache(loaded, saved, turn: Optional[PromptTurn], text: Optio
         if not ids and info.logits is None:
             raise ValueError(f"{saved.path} holds no logits to continue from; give --prompt")
         banner(loaded, cache_config, sample_config, len(ids), drawn_seed)
-        note(f"prompt cache {saved.path}: {len(cached)} cached tokens (stored {cache.stored_count}), "
-             f"loaded in {load_seconds:.2f} s; {len(ids)} new prompt tokens")
+        note(f"prompt cache {saved.path}: {c.counted(len(cached), 'cached token')} (stored {cache.stored_count}), "
+             f"loaded in {load_seconds:.2f} s; {c.counted(len(ids), 'new prompt token')}")
         for line in notes:
             note(line)
         upfront = config_context_warning(context, cache_config)
