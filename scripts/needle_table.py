@@ -11,6 +11,7 @@ disagree the cell is listed under "reruns that disagree".
     python scripts/needle_table.py --cells                  # and every cell, with its file
     python scripts/needle_table.py --missing                # the issue grid's cells not yet run
     python scripts/needle_table.py --commands               # a `needle` command for each group of them
+    python scripts/needle_table.py --against full           # each column against the full cache, cell by cell
     python scripts/needle_table.py --model SmolLM2-135M-Instruct.Q4_1 --results DIR
 """
 
@@ -206,6 +207,33 @@ def missing(cells: dict) -> list[tuple]:
             if (lab, n, s, d) not in cells]
 
 
+def against(cells: dict, base: str = "full") -> list[str]:
+    """Markdown: each policy row of `table` against `base` (issue 55: "inside 32K, retrieval and
+    int4 find what the full cache finds, same cells or more") over the cells both ran, per
+    context: both pass, only `base` passes (listed: what the policy misses), only the policy
+    passes. The grid's columns first, then the variants (other fetches, the exact top-64, ...)."""
+    lines = [f"| policy | context | cells both ran | both pass | only {base} passes | only the policy passes |",
+             "|---|---:|---:|---:|---|---|"]
+    labels = sorted({k[0] for k in cells}, key=lambda s: (GRID_LABELS.index(s) if s in GRID_LABELS else 99, s))
+    for lab in labels:
+        if lab == base:
+            continue
+        for n in sorted({k[1] for k in cells}):
+            keys = sorted(k for k in cells if k[0] == lab and k[1] == n and (base, *k[1:]) in cells)
+            if not keys:
+                continue
+            mine = {k: cells[k]["passed"] for k in keys}
+            theirs = {k: cells[(base, *k[1:])]["passed"] for k in keys}
+
+            def listed(which: list) -> str:
+                return f"{len(which)}" + (f" ({', '.join(f's{k[2]} d{k[3]:g}' for k in which)})" if which else "")
+            only_base = [k for k in keys if theirs[k] and not mine[k]]
+            only_mine = [k for k in keys if mine[k] and not theirs[k]]
+            lines.append(f"| {lab} | {_ctx(n)} | {len(keys)} | {sum(mine[k] and theirs[k] for k in keys)} | "
+                         f"{listed(only_base)} | {listed(only_mine)} |")
+    return lines
+
+
 #: the flags of each of the issue grid's columns (`needle`), as its cells above were run
 COLUMN_FLAGS = {"full": "--policies full", "streaming": "--policies streaming", "retrieval": "--policies retrieval",
                 "int4": "--policies full --kv-quantize int4", "int4+retrieval": "--policies retrieval --kv-quantize int4"}
@@ -238,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="print a `needle` command for each column, context and seed with cells not run")
     ap.add_argument("--model-file", default="~/.cache/posttrainllm/gemma-3-270m-q4_k_m.gguf",
                     help="the model the --commands name")
+    ap.add_argument("--against", metavar="COLUMN", choices=GRID_LABELS,
+                    help="compare every policy with this grid column (e.g. full) over the cells both ran")
     a = ap.parse_args(argv)
     if not a.results.is_dir():
         print(f"needle_table: --results {a.results}: not a folder", file=sys.stderr)
@@ -268,6 +298,9 @@ def main(argv: list[str] | None = None) -> int:
                 g = [(s, d) for (l2, n2, s, d) in gaps if l2 == lab and n2 == n]
                 if g:
                     print(f"  {lab} {_ctx(n)}: " + ", ".join(f"s{s} d{d}" for s, d in g))
+    if a.against:
+        print()
+        print("\n".join(against(cells, a.against)))
     if a.commands:
         print()
         print("\n".join(commands(missing(cells), a.model_file)))

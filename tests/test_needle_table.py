@@ -144,3 +144,21 @@ def test_commands_run_each_group_of_missing_cells_with_the_columns_flags():
         "posttrainllm needle M.gguf --contexts 32768 --depths 0.9 --first-seed 0 --policies streaming"
         " --seeds 1 --streaming-llm-sink 4 --kiv-hot-budget 1024 --prefill-chunk 512"
         " --json docs/results/gemma3_needle_32k_streaming_seed0_d9.json --resume"]
+
+
+def test_against_lists_the_cells_each_policy_misses_that_the_full_cache_finds(tmp_path, capsys):
+    """`--against full`: per policy and context, over the cells both ran, what only the full cache
+    finds (listed by seed and depth) and what only the policy finds; cells only one of them ran
+    are left out."""
+    full, ret = {"storage": "fp32"}, {"storage": "fp32", "retrieval": RET}
+    (tmp_path / "full.json").write_text(json.dumps(_grid("full", full, [
+        (8192, 0, 0.1, True), (8192, 0, 0.3, True), (8192, 1, 0.5, False), (16384, 0, 0.1, True)])))
+    (tmp_path / "ret.json").write_text(json.dumps(_grid("retrieval", ret, [
+        (8192, 0, 0.1, True), (8192, 0, 0.3, False), (8192, 1, 0.5, True), (8192, 2, 0.9, False),
+        (16384, 0, 0.1, True)])))
+    cells, _, _ = nt.gather(tmp_path, "m")
+    rows = nt.against(cells, "full")
+    assert rows[2:] == ["| retrieval | 8K | 3 | 1 | 1 (s0 d0.3) | 1 (s1 d0.5) |",
+                        "| retrieval | 16K | 1 | 1 | 0 | 0 |"]
+    assert nt.main(["--results", str(tmp_path), "--model", "m", "--against", "full"]) == 0
+    assert "| retrieval | 8K | 3 | 1 | 1 (s0 d0.3) | 1 (s1 d0.5) |" in capsys.readouterr().out
