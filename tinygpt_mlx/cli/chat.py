@@ -92,8 +92,8 @@ def turn_line(t) -> str:
     why = {"stop": "end of turn", "length": "token limit", "cancel": "stopped"}.get(t.finish_reason, t.finish_reason)
     return (f"[dim]turn {t.index}: +{t.prefilled} tokens prefilled, {t.generated} generated ({why}), "
             f"{t.decode_tokens_per_s:.1f} tok/s"
-            + (f" (with MLX compiling {t.kernels_built} CPU kernel{'s' if t.kernels_built != 1 else ''}, kept for "
-               "later turns and runs)" if t.kernels_built else "")
+            + (f" (with MLX compiling {c.counted(t.kernels_built, 'CPU kernel')}, kept for later turns and runs)"
+               if t.kernels_built else "")
             + f" · cache {t.stored_count} stored / {t.current_length} seen, "
             f"{c.fmt_bytes(t.cache_bytes)}[/dim]")
 

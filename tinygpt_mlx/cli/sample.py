@@ -86,9 +86,8 @@ def kernels_note(built: dict) -> str:
         return ""
     where = " and ".join(f"{n} during the {phase}" for phase, n in (("prefill", prefill), ("decode", decode)) if n)
     n = prefill + decode
-    kernels, them = ("CPU kernel", "it") if n == 1 else ("CPU kernels", "them")
-    return (f"MLX compiled {n} {kernels} for this run ({where}) and keeps {them} in "
-            f"{kernel_cache.folder()} for later runs: the speeds above include compiling; a second run shows "
+    return (f"MLX compiled {c.counted(n, 'CPU kernel')} for this run ({where}) and keeps "
+            f"{'it' if n == 1 else 'them'} in {kernel_cache.folder()} for later runs: the speeds above include compiling; a second run shows "
             f"the steady ones")
 
 
